@@ -1,0 +1,22 @@
+"""flce: fused linear cross-entropy without the [tokens, vocab] logits.
+
+    import flce
+    loss_fn = flce.get_impl("cuda")(ignore_index=-100, reduction="mean")
+    loss = loss_fn(hidden, lm_head.weight, labels)
+"""
+
+from flce.module import LinearCrossEntropy, get_impl, linear_cross_entropy
+from flce.outputs import LCEOutput
+from flce.registry import Backend, available_backends, register_backend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "LCEOutput",
+    "LinearCrossEntropy",
+    "available_backends",
+    "get_impl",
+    "linear_cross_entropy",
+    "register_backend",
+]

@@ -1,0 +1,292 @@
+"""The token-chunk loop shared by every backend.
+
+Each chunk of tokens gets its logits from one GEMM, a scan kernel turns them
+into per-row statistics, a grad kernel overwrites them in place with
+d loss / d logits, and two GEMMs turn that into grad_hidden rows and a
+grad_weight contribution. Backends supply the scan and grad kernels
+(:class:`ChunkKernels`); the loop, the reductions and the bookkeeping between
+forward and backward are the same for all of them.
+
+Two gradient schedules:
+
+* **in forward** (scalar loss, no differentiable extras): the gradients are
+  computed during the forward scan and scaled by grad_output in backward. Three
+  GEMMs in total, nothing saved but the gradients themselves.
+* **deferred** (reduction="none", logprobs or entropy): forward keeps per-row
+  statistics; backward reuses the logits when the plan allowed saving them and
+  recomputes each chunk's GEMM otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from flce.config import LCEConfig
+from flce.inputs import FlatInputs
+from flce.semantics import (
+    Denominators,
+    GradCoefficients,
+    PartialRowStats,
+    RowStats,
+    RowTerms,
+    denominators,
+    extras,
+    grad_coefficients,
+    reduce_terms,
+    row_terms,
+    upstream_scales,
+)
+
+StatsCombiner = Callable[[PartialRowStats], PartialRowStats]
+
+
+class ChunkKernels(Protocol):
+    """What a backend implements for one chunk of rows; logits are [n, V] in the compute dtype."""
+
+    def plain_loss(
+        self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, grad_scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(per-row loss, per-row lse, grad) with loss and lse in fp32. With grad_scale [n], grad is
+        (softmax - onehot) * grad_scale (0 on ignored rows) in the logits' dtype, written over
+        logits where the kernel can; else None."""
+
+    def plain_grad_(
+        self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, lse: torch.Tensor,
+        grad_scale: torch.Tensor,
+    ) -> torch.Tensor:
+        """(softmax - onehot) * grad_scale given the row lse, over logits where the kernel can."""
+
+    def row_stats(
+        self, logits: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, vocab_offset: int
+    ) -> PartialRowStats:
+        """Scan raw logits u (capped and temperature-scaled inside) into partial row statistics."""
+
+    def full_grad_(
+        self, logits: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, vocab_offset: int,
+        lse: torch.Tensor, coeffs: GradCoefficients,
+    ) -> torch.Tensor:
+        """d loss / d u for raw logits u (semantics.py's formula, chained through cap and T), over
+        logits where the kernel can."""
+
+    def accumulate_fp32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """acc += a @ b with fp32 accumulation, for low-precision a and b, without a full-size temporary."""
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    tokens_per_chunk: int
+    save_logits: bool  # deferred schedule only: keep forward's logits for backward
+
+
+@dataclass
+class GradTargets:
+    """Which gradients to produce (inputs that do not require grad are skipped)."""
+
+    hidden: bool
+    weight: bool
+    bias: bool
+
+    @property
+    def any(self) -> bool:
+        return self.hidden or self.weight or self.bias
+
+
+@dataclass
+class ForwardState:
+    """What backward needs, and the outputs of forward."""
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor
+    extras: dict
+    denoms: Denominators
+    stats: list[RowStats] = field(default_factory=list)  # deferred schedule, one per chunk
+    saved_logits: list[torch.Tensor] | None = None
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None
+
+
+@dataclass
+class Sharding:
+    """Vocabulary sharding of a tensor-parallel call: this rank's slice and the combine step."""
+
+    vocab_offset: int
+    global_vocab: int
+    combine: StatsCombiner
+
+
+def chunk_bounds(n_rows: int, tokens_per_chunk: int) -> list[slice]:
+    step = max(1, tokens_per_chunk)
+    return [slice(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
+
+
+class _GradAccumulator:
+    """Turns each chunk's grad-logits into grad_hidden rows and grad_weight / grad_bias sums."""
+
+    def __init__(self, kernels: ChunkKernels, flat: FlatInputs, cfg: LCEConfig, wanted: GradTargets):
+        x, w = flat.hidden, flat.weight
+        self.kernels, self.flat, self.wanted = kernels, flat, wanted
+        self.grad_hidden = torch.empty_like(x) if wanted.hidden else None
+        fp32_acc = cfg.accum_dtype == torch.float32 and w.dtype != torch.float32
+        self.weight_acc = None
+        if wanted.weight:
+            self.weight_acc = torch.zeros(w.shape, dtype=torch.float32 if fp32_acc else w.dtype, device=w.device)
+        self.bias_acc = (
+            torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) if wanted.bias else None
+        )
+
+    def add(self, grad_logits: torch.Tensor, rows: slice) -> None:
+        x_rows = self.flat.hidden[rows]
+        if self.grad_hidden is not None:
+            torch.mm(grad_logits, self.flat.weight, out=self.grad_hidden[rows])
+        if self.weight_acc is not None:
+            if self.weight_acc.dtype == grad_logits.dtype:
+                self.weight_acc.addmm_(grad_logits.t(), x_rows)
+            else:
+                self.kernels.accumulate_fp32_(self.weight_acc, grad_logits.t(), x_rows)
+        if self.bias_acc is not None:
+            self.bias_acc += grad_logits.sum(0, dtype=torch.float32)
+
+    def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        w = self.flat.weight
+        grad_weight = None if self.weight_acc is None else self.weight_acc.to(w.dtype)
+        grad_bias = None
+        if self.bias_acc is not None:
+            assert self.flat.bias is not None
+            grad_bias = self.bias_acc.to(self.flat.bias.dtype)
+        return self.grad_hidden, grad_weight, grad_bias
+
+
+def chunk_logits(flat: FlatInputs, rows: slice) -> torch.Tensor:
+    x_rows = flat.hidden[rows]
+    if flat.bias is None:
+        return torch.mm(x_rows, flat.weight.t())
+    return torch.addmm(flat.bias, x_rows, flat.weight.t())
+
+
+def run_forward(
+    kernels: ChunkKernels,
+    flat: FlatInputs,
+    cfg: LCEConfig,
+    plan: ChunkPlan,
+    plain: bool,
+    grads_in_forward: GradTargets | None,
+    sharding: Sharding | None = None,
+) -> ForwardState:
+    """Loss and extras; with grads_in_forward, the unscaled gradients too."""
+    target = flat.target
+    n_rows = target.shape[0]
+    vocab = sharding.global_vocab if sharding else flat.weight.shape[0]
+    vocab_offset = sharding.vocab_offset if sharding else 0
+    denoms = denominators(target, cfg)
+    one = torch.ones((), dtype=torch.float32, device=target.device)
+    acc = _GradAccumulator(kernels, flat, cfg, grads_in_forward) if grads_in_forward else None
+    keep_logits = acc is None and plan.save_logits
+    saved: list[torch.Tensor] = []
+    stats_per_chunk: list[RowStats] = []
+    terms_per_chunk: list[RowTerms] = []
+
+    for rows in chunk_bounds(n_rows, plan.tokens_per_chunk):
+        logits = chunk_logits(flat, rows)
+        t = target[rows]
+        n = t.shape[0]
+        if plain:
+            grad_scale = upstream_scales(cfg, denoms, one, rows, n)[0] if acc else None
+            loss_rows, lse, grad = kernels.plain_loss(logits, t, cfg.ignore_index, grad_scale)
+            stats = RowStats(lse=lse, target_z=lse - loss_rows)
+            terms_per_chunk.append(RowTerms(loss_rows, torch.zeros_like(loss_rows), t != cfg.ignore_index))
+        else:
+            partial = kernels.row_stats(logits, t, cfg, vocab_offset)
+            if sharding:
+                partial = sharding.combine(partial)
+            stats = RowStats.from_partial(partial)
+            terms_per_chunk.append(row_terms(stats, t, cfg, vocab))
+            if acc:
+                g_ce, g_z = upstream_scales(cfg, denoms, one, rows, n)
+                coeffs = grad_coefficients(stats, t, cfg, vocab, g_ce, g_z, None, None)
+                grad = kernels.full_grad_(logits, t, cfg, vocab_offset, stats.lse, coeffs)
+        if acc:
+            acc.add(grad, rows)
+        elif keep_logits:
+            saved.append(logits)
+        stats_per_chunk.append(stats)
+
+    terms = _concat_terms(terms_per_chunk, target)
+    loss, z_loss = reduce_terms(terms, cfg, denoms)
+    all_stats = _concat_stats(stats_per_chunk, target)
+    return ForwardState(
+        loss=loss,
+        z_loss=z_loss,
+        extras=extras(all_stats, terms, target, cfg, denoms),
+        denoms=denoms,
+        stats=[] if acc else stats_per_chunk,
+        saved_logits=saved if keep_logits else None,
+        grads=acc.result() if acc else None,
+    )
+
+
+def run_backward(
+    kernels: ChunkKernels,
+    flat: FlatInputs,
+    cfg: LCEConfig,
+    plan: ChunkPlan,
+    plain: bool,
+    state: ForwardState,
+    wanted: GradTargets,
+    grad_loss: torch.Tensor | None,
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    sharding: Sharding | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Deferred schedule: gradients from the saved row statistics and the real upstream grads."""
+    target = flat.target
+    vocab = sharding.global_vocab if sharding else flat.weight.shape[0]
+    vocab_offset = sharding.vocab_offset if sharding else 0
+    if grad_loss is None:
+        grad_loss = torch.zeros((), dtype=torch.float32, device=target.device)
+    acc = _GradAccumulator(kernels, flat, cfg, wanted)
+    saved = state.saved_logits
+    # The saved logits are overwritten by the grad kernels: a second backward must recompute.
+    state.saved_logits = None
+    for k, rows in enumerate(chunk_bounds(target.shape[0], plan.tokens_per_chunk)):
+        logits = saved[k] if saved is not None else chunk_logits(flat, rows)
+        t = target[rows]
+        stats = state.stats[k]
+        g_ce, g_z = upstream_scales(cfg, state.denoms, grad_loss, rows, t.shape[0])
+        if plain:
+            grad = kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, g_ce)
+        else:
+            coeffs = grad_coefficients(
+                stats, t, cfg, vocab, g_ce, g_z,
+                None if grad_logprobs is None else grad_logprobs.reshape(-1)[rows],
+                None if grad_entropy is None else grad_entropy.reshape(-1)[rows],
+            )
+            grad = kernels.full_grad_(logits, t, cfg, vocab_offset, stats.lse, coeffs)
+        acc.add(grad, rows)
+    return acc.result()
+
+
+def _concat_terms(chunks: list[RowTerms], target: torch.Tensor) -> RowTerms:
+    if not chunks:
+        empty = torch.zeros(0, dtype=torch.float32, device=target.device)
+        return RowTerms(empty, empty, torch.zeros(0, dtype=torch.bool, device=target.device))
+    return RowTerms(
+        torch.cat([c.cross_entropy for c in chunks]),
+        torch.cat([c.z_loss for c in chunks]),
+        torch.cat([c.valid for c in chunks]),
+    )
+
+
+def _concat_stats(chunks: list[RowStats], target: torch.Tensor) -> RowStats:
+    def cat(name: str) -> torch.Tensor | None:
+        parts = [getattr(c, name) for c in chunks]
+        if not parts:
+            dtype = torch.int64 if name == "argmax" else torch.float32
+            return torch.zeros(0, dtype=dtype, device=target.device)
+        return None if parts[0] is None else torch.cat(parts)
+
+    return RowStats(
+        lse=cat("lse"), target_z=cat("target_z"), expected_z=cat("expected_z"),
+        weighted_sum_z=cat("weighted_sum_z"), argmax=cat("argmax"),
+    )

@@ -1,0 +1,127 @@
+"""The options of one linear cross-entropy call, validated once.
+
+Every backend receives an :class:`LCEConfig`; the option table in DESIGN.md is
+the source of truth for names, defaults and meaning.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+REDUCTIONS = ("mean", "sum", "none")
+
+# Options whose non-default value needs the full-feature variant, with the
+# test that says "this value is not the default".
+_FULL_FEATURE_OPTIONS = {
+    "label_smoothing": lambda v: v != 0.0,
+    "lse_square_scale": lambda v: v != 0.0,
+    "softcap": lambda v: v is not None,
+    "class_weight": lambda v: v is not None,
+    "temperature": lambda v: v != 1.0,
+    "token_scaling": lambda v: bool(v),
+    "return_z_loss": lambda v: bool(v),
+    "return_token_accuracy": lambda v: bool(v),
+    "return_predicted_tokens": lambda v: bool(v),
+    "return_logprobs": lambda v: bool(v),
+    "return_entropy": lambda v: bool(v),
+}
+
+
+@dataclass(frozen=True)
+class LCEConfig:
+    """Validated options; see DESIGN.md's option table."""
+
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    lse_square_scale: float = 0.0
+    softcap: float | None = None
+    class_weight: torch.Tensor | None = None
+    temperature: float = 1.0
+    token_scaling: bool = False
+    accum_dtype: torch.dtype | None = None
+    memory_budget: int | None = None
+    process_group: Any = None
+    return_z_loss: bool = False
+    return_token_accuracy: bool = False
+    return_predicted_tokens: bool = False
+    return_logprobs: bool = False
+    return_entropy: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("ignore_index", self.ignore_index)
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction={self.reduction!r}: expected one of {REDUCTIONS}")
+        _check_real("label_smoothing", self.label_smoothing)
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing={self.label_smoothing}: expected a value in [0, 1]")
+        _check_real("lse_square_scale", self.lse_square_scale)
+        if self.lse_square_scale < 0.0:
+            raise ValueError(f"lse_square_scale={self.lse_square_scale}: expected a value >= 0")
+        if self.softcap is not None:
+            _check_real("softcap", self.softcap)
+            if not self.softcap > 0.0:
+                raise ValueError(f"softcap={self.softcap}: expected None or a value > 0")
+        _check_real("temperature", self.temperature)
+        if not self.temperature > 0.0:
+            raise ValueError(f"temperature={self.temperature}: expected a value > 0")
+        if self.class_weight is not None:
+            w = self.class_weight
+            if not isinstance(w, torch.Tensor) or w.dim() != 1 or not w.is_floating_point():
+                raise ValueError(
+                    f"class_weight: expected a 1-D floating-point tensor of shape [V], got "
+                    f"{_describe(w)}"
+                )
+        if self.accum_dtype not in (None, torch.float32):
+            raise ValueError(f"accum_dtype={self.accum_dtype}: expected None or torch.float32")
+        if self.memory_budget is not None:
+            _check_int("memory_budget", self.memory_budget)
+            if self.memory_budget <= 0:
+                raise ValueError(f"memory_budget={self.memory_budget}: expected a positive byte count")
+        for name in ("token_scaling", "return_z_loss", "return_token_accuracy",
+                     "return_predicted_tokens", "return_logprobs", "return_entropy"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r}: expected a bool")
+
+    def full_feature_options(self) -> list[str]:
+        """Names of the options set here that the plain variant cannot serve."""
+        return [name for name, is_set in _FULL_FEATURE_OPTIONS.items() if is_set(getattr(self, name))]
+
+    @property
+    def needs_full(self) -> bool:
+        return bool(self.full_feature_options())
+
+    @property
+    def returns_extras(self) -> bool:
+        """True when the call returns an LCEOutput instead of the bare loss."""
+        return (self.return_z_loss or self.return_token_accuracy or self.return_predicted_tokens
+                or self.return_logprobs or self.return_entropy)
+
+    def replace(self, **changes: Any) -> LCEConfig:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return LCEConfig(**values)
+
+
+def option_names() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(LCEConfig))
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r}: expected an int")
+
+
+def _check_real(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name}={value!r}: expected a finite real number")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"

@@ -1,0 +1,130 @@
+"""Checks on the tensors of one call, done before any kernel runs.
+
+Errors name the argument, the value and what was expected. Target range is
+checked on the host for CPU tensors and with a device-side assertion elsewhere,
+so no accelerator call ever waits for a host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flce.config import LCEConfig
+
+
+@dataclass(frozen=True)
+class FlatInputs:
+    """The call's tensors flattened to 2-D/1-D, in the dtype the kernels compute in."""
+
+    hidden: torch.Tensor  # [N, H]
+    weight: torch.Tensor  # [V, H]
+    target: torch.Tensor  # [N] int64
+    bias: torch.Tensor | None  # [V]
+    token_shape: torch.Size  # target's shape, for reduction="none" outputs
+
+
+def prepare_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: LCEConfig,
+) -> FlatInputs:
+    for name, value in (("hidden", hidden), ("weight", weight), ("target", target)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
+    if hidden.dim() < 1 or not hidden.is_floating_point():
+        raise ValueError(f"hidden: expected a floating-point tensor [..., H], got {_shape(hidden)}")
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight: expected a floating-point tensor [V, H], got {_shape(weight)}")
+    vocab, hidden_size = weight.shape
+    if hidden.shape[-1] != hidden_size:
+        raise ValueError(
+            f"hidden: last dimension is {hidden.shape[-1]} but weight is [V={vocab}, H={hidden_size}]; "
+            "expected hidden [..., H] with the same H"
+        )
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"target: expected an integer tensor of class ids, got dtype {target.dtype}")
+    tokens = hidden.numel() // hidden_size if hidden_size else hidden.shape[:-1].numel()
+    if target.numel() != tokens:
+        raise ValueError(
+            f"target: has {target.numel()} elements (shape {tuple(target.shape)}) but hidden holds "
+            f"{tokens} tokens (shape {tuple(hidden.shape)}); expected one target per token"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != vocab):
+        raise ValueError(f"bias: expected shape [V={vocab}], got {tuple(bias.shape)}")
+    if config.class_weight is not None and config.class_weight.shape[0] != vocab:
+        raise ValueError(
+            f"class_weight: expected shape [V={vocab}], got {tuple(config.class_weight.shape)}"
+        )
+    _check_same_device(hidden, weight, target, bias, config.class_weight)
+
+    hidden, weight, bias = _common_dtype(hidden, weight, bias)
+    flat_target = target.reshape(-1).long()
+    _check_target_range(flat_target, vocab, config.ignore_index, config.process_group is not None)
+    return FlatInputs(
+        hidden=hidden.reshape(-1, hidden_size),
+        weight=weight,
+        target=flat_target,
+        bias=bias,
+        token_shape=target.shape,
+    )
+
+
+def _common_dtype(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Under autocast, compute in the autocast dtype; outside, dtypes must agree."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return (hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+    if hidden.dtype != weight.dtype:
+        raise TypeError(
+            f"hidden has dtype {hidden.dtype} but weight has dtype {weight.dtype}; expected the same "
+            "dtype (or call inside torch.autocast)"
+        )
+    if bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"bias has dtype {bias.dtype}; expected the weight's dtype {weight.dtype}")
+    return hidden, weight, bias
+
+
+def _check_same_device(*tensors: torch.Tensor | None) -> None:
+    names = ("hidden", "weight", "target", "bias", "class_weight")
+    present = [(n, t) for n, t in zip(names, tensors) if t is not None]
+    first_name, first = present[0]
+    for name, tensor in present[1:]:
+        if tensor.device != first.device:
+            raise ValueError(
+                f"{name} is on {tensor.device} but {first_name} is on {first.device}; "
+                "expected all tensors on one device"
+            )
+
+
+def _check_target_range(target: torch.Tensor, vocab: int, ignore_index: int, sharded: bool) -> None:
+    """Targets must be in [0, V) or equal ignore_index.
+
+    With a process group, V is only this rank's shard; the distributed wrapper
+    checks against the global vocabulary instead.
+    """
+    if sharded or target.numel() == 0:
+        return
+    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    if target.device.type == "cpu":
+        if bool(bad.any()):
+            value = int(target[bad][0])
+            raise ValueError(
+                f"target contains {value}, outside [0, {vocab}) and not ignore_index={ignore_index}"
+            )
+    else:
+        torch._assert_async(
+            ~bad.any(), f"target has a value outside [0, {vocab}) that is not ignore_index={ignore_index}"
+        )
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"dtype {t.dtype}, shape {tuple(t.shape)}"

@@ -1,0 +1,100 @@
+"""The loss module that ``flce.get_impl`` returns, and the functional form."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, ClassVar
+
+import torch
+
+from flce.config import LCEConfig
+from flce.inputs import prepare_inputs
+from flce.outputs import LCEOutput
+from flce.registry import VARIANTS, Candidates, HardwareProbe, candidates_for, choose_for_call, resolve_device
+
+
+class LinearCrossEntropy(torch.nn.Module):
+    """``CE(hidden @ weight.T + bias, target)`` without materialising the logits.
+
+    Constructor keywords are DESIGN.md's options; ``forward(hidden, weight, target, bias=None)``
+    returns the loss, or an :class:`flce.LCEOutput` when a ``return_*`` option is set.
+    Subclasses made by :func:`get_impl` fix the device type, backend and variant.
+    """
+
+    device_type: ClassVar[str] = "cpu"
+    backend_name: ClassVar[str | None] = None
+    variant: ClassVar[str] = "auto"
+    probe: ClassVar[HardwareProbe | None] = None
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        class_weight = options.pop("class_weight", None)
+        self.config = LCEConfig(class_weight=class_weight, **options)
+        # A buffer, so module.to(device) moves the class weights with the module.
+        self.register_buffer("class_weight", class_weight, persistent=False)
+        if self.variant == "plain" and self.config.needs_full:
+            names = ", ".join(self.config.full_feature_options())
+            raise ValueError(f"variant='plain' cannot serve {names}; use variant='full' or 'auto'")
+        self._candidates: Candidates = candidates_for(self.device_type, self.backend_name, self.probe)
+
+    def forward(
+        self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | LCEOutput:
+        cfg = self.config
+        if self.class_weight is not None and self.class_weight is not cfg.class_weight:
+            cfg = cfg.replace(class_weight=self.class_weight)
+        flat = prepare_inputs(hidden, weight, target, bias, cfg)
+        variant = self.variant if self.variant != "auto" else ("full" if cfg.needs_full else "plain")
+        if cfg.process_group is not None:
+            from flce.distributed import vocab_parallel_linear_cross_entropy
+
+            return vocab_parallel_linear_cross_entropy(flat, cfg, self._candidates)
+        backend = choose_for_call(self._candidates, cfg, flat)
+        return backend.run(flat, cfg, variant)
+
+    def extra_repr(self) -> str:
+        options = {k: v for k, v in vars(self.config).items() if k != "class_weight"}
+        return f"device_type={self.device_type!r}, backend={self.backend_name!r}, variant={self.variant!r}, {options}"
+
+
+def get_impl(
+    device: str | torch.device | torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+    variant: str = "auto",
+    probe: HardwareProbe | None = None,
+) -> type[LinearCrossEntropy]:
+    """The loss-module class for ``device`` (None: the current accelerator, else the CPU).
+
+    ``backend`` forces one backend (else ``FLCE_BACKEND``, else the best available);
+    ``variant`` is "auto", "plain" or "full"; ``probe`` replaces the hardware probes (tests).
+    """
+    if variant not in ("auto", *VARIANTS):
+        raise ValueError(f"variant={variant!r}: expected 'auto', 'plain' or 'full'")
+    device_type = resolve_device(device).type
+    # Fail at get_impl, not at the first call, when the named backend cannot serve this device.
+    candidates_for(device_type, backend, probe)
+    return _impl_class(device_type, backend, variant, probe)
+
+
+@lru_cache(maxsize=None)
+def _impl_class(device_type: str, backend: str | None, variant: str,
+                probe: HardwareProbe | None) -> type[LinearCrossEntropy]:
+    name = f"LinearCrossEntropy_{device_type}_{backend or 'auto'}_{variant}"
+    attrs = {"device_type": device_type, "backend_name": backend, "variant": variant, "probe": probe,
+             "__module__": __name__}
+    return type(name, (LinearCrossEntropy,), attrs)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+    variant: str = "auto",
+    **options: Any,
+) -> torch.Tensor | LCEOutput:
+    """Functional form of :class:`LinearCrossEntropy` on hidden's device."""
+    return get_impl(hidden, backend=backend, variant=variant)(**options)(hidden, weight, target, bias)

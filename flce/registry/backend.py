@@ -1,0 +1,40 @@
+"""The descriptor every backend registers once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from flce.config import LCEConfig
+from flce.inputs import FlatInputs
+from flce.outputs import LCEOutput
+from flce.registry.probes import HardwareProbe
+
+VARIANTS = ("plain", "full")
+
+# run(flat_inputs, config, variant) -> loss or LCEOutput
+RunFn = Callable[[FlatInputs, LCEConfig, str], "torch.Tensor | LCEOutput"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """name: what users pass as backend=; device_types: torch device types it serves;
+    priority: higher wins among available backends; is_available(probe) and
+    supports(config, flat_inputs) answer (ok, reason)."""
+
+    name: str
+    device_types: tuple[str, ...]
+    priority: int
+    is_available: Callable[[HardwareProbe], tuple[bool, str]]
+    supports: Callable[[LCEConfig, FlatInputs], tuple[bool, str]]
+    run: RunFn
+    variants: tuple[str, ...] = VARIANTS
+
+    def serves(self, device_type: str, probe: HardwareProbe) -> bool:
+        """True for its own device types, and for CPU tensors under the Triton interpreter
+        when the backend is Triton-based (it declares "interpret" among its device types)."""
+        if "any" in self.device_types or device_type in self.device_types:
+            return True
+        return device_type == "cpu" and "interpret" in self.device_types and probe.triton_interpret[0]

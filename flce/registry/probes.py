@@ -1,0 +1,90 @@
+"""Hardware probes, injectable so selection is testable on a machine without the hardware.
+
+``FLCE_PROBE_OVERRIDE="cuda=1,npu=0,triton=1"`` (or a :class:`HardwareProbe` passed to
+the selection functions) replaces what the real probes would report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+PROBE_ENV = "FLCE_PROBE_OVERRIDE"
+PROBE_NAMES = ("cuda", "npu", "triton", "triton_interpret")
+
+
+@dataclass(frozen=True)
+class HardwareProbe:
+    """What this process can use. Each field is (present?, reason when not)."""
+
+    cuda: tuple[bool, str]
+    npu: tuple[bool, str]
+    triton: tuple[bool, str]
+    triton_interpret: tuple[bool, str]
+
+    @staticmethod
+    def fake(**present: bool) -> HardwareProbe:
+        """A probe reporting exactly what is given (missing names: absent)."""
+        unknown = set(present) - set(PROBE_NAMES)
+        if unknown:
+            raise ValueError(f"unknown probe names {sorted(unknown)}; expected some of {PROBE_NAMES}")
+        return HardwareProbe(**{n: (present.get(n, False), "faked" if present.get(n) else f"{n} faked absent")
+                                for n in PROBE_NAMES})
+
+
+def system_probe() -> HardwareProbe:
+    """The real hardware, with FLCE_PROBE_OVERRIDE applied on top."""
+    real = _real_probe()
+    override = os.environ.get(PROBE_ENV, "").strip()
+    if not override:
+        return real
+    values = dict(zip(PROBE_NAMES, (real.cuda, real.npu, real.triton, real.triton_interpret)))
+    for item in override.split(","):
+        name, _, flag = item.partition("=")
+        name = name.strip()
+        if name not in PROBE_NAMES or flag.strip() not in ("0", "1"):
+            raise ValueError(f"{PROBE_ENV}={override!r}: expected comma-separated name=0|1 with names {PROBE_NAMES}")
+        present = flag.strip() == "1"
+        values[name] = (present, f"{name} forced {'present' if present else 'absent'} by {PROBE_ENV}")
+    return HardwareProbe(**values)
+
+
+@lru_cache(maxsize=1)
+def _real_probe() -> HardwareProbe:
+    return HardwareProbe(cuda=_probe_cuda(), npu=_probe_npu(), triton=_probe_triton(),
+                         triton_interpret=_probe_interpret())
+
+
+def _probe_cuda() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "torch.cuda.is_available() is False (no NVIDIA/AMD GPU or a CPU-only torch build)"
+    return True, f"{torch.cuda.device_count()} GPU(s)"
+
+
+def _probe_npu() -> tuple[bool, str]:
+    # Never import torch_npu unless it is installed: importing it has side effects on torch.
+    if importlib.util.find_spec("torch_npu") is None:
+        return False, "torch_npu is not installed (pip install flce[ascend])"
+    try:
+        import torch_npu  # noqa: F401
+    except Exception as exc:  # a broken CANN install raises all kinds of errors
+        return False, f"import torch_npu failed: {exc}"
+    if not torch.npu.is_available():
+        return False, "torch.npu.is_available() is False"
+    return True, f"{torch.npu.device_count()} NPU(s)"
+
+
+def _probe_triton() -> tuple[bool, str]:
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed (pip install flce[triton])"
+    return True, "triton importable"
+
+
+def _probe_interpret() -> tuple[bool, str]:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return True, "TRITON_INTERPRET=1"
+    return False, "TRITON_INTERPRET is not 1"

@@ -1,0 +1,146 @@
+"""Which backend runs a call: the registry, device resolution and the selection order.
+
+Order (DESIGN.md): explicit ``backend=`` > ``FLCE_BACKEND`` > the highest-priority
+available backend that supports the call > the reference backend, with a
+one-time warning saying why the better one was passed over.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from flce.config import LCEConfig
+from flce.inputs import FlatInputs
+from flce.registry.backend import Backend
+from flce.registry.probes import HardwareProbe, system_probe
+
+BACKEND_ENV = "FLCE_BACKEND"
+REFERENCE = "reference"
+# Modules that register the built-in backends when imported. Each imports its
+# heavy dependencies (triton, torch_npu) only when a kernel first runs.
+_BUILTIN_MODULES = ("flce.backends.reference", "flce.backends.cuda", "flce.backends.ascend")
+
+_registry: dict[str, Backend] = {}
+_builtins_loaded = False
+_warned: set[str] = set()
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> None:
+    """Add a backend (third parties too). Re-registering a name needs replace=True."""
+    if backend.name in _registry and not replace:
+        raise ValueError(f"backend {backend.name!r} is already registered; pass replace=True to override it")
+    _registry[backend.name] = backend
+
+
+def registered_backends() -> list[Backend]:
+    _load_builtins()
+    return sorted(_registry.values(), key=lambda b: -b.priority)
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    for module in _BUILTIN_MODULES:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
+
+
+def resolve_device(device: str | torch.device | torch.Tensor | None) -> torch.device:
+    """A str, torch.device or tensor names the device; None means the current accelerator
+    (CUDA, NPU, ...) if there is one, else the CPU."""
+    if isinstance(device, torch.Tensor):
+        return device.device
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(f"device={device!r}: not a device torch knows ({exc})") from None
+    if device is None:
+        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        return accelerator if accelerator is not None else torch.device("cpu")
+    raise TypeError(f"device={device!r}: expected a str, torch.device, tensor or None")
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Backends to try for a device, best first; explicit when the user named one."""
+
+    backends: tuple[Backend, ...]
+    explicit: bool
+    passed_over: tuple[tuple[str, str], ...]  # (name, reason) of better backends left out
+
+
+def candidates_for(device_type: str, backend: str | None = None,
+                   probe: HardwareProbe | None = None) -> Candidates:
+    probe = probe or system_probe()
+    _load_builtins()
+    name = backend or os.environ.get(BACKEND_ENV) or None
+    if name:
+        source = "backend=" if backend else f"{BACKEND_ENV}="
+        if name not in _registry:
+            raise ValueError(f"{source}{name!r}: unknown backend; registered: {sorted(_registry)}")
+        chosen = _registry[name]
+        ok, reason = chosen.is_available(probe)
+        if not ok:
+            raise RuntimeError(f"{source}{name!r}: backend is not available: {reason}")
+        if not chosen.serves(device_type, probe):
+            raise RuntimeError(
+                f"{source}{name!r}: backend serves device types {chosen.device_types}, not {device_type!r}"
+            )
+        return Candidates((chosen,), explicit=True, passed_over=())
+    usable, passed_over = [], []
+    for b in registered_backends():
+        if not b.serves(device_type, probe):
+            continue
+        ok, reason = b.is_available(probe)
+        if ok:
+            usable.append(b)
+        elif "any" not in b.device_types:
+            passed_over.append((b.name, reason))
+    return Candidates(tuple(usable), explicit=False, passed_over=tuple(passed_over))
+
+
+def choose_for_call(cands: Candidates, cfg: LCEConfig, flat: FlatInputs) -> Backend:
+    """The first candidate that supports this call; warns once when a better one is skipped."""
+    reasons = list(cands.passed_over)
+    for b in cands.backends:
+        ok, reason = b.supports(cfg, flat)
+        if ok:
+            if reasons:
+                _warn_once(b.name, reasons)
+            return b
+        if cands.explicit:
+            raise ValueError(f"backend {b.name!r} does not support this call: {reason}")
+        reasons.append((b.name, reason))
+    raise RuntimeError(f"no backend supports this call: {reasons}")
+
+
+def _warn_once(chosen: str, reasons: list[tuple[str, str]]) -> None:
+    key = f"{chosen}|{reasons}"
+    if key in _warned:
+        return
+    _warned.add(key)
+    why = "; ".join(f"{name}: {reason}" for name, reason in reasons)
+    warnings.warn(f"flce: using the {chosen!r} backend because a better one was passed over ({why})",
+                  RuntimeWarning, stacklevel=4)
+
+
+def available_backends(probe: HardwareProbe | None = None) -> list[dict]:
+    """One row per registered backend: name, device types, priority, available, reason."""
+    probe = probe or system_probe()
+    rows = []
+    for b in registered_backends():
+        ok, reason = b.is_available(probe)
+        rows.append({"name": b.name, "device_types": b.device_types, "priority": b.priority,
+                     "available": ok, "reason": reason})
+    return rows

@@ -1,0 +1,219 @@
+"""The loss, its extras and its gradient, expressed through per-row statistics.
+
+Backends differ in how they scan the vocabulary; what the scan must produce is
+the same everywhere: per token row, the statistics below. Everything after the
+scan (reductions, extras, the per-row gradient coefficients) lives here once.
+
+With z the capped, temperature-scaled logits of one row, p = softmax(z), y the
+target and w the class weights (all ones when there are none), the gradient of
+every differentiable output with respect to z has the form
+
+    grad_z[c] = p[c] * (a - h * z[c]) - (c == y) * d - e * w[c]
+
+for four per-row scalars (a, h, d, e) computed by :func:`grad_coefficients`.
+A grad kernel only needs those, the row's lse and its target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flce.config import LCEConfig
+
+
+@dataclass
+class PartialRowStats:
+    """One scan's statistics, combinable across vocabulary shards.
+
+    sum_exp and sum_exp_z are relative to row_max; target_z is 0 on a shard
+    that does not hold the target; argmax is a global vocabulary index.
+    """
+
+    row_max: torch.Tensor  # [n] fp32
+    sum_exp: torch.Tensor  # [n] fp32, sum exp(z - row_max)
+    target_z: torch.Tensor  # [n] fp32
+    sum_exp_z: torch.Tensor | None = None  # [n] fp32, sum exp(z - row_max) * z   (entropy)
+    weighted_sum_z: torch.Tensor | None = None  # [n] fp32, sum w[c] * z[c]      (smoothing)
+    argmax: torch.Tensor | None = None  # [n] int64                              (metrics)
+
+
+@dataclass
+class RowStats:
+    lse: torch.Tensor  # [n] fp32
+    target_z: torch.Tensor  # [n] fp32
+    expected_z: torch.Tensor | None = None  # [n] fp32, E_p[z]
+    weighted_sum_z: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None
+
+    @staticmethod
+    def from_partial(p: PartialRowStats) -> RowStats:
+        return RowStats(
+            lse=p.row_max + torch.log(p.sum_exp),
+            target_z=p.target_z,
+            expected_z=None if p.sum_exp_z is None else p.sum_exp_z / p.sum_exp,
+            weighted_sum_z=p.weighted_sum_z,
+            argmax=p.argmax,
+        )
+
+
+def needs_expected_z(cfg: LCEConfig) -> bool:
+    return cfg.return_entropy
+
+
+def needs_weighted_sum_z(cfg: LCEConfig) -> bool:
+    return cfg.label_smoothing != 0.0
+
+
+def needs_argmax(cfg: LCEConfig) -> bool:
+    return cfg.return_token_accuracy or cfg.return_predicted_tokens
+
+
+@dataclass(frozen=True)
+class Denominators:
+    """Divisors of the mean reduction, computed on the device without a host sync."""
+
+    cross_entropy: torch.Tensor  # scalar fp32: non-ignored tokens, or their class-weight sum
+    z_loss: torch.Tensor  # scalar fp32: non-ignored tokens
+
+
+def denominators(target: torch.Tensor, cfg: LCEConfig) -> Denominators:
+    valid = target != cfg.ignore_index
+    count = valid.sum(dtype=torch.float32)
+    if cfg.class_weight is None:
+        return Denominators(count, count)
+    weights = class_weight_of_target(target, cfg) * valid
+    return Denominators(weights.sum(dtype=torch.float32), count)
+
+
+def class_weight_of_target(target: torch.Tensor, cfg: LCEConfig) -> torch.Tensor:
+    assert cfg.class_weight is not None
+    return cfg.class_weight.float()[target.clamp(0, cfg.class_weight.shape[0] - 1)]
+
+
+def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """numerator / denominator, and 0 where nothing was counted (all tokens ignored)."""
+    return torch.where(denominator > 0, numerator / denominator.clamp_min(1e-30), 0.0)
+
+
+@dataclass
+class RowTerms:
+    """Per-row loss pieces before reduction (0 on ignored rows)."""
+
+    cross_entropy: torch.Tensor  # [n] fp32, token scaling included
+    z_loss: torch.Tensor  # [n] fp32
+    valid: torch.Tensor  # [n] bool
+
+
+def row_terms(stats: RowStats, target: torch.Tensor, cfg: LCEConfig, vocab: int) -> RowTerms:
+    """Per-row cross-entropy and z-loss with exactly torch's cross_entropy semantics."""
+    valid = target != cfg.ignore_index
+    nll = stats.lse - stats.target_z
+    eps = cfg.label_smoothing
+    if cfg.class_weight is not None:
+        nll = nll * class_weight_of_target(target, cfg)
+    ce = nll if eps == 0.0 else (1.0 - eps) * nll
+    if eps != 0.0:
+        weight_sum = float(vocab) if cfg.class_weight is None else cfg.class_weight.float().sum()
+        ce = ce + (eps / vocab) * (weight_sum * stats.lse - stats.weighted_sum_z)
+    if cfg.token_scaling:
+        ce = ce * torch.exp(stats.target_z - stats.lse)
+    zl = cfg.lse_square_scale * stats.lse.square() if cfg.lse_square_scale else torch.zeros_like(ce)
+    zero = torch.zeros((), dtype=ce.dtype, device=ce.device)
+    return RowTerms(torch.where(valid, ce, zero), torch.where(valid, zl, zero), valid)
+
+
+def reduce_terms(terms: RowTerms, cfg: LCEConfig, denoms: Denominators) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, z_loss) reduced as cfg.reduction says, in fp32."""
+    if cfg.reduction == "none":
+        return terms.cross_entropy + terms.z_loss, terms.z_loss
+    ce_sum, zl_sum = terms.cross_entropy.sum(), terms.z_loss.sum()
+    if cfg.reduction == "sum":
+        return ce_sum + zl_sum, zl_sum
+    zl = safe_divide(zl_sum, denoms.z_loss)
+    return safe_divide(ce_sum, denoms.cross_entropy) + zl, zl
+
+
+def extras(stats: RowStats, terms: RowTerms, target: torch.Tensor, cfg: LCEConfig, denoms: Denominators) -> dict:
+    """token_accuracy, predicted_tokens, logprobs, entropy where asked (fp32 / int64)."""
+    out: dict[str, torch.Tensor] = {}
+    valid = terms.valid
+    if cfg.return_token_accuracy:
+        correct = ((stats.argmax == target) & valid).float()
+        if cfg.reduction == "none":
+            out["token_accuracy"] = correct
+        elif cfg.reduction == "sum":
+            out["token_accuracy"] = correct.sum()
+        else:
+            out["token_accuracy"] = safe_divide(correct.sum(), denoms.z_loss)
+    if cfg.return_predicted_tokens:
+        out["predicted_tokens"] = torch.where(valid, stats.argmax, -1)
+    if cfg.return_logprobs:
+        out["logprobs"] = torch.where(valid, stats.target_z - stats.lse, 0.0)
+    if cfg.return_entropy:
+        out["entropy"] = torch.where(valid, stats.lse - stats.expected_z, 0.0)
+    return out
+
+
+@dataclass
+class GradCoefficients:
+    """Per-row (a, h, d, e) of the module docstring's gradient formula, fp32 [n]."""
+
+    a: torch.Tensor
+    h: torch.Tensor | None  # None when no entropy gradient flows
+    d: torch.Tensor
+    e: torch.Tensor | None  # None without label smoothing
+
+
+def upstream_scales(
+    cfg: LCEConfig, denoms: Denominators, grad_loss: torch.Tensor, rows: slice, n_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row multipliers of the cross-entropy and z-loss terms, from the loss's grad_output."""
+    if cfg.reduction == "none":
+        g = grad_loss.reshape(-1)[rows].float()
+        return g, g
+    g = grad_loss.float().reshape(())
+    if cfg.reduction == "sum":
+        g_ce = g_z = g
+    else:
+        g_ce = safe_divide(g, denoms.cross_entropy)
+        g_z = safe_divide(g, denoms.z_loss)
+    return g_ce.expand(n_rows), g_z.expand(n_rows)
+
+
+def grad_coefficients(
+    stats: RowStats,
+    target: torch.Tensor,
+    cfg: LCEConfig,
+    vocab: int,
+    grad_ce: torch.Tensor,
+    grad_z_loss: torch.Tensor,
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+) -> GradCoefficients:
+    valid = (target != cfg.ignore_index).float()
+    g_ce = grad_ce * valid
+    if cfg.token_scaling:
+        g_ce = g_ce * torch.exp(stats.target_z - stats.lse)
+    w_y = class_weight_of_target(target, cfg) if cfg.class_weight is not None else 1.0
+    eps = cfg.label_smoothing
+    nll_scale = g_ce * ((1.0 - eps) * w_y)
+    a = nll_scale
+    d = nll_scale
+    e = None
+    if eps != 0.0:
+        weight_sum = float(vocab) if cfg.class_weight is None else cfg.class_weight.float().sum()
+        a = a + g_ce * (eps * weight_sum / vocab)
+        e = g_ce * (eps / vocab)
+    if cfg.lse_square_scale:
+        a = a + (2.0 * cfg.lse_square_scale) * (grad_z_loss * valid) * stats.lse
+    if grad_logprobs is not None:
+        g_lp = grad_logprobs.float() * valid
+        a = a - g_lp
+        d = d - g_lp
+    h = None
+    if grad_entropy is not None:
+        h = grad_entropy.float() * valid
+        a = a + h * stats.expected_z
+    return GradCoefficients(a=a, h=h, d=d, e=e)
