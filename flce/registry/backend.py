@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -16,13 +16,17 @@ VARIANTS = ("plain", "full")
 
 # run(flat_inputs, config, variant) -> loss or LCEOutput
 RunFn = Callable[[FlatInputs, LCEConfig, str], "torch.Tensor | LCEOutput"]
+# chunked(flat_inputs, config, variant) -> flce.backends.chunked_function.ChunkedCall: the backend's
+# kernels and plan, for callers that drive the chunk loop themselves (vocab-parallel, custom ops).
+ChunkedFn = Callable[[FlatInputs, LCEConfig, str], Any]
 
 
 @dataclass(frozen=True)
 class Backend:
     """name: what users pass as backend=; device_types: torch device types it serves;
     priority: higher wins among available backends; is_available(probe) and
-    supports(config, flat_inputs) answer (ok, reason)."""
+    supports(config, flat_inputs) answer (ok, reason); run computes a call; chunked, for
+    backends built on the shared chunk loop, exposes their kernels and plan."""
 
     name: str
     device_types: tuple[str, ...]
@@ -30,6 +34,7 @@ class Backend:
     is_available: Callable[[HardwareProbe], tuple[bool, str]]
     supports: Callable[[LCEConfig, FlatInputs], tuple[bool, str]]
     run: RunFn
+    chunked: ChunkedFn | None = None
     variants: tuple[str, ...] = VARIANTS
 
     def serves(self, device_type: str, probe: HardwareProbe) -> bool:

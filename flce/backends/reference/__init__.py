@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flce.backends.reference.function import reference_linear_cross_entropy
+from flce.backends.reference.function import reference_chunked_call, reference_linear_cross_entropy
 from flce.config import LCEConfig
 from flce.inputs import FlatInputs
 from flce.registry import Backend, HardwareProbe, register_backend
@@ -23,5 +23,6 @@ BACKEND = Backend(
     is_available=_always_available,
     supports=_supports_everything,
     run=reference_linear_cross_entropy,
+    chunked=reference_chunked_call,
 )
 register_backend(BACKEND)

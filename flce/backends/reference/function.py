@@ -14,7 +14,10 @@ from flce.outputs import LCEOutput
 _KERNELS = ReferenceKernels()
 
 
-def reference_linear_cross_entropy(flat: FlatInputs, cfg: LCEConfig, variant: str) -> torch.Tensor | LCEOutput:
-    call = ChunkedCall(kernels=_KERNELS, cfg=cfg, plan=plan_chunks(flat, cfg), plain=variant == "plain",
+def reference_chunked_call(flat: FlatInputs, cfg: LCEConfig, variant: str) -> ChunkedCall:
+    return ChunkedCall(kernels=_KERNELS, cfg=cfg, plan=plan_chunks(flat, cfg), plain=variant == "plain",
                        token_shape=flat.token_shape)
-    return apply_chunked(flat, call)
+
+
+def reference_linear_cross_entropy(flat: FlatInputs, cfg: LCEConfig, variant: str) -> torch.Tensor | LCEOutput:
+    return apply_chunked(flat, reference_chunked_call(flat, cfg, variant))
