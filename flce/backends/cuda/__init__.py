@@ -1,0 +1,55 @@
+"""CUDA backend: Triton row kernels between cuBLAS GEMMs, for NVIDIA (and other Triton CUDA/HIP) GPUs.
+
+Triton is imported only when a kernel first runs, so ``import flce`` works without it.
+With TRITON_INTERPRET=1 the same kernels run on CPU tensors (``get_impl("cpu", backend="cuda")``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flce.config import LCEConfig
+from flce.inputs import FlatInputs
+from flce.outputs import LCEOutput
+from flce.registry import Backend, HardwareProbe, register_backend
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _is_available(probe: HardwareProbe) -> tuple[bool, str]:
+    has_triton, why_not = probe.triton
+    if not has_triton:
+        return False, why_not
+    if probe.cuda[0] or probe.triton_interpret[0]:
+        return True, "triton and " + (probe.cuda[1] if probe.cuda[0] else probe.triton_interpret[1])
+    return False, probe.cuda[1]
+
+
+def _supports(cfg: LCEConfig, flat: FlatInputs) -> tuple[bool, str]:
+    if flat.weight.dtype not in _SUPPORTED_DTYPES:
+        return False, f"dtype {flat.weight.dtype} (the kernels take float32, float16, bfloat16)"
+    return True, "supported"
+
+
+def _run(flat: FlatInputs, cfg: LCEConfig, variant: str) -> torch.Tensor | LCEOutput:
+    from flce.backends.cuda.function import cuda_linear_cross_entropy
+
+    return cuda_linear_cross_entropy(flat, cfg, variant)
+
+
+def _chunked(flat: FlatInputs, cfg: LCEConfig, variant: str):  # noqa: ANN202
+    from flce.backends.cuda.function import cuda_chunked_call
+
+    return cuda_chunked_call(flat, cfg, variant)
+
+
+BACKEND = Backend(
+    name="cuda",
+    device_types=("cuda", "interpret"),
+    priority=100,
+    is_available=_is_available,
+    supports=_supports,
+    run=_run,
+    chunked=_chunked,
+)
+register_backend(BACKEND)

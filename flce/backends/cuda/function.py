@@ -1,0 +1,22 @@
+"""The CUDA backend's entry point: Triton chunk kernels and plan bound to the shared Function."""
+
+from __future__ import annotations
+
+import torch
+
+from flce.backends.chunked_function import ChunkedCall, apply_chunked
+from flce.backends.cuda.ops import TritonChunkKernels, plan_chunks
+from flce.config import LCEConfig
+from flce.inputs import FlatInputs
+from flce.outputs import LCEOutput
+
+_KERNELS = TritonChunkKernels()
+
+
+def cuda_chunked_call(flat: FlatInputs, cfg: LCEConfig, variant: str) -> ChunkedCall:
+    return ChunkedCall(kernels=_KERNELS, cfg=cfg, plan=plan_chunks(flat, cfg), plain=variant == "plain",
+                       token_shape=flat.token_shape)
+
+
+def cuda_linear_cross_entropy(flat: FlatInputs, cfg: LCEConfig, variant: str) -> torch.Tensor | LCEOutput:
+    return apply_chunked(flat, cuda_chunked_call(flat, cfg, variant))

@@ -1,0 +1,147 @@
+"""Launchers for the CUDA kernels: grids, block sizes, strides, and the chunk plan.
+
+:class:`TritonChunkKernels` implements flce.backends.chunk_driver.ChunkKernels; the
+GEMMs around it stay in cuBLAS (torch.mm), which already runs them at the floor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from flce.backends.chunk_driver import ChunkPlan
+from flce.backends.cuda import kernels
+from flce.backends.memory import MiB, default_logits_save_limit
+from flce.config import LCEConfig
+from flce.inputs import FlatInputs
+from flce.semantics import GradCoefficients, PartialRowStats, needs_argmax, needs_expected_z, needs_weighted_sum_z
+
+# Default working memory of one chunk's logits: keeps the default call under 512 MiB above the
+# gradients at a 128k-256k vocabulary while chunks stay >= 512 rows, where cuBLAS runs at full speed.
+DEFAULT_CHUNK_BUDGET = 256 * MiB
+# Chunk rows are rounded down to this multiple: GEMM tiles stay full.
+ROW_MULTIPLE = 128
+MAX_BLOCK_V = 4096
+# Rows of an fp32 gradient accumulator updated per GEMM when cuBLAS cannot write fp32 from bf16.
+_FP32_ACCUMULATE_ROWS = 8192
+
+
+@dataclass(frozen=True)
+class LaunchParams:
+    block_v: int
+    num_warps: int
+
+
+def launch_params(vocab: int) -> LaunchParams:
+    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(max(vocab, 16)))
+    return LaunchParams(block_v=block_v, num_warps=8 if block_v >= 2048 else 4)
+
+
+def plan_chunks(flat: FlatInputs, cfg: LCEConfig) -> ChunkPlan:
+    n_rows = flat.target.shape[0]
+    vocab = flat.weight.shape[0]
+    row_bytes = vocab * flat.weight.element_size()
+    budget = cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET
+    tokens = budget // row_bytes
+    if tokens >= 2 * ROW_MULTIPLE:
+        tokens -= tokens % ROW_MULTIPLE
+    tokens = max(1, min(n_rows, tokens))
+    logits_bytes = n_rows * row_bytes
+    save_limit = default_logits_save_limit(flat.hidden.device)
+    if cfg.memory_budget is not None:
+        save_limit = min(save_limit, cfg.memory_budget - tokens * row_bytes)
+    return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit)
+
+
+def _scale_stride(t: torch.Tensor) -> int:
+    return t.stride(0) if t.dim() else 0
+
+
+class TritonChunkKernels:
+    """The chunk kernels of the CUDA backend (also run by the Triton interpreter on CPU tensors)."""
+
+    def plain_loss(self, logits, target, ignore_index, grad_scale):  # noqa: ANN001, ANN201
+        n, vocab = logits.shape
+        loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(loss)
+        if n == 0:
+            return loss, lse, logits if grad_scale is not None else None
+        p = launch_params(vocab)
+        scale = grad_scale if grad_scale is not None else loss
+        kernels._plain_forward_kernel[(n,)](
+            logits, logits.stride(0), target, scale, _scale_stride(scale), loss, lse, vocab, ignore_index,
+            WRITE_GRAD=grad_scale is not None, BLOCK_V=p.block_v, num_warps=p.num_warps,
+        )
+        return loss, lse, logits if grad_scale is not None else None
+
+    def plain_grad_(self, logits, target, ignore_index, lse, grad_scale):  # noqa: ANN001, ANN201
+        n, vocab = logits.shape
+        if n:
+            p = launch_params(vocab)
+            kernels._plain_grad_kernel[(n,)](
+                logits, logits.stride(0), target, lse, grad_scale, _scale_stride(grad_scale), vocab, ignore_index,
+                BLOCK_V=p.block_v, num_warps=p.num_warps,
+            )
+        return logits
+
+    def row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:  # noqa: ANN001
+        n, vocab = logits.shape
+        f32 = dict(dtype=torch.float32, device=logits.device)
+        stats = PartialRowStats(
+            row_max=torch.empty(n, **f32), sum_exp=torch.empty(n, **f32), target_z=torch.empty(n, **f32),
+            sum_exp_z=torch.empty(n, **f32) if needs_expected_z(cfg) else None,
+            weighted_sum_z=torch.empty(n, **f32) if needs_weighted_sum_z(cfg) else None,
+            argmax=torch.empty(n, dtype=torch.int64, device=logits.device) if needs_argmax(cfg) else None,
+        )
+        if n == 0:
+            return stats
+        p = launch_params(vocab)
+        unused = stats.row_max
+        weight = _shard_class_weight(cfg, vocab_offset, vocab)
+        kernels._row_stats_kernel[(n,)](
+            logits, logits.stride(0), target, weight if weight is not None else unused,
+            stats.row_max, stats.sum_exp, stats.target_z,
+            stats.sum_exp_z if stats.sum_exp_z is not None else unused,
+            stats.weighted_sum_z if stats.weighted_sum_z is not None else unused,
+            stats.argmax if stats.argmax is not None else unused,
+            vocab, vocab_offset, float(cfg.softcap or 1.0), 1.0 / cfg.temperature,
+            HAS_SOFTCAP=cfg.softcap is not None, HAS_CLASS_WEIGHT=weight is not None,
+            NEED_SUM_EXP_Z=stats.sum_exp_z is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
+            NEED_ARGMAX=stats.argmax is not None, BLOCK_V=p.block_v, num_warps=p.num_warps,
+        )
+        return stats
+
+    def full_grad_(self, logits, target, cfg: LCEConfig, vocab_offset: int, lse, coeffs: GradCoefficients):  # noqa: ANN001, ANN201
+        n, vocab = logits.shape
+        if n == 0:
+            return logits
+        p = launch_params(vocab)
+        weight = _shard_class_weight(cfg, vocab_offset, vocab)
+        a, d = coeffs.a.contiguous(), coeffs.d.contiguous()
+        h = coeffs.h.contiguous() if coeffs.h is not None else a
+        e = coeffs.e.contiguous() if coeffs.e is not None else a
+        kernels._full_grad_kernel[(n,)](
+            logits, logits.stride(0), target, weight if weight is not None else a, lse, a, h, d, e,
+            vocab, vocab_offset, float(cfg.softcap or 1.0), 1.0 / cfg.temperature,
+            HAS_SOFTCAP=cfg.softcap is not None, HAS_CLASS_WEIGHT=weight is not None,
+            HAS_H=coeffs.h is not None, HAS_E=coeffs.e is not None,
+            BLOCK_V=p.block_v, num_warps=p.num_warps,
+        )
+        return logits
+
+    def accumulate_fp32_(self, acc, a, b) -> None:  # noqa: ANN001
+        if acc.is_cuda:
+            # cuBLAS reads bf16/fp16 operands and accumulates into the fp32 output in place.
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        for start in range(0, acc.shape[0], _FP32_ACCUMULATE_ROWS):
+            rows = slice(start, start + _FP32_ACCUMULATE_ROWS)
+            acc[rows] += (a[rows] @ b).float()
+
+
+def _shard_class_weight(cfg: LCEConfig, vocab_offset: int, vocab: int) -> torch.Tensor | None:
+    if cfg.class_weight is None:
+        return None
+    return cfg.class_weight[vocab_offset:vocab_offset + vocab].float().contiguous()
