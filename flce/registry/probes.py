@@ -39,6 +39,8 @@ class HardwareProbe:
 def system_probe() -> HardwareProbe:
     """The real hardware, with FLCE_PROBE_OVERRIDE applied on top."""
     real = _real_probe()
+    # The interpreter switch is an environment variable tests flip: never cached.
+    real = HardwareProbe(cuda=real.cuda, npu=real.npu, triton=real.triton, triton_interpret=_probe_interpret())
     override = os.environ.get(PROBE_ENV, "").strip()
     if not override:
         return real
@@ -56,7 +58,7 @@ def system_probe() -> HardwareProbe:
 @lru_cache(maxsize=1)
 def _real_probe() -> HardwareProbe:
     return HardwareProbe(cuda=_probe_cuda(), npu=_probe_npu(), triton=_probe_triton(),
-                         triton_interpret=_probe_interpret())
+                         triton_interpret=(False, "not probed"))
 
 
 def _probe_cuda() -> tuple[bool, str]:

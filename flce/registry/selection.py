@@ -93,14 +93,14 @@ def candidates_for(device_type: str, backend: str | None = None,
         ok, reason = chosen.is_available(probe)
         if not ok:
             raise RuntimeError(f"{source}{name!r}: backend is not available: {reason}")
-        if not chosen.serves(device_type, probe):
+        if not chosen.serves_when_asked(device_type, probe):
             raise RuntimeError(
                 f"{source}{name!r}: backend serves device types {chosen.device_types}, not {device_type!r}"
             )
         return Candidates((chosen,), explicit=True, passed_over=())
     usable, passed_over = [], []
     for b in registered_backends():
-        if not b.serves(device_type, probe):
+        if not b.serves(device_type):
             continue
         ok, reason = b.is_available(probe)
         if ok:
