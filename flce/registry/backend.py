@@ -37,9 +37,13 @@ class Backend:
     chunked: ChunkedFn | None = None
     variants: tuple[str, ...] = VARIANTS
 
-    def serves(self, device_type: str, probe: HardwareProbe) -> bool:
-        """True for its own device types, and for CPU tensors under the Triton interpreter
-        when the backend is Triton-based (it declares "interpret" among its device types)."""
-        if "any" in self.device_types or device_type in self.device_types:
+    def serves(self, device_type: str) -> bool:
+        """True for its own device types (every type for "any")."""
+        return "any" in self.device_types or device_type in self.device_types
+
+    def serves_when_asked(self, device_type: str, probe: HardwareProbe) -> bool:
+        """Also CPU tensors under the Triton interpreter, for Triton backends (that list
+        "interpret"), but only when asked for by name: never picked automatically."""
+        if self.serves(device_type):
             return True
         return device_type == "cpu" and "interpret" in self.device_types and probe.triton_interpret[0]
