@@ -1,0 +1,256 @@
+"""Side-by-side GPU benchmark of linear cross-entropy implementations (issue 7).
+
+One process, one GPU. For each shape (tokens x hidden x vocab, bf16) and method: forward+backward
+median time (triton.testing.do_bench), its ratio to the 3-GEMM floor measured in the same process,
+and peak memory above the gradients ((V*H + BT*H) * element size); forward-only too.
+
+    python tools/bench.py                       # all shapes, every method importable here
+    python tools/bench.py --shapes 8192x4096x128256 --methods flce,liger --markdown out.md
+
+Peers are used when importable: Liger-Kernel, Cut Cross-Entropy; torch's F.linear_cross_entropy
+when this torch has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import flce
+
+MiB = 1 << 20
+DEFAULT_SHAPES = ("4096x4096x32000", "8192x4096x128256", "16384x2048x151936")
+
+
+@dataclass
+class Case:
+    tokens: int
+    hidden: int
+    vocab: int
+    dtype: torch.dtype
+
+    @property
+    def label(self) -> str:
+        return f"{self.tokens}x{self.hidden}x{self.vocab}"
+
+
+def make_inputs(case: Case, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(case.tokens, case.hidden, device=device, dtype=case.dtype, generator=g)
+    w = (torch.randn(case.vocab, case.hidden, device=device, dtype=torch.float32, generator=g)
+         / case.hidden ** 0.5).to(case.dtype)
+    t = torch.randint(0, case.vocab, (case.tokens,), device=device, generator=g)
+    t[:: 17] = -100
+    return x.requires_grad_(), w.requires_grad_(), t
+
+
+# Each method: (x, w, t) -> loss, differentiable w.r.t. x and w.
+def torch_eager(x, w, t):  # noqa: ANN001, ANN201
+    return F.cross_entropy((x @ w.t()).float(), t, ignore_index=-100)
+
+
+_compiled_eager = None
+
+
+def torch_compile(x, w, t):  # noqa: ANN001, ANN201
+    global _compiled_eager
+    if _compiled_eager is None:
+        _compiled_eager = torch.compile(torch_eager)
+    return _compiled_eager(x, w, t)
+
+
+class _ChunkedGradAndValue(torch.autograd.Function):
+    """The chunked torch.func.grad_and_value + torch.compile recipe: gradients of each token chunk
+    computed during forward by a compiled function, handed out in backward."""
+
+    compiled = None
+
+    @staticmethod
+    def forward(ctx, x, w, t, chunk):  # noqa: ANN001, ANN205
+        if _ChunkedGradAndValue.compiled is None:
+            def chunk_loss(xc, wt, tc, denom):  # noqa: ANN001, ANN202
+                return F.cross_entropy((xc @ wt.t()).float(), tc, ignore_index=-100, reduction="sum") / denom
+            _ChunkedGradAndValue.compiled = torch.compile(torch.func.grad_and_value(chunk_loss, argnums=(0, 1)))
+        denom = (t != -100).sum().clamp_min(1).float()
+        gx = torch.empty_like(x)
+        gw = torch.zeros_like(w)
+        loss = torch.zeros((), device=x.device, dtype=torch.float32)
+        for s in range(0, x.shape[0], chunk):
+            (gxc, gwc), lc = _ChunkedGradAndValue.compiled(x[s:s + chunk], w, t[s:s + chunk], denom)
+            gx[s:s + chunk] = gxc
+            gw += gwc
+            loss += lc
+        ctx.save_for_backward(gx, gw)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        gx, gw = ctx.saved_tensors
+        return gx * grad, gw * grad, None, None
+
+
+def torch_chunked_compile(x, w, t):  # noqa: ANN001, ANN201
+    return _ChunkedGradAndValue.apply(x, w, t, 1024)
+
+
+def flce_default(x, w, t):  # noqa: ANN001, ANN201
+    return flce.linear_cross_entropy(x, w, t)
+
+
+def flce_64mib(x, w, t):  # noqa: ANN001, ANN201
+    return flce.linear_cross_entropy(x, w, t, memory_budget=64 * MiB)
+
+
+def peer_methods() -> dict[str, Callable]:
+    methods: dict[str, Callable] = {}
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+        methods["liger"] = lambda x, w, t: liger(w, x, t)
+    except Exception as exc:  # noqa: BLE001 - report any import failure and go on
+        print(f"liger unavailable: {exc}", file=sys.stderr)
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        methods["cce"] = lambda x, w, t: cce(x, w, t, ignore_index=-100)
+    except Exception as exc:  # noqa: BLE001
+        print(f"cut-cross-entropy unavailable: {exc}", file=sys.stderr)
+    if hasattr(F, "linear_cross_entropy"):
+        methods["torch_native_chunked"] = lambda x, w, t: F.linear_cross_entropy(x, w, t, ignore_index=-100)
+    return methods
+
+
+def all_methods() -> dict[str, Callable]:
+    methods = {"torch_eager": torch_eager, "torch_compile": torch_compile,
+               "torch_chunked_compile": torch_chunked_compile}
+    methods.update(peer_methods())
+    methods.update({"flce": flce_default, "flce_64MiB": flce_64mib})
+    return methods
+
+
+def bench_ms(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=100, rep=400, return_mode="median"))
+
+
+def measure(case: Case, name: str, method: Callable, device: str) -> dict:
+    x, w, t = make_inputs(case, device, seed=1)
+    grad_bytes = (case.vocab * case.hidden + case.tokens * case.hidden) * x.element_size()
+
+    def fwd_bwd() -> None:
+        loss = method(x, w, t)
+        torch.autograd.grad(loss, (x, w))
+
+    def fwd_only() -> None:
+        with torch.no_grad():
+            method(x, w, t)
+
+    row: dict = {"shape": case.label, "method": name}
+    try:
+        fwd_bwd()  # compile / autotune outside the measurement
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        row["peak_mib"] = (torch.cuda.max_memory_allocated() - base - grad_bytes) / MiB
+        row["fwd_bwd_ms"] = bench_ms(fwd_bwd)
+        fwd_only()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fwd_only()
+        torch.cuda.synchronize()
+        row["fwd_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / MiB
+        row["fwd_ms"] = bench_ms(fwd_only)
+    except Exception as exc:  # noqa: BLE001 - an OOM or a peer failure is a row, not a crash
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    del x, w, t
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def floors(case: Case, device: str) -> tuple[float, float]:
+    """(3-GEMM fwd+bwd floor ms, 1-GEMM forward floor ms) on the same inputs."""
+    x, w, _ = make_inputs(case, device, seed=2)
+    x, w = x.detach(), w.detach()
+    g = torch.randn(case.tokens, case.vocab, device=device, dtype=case.dtype) / case.vocab
+    three = bench_ms(lambda: (x @ w.t(), g @ w, g.t() @ x))
+    one = bench_ms(lambda: x @ w.t())
+    del x, w, g
+    gc.collect()
+    torch.cuda.empty_cache()
+    return three, one
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    lines = [header, "", "| shape | method | fwd+bwd ms | x floor | MiB above grads | fwd ms | fwd x 1 GEMM | fwd MiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['method']} | {r['error']} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['shape']} | {r['method']} | {r['fwd_bwd_ms']:.2f} | {r['ratio']:.3f}x | {r['peak_mib']:.0f} | "
+            f"{r['fwd_ms']:.2f} | {r['fwd_ratio']:.3f}x | {r['fwd_peak_mib']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
+    parser.add_argument("--methods", default=None, help="comma-separated subset of method names")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = "cuda"
+    dtype = getattr(torch, args.dtype)
+    methods = all_methods()
+    if args.methods:
+        methods = {k: v for k, v in methods.items() if k in args.methods.split(",")}
+    rows = []
+    for shape in args.shapes.split(","):
+        tokens, hidden, vocab = (int(v) for v in shape.split("x"))
+        case = Case(tokens, hidden, vocab, dtype)
+        floor3, floor1 = floors(case, device)
+        rows.append({"shape": case.label, "method": "3-GEMM floor", "fwd_bwd_ms": floor3, "ratio": 1.0,
+                     "peak_mib": 0.0, "fwd_ms": floor1, "fwd_ratio": 1.0, "fwd_peak_mib": 0.0})
+        for name, method in methods.items():
+            row = measure(case, name, method, device)
+            if "error" not in row:
+                row["ratio"] = row["fwd_bwd_ms"] / floor3
+                row["fwd_ratio"] = row["fwd_ms"] / floor1
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    gpu = torch.cuda.get_device_name()
+    header = (f"### {gpu}, {args.dtype}, {datetime.date.today()} — torch {torch.__version__}\n\n"
+              f"Command: `python tools/bench.py --shapes {args.shapes}`")
+    table = markdown(rows, header)
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "8")
+    main()

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One device call: install carried peer wheels, run the cuda-marked tests, then the benchmark.
+#   bash tools/gpu_checks.sh [bench args...]      (results under $OUT when set)
+set -uo pipefail
+OUT=${OUT:-/tmp/flce-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -m pytest -p no:cacheprovider tests/test_cuda_backend.py -m cuda -q -x 2>&1 | tail -25 | tee "$OUT/tests.txt"
+python3 tools/bench.py --json "$OUT/bench.json" --markdown "$OUT/bench.md" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
