@@ -1,0 +1,126 @@
+"""Test-session setup: hardware probed once, marker-based skips, shared fixtures.
+
+The markers ``cuda``, ``npu``, ``triton`` and ``distributed`` are registered in
+pyproject.toml (``[tool.pytest.ini_options]``), not here, so they are declared once.
+A test carrying one of them is skipped where that thing is absent, and the skip
+message says why (``pytest -rs`` lists them).
+
+Probes here look at the real machine and ignore ``FLCE_PROBE_OVERRIDE``: that variable
+fakes hardware for flce's registry, and a test that needs a GPU must not run on a
+machine that only pretends to have one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import zlib
+from collections.abc import Iterator
+from functools import lru_cache
+
+import pytest
+import torch
+
+SKIP_MARKERS = ("cuda", "npu", "triton", "distributed")
+SEED_ENV = "FLCE_TEST_SEED"
+
+
+@lru_cache(maxsize=1)
+def hardware() -> dict[str, tuple[bool, str]]:
+    """marker name -> (present, what was found or why it is absent); probed once per session."""
+    return {
+        "cuda": _probe_cuda(),
+        "npu": _probe_npu(),
+        "triton": _probe_triton(),
+        "distributed": _probe_distributed(),
+    }
+
+
+def _probe_cuda() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, f"torch.cuda.is_available() is False (torch {torch.__version__})"
+    return True, f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+
+
+def _probe_npu() -> tuple[bool, str]:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False, "torch_npu is not installed"
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as exc:  # a broken CANN install raises anything
+        return False, f"import torch_npu failed: {exc}"
+    if not torch.npu.is_available():
+        return False, "torch.npu.is_available() is False"
+    return True, f"{torch.npu.device_count()} NPU(s)"
+
+
+def _probe_triton() -> tuple[bool, str]:
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed (pip install -e .[test])"
+    try:
+        triton = importlib.import_module("triton")
+    except Exception as exc:
+        return False, f"import triton failed: {exc}"
+    return True, f"triton {triton.__version__}"
+
+
+def _probe_distributed() -> tuple[bool, str]:
+    if not torch.distributed.is_available():
+        return False, "torch.distributed is not available in this torch build"
+    if not torch.distributed.is_gloo_available():
+        return False, "torch.distributed has no gloo backend (needed to run ranks on the CPU)"
+    return True, "torch.distributed with gloo"
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    found = ", ".join(f"{name}={'yes' if ok else 'no'}" for name, (ok, _) in hardware().items())
+    return [f"flce hardware: {found}; {SEED_ENV}={os.environ.get(SEED_ENV, '0')}"]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for marker in item.iter_markers():
+        if marker.name in SKIP_MARKERS:
+            present, reason = hardware()[marker.name]
+            if not present:
+                pytest.skip(f"needs {marker.name}: {reason}")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The first available device: CUDA, then NPU, then the CPU."""
+    if hardware()["cuda"][0]:
+        return torch.device("cuda", 0)
+    if hardware()["npu"][0]:
+        return torch.device("npu", 0)
+    return torch.device("cpu")
+
+
+@pytest.fixture
+def generator(request: pytest.FixtureRequest) -> torch.Generator:
+    """A CPU generator seeded from the test's id (and FLCE_TEST_SEED, default 0): every test gets
+    its own fresh random inputs, reproducible run to run; set FLCE_TEST_SEED to draw others."""
+    base = int(os.environ.get(SEED_ENV, "0"))
+    seed = (zlib.crc32(request.node.nodeid.encode()) + 1_000_003 * base) % (2**63)
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def isolated_registry() -> Iterator[None]:
+    """Lets a test register fake backends: the registry, its warn-once memory and the cache of
+    get_impl classes are restored afterwards."""
+    import flce.module
+    from flce.registry import selection
+
+    selection.registered_backends()  # load the built-ins first, so they are part of the snapshot
+    saved_registry = dict(selection._registry)
+    saved_warned = set(selection._warned)
+    flce.module._impl_class.cache_clear()
+    try:
+        yield
+    finally:
+        selection._registry.clear()
+        selection._registry.update(saved_registry)
+        selection._warned.clear()
+        selection._warned.update(saved_warned)
+        flce.module._impl_class.cache_clear()
