@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any, ClassVar
 
 import torch
 
+from flce.backends.chunked_function import run_backend
 from flce.config import LCEConfig
 from flce.inputs import prepare_inputs
 from flce.outputs import LCEOutput
@@ -50,7 +51,7 @@ class LinearCrossEntropy(torch.nn.Module):
 
             return vocab_parallel_linear_cross_entropy(flat, cfg, self._candidates)
         backend = choose_for_call(self._candidates, cfg, flat)
-        return backend.run(flat, cfg, variant)
+        return run_backend(backend, flat, cfg, variant)
 
     def extra_repr(self) -> str:
         options = {k: v for k, v in vars(self.config).items() if k != "class_weight"}
@@ -77,7 +78,7 @@ def get_impl(
     return _impl_class(device_type, backend, variant, probe)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _impl_class(device_type: str, backend: str | None, variant: str,
                 probe: HardwareProbe | None) -> type[LinearCrossEntropy]:
     name = f"LinearCrossEntropy_{device_type}_{backend or 'auto'}_{variant}"
@@ -97,4 +98,7 @@ def linear_cross_entropy(
     **options: Any,
 ) -> torch.Tensor | LCEOutput:
     """Functional form of :class:`LinearCrossEntropy` on hidden's device."""
+    if not isinstance(hidden, torch.Tensor):
+        # Checked here because hidden also names the device: the module's own checks come later.
+        raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
     return get_impl(hidden, backend=backend, variant=variant)(**options)(hidden, weight, target, bias)

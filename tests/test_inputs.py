@@ -1,0 +1,222 @@
+"""Every bad-input case of DESIGN.md gets a clear error (type + the argument, value and what was
+expected) before any kernel runs; the valid edge cases (empty, non-contiguous) are accepted."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import make_inputs
+
+import flce
+import flce.backends.reference.function as reference_function
+
+H, V = 8, 11
+
+
+@pytest.fixture
+def no_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Fails the test if the reference backend starts computing: errors must come first."""
+    launched: list[str] = []
+
+    def refuse(*_args: Any, **_kwargs: Any) -> None:
+        launched.append("apply_chunked")
+        raise AssertionError("a kernel ran before the bad input was reported")
+
+    monkeypatch.setattr(reference_function, "apply_chunked", refuse)
+    yield launched
+    assert not launched
+
+
+@pytest.fixture
+def inputs(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden, weight, target, _ = make_inputs((6,), H, V, generator=generator, ignore_fraction=0.3)
+    return hidden, weight, target
+
+
+def call(hidden, weight, target, bias=None, **options):  # noqa: ANN001, ANN201
+    return flce.linear_cross_entropy(hidden, weight, target, bias, **options)
+
+
+def raises(error: type[Exception], *fragments: str):  # noqa: ANN201
+    """pytest.raises that requires every fragment (a literal) somewhere in the message."""
+    pattern = "".join(f"(?=[\\s\\S]*{re.escape(f)})" for f in fragments)
+    return pytest.raises(error, match=pattern)
+
+
+# --- tensors -------------------------------------------------------------------------------------
+
+
+def test_mismatched_hidden_size(inputs, no_kernel) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    with raises(ValueError, "hidden", f"{H + 1}", f"H={H}"):
+        call(torch.randn(6, H + 1), weight, target)
+
+
+def test_mismatched_token_count(inputs, no_kernel) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    with raises(ValueError, "target", "5 elements", "6 tokens"):
+        call(hidden, weight, target[:5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.complex64])
+def test_non_integer_target(inputs, no_kernel, dtype: torch.dtype) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    with raises(TypeError, "target", str(dtype)):
+        call(hidden, weight, target.clamp(0).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_narrow_integer_target_is_accepted(inputs, dtype: torch.dtype) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    target = target.clamp(0)
+    expected = call(hidden, weight, target)
+    torch.testing.assert_close(call(hidden, weight, target.to(dtype)), expected)
+
+
+@pytest.mark.parametrize("bad", [V, V + 7, -1, -101])
+def test_target_out_of_range(inputs, no_kernel, bad: int) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    target = target.clone()
+    target[3] = bad
+    with raises(ValueError, "target", str(bad), f"[0, {V})", "ignore_index=-100"):
+        call(hidden, weight, target)
+
+
+def test_custom_ignore_index_outside_vocab_is_accepted(inputs) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    shifted = torch.where(target == -100, V + 5, target)
+    torch.testing.assert_close(call(hidden, weight, shifted, ignore_index=V + 5), call(hidden, weight, target))
+
+
+def test_dtype_mismatch_outside_autocast(inputs, no_kernel) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    with raises(TypeError, "hidden", "torch.bfloat16", "weight", "torch.float32", "autocast"):
+        call(hidden.to(torch.bfloat16), weight, target)
+
+
+def test_bias_dtype_mismatch(inputs, no_kernel) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    with raises(TypeError, "bias", "torch.float64", "torch.float32"):
+        call(hidden, weight, target, torch.zeros(V, dtype=torch.float64) + 0.1)
+
+
+@pytest.mark.parametrize("shape", [(V + 1,), (1, V), ()])
+def test_bias_wrong_shape(inputs, no_kernel, shape) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    with raises(ValueError, "bias", f"[V={V}]", str(tuple(shape))):
+        call(hidden, weight, target, torch.rand(shape) + 0.1)
+
+
+def test_integer_hidden(inputs, no_kernel) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    with raises(ValueError, "hidden", "floating-point", "torch.int64"):
+        call(hidden.long(), weight, target)
+
+
+@pytest.mark.parametrize("weight_shape", [(V,), (V, H, 1)])
+def test_weight_not_2d(inputs, no_kernel, weight_shape) -> None:  # noqa: ANN001
+    hidden, _, target = inputs
+    with raises(ValueError, "weight", "[V, H]", str(weight_shape)):
+        call(hidden, torch.rand(weight_shape) + 0.1, target)
+
+
+@pytest.mark.parametrize("position", ["hidden", "weight", "target", "bias"])
+def test_not_a_tensor(inputs, no_kernel, position: str) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    args = {"hidden": hidden, "weight": weight, "target": target, "bias": None}
+    args[position] = [1.0, 2.0]
+    with raises(TypeError, position, "list"):
+        call(**args)
+
+
+def test_different_devices(inputs, no_kernel) -> None:  # noqa: ANN001
+    """The meta device stands in for an accelerator: the check is about devices, not hardware."""
+    hidden, weight, target = inputs
+    with raises(ValueError, "weight", "meta", "hidden", "cpu", "one device"):
+        call(hidden, weight.to("meta"), target)
+    with raises(ValueError, "target", "meta", "cpu"):
+        call(hidden, weight, target.to("meta"))
+
+
+def test_class_weight_on_another_device(inputs, no_kernel) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    with raises(ValueError, "class_weight", "meta", "cpu"):
+        call(hidden, weight, target, class_weight=torch.ones(V, device="meta"))
+
+
+# --- options -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "fragments"),
+    [
+        ({"reduction": "avg"}, ValueError, ("reduction", "'avg'", "'mean'", "'sum'", "'none'")),
+        ({"reduction": None}, ValueError, ("reduction", "None")),
+        ({"label_smoothing": -0.1}, ValueError, ("label_smoothing", "-0.1", "[0, 1]")),
+        ({"label_smoothing": 1.5}, ValueError, ("label_smoothing", "1.5", "[0, 1]")),
+        ({"label_smoothing": "0.1"}, TypeError, ("label_smoothing", "'0.1'", "real number")),
+        ({"label_smoothing": math.nan}, TypeError, ("label_smoothing", "nan", "finite")),
+        ({"lse_square_scale": -1e-4}, ValueError, ("lse_square_scale", "-0.0001", ">= 0")),
+        ({"softcap": 0.0}, ValueError, ("softcap", "0.0", "> 0")),
+        ({"softcap": -30.0}, ValueError, ("softcap", "-30.0", "> 0")),
+        ({"softcap": math.inf}, TypeError, ("softcap", "inf", "finite")),
+        ({"temperature": 0.0}, ValueError, ("temperature", "0.0", "> 0")),
+        ({"temperature": -1.0}, ValueError, ("temperature", "-1.0", "> 0")),
+        ({"temperature": True}, TypeError, ("temperature", "True")),
+        ({"ignore_index": 1.5}, TypeError, ("ignore_index", "1.5", "int")),
+        ({"accum_dtype": torch.float16}, ValueError, ("accum_dtype", "torch.float16", "torch.float32")),
+        ({"memory_budget": 0}, ValueError, ("memory_budget", "0", "positive")),
+        ({"memory_budget": -5}, ValueError, ("memory_budget", "-5", "positive")),
+        ({"memory_budget": 1.5e9}, TypeError, ("memory_budget", "int")),
+        ({"token_scaling": 1}, TypeError, ("token_scaling", "1", "bool")),
+        ({"return_logprobs": "yes"}, TypeError, ("return_logprobs", "'yes'", "bool")),
+        ({"class_weight": torch.ones(V, 2)}, ValueError, ("class_weight", "1-D", f"({V}, 2)")),
+        ({"class_weight": torch.ones(V, dtype=torch.int64)}, ValueError, ("class_weight", "floating-point")),
+        ({"class_weight": [1.0] * V}, ValueError, ("class_weight", "list")),
+        ({"reductoin": "sum"}, TypeError, ("reductoin",)),
+    ],
+    ids=lambda v: None if isinstance(v, (dict, type, tuple)) else str(v),
+)
+def test_bad_option(inputs, no_kernel, options: dict, error: type[Exception], fragments: tuple) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    with raises(error, *fragments):
+        flce.get_impl("cpu")(**options)
+    with raises(error, *fragments):
+        call(hidden, weight, target, **options)
+
+
+def test_class_weight_wrong_length(inputs, no_kernel) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    with raises(ValueError, "class_weight", f"[V={V}]", f"({V + 3},)"):
+        call(hidden, weight, target, class_weight=torch.ones(V + 3))
+
+
+def test_bad_variant_and_device(no_kernel) -> None:  # noqa: ANN001
+    with raises(ValueError, "variant", "'fast'", "'auto'"):
+        flce.get_impl("cpu", variant="fast")
+    with raises(ValueError, "device", "'not-a-device'"):
+        flce.get_impl("not-a-device")
+    with raises(TypeError, "device", "3.5"):
+        flce.get_impl(3.5)
+
+
+# --- valid edge cases ----------------------------------------------------------------------------
+
+
+def test_empty_input_is_valid() -> None:
+    loss = call(torch.randn(0, H), torch.randn(V, H), torch.zeros(0, dtype=torch.long))
+    assert loss.shape == () and float(loss) == 0.0
+
+
+def test_zero_dim_target_with_single_token(inputs) -> None:  # noqa: ANN001
+    """hidden [H] (one token) with a 0-d target: a [..., H] input with no leading dimensions."""
+    hidden, weight, target = inputs
+    target = target.clamp(0)
+    single = call(hidden[2], weight, target[2], reduction="none")
+    assert single.shape == ()
+    torch.testing.assert_close(single, call(hidden, weight, target, reduction="none")[2])
