@@ -74,6 +74,11 @@ class ChunkKernels(Protocol):
     def accumulate_fp32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """acc += a @ b with fp32 accumulation, for low-precision a and b, without a full-size temporary."""
 
+    def scale_(self, tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """tensor *= scale (a 0-d device tensor) in place, without a host sync; returns tensor.
+        The usual scale is exactly 1 (loss.backward()), which a kernel may detect on the device
+        and skip the pass over a V x H gradient."""
+
 
 @dataclass(frozen=True)
 class ChunkPlan:
@@ -130,8 +135,12 @@ class _GradAccumulator:
         self.grad_hidden = torch.empty_like(x) if wanted.hidden else None
         fp32_acc = cfg.accum_dtype == torch.float32 and w.dtype != torch.float32
         self.weight_acc = None
+        self.weight_written = False
         if wanted.weight:
-            self.weight_acc = torch.zeros(w.shape, dtype=torch.float32 if fp32_acc else w.dtype, device=w.device)
+            # fp32 accumulators are added into from the first chunk on; a same-dtype gradient is
+            # written by the first chunk's GEMM, which saves a V x H zero fill.
+            alloc = torch.zeros if fp32_acc else torch.empty
+            self.weight_acc = alloc(w.shape, dtype=torch.float32 if fp32_acc else w.dtype, device=w.device)
         self.bias_acc = (
             torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) if wanted.bias else None
         )
@@ -141,15 +150,20 @@ class _GradAccumulator:
         if self.grad_hidden is not None:
             torch.mm(grad_logits, self.flat.weight, out=self.grad_hidden[rows])
         if self.weight_acc is not None:
-            if self.weight_acc.dtype == grad_logits.dtype:
+            if self.weight_acc.dtype != grad_logits.dtype:
+                self.kernels.accumulate_fp32_(self.weight_acc, grad_logits.t(), x_rows)
+            elif self.weight_written:
                 self.weight_acc.addmm_(grad_logits.t(), x_rows)
             else:
-                self.kernels.accumulate_fp32_(self.weight_acc, grad_logits.t(), x_rows)
+                torch.mm(grad_logits.t(), x_rows, out=self.weight_acc)
+                self.weight_written = True
         if self.bias_acc is not None:
             self.bias_acc += grad_logits.sum(0, dtype=torch.float32)
 
     def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         w = self.flat.weight
+        if self.weight_acc is not None and self.weight_acc.dtype == w.dtype and not self.weight_written:
+            self.weight_acc.zero_()  # no rows at all
         grad_weight = None if self.weight_acc is None else self.weight_acc.to(w.dtype)
         grad_bias = None
         if self.bias_acc is not None:
@@ -173,8 +187,10 @@ def run_forward(
     plain: bool,
     grads_in_forward: GradTargets | None,
     sharding: Sharding | None = None,
+    backward_follows: bool = True,
 ) -> ForwardState:
-    """Loss and extras; with grads_in_forward, the unscaled gradients too."""
+    """Loss and extras; with grads_in_forward, the unscaled gradients too. backward_follows=False
+    (inference) never keeps logits for a backward."""
     target = flat.target
     n_rows = target.shape[0]
     vocab = sharding.global_vocab if sharding else flat.weight.shape[0]
@@ -182,7 +198,7 @@ def run_forward(
     denoms = denominators(target, cfg)
     one = torch.ones((), dtype=torch.float32, device=target.device)
     acc = _GradAccumulator(kernels, flat, cfg, grads_in_forward) if grads_in_forward else None
-    keep_logits = acc is None and plan.save_logits
+    keep_logits = backward_follows and acc is None and plan.save_logits
     saved: list[torch.Tensor] = []
     stats_per_chunk: list[RowStats] = []
     terms_per_chunk: list[RowTerms] = []
@@ -197,6 +213,7 @@ def run_forward(
             stats = RowStats(lse=lse, target_z=lse - loss_rows)
             terms_per_chunk.append(RowTerms(loss_rows, torch.zeros_like(loss_rows), t != cfg.ignore_index))
         else:
+            grad = None
             partial = kernels.row_stats(logits, t, cfg, vocab_offset)
             if sharding:
                 partial = sharding.combine(partial)
@@ -211,6 +228,8 @@ def run_forward(
         elif keep_logits:
             saved.append(logits)
         stats_per_chunk.append(stats)
+        # Drop this chunk's logits before the next chunk's GEMM allocates its own.
+        del logits, grad
 
     terms = _concat_terms(terms_per_chunk, target)
     loss, z_loss = reduce_terms(terms, cfg, denoms)
@@ -264,6 +283,9 @@ def run_backward(
             )
             grad = kernels.full_grad_(logits, t, cfg, vocab_offset, stats.lse, coeffs)
         acc.add(grad, rows)
+        del logits, grad
+        if saved is not None:
+            saved[k] = None  # type: ignore[call-overload]  # free each saved chunk once used
     return acc.result()
 
 

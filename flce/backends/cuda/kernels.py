@@ -192,3 +192,14 @@ def _full_grad_kernel(
             grad = grad * (1.0 - t * t)
         grad = grad * inv_temperature
         tl.store(row_ptr + start + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_kernel(ptr, scale_ptr, numel, BLOCK: tl.constexpr):
+    """ptr[:numel] *= scale, skipped entirely (no load, no store) when the device scalar is exactly 1."""
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if scale != 1.0:
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        values = tl.load(ptr + offsets, mask=mask).to(tl.float32)
+        tl.store(ptr + offsets, (values * scale).to(ptr.dtype.element_ty), mask=mask)

@@ -18,12 +18,17 @@ from flce.config import LCEConfig
 from flce.inputs import FlatInputs
 from flce.semantics import GradCoefficients, PartialRowStats, needs_argmax, needs_expected_z, needs_weighted_sum_z
 
-# Default working memory of one chunk's logits: keeps the default call under 512 MiB above the
-# gradients at a 128k-256k vocabulary while chunks stay >= 512 rows, where cuBLAS runs at full speed.
-DEFAULT_CHUNK_BUDGET = 256 * MiB
+# Default working memory of one chunk's logits when gradients are computed. Larger chunks mean fewer
+# read-modify-writes of the V x H weight gradient (one per chunk); this keeps the default call
+# under 512 MiB above the gradients.
+DEFAULT_CHUNK_BUDGET = 448 * MiB
+# Without gradients (evaluation, RL log-probs) nothing is accumulated across chunks, so small
+# chunks cost nothing: 256+ rows keep the GEMM at full speed at a 128k vocabulary.
+INFERENCE_CHUNK_BUDGET = 64 * MiB
 # Chunk rows are rounded down to this multiple: GEMM tiles stay full.
 ROW_MULTIPLE = 128
 MAX_BLOCK_V = 4096
+_SCALE_BLOCK = 8192
 # Rows of an fp32 gradient accumulator updated per GEMM when cuBLAS cannot write fp32 from bf16.
 _FP32_ACCUMULATE_ROWS = 8192
 
@@ -43,16 +48,32 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig) -> ChunkPlan:
     n_rows = flat.target.shape[0]
     vocab = flat.weight.shape[0]
     row_bytes = vocab * flat.weight.element_size()
-    budget = cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET
-    tokens = budget // row_bytes
-    if tokens >= 2 * ROW_MULTIPLE:
-        tokens -= tokens % ROW_MULTIPLE
-    tokens = max(1, min(n_rows, tokens))
+    if cfg.memory_budget is not None:
+        budget = cfg.memory_budget
+    else:
+        budget = DEFAULT_CHUNK_BUDGET if _gradients_follow(flat) else INFERENCE_CHUNK_BUDGET
+    tokens = balanced_chunk_rows(n_rows, max(1, budget // row_bytes))
     logits_bytes = n_rows * row_bytes
     save_limit = default_logits_save_limit(flat.hidden.device)
     if cfg.memory_budget is not None:
         save_limit = min(save_limit, cfg.memory_budget - tokens * row_bytes)
     return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit)
+
+
+def _gradients_follow(flat: FlatInputs) -> bool:
+    tensors = (flat.hidden, flat.weight, flat.bias)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def balanced_chunk_rows(n_rows: int, max_rows: int) -> int:
+    """Rows per chunk: as few chunks as max_rows allows, split evenly, rounded to ROW_MULTIPLE
+    when that still fits (1664 + 1664 + ... rather than 1792 + ... + a small tail)."""
+    if n_rows <= max_rows:
+        return max(1, n_rows)
+    n_chunks = -(-n_rows // max_rows)
+    rows = -(-n_rows // n_chunks)
+    rounded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    return rounded if rounded <= max_rows else rows
 
 
 def _scale_stride(t: torch.Tensor) -> int:
@@ -130,6 +151,13 @@ class TritonChunkKernels:
             BLOCK_V=p.block_v, num_warps=p.num_warps,
         )
         return logits
+
+    def scale_(self, tensor, scale):  # noqa: ANN001, ANN201
+        if not tensor.is_contiguous() or tensor.numel() == 0:
+            return tensor.mul_(scale.to(tensor.dtype))
+        kernels._scale_kernel[(triton.cdiv(tensor.numel(), _SCALE_BLOCK),)](
+            tensor, scale, tensor.numel(), BLOCK=_SCALE_BLOCK, num_warps=8)
+        return tensor
 
     def accumulate_fp32_(self, acc, a, b) -> None:  # noqa: ANN001
         if acc.is_cuda:

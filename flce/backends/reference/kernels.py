@@ -85,6 +85,9 @@ class ReferenceKernels:
             grad -= coeffs.e.unsqueeze(1) * weight
         return _in_dtype(chain_through_cap(grad, z, cfg), logits)
 
+    def scale_(self, tensor, scale):  # noqa: ANN001, ANN201
+        return tensor.mul_(scale.to(tensor.dtype))
+
     def accumulate_fp32_(self, acc, a, b) -> None:  # noqa: ANN001
         for start in range(0, acc.shape[0], _FP32_ACCUMULATE_ROWS):
             rows = slice(start, start + _FP32_ACCUMULATE_ROWS)
