@@ -111,7 +111,8 @@ def _check_target_range(target: torch.Tensor, vocab: int, ignore_index: int, sha
     With a process group, V is only this rank's shard; the distributed wrapper
     checks against the global vocabulary instead.
     """
-    if sharded or target.numel() == 0:
+    if sharded or target.numel() == 0 or torch.compiler.is_compiling():
+        # Under torch.compile the custom op checks at run time: reading values here would break the graph.
         return
     bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
     if target.device.type == "cpu":

@@ -1,13 +1,32 @@
-"""The autograd.Function around :mod:`flce.backends.chunk_driver`, shared by every backend.
+"""The autograd wrappers around :mod:`flce.backends.chunk_driver`, shared by every backend.
 
-A backend's ``function.py`` binds its kernels and plan to :func:`apply_chunked`.
+Two wrappers drive the same chunk loop:
+
+* :class:`ChunkedLCEFunction`, a ``torch.autograd.Function``, serves eager calls. A backend's
+  ``function.py`` binds its kernels and plan to :func:`apply_chunked`.
+* The custom ops ``flce::chunked_forward`` / ``flce::chunked_backward`` serve calls that
+  ``torch.compile`` traces (:func:`run_backend` routes them). Their schema holds only tensors and
+  primitives (backend name, variant, the option values), so the compiler sees one opaque node per
+  direction and never breaks the graph; inside, the op rebuilds the config and asks the named
+  backend for its kernels and plan, exactly as an eager call does.
+
+Why eager calls keep the Function: the deferred schedule can keep forward's logits chunks for
+backward (one GEMM fewer), and an op cannot return a list whose length depends on the token
+count, so under the op backward recomputes them. Everything else is the same work: in the
+in-forward schedule the op returns the unscaled gradients and its backward scales them in place
+(they are the op's own outputs, held only by autograd; under torch.compile AOTAutograd donates
+them to the backward graph and Inductor writes the scaled result over the same buffers, so no
+V x H copy appears in either mode). Vocab-parallel calls (a process group) always use the
+Function: the op's schema cannot carry a process group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from flce.backends.chunk_driver import (
     ChunkKernels,
@@ -15,12 +34,15 @@ from flce.backends.chunk_driver import (
     ForwardState,
     GradTargets,
     Sharding,
+    chunk_bounds,
     run_backward,
     run_forward,
 )
 from flce.config import LCEConfig
-from flce.inputs import FlatInputs
+from flce.inputs import FlatInputs, _check_target_range
 from flce.outputs import LCEOutput
+from flce.registry import Backend, registered_backends
+from flce.semantics import RowStats, denominators, needs_expected_z
 
 
 @dataclass(frozen=True)
@@ -52,12 +74,12 @@ class ChunkedLCEFunction(torch.autograd.Function):
         eager = wanted.any and grads_in_forward_allowed(call.cfg)
         state = run_forward(
             call.kernels, flat, call.cfg, call.plan, call.plain,
-            grads_in_forward=wanted if eager else None, sharding=call.sharding,
+            grads_in_forward=wanted if eager else None, sharding=call.sharding, backward_follows=wanted.any,
         )
         ctx.call, ctx.state, ctx.wanted, ctx.eager = call, state, wanted, eager
         if not eager and wanted.any:
             ctx.save_for_backward(hidden, weight, bias, target)
-        outputs = _shape_outputs(state, call, hidden)
+        outputs = _shape_outputs(_flat_outputs(state, call.cfg, hidden), call.cfg, call.token_shape)
         ctx.mark_non_differentiable(outputs[1], outputs[2], outputs[3])
         return outputs
 
@@ -73,7 +95,7 @@ class ChunkedLCEFunction(torch.autograd.Function):
                 )
             grads, state.grads = state.grads, None
             scale = grad_loss.reshape(())
-            grad_hidden, grad_weight, grad_bias = (None if g is None else g.mul_(scale.to(g.dtype)) for g in grads)
+            grad_hidden, grad_weight, grad_bias = (None if g is None else call.kernels.scale_(g, scale) for g in grads)
         else:
             hidden, weight, bias, target = ctx.saved_tensors
             flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=call.token_shape)
@@ -85,36 +107,53 @@ class ChunkedLCEFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
-def _shape_outputs(state: ForwardState, call: ChunkedCall, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Six tensors, empty where not asked; per-token outputs take the target's shape."""
-    out_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    empty = hidden.new_empty(0, dtype=out_dtype)
+def _output_dtype(hidden: Tensor) -> torch.dtype:
+    return torch.promote_types(hidden.dtype, torch.float32)
 
-    def per_token(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(call.token_shape)
 
-    def shaped(t: torch.Tensor) -> torch.Tensor:
-        t = t.to(out_dtype) if t.is_floating_point() else t
-        return per_token(t) if call.cfg.reduction == "none" else t
+def _flat_outputs(state: ForwardState, cfg: LCEConfig, hidden: Tensor) -> tuple[Tensor, ...]:
+    """(loss, z_loss, token_accuracy, predicted_tokens, logprobs, entropy): per-token ones flat [N],
+    each one its own tensor (a fresh empty one where not asked: op outputs may not alias)."""
+    out_dtype = _output_dtype(hidden)
+
+    def empty(dtype: torch.dtype = out_dtype) -> Tensor:
+        return hidden.new_empty(0, dtype=dtype)
+
+    def in_out_dtype(t: Tensor) -> Tensor:
+        return t.to(out_dtype) if t.is_floating_point() else t
 
     ex = state.extras
-    cfg = call.cfg
     return (
-        shaped(state.loss),
-        shaped(state.z_loss) if cfg.return_z_loss else empty,
-        shaped(ex["token_accuracy"]) if cfg.return_token_accuracy else empty,
-        per_token(ex["predicted_tokens"]) if cfg.return_predicted_tokens else empty.long(),
-        per_token(ex["logprobs"].to(out_dtype)) if cfg.return_logprobs else empty,
-        per_token(ex["entropy"].to(out_dtype)) if cfg.return_entropy else empty,
+        in_out_dtype(state.loss),
+        in_out_dtype(state.z_loss) if cfg.return_z_loss else empty(),
+        in_out_dtype(ex["token_accuracy"]) if cfg.return_token_accuracy else empty(),
+        ex["predicted_tokens"] if cfg.return_predicted_tokens else empty(torch.int64),
+        in_out_dtype(ex["logprobs"]) if cfg.return_logprobs else empty(),
+        in_out_dtype(ex["entropy"]) if cfg.return_entropy else empty(),
     )
 
 
-def apply_chunked(flat: FlatInputs, call: ChunkedCall) -> torch.Tensor | LCEOutput:
-    """Run the function and return the loss, or an LCEOutput when extras were asked."""
-    loss, z_loss, acc, pred, logprobs, entropy = ChunkedLCEFunction.apply(
-        flat.hidden, flat.weight, flat.bias, flat.target, call
+def _shape_outputs(outputs: tuple[Tensor, ...], cfg: LCEConfig, token_shape: torch.Size) -> tuple[Tensor, ...]:
+    """Per-token outputs (and the reduction="none" loss, z_loss, accuracy) take the target's shape."""
+    loss, z_loss, acc, pred, logprobs, entropy = outputs
+    per_row = cfg.reduction == "none"
+
+    def shaped(t: Tensor, asked: bool, per_token: bool) -> Tensor:
+        return t.reshape(token_shape) if asked and per_token else t
+
+    return (
+        shaped(loss, True, per_row),
+        shaped(z_loss, cfg.return_z_loss, per_row),
+        shaped(acc, cfg.return_token_accuracy, per_row),
+        shaped(pred, cfg.return_predicted_tokens, True),
+        shaped(logprobs, cfg.return_logprobs, True),
+        shaped(entropy, cfg.return_entropy, True),
     )
-    cfg = call.cfg
+
+
+def _as_result(outputs: tuple[Tensor, ...], cfg: LCEConfig) -> Tensor | LCEOutput:
+    """The loss, or an LCEOutput when extras were asked."""
+    loss, z_loss, acc, pred, logprobs, entropy = outputs
     if not cfg.returns_extras:
         return loss
     return LCEOutput(
@@ -125,3 +164,302 @@ def apply_chunked(flat: FlatInputs, call: ChunkedCall) -> torch.Tensor | LCEOutp
         logprobs=logprobs if cfg.return_logprobs else None,
         entropy=entropy if cfg.return_entropy else None,
     )
+
+
+def apply_chunked(flat: FlatInputs, call: ChunkedCall) -> Tensor | LCEOutput:
+    """Run the Function and return the loss, or an LCEOutput when extras were asked."""
+    outputs = ChunkedLCEFunction.apply(flat.hidden, flat.weight, flat.bias, flat.target, call)
+    return _as_result(outputs, call.cfg)
+
+
+def run_backend(backend: Backend, flat: FlatInputs, cfg: LCEConfig, variant: str) -> Tensor | LCEOutput:
+    """Compute a call on ``backend``: through the custom op while torch.compile traces (so the
+    graph does not break), else through the backend's own entry point."""
+    if torch.compiler.is_compiling() and backend.chunked is not None and cfg.process_group is None:
+        return apply_chunked_op(backend.name, flat, cfg, variant)
+    return backend.run(flat, cfg, variant)
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops. Options travel as keyword-only primitives; _op_options and _config_from_options
+# are the two directions of that encoding.
+
+def _op_options(cfg: LCEConfig) -> dict[str, Any]:
+    return {
+        "ignore_index": int(cfg.ignore_index),
+        "reduction": cfg.reduction,
+        "label_smoothing": float(cfg.label_smoothing),
+        "lse_square_scale": float(cfg.lse_square_scale),
+        "softcap": None if cfg.softcap is None else float(cfg.softcap),
+        "temperature": float(cfg.temperature),
+        "token_scaling": cfg.token_scaling,
+        "fp32_accumulation": cfg.accum_dtype == torch.float32,
+        "memory_budget": cfg.memory_budget,
+        "return_z_loss": cfg.return_z_loss,
+        "return_token_accuracy": cfg.return_token_accuracy,
+        "return_predicted_tokens": cfg.return_predicted_tokens,
+        "return_logprobs": cfg.return_logprobs,
+        "return_entropy": cfg.return_entropy,
+    }
+
+
+def _config_from_options(class_weight: Tensor | None, options: dict[str, Any]) -> LCEConfig:
+    values = dict(options)
+    fp32 = values.pop("fp32_accumulation")
+    return LCEConfig(class_weight=class_weight, accum_dtype=torch.float32 if fp32 else None, **values)
+
+
+_OPTION_NAMES = tuple(_op_options(LCEConfig()))
+
+
+def _options_of(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The option values among an op's arguments."""
+    return {name: arguments[name] for name in _OPTION_NAMES}
+
+
+def _backend_call(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str) -> ChunkedCall:
+    """The named backend's kernels and plan for this call, rebuilt inside the op."""
+    by_name = {b.name: b for b in registered_backends()}
+    if backend not in by_name or by_name[backend].chunked is None:
+        chunked = sorted(name for name, b in by_name.items() if b.chunked is not None)
+        raise ValueError(f"backend={backend!r}: expected a registered chunk-loop backend, one of {chunked}")
+    return by_name[backend].chunked(flat, cfg, variant)
+
+
+def _wanted(grad_hidden: bool, grad_weight: bool, grad_bias: bool, bias: Tensor | None) -> GradTargets:
+    return GradTargets(hidden=grad_hidden, weight=grad_weight, bias=grad_bias and bias is not None)
+
+
+def _stat_dtype(hidden: Tensor) -> torch.dtype:
+    """Row statistics are fp32 (fp64 for fp64 inputs), whatever the compute dtype."""
+    return torch.promote_types(hidden.dtype, torch.float32)
+
+
+@torch.library.custom_op("flce::chunked_forward", mutates_args=())
+def chunked_forward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    class_weight: Tensor | None,
+    *,
+    backend: str,
+    variant: str,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float | None,
+    temperature: float,
+    token_scaling: bool,
+    fp32_accumulation: bool,
+    memory_budget: int | None,
+    return_z_loss: bool,
+    return_token_accuracy: bool,
+    return_predicted_tokens: bool,
+    return_logprobs: bool,
+    return_entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Forward of one call on flat inputs (hidden [N, H], weight [V, H], target [N] int64).
+
+    Returns the six user outputs (flat, empty where not asked), then the unscaled gradients
+    of hidden, weight, bias (in-forward schedule, empty otherwise), then the row statistics
+    lse, target_z, expected_z [N] that the deferred schedule's backward needs (empty otherwise).
+    """
+    cfg = _config_from_options(class_weight, _options_of(locals()))
+    flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
+    # prepare_inputs leaves this check to the op while torch.compile traces (it needs the values).
+    _check_target_range(target, weight.shape[0], cfg.ignore_index, sharded=False)
+    call = _backend_call(backend, flat, cfg, variant)
+    wanted = _wanted(grad_hidden, grad_weight, grad_bias, bias)
+    in_forward = wanted.any and grads_in_forward_allowed(cfg)
+    plan = replace(call.plan, save_logits=False)
+    state = run_forward(call.kernels, flat, cfg, plan, call.plain, grads_in_forward=wanted if in_forward else None)
+
+    def empty() -> Tensor:
+        return hidden.new_empty(0)
+
+    grads = state.grads if in_forward else (None, None, None)
+    grad_outputs = tuple(empty() if g is None else g for g in grads)
+    stat_dtype = _stat_dtype(hidden)
+
+    def stat(name: str) -> Tensor:
+        parts = [getattr(s, name) for s in state.stats]
+        if not parts or parts[0] is None:
+            return hidden.new_empty(0, dtype=stat_dtype)
+        return torch.cat(parts).to(stat_dtype)
+
+    keep_stats = wanted.any and not in_forward
+    stats = tuple(stat(name) if keep_stats else hidden.new_empty(0, dtype=stat_dtype)
+                  for name in ("lse", "target_z", "expected_z"))
+    return (*_flat_outputs(state, cfg, hidden), *grad_outputs, *stats)
+
+
+@chunked_forward.register_fake
+def _chunked_forward_fake(hidden, weight, bias, target, class_weight, **kw):  # noqa: ANN001, ANN003, ANN202
+    cfg = _config_from_options(None, _options_of(kw))
+    n = target.shape[0]
+    out_dtype = _output_dtype(hidden)
+
+    def per_row(asked: bool, dtype: torch.dtype = out_dtype, rows: bool = True) -> Tensor:
+        if not asked:
+            return hidden.new_empty(0, dtype=dtype)
+        return hidden.new_empty(n if rows else (), dtype=dtype)
+
+    row_reduced = cfg.reduction == "none"
+    wanted = _wanted(kw["grad_hidden"], kw["grad_weight"], kw["grad_bias"], bias)
+    in_forward = wanted.any and grads_in_forward_allowed(cfg)
+    grads = (
+        torch.empty_like(hidden) if in_forward and wanted.hidden else hidden.new_empty(0),
+        weight.new_empty(weight.shape) if in_forward and wanted.weight else hidden.new_empty(0),
+        bias.new_empty(bias.shape) if in_forward and wanted.bias else hidden.new_empty(0),
+    )
+    keep_stats = wanted.any and not in_forward
+    stat_dtype = _stat_dtype(hidden)
+    stats = (
+        per_row(keep_stats, stat_dtype),
+        per_row(keep_stats, stat_dtype),
+        per_row(keep_stats and not kw["variant"] == "plain" and needs_expected_z(cfg), stat_dtype),
+    )
+    return (
+        per_row(True, rows=row_reduced),
+        per_row(cfg.return_z_loss, rows=row_reduced),
+        per_row(cfg.return_token_accuracy, rows=row_reduced),
+        per_row(cfg.return_predicted_tokens, torch.int64),
+        per_row(cfg.return_logprobs),
+        per_row(cfg.return_entropy),
+        *grads,
+        *stats,
+    )
+
+
+@torch.library.custom_op("flce::chunked_backward", mutates_args=())
+def chunked_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    class_weight: Tensor | None,
+    lse: Tensor,
+    target_z: Tensor,
+    expected_z: Tensor,
+    grad_loss: Tensor | None,
+    grad_logprobs: Tensor | None,
+    grad_entropy: Tensor | None,
+    *,
+    backend: str,
+    variant: str,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float | None,
+    temperature: float,
+    token_scaling: bool,
+    fp32_accumulation: bool,
+    memory_budget: int | None,
+    return_z_loss: bool,
+    return_token_accuracy: bool,
+    return_predicted_tokens: bool,
+    return_logprobs: bool,
+    return_entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Deferred-schedule backward: gradients of hidden, weight, bias (empty where not wanted)
+    from forward's row statistics and the upstream gradients, recomputing each chunk's logits."""
+    cfg = _config_from_options(class_weight, _options_of(locals()))
+    flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
+    call = _backend_call(backend, flat, cfg, variant)
+    wanted = _wanted(grad_hidden, grad_weight, grad_bias, bias)
+    with_expected_z = not call.plain and needs_expected_z(cfg)
+    stats = [
+        RowStats(lse=lse[rows], target_z=target_z[rows], expected_z=expected_z[rows] if with_expected_z else None)
+        for rows in chunk_bounds(target.shape[0], call.plan.tokens_per_chunk)
+    ]
+    empty = hidden.new_empty(0)
+    state = ForwardState(loss=empty, z_loss=empty, extras={}, denoms=denominators(target, cfg), stats=stats)
+    grads = run_backward(
+        call.kernels, flat, cfg, call.plan, call.plain, state, wanted, grad_loss,
+        grad_logprobs if cfg.return_logprobs else None, grad_entropy if cfg.return_entropy else None,
+    )
+    return tuple(hidden.new_empty(0) if g is None else g for g in grads)
+
+
+@chunked_backward.register_fake
+def _chunked_backward_fake(hidden, weight, bias, target, class_weight, *_tensors, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    wanted = _wanted(kw["grad_hidden"], kw["grad_weight"], kw["grad_bias"], bias)
+    return (
+        torch.empty_like(hidden) if wanted.hidden else hidden.new_empty(0),
+        weight.new_empty(weight.shape) if wanted.weight else hidden.new_empty(0),
+        bias.new_empty(bias.shape) if wanted.bias else hidden.new_empty(0),
+    )
+
+
+# Output positions of flce::chunked_forward.
+_USER_OUTPUTS = slice(0, 6)
+_GRADS = slice(6, 9)
+_STATS = slice(9, 12)
+
+
+def _forward_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:  # noqa: ANN001
+    hidden, weight, bias, target, class_weight = inputs
+    kw = keyword_only_inputs
+    cfg = _config_from_options(None, _options_of(kw))
+    wanted = _wanted(kw["grad_hidden"], kw["grad_weight"], kw["grad_bias"], bias)
+    ctx.kw = kw
+    ctx.wanted = wanted
+    ctx.in_forward = wanted.any and grads_in_forward_allowed(cfg)
+    ctx.has_bias = bias is not None
+    if ctx.in_forward:
+        ctx.save_for_backward(*output[_GRADS])
+    elif wanted.any:
+        ctx.save_for_backward(hidden, weight, bias, target, class_weight, *output[_STATS])
+    z_loss, acc, pred = output[1:4]
+    ctx.mark_non_differentiable(z_loss, acc, pred, *output[_GRADS], *output[_STATS])
+
+
+def _forward_backward(ctx, grad_loss, _z, _acc, _pred, grad_logprobs, grad_entropy, *_unused):  # noqa: ANN001, ANN002, ANN202
+    wanted = ctx.wanted
+    asked = (wanted.hidden, wanted.weight, wanted.bias)
+    if not wanted.any:
+        return None, None, None, None, None
+    if ctx.in_forward:
+        # These gradients are this op's own outputs and only autograd holds them: scale them in place.
+        saved = ctx.saved_tensors
+        if grad_loss is None:
+            grad_loss = torch.zeros((), device=saved[0].device)
+        scale = grad_loss.reshape(())
+        grads = tuple(g.mul_(scale.to(g.dtype)) if a else None for g, a in zip(saved, asked, strict=True))
+    else:
+        hidden, weight, bias, target, class_weight, lse, target_z, expected_z = ctx.saved_tensors
+        results = torch.ops.flce.chunked_backward(
+            hidden, weight, bias, target, class_weight, lse, target_z, expected_z,
+            grad_loss, grad_logprobs, grad_entropy, **ctx.kw,
+        )
+        grads = tuple(g if a else None for g, a in zip(results, asked, strict=True))
+    return grads[0], grads[1], grads[2], None, None
+
+
+chunked_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+
+
+def apply_chunked_op(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str) -> Tensor | LCEOutput:
+    """The call through the custom ops (what torch.compile sees): same results as apply_chunked."""
+    if cfg.process_group is not None:
+        raise ValueError("process_group: vocab-parallel calls run through apply_chunked, not the custom op")
+    grad_mode = torch.is_grad_enabled()
+    outputs = torch.ops.flce.chunked_forward(
+        flat.hidden, flat.weight, flat.bias, flat.target, cfg.class_weight,
+        backend=backend,
+        variant=variant,
+        grad_hidden=grad_mode and flat.hidden.requires_grad,
+        grad_weight=grad_mode and flat.weight.requires_grad,
+        grad_bias=grad_mode and flat.bias is not None and flat.bias.requires_grad,
+        **_op_options(cfg),
+    )
+    return _as_result(_shape_outputs(tuple(outputs[_USER_OUTPUTS]), cfg, flat.token_shape), cfg)
