@@ -1,0 +1,177 @@
+"""The public surface: get_impl's module class, the functional form, LCEOutput, variants and
+autograd behaviour (which inputs get gradients, repeated calls, repeated backward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    Upstream,
+    assert_close_per_design,
+    flce_grads,
+    make_inputs,
+    random_class_weight,
+    reference_grads,
+    reference_loss,
+)
+
+import flce
+from flce import LCEOutput
+from flce.config import LCEConfig
+
+H, V = 16, 57
+
+FULL_FEATURE_VALUES = {
+    "label_smoothing": 0.1,
+    "lse_square_scale": 1e-4,
+    "softcap": 30.0,
+    "class_weight": torch.ones(V),
+    "temperature": 0.5,
+    "token_scaling": True,
+    "return_z_loss": True,
+    "return_token_accuracy": True,
+    "return_predicted_tokens": True,
+    "return_logprobs": True,
+    "return_entropy": True,
+}
+
+
+def test_public_surface() -> None:
+    assert set(flce.__all__) == {"Backend", "LCEOutput", "LinearCrossEntropy", "available_backends", "get_impl",
+                                 "linear_cross_entropy", "register_backend"}
+    assert LCEOutput._fields == ("loss", "z_loss", "token_accuracy", "predicted_tokens", "logprobs", "entropy")
+
+
+@pytest.mark.parametrize("option", FULL_FEATURE_VALUES)
+def test_plain_variant_rejects_full_feature_option(option: str, generator: torch.Generator) -> None:
+    value = FULL_FEATURE_VALUES[option]
+    with pytest.raises(ValueError, match=f"variant='plain' cannot serve {option}"):
+        flce.get_impl("cpu", variant="plain")(**{option: value})
+    hidden, weight, target, _ = make_inputs((4,), H, V, generator=generator)
+    with pytest.raises(ValueError, match=f"variant='plain' cannot serve {option}"):
+        flce.linear_cross_entropy(hidden, weight, target, variant="plain", **{option: value})
+
+
+def test_plain_variant_names_every_offending_option() -> None:
+    with pytest.raises(ValueError, match="cannot serve label_smoothing, softcap; use variant='full' or 'auto'"):
+        flce.get_impl("cpu", variant="plain")(label_smoothing=0.1, softcap=5.0)
+
+
+def test_full_feature_options_are_exactly_the_design_list() -> None:
+    assert set(LCEConfig(**FULL_FEATURE_VALUES).full_feature_options()) == set(FULL_FEATURE_VALUES)
+    assert LCEConfig(ignore_index=3, reduction="none", accum_dtype=torch.float32, memory_budget=1 << 20)\
+        .full_feature_options() == [], "these options are served by the plain variant"
+
+
+def test_outputs_without_and_with_extras(generator: torch.Generator) -> None:
+    hidden, weight, target, _ = make_inputs((2, 5), H, V, generator=generator)
+    plain = flce.linear_cross_entropy(hidden, weight, target)
+    assert isinstance(plain, torch.Tensor) and plain.shape == () and plain.dtype == torch.float32
+    out = flce.linear_cross_entropy(hidden, weight, target, return_logprobs=True, return_token_accuracy=True)
+    assert isinstance(out, LCEOutput)
+    assert out.z_loss is None and out.predicted_tokens is None and out.entropy is None
+    assert out.logprobs.shape == (2, 5) and out.token_accuracy.shape == ()
+    assert out.loss.requires_grad is False, "inputs without requires_grad give a loss without a graph"
+    torch.testing.assert_close(out.loss, plain)
+
+
+def test_module_is_reusable_with_fresh_inputs(generator: torch.Generator) -> None:
+    """One module, several calls with fresh random inputs and shapes: nothing is cached between calls."""
+    module = flce.get_impl("cpu")(reduction="sum", label_smoothing=0.05, return_entropy=True)
+    for tokens in (7, 12, 3):
+        hidden, weight, target, bias = make_inputs((tokens,), H, V, bias=True, generator=generator)
+        upstream = Upstream(loss=torch.randn((), generator=generator, dtype=torch.float64),
+                            entropy=torch.randn(tokens, generator=generator, dtype=torch.float64))
+        out, grads = flce_grads(module, hidden, weight, target, bias, upstream)
+        ref, ref_grads = reference_grads(hidden, weight, target, bias, upstream, reduction="sum",
+                                         label_smoothing=0.05)
+        assert_close_per_design(out.loss, ref.loss, kind="forward", dtype=torch.float32, name="loss")
+        assert_close_per_design(out.entropy, ref.entropy, kind="forward", dtype=torch.float32, name="entropy")
+        assert_close_per_design(grads.weight, ref_grads.weight, kind="grad_weight", dtype=torch.float32,
+                                name="grad weight")
+
+
+def test_functional_equals_module(generator: torch.Generator) -> None:
+    hidden, weight, target, bias = make_inputs((9,), H, V, bias=True, generator=generator, ignore_index=1)
+    options = {"reduction": "none", "softcap": 10.0, "ignore_index": 1}
+    torch.testing.assert_close(flce.linear_cross_entropy(hidden, weight, target, bias, **options),
+                               flce.get_impl(hidden)(**options)(hidden, weight, target, bias), rtol=0, atol=0)
+
+
+def test_class_weight_is_a_buffer_that_moves_with_the_module(generator: torch.Generator) -> None:
+    cw = random_class_weight(V, generator)
+    module = flce.get_impl("cpu")(class_weight=cw)
+    assert "class_weight" not in module.state_dict(), "class weights are configuration, not state"
+    hidden, weight, target, _ = make_inputs((8,), H, V, dtype=torch.float64, generator=generator)
+    module = module.double()
+    assert module.class_weight.dtype == torch.float64
+    loss = module(hidden, weight, target)
+    expected = reference_loss(hidden, weight, target, class_weight=cw).loss
+    assert_close_per_design(loss, expected, kind="forward", dtype=torch.float64, name="loss")
+    assert "'reduction': 'mean'" in repr(module) and "backend=None" in repr(module)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("wanted", ["hidden", "weight", "bias"])
+def test_gradients_only_where_asked(wanted: str, reduction: str, generator: torch.Generator) -> None:
+    hidden, weight, target, bias = make_inputs((6,), H, V, bias=True, generator=generator)
+    tensors = {"hidden": hidden, "weight": weight, "bias": bias}
+    tensors[wanted].requires_grad_()
+    loss = flce.linear_cross_entropy(tensors["hidden"], tensors["weight"], target, tensors["bias"],
+                                     reduction=reduction)
+    loss.sum().backward()
+    for name, t in tensors.items():
+        assert (t.grad is not None) == (name == wanted), f"{name}.grad with only {wanted} requiring grad"
+    upstream = Upstream(loss=torch.ones(() if reduction == "mean" else (6,), dtype=torch.float64))
+    _, ref_grads = reference_grads(hidden, weight, target, bias, upstream, reduction=reduction)
+    kind = "grad_hidden" if wanted == "hidden" else "grad_weight"
+    assert_close_per_design(tensors[wanted].grad, getattr(ref_grads, wanted), kind=kind, dtype=torch.float32,
+                            name=f"grad {wanted}")
+
+
+def test_no_grad_forward_matches(generator: torch.Generator) -> None:
+    hidden, weight, target, _ = make_inputs((6,), H, V, generator=generator)
+    hidden.requires_grad_()
+    with_graph = flce.linear_cross_entropy(hidden, weight, target)
+    with torch.no_grad():
+        without = flce.linear_cross_entropy(hidden, weight, target)
+    assert not without.requires_grad and with_graph.requires_grad
+    torch.testing.assert_close(with_graph.detach(), without, rtol=0, atol=0)
+
+
+def test_gradients_accumulate_across_calls(generator: torch.Generator) -> None:
+    hidden, weight, target, _ = make_inputs((6,), H, V, generator=generator)
+    w = weight.clone().requires_grad_()
+    flce.linear_cross_entropy(hidden, w, target).backward()
+    once = w.grad.clone()
+    flce.linear_cross_entropy(hidden, w, target).backward()
+    torch.testing.assert_close(w.grad, 2 * once)
+
+
+def test_second_backward_in_forward_schedule_is_refused(generator: torch.Generator) -> None:
+    hidden, weight, target, _ = make_inputs((6,), H, V, generator=generator)
+    loss = flce.linear_cross_entropy(hidden.requires_grad_(), weight, target)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="a second time is not supported.*Call the loss again"):
+        loss.backward()
+
+
+def test_second_backward_in_deferred_schedule_recomputes(generator: torch.Generator) -> None:
+    hidden, weight, target, _ = make_inputs((6,), H, V, generator=generator)
+    w = weight.clone().requires_grad_()
+    losses = flce.linear_cross_entropy(hidden, w, target, reduction="none")
+    upstream = torch.randn(6, generator=generator)
+    losses.backward(upstream, retain_graph=True)
+    first = w.grad.clone()
+    losses.backward(upstream)
+    torch.testing.assert_close(w.grad, 2 * first, rtol=1e-6, atol=1e-7)
+
+
+def test_scalar_upstream_gradient_scales(generator: torch.Generator) -> None:
+    """backward(g) with a scalar g != 1 scales the gradients computed during forward."""
+    hidden, weight, target, _ = make_inputs((6,), H, V, generator=generator)
+    upstream = Upstream(loss=torch.tensor(-2.5, dtype=torch.float64))
+    _, grads = flce_grads(flce.get_impl("cpu")(reduction="sum"), hidden, weight, target, None, upstream)
+    _, ref = reference_grads(hidden, weight, target, None, upstream, reduction="sum")
+    assert_close_per_design(grads.hidden, ref.hidden, kind="grad_hidden", dtype=torch.float32, name="grad hidden")
+    assert_close_per_design(grads.weight, ref.weight, kind="grad_weight", dtype=torch.float32, name="grad weight")
