@@ -11,7 +11,15 @@ from flce.backends.chunked_function import run_backend
 from flce.config import LCEConfig
 from flce.inputs import prepare_inputs
 from flce.outputs import LCEOutput
-from flce.registry import VARIANTS, Candidates, HardwareProbe, candidates_for, choose_for_call, resolve_device
+from flce.registry import (
+    VARIANTS,
+    Candidates,
+    HardwareProbe,
+    candidates_for,
+    choose_for_call,
+    registered_backends,
+    resolve_device,
+)
 
 
 class LinearCrossEntropy(torch.nn.Module):
@@ -29,13 +37,9 @@ class LinearCrossEntropy(torch.nn.Module):
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
-        class_weight = options.pop("class_weight", None)
-        self.config = LCEConfig(class_weight=class_weight, **options)
+        self.config = _checked_config(self.variant, options)
         # A buffer, so module.to(device) moves the class weights with the module.
-        self.register_buffer("class_weight", class_weight, persistent=False)
-        if self.variant == "plain" and self.config.needs_full:
-            names = ", ".join(self.config.full_feature_options())
-            raise ValueError(f"variant='plain' cannot serve {names}; use variant='full' or 'auto'")
+        self.register_buffer("class_weight", self.config.class_weight, persistent=False)
         self._candidates: Candidates = candidates_for(self.device_type, self.backend_name, self.probe)
 
     def forward(
@@ -44,18 +48,39 @@ class LinearCrossEntropy(torch.nn.Module):
         cfg = self.config
         if self.class_weight is not None and self.class_weight is not cfg.class_weight:
             cfg = cfg.replace(class_weight=self.class_weight)
-        flat = prepare_inputs(hidden, weight, target, bias, cfg)
-        variant = self.variant if self.variant != "auto" else ("full" if cfg.needs_full else "plain")
-        if cfg.process_group is not None:
-            from flce.distributed import vocab_parallel_linear_cross_entropy
-
-            return vocab_parallel_linear_cross_entropy(flat, cfg, self._candidates)
-        backend = choose_for_call(self._candidates, cfg, flat)
-        return run_backend(backend, flat, cfg, variant)
+        return _compute(hidden, weight, target, bias, cfg, self.variant, self._candidates)
 
     def extra_repr(self) -> str:
         options = {k: v for k, v in vars(self.config).items() if k != "class_weight"}
         return f"device_type={self.device_type!r}, backend={self.backend_name!r}, variant={self.variant!r}, {options}"
+
+
+def _checked_config(variant: str, options: dict[str, Any]) -> LCEConfig:
+    config = LCEConfig(**options)
+    if variant == "plain" and config.needs_full:
+        names = ", ".join(config.full_feature_options())
+        raise ValueError(f"variant='plain' cannot serve {names}; use variant='full' or 'auto'")
+    return config
+
+
+def _compute(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+    cfg: LCEConfig, variant: str, candidates: Candidates,
+) -> torch.Tensor | LCEOutput:
+    """One call, shared by the module and the functional form."""
+    flat = prepare_inputs(hidden, weight, target, bias, cfg)
+    variant = variant if variant != "auto" else ("full" if cfg.needs_full else "plain")
+    if cfg.process_group is not None:
+        from flce.distributed import vocab_parallel_linear_cross_entropy
+
+        return vocab_parallel_linear_cross_entropy(flat, cfg, candidates)
+    backend = choose_for_call(candidates, cfg, flat)
+    return run_backend(backend, flat, cfg, variant)
+
+
+def _check_variant(variant: str) -> None:
+    if variant not in ("auto", *VARIANTS):
+        raise ValueError(f"variant={variant!r}: expected 'auto', 'plain' or 'full'")
 
 
 def get_impl(
@@ -70,8 +95,7 @@ def get_impl(
     ``backend`` forces one backend (else ``FLCE_BACKEND``, else the best available);
     ``variant`` is "auto", "plain" or "full"; ``probe`` replaces the hardware probes (tests).
     """
-    if variant not in ("auto", *VARIANTS):
-        raise ValueError(f"variant={variant!r}: expected 'auto', 'plain' or 'full'")
+    _check_variant(variant)
     device_type = resolve_device(device).type
     # Fail at get_impl, not at the first call, when the named backend cannot serve this device.
     candidates_for(device_type, backend, probe)
@@ -101,4 +125,12 @@ def linear_cross_entropy(
     if not isinstance(hidden, torch.Tensor):
         # Checked here because hidden also names the device: the module's own checks come later.
         raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
-    return get_impl(hidden, backend=backend, variant=variant)(**options)(hidden, weight, target, bias)
+    _check_variant(variant)
+    # No module object per call: building one inside a torch.compile trace would break the graph.
+    candidates = candidates_for(hidden.device.type, backend)
+    return _compute(hidden, weight, target, bias, _checked_config(variant, options), variant, candidates)
+
+
+# Register the built-in backends at import: a first lookup inside a torch.compile trace would
+# have to import them, which dynamo refuses (a graph break in the functional form).
+registered_backends()

@@ -12,12 +12,12 @@ Two wrappers drive the same chunk loop:
 
 Why eager calls keep the Function: the deferred schedule can keep forward's logits chunks for
 backward (one GEMM fewer), and an op cannot return a list whose length depends on the token
-count, so under the op backward recomputes them. Everything else is the same work: in the
-in-forward schedule the op returns the unscaled gradients and its backward scales them in place
-(they are the op's own outputs, held only by autograd; under torch.compile AOTAutograd donates
-them to the backward graph and Inductor writes the scaled result over the same buffers, so no
-V x H copy appears in either mode). Vocab-parallel calls (a process group) always use the
-Function: the op's schema cannot carry a process group.
+count, so under the op backward recomputes them; and the Function scales the in-forward
+gradients in place, which an op's backward may not do to the op's outputs. Under torch.compile
+that costs nothing: AOTAutograd donates the saved gradients to the backward graph and Inductor
+writes the scaled result over their buffers (no V x H copy; other compiler backends, e.g.
+aot_eager, allocate one). Vocab-parallel calls (a process group) always use the Function: the
+op's schema cannot carry a process group.
 """
 
 from __future__ import annotations
@@ -429,12 +429,13 @@ def _forward_backward(ctx, grad_loss, _z, _acc, _pred, grad_logprobs, grad_entro
     if not wanted.any:
         return None, None, None, None, None
     if ctx.in_forward:
-        # These gradients are this op's own outputs and only autograd holds them: scale them in place.
+        # Out of place: the gradients are outputs of the op, which backward may not mutate. Inductor
+        # donates them to the backward graph and writes the product over their buffers.
         saved = ctx.saved_tensors
         if grad_loss is None:
             grad_loss = torch.zeros((), device=saved[0].device)
         scale = grad_loss.reshape(())
-        grads = tuple(g.mul_(scale.to(g.dtype)) if a else None for g, a in zip(saved, asked, strict=True))
+        grads = tuple(g * scale.to(g.dtype) if a else None for g, a in zip(saved, asked, strict=True))
     else:
         hidden, weight, bias, target, class_weight, lse, target_z, expected_z = ctx.saved_tensors
         results = torch.ops.flce.chunked_backward(
