@@ -3,6 +3,10 @@ autograd behaviour (which inputs get gradients, repeated calls, repeated backwar
 
 from __future__ import annotations
 
+import re
+import sys
+import types
+
 import pytest
 import torch
 from helpers import (
@@ -175,3 +179,32 @@ def test_scalar_upstream_gradient_scales(generator: torch.Generator) -> None:
     _, ref = reference_grads(hidden, weight, target, None, upstream, reduction="sum")
     assert_close_per_design(grads.hidden, ref.hidden, kind="grad_hidden", dtype=torch.float32, name="grad hidden")
     assert_close_per_design(grads.weight, ref.weight, kind="grad_weight", dtype=torch.float32, name="grad weight")
+
+
+def test_info_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from flce.__main__ import main
+
+    fake_autotune = types.SimpleNamespace(info_lines=lambda device: [f"autotune for {device}: 3 entries"])
+    monkeypatch.setitem(sys.modules, "flce.autotune", fake_autotune)
+    assert main(["info", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "device: cpu (" in out
+    assert re.search(r"^\s+reference\s+any\s+0\s+yes\s+pure PyTorch", out, re.MULTILINE), out
+    assert "selected for a default-options float32 call: reference" in out
+    assert out.rstrip().endswith("autotune for cpu: 3 entries"), "the autotune helper's lines close the report"
+
+
+def test_info_command_reports_passed_over_backends(capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch, isolated_registry: None) -> None:
+    from flce.__main__ import main
+    from flce.registry import Backend, register_backend
+
+    register_backend(Backend(name="fakegpu", device_types=("cuda",), priority=999,
+                             is_available=lambda probe: probe.cuda, supports=lambda cfg, flat: (True, ""),
+                             run=lambda flat, cfg, variant: torch.zeros(())))
+    monkeypatch.setenv("FLCE_PROBE_OVERRIDE", "cuda=0")
+    monkeypatch.setitem(sys.modules, "flce.autotune", types.SimpleNamespace())
+    assert main(["info", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "passed over fakegpu: cuda forced absent by FLCE_PROBE_OVERRIDE" in out
+    assert re.search(r"^\s+fakegpu\s+cuda\s+999\s+no\s+cuda forced absent", out, re.MULTILINE), out

@@ -1,0 +1,137 @@
+"""``python -m flce info``: the device, every backend's availability and the selection.
+
+The autotune section is printed by ``flce.autotune.info_lines(device)`` when that module is
+importable; flce works without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+import sys
+import warnings
+
+import torch
+
+import flce
+from flce.config import LCEConfig
+from flce.inputs import prepare_inputs
+from flce.registry import available_backends, candidates_for, choose_for_call, resolve_device
+
+
+def device_description(device: torch.device) -> str:
+    """A human name for the device: the GPU/NPU model, or the CPU model and thread count."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return f"{device} ({props.name}, {props.total_memory / 2**30:.0f} GiB)"
+    if device.type == "npu" and hasattr(torch, "npu") and torch.npu.is_available():
+        return f"{device} ({torch.npu.get_device_name(device.index or 0)})"
+    if device.type == "cpu":
+        return f"cpu ({cpu_model()}, {torch.get_num_threads()} torch threads)"
+    return str(device)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def selection_lines(device: torch.device) -> list[str]:
+    """Which backend a default-options call on this device would run, and what was passed over.
+
+    The selection is made for a small probe call in the device's usual dtype (bf16 on
+    accelerators, fp32 on the CPU); a backend's ``supports`` can still turn down other calls.
+    """
+    try:
+        cands = candidates_for(device.type)
+    except (ValueError, RuntimeError) as exc:
+        return [f"selection for {device.type}: error: {exc}"]
+    lines = [f"selection order for {device.type}: " + (" > ".join(b.name for b in cands.backends) or "none")
+             + (" (forced by FLCE_BACKEND)" if cands.explicit else "")]
+    for name, reason in cands.passed_over:
+        lines.append(f"  passed over {name}: {reason}")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    try:
+        hidden = torch.zeros(4, 64, dtype=dtype, device=device)
+        weight = torch.zeros(128, 64, dtype=dtype, device=device)
+        target = torch.zeros(4, dtype=torch.long, device=device)
+        cfg = LCEConfig()
+        flat = prepare_inputs(hidden, weight, target, None, cfg)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the passed-over reasons are printed above
+            chosen = choose_for_call(cands, cfg, flat)
+        lines.append(f"selected for a default-options {str(dtype).removeprefix('torch.')} call: {chosen.name} "
+                     f"(variant plain; full when a full-feature option is set)")
+    except Exception as exc:  # the device may be named but unusable here: report the order alone
+        first = cands.backends[0].name if cands.backends else "none"
+        lines.append(f"selected: {first} by priority (no probe call possible on {device}: {exc})")
+    return lines
+
+
+def backend_table() -> list[str]:
+    rows = available_backends()
+    header = ("backend", "device types", "priority", "available", "reason")
+    cells = [header] + [(r["name"], ",".join(r["device_types"]), str(r["priority"]),
+                         "yes" if r["available"] else "no", r["reason"]) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header) - 1)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
+            for row in cells]
+
+
+def autotune_lines(device: torch.device) -> list[str]:
+    """The autotune cache's own report, when the autotune package is installed."""
+    try:
+        autotune = importlib.import_module("flce.autotune")
+    except ImportError:
+        return []
+    info_lines = getattr(autotune, "info_lines", None)
+    if info_lines is None:
+        return []
+    try:
+        return list(info_lines(device))
+    except Exception as exc:  # a broken cache must not hide the rest of the report
+        return [f"autotune: could not report ({type(exc).__name__}: {exc})"]
+
+
+def info(device_arg: str | None) -> int:
+    device = resolve_device(device_arg)
+    print(f"flce {flce.__version__} · torch {torch.__version__} · python {platform.python_version()}")
+    print(f"device: {device_description(device)}")
+    print()
+    print("backends:")
+    for line in backend_table():
+        print(f"  {line}")
+    print()
+    for line in selection_lines(device):
+        print(line)
+    lines = autotune_lines(device)
+    if lines:
+        print()
+        for line in lines:
+            print(line)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flce", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    info_parser = commands.add_parser("info", help="the device, the backends and which one is selected")
+    info_parser.add_argument("--device", default=None,
+                             help="device to report on (default: the current accelerator, else cpu)")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return info(args.device)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
