@@ -1,0 +1,22 @@
+"""Vocab-parallel (tensor-parallel) linear cross-entropy over torch.distributed.
+
+Pass ``process_group=`` to any flce loss: ``weight``/``bias`` are then this rank's contiguous
+vocabulary shard and the loss equals the unsharded one on every rank. docs/distributed.md
+describes the collectives and how to call it from a Megatron-style ColumnParallelLinear head.
+"""
+
+from flce.distributed.checks import DISTRIBUTED_CHECKS_ENV
+from flce.distributed.collectives import CollectiveRecord, payload_bytes_per_step, record_collectives
+from flce.distributed.function import vocab_parallel_linear_cross_entropy
+from flce.distributed.shards import VocabShard, clear_cache, vocab_shard
+
+__all__ = [
+    "DISTRIBUTED_CHECKS_ENV",
+    "CollectiveRecord",
+    "VocabShard",
+    "clear_cache",
+    "payload_bytes_per_step",
+    "record_collectives",
+    "vocab_parallel_linear_cross_entropy",
+    "vocab_shard",
+]
