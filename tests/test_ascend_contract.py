@@ -45,7 +45,7 @@ from flce.semantics import GradCoefficients  # noqa: E402
 # The interpreter indexes numpy arrays in a way numpy >= 1.25 deprecates; not flce's to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
-N, H, V = 16, 16, 300
+N, H, V = 12, 16, 300
 
 
 def ascend_loss_fn(**options):  # noqa: ANN003, ANN201
@@ -183,7 +183,7 @@ def test_all_ignored_gives_zero_loss_and_zero_gradients(options):  # noqa: ANN00
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "return_entropy": True}])
 def test_several_chunks_recomputed(options, reduction):  # noqa: ANN001
-    # A budget of 5 rows of logits: 4 chunks, and no room left to keep the logits for backward.
+    # A budget of 5 rows of logits: 3 chunks, and no room left to keep the logits for backward.
     budget = 5 * V * 4
     got, want = run_both({**options, "reduction": reduction, "memory_budget": budget}, with_bias=True)
     assert_matches(got, want, 1e-5, 1e-4)
@@ -297,3 +297,18 @@ def test_apply_chunked_uses_the_ascend_kernels():
     assert call.kernels.props.vector_cores == int(os.environ["FLCE_ASCEND_VECTOR_CORES"])
     loss = apply_chunked(flat, call)
     torch.testing.assert_close(loss.double().cpu(), oracle(hidden, weight, target)["loss"], rtol=1e-5, atol=1e-5)
+
+
+def test_argmax_ties_pick_the_first_index():
+    # Maxima repeated inside a block and across blocks (blocks of 128 here): torch.argmax's first.
+    logits = torch.randn(4, V) - 10.0
+    logits[0, [40, 90, 250]] = 5.0  # first block wins
+    logits[1, [200, 290]] = 5.0  # both in later blocks
+    logits[2, [127, 128]] = 5.0  # either side of a block edge
+    logits[3, V - 1] = 5.0  # the partial last block
+    target = torch.tensor([0, 1, 2, -100])
+    kernels = ops.AscendChunkKernels(ops.device_properties(torch.device(DEVICE)))
+    for offset in (0, 1000):
+        stats = kernels.row_stats(logits.to(DEVICE), target.to(DEVICE), LCEConfig(return_predicted_tokens=True),
+                                  offset)
+        assert stats.argmax.cpu().tolist() == [40 + offset, 200 + offset, 127 + offset, V - 1 + offset]
