@@ -3,6 +3,7 @@ deferred schedule keeps forward's logits for backward."""
 
 from __future__ import annotations
 
+from flce.autotune import tuned_params
 from flce.backends.chunk_driver import ChunkPlan
 from flce.backends.memory import MiB, default_logits_save_limit
 from flce.backends.reference.kernels import math_dtype
@@ -22,13 +23,26 @@ def working_bytes_per_row(flat: FlatInputs) -> int:
     return vocab * (compute + 2 * math)
 
 
-def plan_chunks(flat: FlatInputs, cfg: LCEConfig) -> ChunkPlan:
+def plan_chunks(flat: FlatInputs, cfg: LCEConfig, variant: str | None = None) -> ChunkPlan:
+    """The autotune cache's tokens_per_chunk and logits_save_limit_bytes for this shape replace the
+    heuristic's; an explicit memory_budget still bounds them. variant None: the one "auto" picks."""
     n_rows = flat.target.shape[0]
     per_row = working_bytes_per_row(flat)
     budget = cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET
     tokens = max(1, min(n_rows, budget // per_row))
+    params, cached_limit = tuned_params(
+        flat.hidden.device, "reference", variant or ("full" if cfg.needs_full else "plain"), flat.weight.dtype,
+        flat.weight.shape[1], flat.weight.shape[0], n_rows,
+    )
+    cached_tokens = (params or {}).get("tokens_per_chunk")
+    # Entries from other flce versions may hold anything: only a positive int is used.
+    if isinstance(cached_tokens, int) and not isinstance(cached_tokens, bool) and cached_tokens > 0:
+        tokens = min(n_rows, cached_tokens)
+        if cfg.memory_budget is not None:
+            tokens = min(tokens, cfg.memory_budget // per_row)
+        tokens = max(1, tokens)
     logits_bytes = n_rows * flat.weight.shape[0] * flat.weight.element_size()
-    save_limit = default_logits_save_limit(flat.hidden.device)
+    save_limit = cached_limit if cached_limit is not None else default_logits_save_limit(flat.hidden.device)
     if cfg.memory_budget is not None:
         save_limit = min(save_limit, cfg.memory_budget - tokens * per_row)
     return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit)

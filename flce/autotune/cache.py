@@ -1,0 +1,267 @@
+"""Reading and writing cache files.
+
+Reads never fail: a missing file has no entries, and an unreadable, corrupt, truncated, empty or
+foreign-schema file is reported once (a RuntimeWarning naming the path) and contributes none.
+Writes go through :func:`update_file`: an exclusive lock on ``<file>.lock``, a fresh read, a merge,
+and an atomic rename of a temporary file, so concurrent tuners never lose each other's entries
+and a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import yaml
+
+from flce.autotune import locations
+from flce.autotune.schema import HEADER, Entry, SchemaError, ShapeKey, document_of, merge, parse_document
+
+try:
+    import fcntl
+except ImportError:  # Windows: atomic rename still protects readers; concurrent tuners are not serialised.
+    fcntl = None
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+# Status of a loaded file.
+OK, ABSENT, INVALID = "ok", "absent", "invalid"
+
+
+@dataclass
+class CacheFile:
+    """One file as read: its entries, indexed by shape for nearest-bucket lookups."""
+
+    path: Path
+    status: str
+    problem: str | None = None  # why an INVALID file was ignored
+    skipped: list[str] = field(default_factory=list)  # entries left out of an OK file, and why
+    entries: list[Entry] = field(default_factory=list)
+    by_shape: dict[ShapeKey, list[Entry]] = field(default_factory=dict)  # each list sorted by tokens
+
+    @property
+    def usable(self) -> bool:
+        return self.status == OK
+
+
+def read_file(path: str | os.PathLike) -> CacheFile:
+    """Parse a file now (no in-process caching, no warning)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return CacheFile(path, ABSENT)
+    except (OSError, UnicodeDecodeError) as exc:
+        return CacheFile(path, INVALID, problem=f"cannot be read ({exc})")
+    try:
+        document = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        return CacheFile(path, INVALID, problem=f"is not valid YAML{at} (corrupt or truncated?)")
+    try:
+        entries, skipped = parse_document(document)
+    except SchemaError as exc:
+        return CacheFile(path, INVALID, problem=str(exc))
+    entries = [replace(e, source=str(path)) for e in entries]
+    loaded = CacheFile(path, OK, skipped=skipped, entries=entries)
+    for entry in entries:
+        loaded.by_shape.setdefault(entry.shape_key, []).append(entry)
+    for bucket in loaded.by_shape.values():
+        bucket.sort(key=lambda e: e.tokens)
+    return loaded
+
+
+# Files parsed in this process, by resolved path: dispatch parses each file at most once.
+_loaded: dict[Path, CacheFile] = {}
+_reported: set[tuple[Path, str]] = set()
+# Bumped whenever a parsed file is dropped, so answers memoised from it are dropped too.
+generation = 0
+
+
+def cached_file(path: str | os.PathLike) -> CacheFile:
+    """The file as parsed the first time this process asked for it; problems warned about once."""
+    key = Path(path).expanduser().absolute()
+    loaded = _loaded.get(key)
+    if loaded is None:
+        loaded = _loaded[key] = read_file(key)
+        _report(loaded)
+    return loaded
+
+
+def forget(path: str | os.PathLike | None = None) -> None:
+    """Drop the parsed copy of one file (all files when None) so the next lookup re-reads it."""
+    global generation
+    generation += 1
+    if path is None:
+        _loaded.clear()
+    else:
+        _loaded.pop(Path(path).expanduser().absolute(), None)
+
+
+def _report(loaded: CacheFile) -> None:
+    messages = []
+    if loaded.status == INVALID:
+        messages.append(f"flce: ignoring autotune cache {loaded.path}: {loaded.problem}")
+    elif loaded.skipped:
+        messages.append(f"flce: autotune cache {loaded.path}: ignoring {len(loaded.skipped)} invalid "
+                        f"entr{'y' if len(loaded.skipped) == 1 else 'ies'} ({'; '.join(loaded.skipped[:3])})")
+    for message in messages:
+        if (loaded.path, message) not in _reported:
+            _reported.add((loaded.path, message))
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def nearest_bucket(bucket: list[Entry], tokens: int) -> Entry:
+    """The entry whose token count is nearest in ratio (ties go to the larger bucket)."""
+    target = max(tokens, 1)
+    return min(bucket, key=lambda e: (max(e.tokens, target) / min(e.tokens, target), -e.tokens))
+
+
+def render(entries: list[Entry]) -> str:
+    body = yaml.dump(document_of(entries), Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=200)
+    return f"{HEADER}\n{body}"
+
+
+def is_flce_file(path: Path) -> bool:
+    """True for a file flce wrote (its header survives truncation) or one that parses as a cache."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            if f.readline().rstrip("\n") == HEADER:
+                return True
+    except OSError:
+        return False
+    loaded = read_file(path)
+    return loaded.status == OK or (loaded.problem or "").startswith("schema=")
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``<path>.lock`` (created with its folder when missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = path.with_name(path.name + ".lock")
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            # `clear` may have unlinked the lock file while we waited on it; lock the live one.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write a temporary file beside ``path``, flush it to disk, and rename it over ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@dataclass
+class UpdateResult:
+    path: Path
+    entries: int  # entries in the file after the update
+    moved_aside: Path | None = None  # where a corrupt or foreign file went
+    problem: str | None = None  # what was wrong with it
+
+
+def update_file(path: str | os.PathLike, new_entries: list[Entry]) -> UpdateResult:
+    """Merge entries into the file under its lock. A file that is not a valid cache is moved to
+    ``<name>.corrupt-<timestamp>`` first (its valid entries, if any, are carried over).
+    Raises OSError when the location cannot be written."""
+    path = Path(path).expanduser().absolute()
+    with locked(path):
+        current = read_file(path)
+        moved = None
+        if current.status == INVALID or current.skipped:
+            moved = _move_aside(path)
+        merged = merge([_without_source(e) for e in current.entries], [_without_source(e) for e in new_entries])
+        atomic_write(path, render(merged))
+    forget(path)
+    problem = current.problem or ("; ".join(current.skipped) if current.skipped else None)
+    return UpdateResult(path, len(merged), moved_aside=moved, problem=problem if moved else None)
+
+
+def remove_file(path: str | os.PathLike) -> int:
+    """Delete an flce cache file and its lock file; returns how many entries it held.
+    Raises FileNotFoundError when absent and ValueError when the file is not flce's."""
+    path = Path(path).expanduser().absolute()
+    if not path.exists():
+        raise FileNotFoundError(path)
+    if not is_flce_file(path):
+        raise ValueError(f"{path} is not an flce autotune cache; left untouched")
+    with locked(path):
+        count = len(read_file(path).entries)
+        path.unlink(missing_ok=True)
+        path.with_name(path.name + ".lock").unlink(missing_ok=True)
+    forget(path)
+    return count
+
+
+def _move_aside(path: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+    os.replace(path, target)
+    return target
+
+
+def _without_source(entry: Entry) -> Entry:
+    return entry if entry.source is None else replace(entry, source=None)
+
+
+def save_entries(
+    entries: list[Entry], cache: str | os.PathLike | None = None, log: Callable[[str], None] = print
+) -> UpdateResult:
+    """Merge entries into the first writable location (``cache``, ``FLCE_AUTOTUNE_CACHE``, the
+    user cache), saying through ``log`` when a location is skipped or a bad file is moved aside.
+    Raises OSError when no location can be written."""
+    targets = locations.write_targets(cache)
+    failures = []
+    for position, target in enumerate(targets):
+        try:
+            result = update_file(target.path, entries)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            failures.append(f"{target.path}: {reason}")
+            if position + 1 < len(targets):
+                following = targets[position + 1]
+                log(f"flce-autotune: cannot write {target.path} ({reason}); "
+                    f"writing to {following.path} ({following.describe()}) instead")
+            continue
+        if result.moved_aside is not None:
+            log(f"flce-autotune: {target.path} was not a usable cache ({result.problem}); "
+                f"moved it to {result.moved_aside} and wrote a fresh one")
+        return result
+    raise OSError(f"no writable autotune cache location ({'; '.join(failures)})")

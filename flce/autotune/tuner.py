@@ -1,0 +1,503 @@
+"""The tuner: times each candidate of a backend's tuning space against its heuristic, per shape.
+
+For every (dtype, H, V, tokens, variant) it measures, with fresh random inputs:
+
+* the floor: the three GEMMs of a forward+backward (``x @ W.T``, ``G @ W``, ``G.T @ x``);
+* the heuristic: the backend's planner with nothing cached (the baseline);
+* every candidate the backend's :class:`~flce.autotune.spaces.TuningSpace` lists, skipping (and
+  counting) those over ``memory_budget``, those that fail or run out of memory, and those whose
+  loss or hidden gradient disagree with the heuristic's;
+* with the winner, the deferred schedule with the logits kept versus recomputed, which sets the
+  entry's logits-save limit.
+
+Times are medians of forward+backward calls, from device events on accelerators and
+``time.perf_counter`` on the CPU. The heuristic is kept (empty ``params``) unless a candidate beats
+it by more than the noise margin, so a tuned entry is never slower than the heuristic as measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import math
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from flce.autotune import cache as cache_files
+from flce.autotune.devices import device_name, dtype_name
+from flce.autotune.lookup import override_params
+from flce.autotune.progress import Progress
+from flce.autotune.schema import Entry, Scalar
+from flce.autotune.spaces import TuneShape, TuningSpace, tunable_backends, tuning_space
+from flce.backends.memory import MiB, default_logits_save_limit, total_memory_bytes
+
+Params = dict[str, Scalar]
+# A candidate must beat the heuristic by this fraction to replace it; same for keeping logits.
+NOISE_MARGIN = 0.02
+# Relative tolerance of a candidate's loss / hidden gradient against the heuristic's, per dtype.
+_AGREEMENT_RTOL = {torch.float32: 1e-4, torch.float64: 1e-8}
+_LOW_PRECISION_RTOL = 3e-2
+
+
+@dataclass
+class TuneRequest:
+    device: torch.device
+    dtypes: list[torch.dtype]
+    hiddens: list[int]
+    vocabs: list[int]
+    tokens: list[int]
+    variants: list[str] = field(default_factory=lambda: ["plain", "full"])
+    backend: str | None = None  # None: the backend dispatch would pick for this device
+    memory_budget: int | None = None  # bytes of working memory any candidate may use
+    quick: bool = False
+    repeats: int | None = None
+    warmup: int | None = None
+    seed: int = 0
+
+    def timing(self) -> tuple[int, int]:
+        """(warmup, repeats) after the untimed first call: few on the CPU and in quick mode, more
+        where timings are cheap."""
+        if self.quick:
+            warmup, repeats = 0, 3
+        elif self.device.type == "cpu":
+            warmup, repeats = 1, 5
+        else:
+            warmup, repeats = 3, 20
+        return (self.warmup if self.warmup is not None else warmup,
+                self.repeats if self.repeats is not None else repeats)
+
+
+@dataclass
+class ShapeResult:
+    shape: TuneShape
+    backend: str
+    entry: Entry | None = None
+    heuristic_params: Params | None = None  # what the planner chose without the cache, when it says
+    heuristic_ms: float | None = None
+    best_ms: float | None = None
+    floor_ms: float | None = None
+    peak_mib: float | None = None
+    peak_kind: str = "unknown"  # "measured" (allocator statistics), "estimated" (the space's figure)
+    tried: int = 0
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+    first_error: str | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.heuristic_ms and self.best_ms:
+            return self.heuristic_ms / self.best_ms
+        return None
+
+
+@dataclass
+class _Run:
+    ms: float
+    working_bytes: int | None
+    peak_kind: str
+    loss: float
+    grad_hidden: torch.Tensor | None
+
+
+class _Skip(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(detail or reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def resolve_backend(device: torch.device, backend: str | None) -> TuningSpace:
+    """The tuning space of ``backend``, or of the backend dispatch picks for the device."""
+    from flce.registry import candidates_for
+
+    if backend is None:
+        candidates = candidates_for(device.type)
+        if not candidates.backends:
+            raise ValueError(f"device={device}: no available backend serves it")
+        backend = candidates.backends[0].name
+    else:
+        candidates_for(device.type, backend)  # raises with the reason when it cannot run here
+    space = tuning_space(backend)
+    if space is None:
+        raise ValueError(f"backend={backend!r} has no tuning space registered (tunable: {tunable_backends()}); "
+                         "register one with flce.autotune.register_tuning_space or pass --backend")
+    return space
+
+
+def versions() -> dict[str, str]:
+    import flce
+
+    found = {"flce": flce.__version__, "torch": torch.__version__.split("+")[0]}
+    try:
+        import triton
+
+        found["triton"] = triton.__version__
+    except Exception:  # triton is optional; a broken install must not stop a tune
+        found["triton"] = "none"
+    return found
+
+
+class Tuner:
+    """Runs a :class:`TuneRequest`; ``on_result`` sees each shape as soon as it is measured (the CLI
+    saves it then, so an interrupted run keeps what it finished)."""
+
+    def __init__(self, request: TuneRequest, progress: Progress | None = None,
+                 on_result: Callable[[ShapeResult], None] | None = None):
+        self.request = request
+        self.space = resolve_backend(request.device, request.backend)
+        self.progress = progress or Progress(enabled=False)
+        self.on_result = on_result
+        self.warmup, self.repeats = request.timing()
+        self._versions = versions()
+        self._device_name = device_name(request.device)
+        self.results: list[ShapeResult] = []  # filled as shapes finish, also when run() is interrupted
+
+    def shapes(self) -> list[TuneShape]:
+        r = self.request
+        return [TuneShape(r.device, dtype, h, v, t, variant)
+                for dtype in r.dtypes for h in r.hiddens for v in r.vocabs for t in r.tokens for variant in r.variants]
+
+    def run(self) -> list[ShapeResult]:
+        plans = [(shape, self.space.candidates(shape, self.request.quick)) for shape in self.shapes()]
+        extra = 2 + (2 if self.space.tunes_logits_save_limit else 0)  # floor, heuristic, keep/recompute
+        self.progress.start(sum(len(c) + extra for _, c in plans))
+        self.results = []
+        try:
+            for shape, candidates in plans:
+                result = self._tune_shape(shape, candidates)
+                self.results.append(result)
+                if self.on_result is not None:
+                    self.on_result(result)
+        finally:
+            self.progress.close()
+        return self.results
+
+    # One shape -------------------------------------------------------------------------------
+
+    def _tune_shape(self, shape: TuneShape, candidates: list[Params]) -> ShapeResult:
+        result = ShapeResult(shape=shape, backend=self.space.backend)
+        label = f"{dtype_name(shape.dtype)} H={shape.hidden} V={shape.vocab} T={shape.tokens} {shape.variant}"
+        generator = torch.Generator(device=shape.device).manual_seed(
+            self.request.seed + 7919 * shape.tokens + 104729 * shape.hidden + shape.vocab)
+        inputs = _make_inputs(shape, generator)
+
+        self.progress.step(f"{label}: floor")
+        result.floor_ms = self._floor_ms(shape, inputs)
+
+        self.progress.step(f"{label}: heuristic")
+        try:
+            baseline = self._run(shape, inputs, None, deferred=False)
+        except _Skip as skip:
+            result.skipped[f"heuristic {skip.reason}"] += 1
+            result.first_error = result.first_error or f"heuristic: {skip.detail or skip.reason}"
+            self.progress.advance(len(candidates) + (2 if self.space.tunes_logits_save_limit else 0))
+            return result
+        result.heuristic_ms = baseline.ms
+        result.heuristic_params = self._heuristic_params(shape, inputs)
+
+        best_params: Params | None = None
+        best = baseline
+        for params in candidates:
+            self.progress.step(f"{label}: {_params_text(params)}")
+            result.tried += 1
+            try:
+                run = self._run(shape, inputs, params, deferred=False, reference=baseline)
+            except _Skip as skip:
+                result.skipped[skip.reason] += 1
+                if skip.detail and result.first_error is None:
+                    result.first_error = f"{_params_text(params)}: {skip.detail}"
+                continue
+            if run.ms < best.ms and run.ms < baseline.ms * (1 - NOISE_MARGIN):
+                best, best_params = run, params
+        result.best_ms = best.ms
+        result.peak_mib = None if best.working_bytes is None else best.working_bytes / MiB
+        result.peak_kind = best.peak_kind
+
+        limit, save_ms, recompute_ms = None, None, None
+        if self.space.tunes_logits_save_limit:
+            limit, save_ms, recompute_ms = self._logits_save_limit(shape, inputs, best_params, best, label, result)
+        measured: dict[str, Scalar] = {
+            "ms": _round(best.ms), "heuristic_ms": _round(baseline.ms), "floor_ms": _round(result.floor_ms),
+            "speedup": _round(baseline.ms / best.ms), "peak_mib": _round(result.peak_mib),
+            "peak": result.peak_kind, "chosen": "heuristic" if best_params is None else "candidate",
+            "candidates": result.tried, "skipped": sum(result.skipped.values()),
+            "keep_logits_ms": _round(save_ms), "recompute_logits_ms": _round(recompute_ms),
+            "memory_budget_bytes": self.request.memory_budget, "repeats": self.repeats,
+            **self._versions,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+        result.entry = Entry(
+            device=self._device_name, backend=self.space.backend, variant=shape.variant,
+            dtype=dtype_name(shape.dtype), hidden=shape.hidden, vocab=shape.vocab, tokens=shape.tokens,
+            params=dict(best_params or {}), logits_save_limit_bytes=limit,
+            measured={k: v for k, v in measured.items() if v is not None},
+        )
+        return result
+
+    def _logits_save_limit(
+        self, shape: TuneShape, inputs: _Inputs, params: Params | None, chosen: _Run, label: str,
+        result: ShapeResult,
+    ) -> tuple[int | None, float | None, float | None]:
+        """Time the deferred schedule keeping forward's logits and recomputing them. Keeping wins
+        only when it is faster by the noise margin and the logits fit the budget; the limit then
+        admits this shape's logits, else it is 0 (always recompute)."""
+        logits_bytes = shape.tokens * shape.vocab * _element_size(shape.dtype)
+        budget = self.request.memory_budget
+        working = chosen.working_bytes or 0
+        self.progress.step(f"{label}: recompute logits")
+        try:
+            recompute = self._run(shape, inputs, params, deferred=True, limit=0)
+        except _Skip as skip:
+            result.skipped[f"recompute {skip.reason}"] += 1
+            self.progress.advance(1)
+            return None, None, None
+        self.progress.step(f"{label}: keep logits")
+        if budget is not None and logits_bytes + working > budget:
+            result.skipped["keep logits over budget"] += 1
+            return 0, None, recompute.ms
+        try:
+            keep = self._run(shape, inputs, params, deferred=True, limit=logits_bytes)
+        except _Skip as skip:
+            result.skipped[f"keep logits {skip.reason}"] += 1
+            return 0, None, recompute.ms
+        if keep.ms >= recompute.ms * (1 - NOISE_MARGIN):
+            return 0, keep.ms, recompute.ms
+        limit = max(default_logits_save_limit(shape.device), logits_bytes)
+        if budget is not None:
+            limit = min(limit, budget - working)
+        return limit, keep.ms, recompute.ms
+
+    # Measurements ----------------------------------------------------------------------------
+
+    def _floor_ms(self, shape: TuneShape, inputs: _Inputs) -> float | None:
+        """The three GEMMs of forward+backward at full size; skipped when the [tokens, V] logits and
+        their gradient would take more than a quarter of the device's memory."""
+        logits_bytes = shape.tokens * shape.vocab * _element_size(shape.dtype)
+        if 2 * logits_bytes > total_memory_bytes(shape.device) // 4:
+            return None
+        x, w = inputs.hidden.detach(), inputs.weight.detach()
+        try:
+            grad_logits = torch.randn(shape.tokens, shape.vocab, dtype=shape.dtype, device=shape.device)
+
+            def gemms() -> None:
+                torch.mm(x, w.t())
+                torch.mm(grad_logits, w)
+                torch.mm(grad_logits.t(), x)
+
+            ms, _ = _time(gemms, shape.device, self.warmup, self.repeats)
+        except torch.OutOfMemoryError:
+            _release(shape.device)
+            return None
+        return ms
+
+    def _run(self, shape: TuneShape, inputs: _Inputs, params: Params | None, *, deferred: bool,
+             limit: int | None = None, reference: _Run | None = None) -> _Run:
+        """Time one configuration; raises _Skip (with the reason) instead of failing."""
+        budget = self.request.memory_budget
+        estimate = None
+        if self.space.working_bytes is not None:
+            estimate = self.space.working_bytes(shape, params or self._heuristic_params(shape, inputs) or {})
+            if budget is not None and params is not None and estimate > budget:
+                raise _Skip("over budget")
+        try:
+            workload = _Workload(shape, inputs, self.space.backend, budget, deferred)
+            with override_params(params, limit, backend=self.space.backend):
+                loss, grad_hidden = workload.values()  # also the first (compiling) call
+                ms, peak = _time(workload, shape.device, self.warmup, self.repeats, reset=inputs.clear_grads)
+        except torch.OutOfMemoryError:
+            _release(shape.device)
+            raise _Skip("out of memory") from None
+        except Exception as exc:  # a candidate that fails to compile or launch is skipped, not fatal
+            _release(shape.device)
+            first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+            raise _Skip("failed", f"{type(exc).__name__}: {first_line}") from None
+        working, kind = estimate, "estimated" if estimate is not None else "unknown"
+        if peak is not None:
+            working, kind = max(0, peak - inputs.grad_bytes), "measured"
+        if budget is not None and params is not None and working is not None and working > budget:
+            raise _Skip("over budget")
+        if reference is not None:
+            _check_agreement(shape.dtype, reference, loss, grad_hidden)
+        return _Run(ms=ms, working_bytes=working, peak_kind=kind, loss=loss,
+                    grad_hidden=grad_hidden if reference is None else None)
+
+    def _heuristic_params(self, shape: TuneShape, inputs: _Inputs) -> Params | None:
+        """The token chunk the planner picks without the cache, for backends on the shared chunk loop."""
+        from flce.config import LCEConfig
+        from flce.registry import candidates_for
+
+        backend = candidates_for(shape.device.type, self.space.backend).backends[0]
+        if backend.chunked is None:
+            return None
+        cfg = _workload_config(shape.variant, deferred=False, budget=self.request.memory_budget)
+        with override_params(None, backend=self.space.backend):
+            call = backend.chunked(inputs.flat(), LCEConfig(**cfg), shape.variant)
+        return {"tokens_per_chunk": call.plan.tokens_per_chunk}
+
+
+# Inputs and workloads ------------------------------------------------------------------------
+
+
+@dataclass
+class _Inputs:
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    target: torch.Tensor
+
+    def clear_grads(self) -> None:
+        self.hidden.grad = self.weight.grad = None
+
+    @property
+    def grad_bytes(self) -> int:
+        return (self.hidden.numel() + self.weight.numel()) * self.hidden.element_size()
+
+    def flat(self):  # noqa: ANN201 - FlatInputs, imported lazily
+        from flce.inputs import FlatInputs
+
+        return FlatInputs(hidden=self.hidden, weight=self.weight, target=self.target, bias=None,
+                          token_shape=self.target.shape)
+
+
+def _make_inputs(shape: TuneShape, generator: torch.Generator) -> _Inputs:
+    """Random hidden states and weights scaled so logits are O(1), targets with 5% ignored; drawn
+    on the device (a CPU detour would cost seconds at V = 128k)."""
+    def randn(*size: int, scale: float) -> torch.Tensor:
+        values = torch.randn(*size, generator=generator, dtype=shape.dtype, device=shape.device)
+        return values.mul_(scale).requires_grad_(True)
+
+    hidden = randn(shape.tokens, shape.hidden, scale=1.0)
+    weight = randn(shape.vocab, shape.hidden, scale=1.0 / math.sqrt(shape.hidden))
+    target = torch.randint(0, shape.vocab, (shape.tokens,), generator=generator, device=shape.device)
+    ignored = torch.rand(shape.tokens, generator=generator, device=shape.device) < 0.05
+    return _Inputs(hidden, weight, target.masked_fill_(ignored, -100))
+
+
+def _workload_config(variant: str, *, deferred: bool, budget: int | None) -> dict:
+    """Representative options per variant. In-forward: the plain loss; for the full variant,
+    label smoothing and z-loss. Deferred (where the logits-save limit matters): per-token losses
+    for plain, per-token log-probs for full."""
+    cfg: dict = {"memory_budget": budget}
+    if variant == "full":
+        cfg.update(return_logprobs=True) if deferred else cfg.update(label_smoothing=0.1, lse_square_scale=1e-4)
+    elif deferred:
+        cfg["reduction"] = "none"
+    return cfg
+
+
+class _Workload:
+    """One forward+backward of the backend on the shape's inputs, with the variant's options."""
+
+    def __init__(self, shape: TuneShape, inputs: _Inputs, backend: str, budget: int | None, deferred: bool):
+        import flce
+
+        options = _workload_config(shape.variant, deferred=deferred, budget=budget)
+        self.module = flce.get_impl(shape.device, backend=backend, variant=shape.variant)(**options)
+        self.inputs = inputs
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.inputs.clear_grads()
+        out = self.module(self.inputs.hidden, self.inputs.weight, self.inputs.target)
+        if isinstance(out, tuple):  # an LCEOutput: the loss and the mean log-prob are both differentiated
+            objective = out.loss + out.logprobs.float().mean()
+        else:
+            objective = out.sum() if out.dim() else out
+        objective.backward()
+        return objective.detach(), self.inputs.hidden.grad
+
+    def values(self) -> tuple[float, torch.Tensor | None]:
+        """The objective (one host sync, outside the timed calls) and the hidden gradient."""
+        objective, grad_hidden = self()
+        return float(objective), grad_hidden
+
+
+def _time(fn: Callable, device: torch.device, warmup: int, repeats: int,
+          reset: Callable[[], None] | None = None) -> tuple[float, int | None]:
+    """Median milliseconds of ``fn`` and, on accelerators with allocator statistics, the peak
+    allocated bytes above what was allocated before the first timed call (after ``reset``, which
+    frees what the previous call left behind, such as gradients)."""
+    module = None if device.type == "cpu" else torch.get_device_module(device.type)
+    for _ in range(warmup):
+        fn()
+    if module is None:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times), None
+    if reset is not None:
+        reset()
+    module.synchronize()
+    gc.collect()
+    base = None
+    if hasattr(module, "reset_peak_memory_stats"):
+        module.reset_peak_memory_stats(device)
+        base = module.memory_allocated(device)
+    events = []
+    for _ in range(repeats):
+        start, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    module.synchronize()
+    times = [start.elapsed_time(end) for start, end in events]
+    peak = None if base is None else module.max_memory_allocated(device) - base
+    return statistics.median(times), peak
+
+
+def _check_agreement(dtype: torch.dtype, reference: _Run, loss: float, grad_hidden: torch.Tensor | None) -> None:
+    """A candidate must compute what the heuristic computes: chunking may only reorder sums."""
+    rtol = _AGREEMENT_RTOL.get(dtype, _LOW_PRECISION_RTOL)
+    if not math.isfinite(loss) or abs(loss - reference.loss) > rtol * max(1.0, abs(reference.loss)):
+        raise _Skip("wrong result", f"loss {loss} vs heuristic {reference.loss}")
+    if grad_hidden is not None and reference.grad_hidden is not None:
+        ref = reference.grad_hidden.double()
+        error = float((grad_hidden.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+        if not error <= rtol:
+            raise _Skip("wrong result", f"hidden gradient relative error {error:.2e} > {rtol:.0e}")
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type != "cpu":
+        module = torch.get_device_module(device.type)
+        if hasattr(module, "empty_cache"):
+            module.empty_cache()
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else float(f"{value:.4g}")
+
+
+def _params_text(params: Mapping[str, Scalar] | None) -> str:
+    if not params:
+        return "heuristic"
+    return " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def save_progressively(cache: str | None, log: Callable[[str], None]) -> Callable[[ShapeResult], None]:
+    """An on_result hook that merges each new entry into the cache as soon as it exists; after
+    the first write it keeps using the location that worked (no repeated fallback messages)."""
+    state: dict = {"cache": cache, "fixed": False}
+
+    def save(result: ShapeResult) -> None:
+        if result.entry is None:
+            return
+        if state["fixed"]:
+            update = cache_files.update_file(state["cache"], [result.entry])
+        else:
+            update = cache_files.save_entries([result.entry], state["cache"], log)
+            state["cache"], state["fixed"] = update.path, True
+        state["path"] = update.path
+
+    save.state = state
+    return save

@@ -1,0 +1,239 @@
+"""flce-autotune end to end on the CPU (tune --quick, show, clear), the tuner's skip accounting with
+a fake backend, and the entry points."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import flce
+import flce.autotune as autotune
+from flce.autotune import cache as cache_files
+from flce.autotune import locations, progress, spaces
+from flce.autotune.cli import main, parse_bytes
+from flce.autotune.tuner import Tuner, TuneRequest, resolve_backend
+from flce.backends.reference.function import reference_linear_cross_entropy
+from flce.inputs import FlatInputs
+from flce.registry import Backend, register_backend
+
+TINY = ["--device", "cpu", "--dtype", "float32", "--hidden", "16", "--vocab", "64"]
+
+
+@pytest.fixture
+def cache_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """User cache under tmp_path, no FLCE_AUTOTUNE_CACHE, no shipped defaults; returns tmp_path."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(locations.CACHE_ENV, raising=False)
+    monkeypatch.setattr(locations, "DEFAULTS_DIR", tmp_path / "no-defaults")
+    autotune.reload()
+    yield tmp_path
+    autotune.reload()
+
+
+def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_tune_quick_show_clear(cache_env: Path, capsys: pytest.CaptureFixture) -> None:
+    path = cache_env / "tuned" / "autotune.yaml"
+    path.parent.mkdir()
+    path.write_text("schema: 1\nentries: [{device: x, hidden: 3")  # a truncated file is moved aside
+
+    code, out, err = run_cli(capsys, "tune", *TINY, "--tokens", "64,128", "--quick", "--cache", str(path),
+                             "--no-progress")
+    assert code == 0, err
+    assert "moved it to" in err and ".corrupt-" in err
+    assert [p.name.split(".corrupt-")[0] for p in path.parent.glob("*.corrupt-*")] == ["autotune.yaml"]
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["shape", "best", "params", "ms"]
+    assert "speed-up" in lines[0] and "peak MiB" in lines[0] and "logits-save limit" in lines[0]
+    for shape in ("float32 64x16x64 plain", "float32 64x16x64 full", "float32 128x16x64 plain",
+                  "float32 128x16x64 full"):
+        assert any(line.startswith(shape) for line in lines), shape
+    assert f"wrote 4 entries to {path.absolute()}" in out
+
+    entries = cache_files.read_file(path).entries
+    assert sorted((e.tokens, e.variant) for e in entries) == [(64, "full"), (64, "plain"), (128, "full"),
+                                                              (128, "plain")]
+    for e in entries:
+        assert e.device == autotune.device_name(torch.device("cpu")) and e.backend == "reference"
+        assert set(e.params) <= {"tokens_per_chunk"}
+        assert {"ms", "heuristic_ms", "floor_ms", "speedup", "peak_mib", "flce", "torch", "triton", "date"} <= set(
+            e.measured)
+        assert e.measured["flce"] == flce.__version__ and e.measured["ms"] <= e.measured["heuristic_ms"]
+        assert e.logits_save_limit_bytes is not None
+    assert autotune.lookup("cpu", torch.float32, hidden=16, vocab=64, tokens=100, cache=path) is not None
+
+    code, out, _ = run_cli(capsys, "show", "--cache", str(path))
+    assert code == 0 and f"{path} (cache= argument / --cache): 4 entries" in out
+    assert "device" in out and "logits-save limit" in out and out.count(" reference ") == 4
+
+    code, out, _ = run_cli(capsys, "show")
+    assert code == 0 and f"{cache_env / 'xdg' / 'flce' / 'autotune.yaml'} (user cache): absent" in out
+
+    code, out, _ = run_cli(capsys, "clear", "--cache", str(path))
+    assert code == 0 and out.strip() == f"removed {path.absolute()} (4 entries)"
+    assert not path.exists() and any(path.parent.glob("*.corrupt-*"))  # only flce's file went
+    code, out, _ = run_cli(capsys, "clear", "--cache", str(path))
+    assert code == 0 and "nothing to clear" in out
+
+
+def test_clear_defaults_to_the_user_cache_and_spares_other_files(cache_env: Path, capsys: pytest.CaptureFixture,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    user = locations.user_cache_path()
+    cache_files.update_file(user, [])
+    code, out, _ = run_cli(capsys, "clear")
+    assert code == 0 and f"removed {user}" in out and not user.exists()
+    foreign = cache_env / "settings.yaml"
+    foreign.write_text("theme: dark\n")
+    monkeypatch.setenv(locations.CACHE_ENV, str(foreign))
+    code, _, err = run_cli(capsys, "clear")
+    assert code == 1 and "not an flce autotune cache; left untouched" in err and foreign.exists()
+
+
+def test_memory_budget_skips_and_counts_candidates(cache_env: Path, capsys: pytest.CaptureFixture) -> None:
+    path = cache_env / "c.yaml"
+    per_row = 64 * (4 + 2 * 4)  # the reference planner's figure at V=64, fp32
+    code, out, err = run_cli(capsys, "tune", *TINY, "--tokens", "256", "--variant", "plain", "--quick",
+                             "--memory-budget", str(64 * per_row), "--cache", str(path), "--no-progress")
+    assert code == 0, err
+    assert "float32 256x16x64 plain: skipped 1 keep logits over budget, 2 over budget" in out
+    (e,) = cache_files.read_file(path).entries
+    assert e.logits_save_limit_bytes == 0 and e.measured["memory_budget_bytes"] == 64 * per_row
+    assert e.params in ({}, {"tokens_per_chunk": 64})
+
+
+def test_read_only_cache_path_falls_back_to_the_user_cache(cache_env: Path, capsys: pytest.CaptureFixture) -> None:
+    blocker = cache_env / "a-file"
+    blocker.write_text("")
+    code, out, err = run_cli(capsys, "tune", *TINY, "--tokens", "64", "--variant", "plain", "--quick",
+                             "--cache", str(blocker / "autotune.yaml"), "--no-progress")
+    assert code == 0
+    assert f"cannot write {blocker / 'autotune.yaml'}" in err and "(user cache) instead" in err
+    assert f"wrote 1 entry to {locations.user_cache_path()}" in out
+    assert len(cache_files.read_file(locations.user_cache_path()).entries) == 1
+
+
+@pytest.mark.parametrize("use_tqdm", [True, False])
+def test_progress_bar_or_plain_lines(cache_env: Path, capsys: pytest.CaptureFixture,
+                                     monkeypatch: pytest.MonkeyPatch, use_tqdm: bool) -> None:
+    if use_tqdm:
+        pytest.importorskip("tqdm")
+    monkeypatch.setattr(progress, "_tqdm_available", lambda: use_tqdm)
+    code, _, err = run_cli(capsys, "tune", *TINY, "--tokens", "64", "--variant", "plain", "--quick",
+                           "--cache", str(cache_env / "c.yaml"))
+    assert code == 0
+    if use_tqdm:
+        assert "5/5" in err and "run" in err  # floor, heuristic, one candidate, recompute, keep
+    else:
+        assert "[1/5] float32 H=16 V=64 T=64 plain: floor" in err and "[5/5]" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "12,abc"], "--tokens='12,abc': 'abc' is not a positive integer"),
+    (["--tokens", "0"], "--tokens='0': '0' is not a positive integer"),
+    (["--tokens", "8", "--memory-budget", "12XB"], "--memory-budget='12XB': expected a size"),
+    (["--tokens", "8", "--dtype", "int7"], "dtype='int7'"),
+    (["--tokens", "8", "--variant", "fast"], "--variant='fast': 'fast' is not one of"),
+    (["--tokens", "8", "--backend", "nope"], "backend='nope': unknown backend"),
+    (["--tokens", "8", "--repeats", "0"], "--repeats=0: expected an int >= 1"),
+])
+def test_bad_arguments_exit_2_and_name_the_value(capsys: pytest.CaptureFixture, argv: list[str],
+                                                 message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tune", *TINY, *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unavailable_device_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(SystemExit):
+        main(["tune", "--device", "cuda", "--hidden", "8", "--vocab", "8", "--tokens", "8"])
+    assert "--device='cuda': no cuda device is available" in capsys.readouterr().err
+
+
+def test_parse_bytes_units() -> None:
+    assert parse_bytes("x", "512MiB") == 512 << 20
+    assert parse_bytes("x", "1.5GB") == 1_500_000_000
+    assert parse_bytes("x", "2gib") == 2 << 30
+    assert parse_bytes("x", "4096") == 4096
+
+
+# The tuner with a backend that misbehaves on purpose -----------------------------------------------
+
+
+def _flaky_run(flat: FlatInputs, cfg: flce.config.LCEConfig, variant: str) -> torch.Tensor:
+    """The reference computation, except for the knob "mode" read from the autotune cache."""
+    w = flat.weight
+    params, _ = autotune.tuned_params(w.device, "flaky", variant, w.dtype, w.shape[1], w.shape[0],
+                                      flat.target.shape[0])
+    mode = (params or {}).get("mode")
+    if mode == "fail":
+        raise RuntimeError("kernel does not compile")
+    if mode == "oom":
+        raise torch.OutOfMemoryError("out of memory (simulated)")
+    if mode == "slow":
+        time.sleep(0.05)
+    loss = reference_linear_cross_entropy(flat, cfg, variant)
+    return loss * 1.5 if mode == "wrong" else loss
+
+
+def test_tuner_skips_failures_oom_wrong_results_and_over_budget(
+    cache_env: Path, isolated_registry: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    register_backend(Backend(name="flaky", device_types=("cpu",), priority=-10,
+                             is_available=lambda probe: (True, "test backend"),
+                             supports=lambda cfg, flat: (True, "everything"), run=_flaky_run))
+    with pytest.raises(ValueError, match="backend='flaky' has no tuning space registered"):
+        resolve_backend(torch.device("cpu"), "flaky")
+    modes = ["fail", "oom", "wrong", "huge", "slow", "same"]
+    space = spaces.TuningSpace(
+        "flaky", candidates=lambda shape, quick: [{"mode": m} for m in modes],
+        working_bytes=lambda shape, params: 1 << 50 if params.get("mode") == "huge" else 1024,
+        tunes_logits_save_limit=False)
+    monkeypatch.setitem(spaces._spaces, "flaky", space)
+
+    seen = []
+    request = TuneRequest(device=torch.device("cpu"), dtypes=[torch.float32], hiddens=[8], vocabs=[32],
+                          tokens=[16], variants=["plain"], backend="flaky", memory_budget=1 << 30, quick=True)
+    (result,) = Tuner(request, on_result=seen.append).run()
+    assert seen == [result]
+    assert result.tried == len(modes)
+    assert dict(result.skipped) == {"failed": 1, "out of memory": 1, "wrong result": 1, "over budget": 1}
+    assert result.first_error == "mode=fail: RuntimeError: kernel does not compile"
+    assert result.entry is not None and result.entry.params in ({}, {"mode": "same"})
+    assert result.entry.logits_save_limit_bytes is None and result.entry.backend == "flaky"
+    assert result.heuristic_params is None  # no chunked() on this backend: the planner's choice is unknown
+
+
+# Entry points and concurrent tuners --------------------------------------------------------------
+
+
+def test_entry_points_and_concurrent_tunes_keep_every_entry(tmp_path: Path) -> None:
+    """Two tune processes write one file at once, one through `python -m flce.autotune`, one
+    through the `flce-autotune` console script; both entries survive."""
+    path = tmp_path / "shared.yaml"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "OMP_NUM_THREADS": "1"}
+    env.pop(locations.CACHE_ENV, None)
+    script = shutil.which("flce-autotune")
+    module = [sys.executable, "-m", "flce.autotune"]
+    launchers = [module, [script] if script else module]
+    tunes = [subprocess.Popen([*launcher, "tune", *TINY, "--tokens", tokens, "--variant", "plain", "--quick",
+                               "--cache", str(path), "--no-progress"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for launcher, tokens in zip(launchers, ("64", "128"), strict=True)]
+    outputs = [p.communicate(timeout=300) for p in tunes]
+    assert [p.returncode for p in tunes] == [0, 0], outputs
+    assert sorted(e.tokens for e in cache_files.read_file(path).entries) == [64, 128]
+    assert script is not None, "the flce-autotune console script is not installed (pip install -e .)"
