@@ -1,0 +1,307 @@
+"""flce under torch.compile, on the CPU.
+
+The custom ops pass ``torch.library.opcheck``; a step that calls flce (module or functional
+form) compiles with ``fullgraph=True`` into one graph, and its loss, extras and gradients
+(backward included) equal eager flce's and the float64 materialised oracle's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The CUDA backend's kernels run under the Triton interpreter here; set before triton loads
+    # (torch._dynamo.testing imports it).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch._dynamo.testing  # noqa: E402
+from helpers import assert_close_per_design, backward_surrogate, random_upstream, reference_loss  # noqa: E402
+
+import flce  # noqa: E402
+from flce.backends.chunked_function import _op_options, apply_chunked, apply_chunked_op  # noqa: E402
+from flce.backends.reference.function import reference_chunked_call  # noqa: E402
+from flce.config import LCEConfig  # noqa: E402
+from flce.inputs import prepare_inputs  # noqa: E402
+
+N, H, V = 13, 8, 24
+# Small enough that the reference plan splits 13 rows into chunks of 3 (multi-chunk paths).
+SMALL_BUDGET = 1000
+
+
+def _inputs(generator: torch.Generator, *, bias: bool = True, grads: tuple[bool, bool, bool] = (True, True, True),
+            n: int = N):
+    x = torch.randn(n, H, generator=generator).requires_grad_(grads[0])
+    w = (torch.randn(V, H, generator=generator) / H**0.25).requires_grad_(grads[1])
+    b = torch.randn(V, generator=generator).requires_grad_(grads[2]) if bias else None
+    t = torch.randint(0, V, (n,), generator=generator)
+    t[torch.rand(n, generator=generator) < 0.25] = -100
+    return x, w, b, t
+
+
+def _class_weight(generator: torch.Generator) -> torch.Tensor:
+    return torch.rand(V, generator=generator) + 0.5
+
+
+# (variant, options, has bias, which inputs require grad)
+OPCHECK_CASES = {
+    "plain-mean": ("plain", {}, True, (True, True, True)),
+    "plain-none-deferred": ("plain", {"reduction": "none", "memory_budget": SMALL_BUDGET}, True, (True, True, True)),
+    "full-none-logprobs-entropy": (
+        "full", {"reduction": "none", "return_logprobs": True, "return_entropy": True, "temperature": 0.7,
+                 "softcap": 3.0, "label_smoothing": 0.1, "class_weight": "random"}, True, (True, True, True)),
+    "full-sum-hidden-only": (
+        "full", {"reduction": "sum", "lse_square_scale": 1e-3, "return_z_loss": True, "token_scaling": True,
+                 "return_token_accuracy": True, "return_predicted_tokens": True}, False, (True, False, False)),
+    "full-mean-deferred-chunks": (
+        "full", {"return_logprobs": True, "return_entropy": True, "accum_dtype": torch.float32,
+                 "memory_budget": SMALL_BUDGET}, True, (False, True, True)),
+    "no-grad": ("plain", {}, True, (False, False, False)),
+}
+
+
+def _options(options: dict, generator: torch.Generator) -> dict:
+    options = dict(options)
+    if options.get("class_weight") == "random":
+        options["class_weight"] = _class_weight(generator)
+    return options
+
+
+def _op_kwargs(variant: str, cfg: LCEConfig, bias: torch.Tensor | None, grads: tuple[bool, bool, bool]) -> dict:
+    return dict(backend="reference", variant=variant, grad_hidden=grads[0], grad_weight=grads[1],
+                grad_bias=grads[2] and bias is not None, **_op_options(cfg))
+
+
+@pytest.mark.parametrize("case", sorted(OPCHECK_CASES))
+def test_opcheck_forward(case: str, generator: torch.Generator) -> None:
+    variant, options, has_bias, grads = OPCHECK_CASES[case]
+    cfg = LCEConfig(**_options(options, generator))
+    x, w, b, t = _inputs(generator, bias=has_bias, grads=grads)
+    torch.library.opcheck(torch.ops.flce.chunked_forward.default, (x, w, b, t, cfg.class_weight),
+                          _op_kwargs(variant, cfg, b, grads))
+
+
+@pytest.mark.parametrize("case", ["plain-none-deferred", "full-none-logprobs-entropy", "full-mean-deferred-chunks"])
+def test_opcheck_backward(case: str, generator: torch.Generator) -> None:
+    variant, options, has_bias, grads = OPCHECK_CASES[case]
+    cfg = LCEConfig(**_options(options, generator))
+    x, w, b, t = _inputs(generator, bias=has_bias, grads=(False, False, False))
+    kwargs = _op_kwargs(variant, cfg, b, grads)
+    outputs = torch.ops.flce.chunked_forward(x, w, b, t, cfg.class_weight, **kwargs)
+    lse, target_z, expected_z = outputs[9:12]
+    assert lse.shape == (N,), "the deferred schedule must hand its row statistics to backward"
+    grad_loss = torch.randn(outputs[0].shape, generator=generator)
+    grad_logprobs = torch.randn(N, generator=generator) if cfg.return_logprobs else None
+    grad_entropy = torch.randn(N, generator=generator) if cfg.return_entropy else None
+    torch.library.opcheck(
+        torch.ops.flce.chunked_backward.default,
+        (x, w, b, t, cfg.class_weight, lse, target_z, expected_z, grad_loss, grad_logprobs, grad_entropy), kwargs,
+    )
+
+
+# Option sets of the compiled-step tests: the in-forward schedule, the deferred one with
+# differentiable extras, and the full variant's math options together.
+STEP_OPTIONS = {
+    "plain-mean": {},
+    "none-logprobs-entropy": {"reduction": "none", "return_logprobs": True, "return_entropy": True,
+                              "temperature": 0.7, "memory_budget": SMALL_BUDGET},
+    "full-math": {"softcap": 2.5, "label_smoothing": 0.1, "lse_square_scale": 1e-2, "class_weight": "random",
+                  "token_scaling": True, "return_z_loss": True, "return_token_accuracy": True,
+                  "return_predicted_tokens": True},
+}
+
+
+def _make_step(form: str, options: dict):  # noqa: ANN202
+    if form == "module":
+        loss_fn = flce.get_impl("cpu")(**options)
+
+        def step(x, w, t, b):  # noqa: ANN001, ANN202
+            return loss_fn(x, w, t, b)
+    else:
+        def step(x, w, t, b):  # noqa: ANN001, ANN202
+            return flce.linear_cross_entropy(x, w, t, b, **options)
+    return step
+
+
+def _run(step, inputs, upstream_seed: int):  # noqa: ANN001, ANN202
+    """Outputs and the gradients of x, w, b under random upstream gradients."""
+    x, w, b, t = (None if a is None else a.detach().requires_grad_(a.requires_grad) for a in inputs)
+    out = step(x, w, t, b)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    extras = not isinstance(out, torch.Tensor)
+    upstream = random_upstream(loss.shape, t.shape, logprobs=extras and out.logprobs is not None,
+                               entropy=extras and out.entropy is not None,
+                               generator=torch.Generator().manual_seed(upstream_seed))
+    backward_surrogate(out, upstream).backward()
+    return out, (x.grad, w.grad, None if b is None else b.grad)
+
+
+def _fields(out) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    if isinstance(out, torch.Tensor):
+        return {"loss": out}
+    return {name: value for name, value in out._asdict().items() if value is not None}
+
+
+@pytest.mark.parametrize("form", ["module", "functional"])
+@pytest.mark.parametrize("case", sorted(STEP_OPTIONS))
+def test_compiled_step_matches_eager_and_oracle(form: str, case: str, generator: torch.Generator) -> None:
+    options = _options(STEP_OPTIONS[case], generator)
+    inputs = _inputs(generator)
+    step = _make_step(form, options)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    out_c, grads_c = _run(compiled, inputs, upstream_seed=7)
+    out_e, grads_e = _run(step, inputs, upstream_seed=7)
+
+    fields_c, fields_e = _fields(out_c), _fields(out_e)
+    assert fields_c.keys() == fields_e.keys()
+    assert type(out_c) is type(out_e), "the compiled call must return what the eager one returns"
+    for name in fields_e:
+        torch.testing.assert_close(fields_c[name], fields_e[name], rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    for name, gc, ge in zip(("hidden", "weight", "bias"), grads_c, grads_e, strict=True):
+        torch.testing.assert_close(gc, ge, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"grad {name}: {m}")
+
+    # And both against the float64 oracle.
+    x, w, b, t = (a.detach().double().requires_grad_(a.requires_grad) if a.is_floating_point() else a for a in inputs)
+    oracle = reference_loss(x, w, t, b, **options)
+    upstream = random_upstream(oracle.loss.shape, t.shape, logprobs="logprobs" in fields_c,
+                               entropy="entropy" in fields_c, generator=torch.Generator().manual_seed(7))
+    backward_surrogate(oracle, upstream).backward()
+    for name, value in fields_c.items():
+        assert_close_per_design(value, getattr(oracle, name).detach(), kind="forward", dtype=torch.float32, name=name)
+    for name, got, want in zip(("hidden", "weight", "bias"), grads_c, (x.grad, w.grad, b.grad), strict=True):
+        assert_close_per_design(got, want, kind=f"grad_{'hidden' if name == 'hidden' else 'weight'}",
+                                dtype=torch.float32, name=f"grad {name}")
+
+
+@pytest.mark.parametrize("case", ["plain-mean", "none-logprobs-entropy"])
+def test_inductor_compiled_step_matches_eager(case: str, generator: torch.Generator) -> None:
+    """Inductor too (it is what torch.compile uses by default); one schedule each."""
+    options = _options(STEP_OPTIONS[case], generator)
+    inputs = _inputs(generator)
+    step = _make_step("module", options)
+    torch._dynamo.reset()
+    out_c, grads_c = _run(torch.compile(step, fullgraph=True), inputs, upstream_seed=3)
+    out_e, grads_e = _run(step, inputs, upstream_seed=3)
+    for name, value in _fields(out_e).items():
+        torch.testing.assert_close(_fields(out_c)[name], value, rtol=1e-5, atol=1e-6)
+    for gc, ge in zip(grads_c, grads_e, strict=True):
+        torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["module", "functional"])
+def test_explain_shows_one_graph(form: str, generator: torch.Generator) -> None:
+    step = _make_step(form, {"label_smoothing": 0.1, "return_logprobs": True})
+    x, w, b, t = _inputs(generator)
+
+    def train_step(x, w, t, b):  # noqa: ANN001, ANN202
+        out = step(x, w, t, b)
+        return out.loss + 0.1 * out.logprobs.sum()
+
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(train_step)(x, w, t, b)
+    assert explanation.graph_break_count == 0, [r.reason for r in explanation.break_reasons]
+    assert explanation.graph_count == 1
+
+
+def test_frozen_weight_and_grad_accumulation(generator: torch.Generator) -> None:
+    """Only hidden trains (weight frozen): the op skips grad_weight; two compiled steps accumulate."""
+    x, w, _, t = _inputs(generator, bias=False, grads=(True, False, False))
+    loss_fn = flce.get_impl("cpu")(reduction="sum")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, t: loss_fn(x, w, t), backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        compiled(x, w, t).backward()
+    assert w.grad is None
+    xs = x.detach().double().requires_grad_()
+    reference_loss(xs, w.double(), t, reduction="sum").loss.backward()
+    assert_close_per_design(x.grad, 2 * xs.grad, kind="grad_hidden", dtype=torch.float32, name="grad hidden")
+
+
+def test_compiled_inference_without_grad(generator: torch.Generator) -> None:
+    x, w, b, t = _inputs(generator)
+    loss_fn = flce.get_impl("cpu")(return_entropy=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        out = compiled(x, w, t, b)
+    assert not out.loss.requires_grad
+    oracle = reference_loss(x.double(), w.double(), t, b.double())
+    assert_close_per_design(out.loss, oracle.loss, kind="forward", dtype=torch.float32, name="loss")
+    assert_close_per_design(out.entropy, oracle.entropy, kind="forward", dtype=torch.float32, name="entropy")
+
+
+def test_dynamic_token_count_compiles_once(generator: torch.Generator) -> None:
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    loss_fn = flce.get_impl("cpu")(reduction="none", return_logprobs=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, t: loss_fn(x, w, t), backend=counter, dynamic=True, fullgraph=True)
+    frames = []
+    for n in (11, 17, 20):
+        x, w, _, t = _inputs(generator, bias=False, n=n)
+        out = compiled(x, w, t)
+        oracle = reference_loss(x.double(), w.double(), t, reduction="none")
+        assert_close_per_design(out.loss, oracle.loss, kind="forward", dtype=torch.float32, name=f"loss n={n}")
+        assert_close_per_design(out.logprobs, oracle.logprobs, kind="forward", dtype=torch.float32, name="logprobs")
+        frames.append(counter.frame_count)
+    assert frames[0] == frames[-1], f"recompiled for a new token count: frames compiled after each call {frames}"
+
+
+def test_target_out_of_range_is_checked_inside_the_op(generator: torch.Generator) -> None:
+    x, w, b, t = _inputs(generator)
+    t[4] = V + 3
+    loss_fn = flce.get_impl("cpu")()
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match=f"target contains {V + 3}, outside \\[0, {V}\\)"):
+        compiled(x, w, t, b)
+
+
+def test_op_path_equals_function_path_in_eager(generator: torch.Generator) -> None:
+    """The op (recomputing logits in backward) and the Function (which may keep them) agree."""
+    options = {"reduction": "none", "return_logprobs": True, "return_entropy": True, "softcap": 4.0}
+    cfg = LCEConfig(**options)
+    x, w, b, t = _inputs(generator)
+    results = []
+    for use_op in (False, True):
+        xs, ws, bs = (a.detach().requires_grad_() for a in (x, w, b))
+        flat = prepare_inputs(xs, ws, t, bs, cfg)
+        call = reference_chunked_call(flat, cfg, "full")
+        assert call.plan.save_logits, "the Function should keep the logits at this size"
+        out = apply_chunked_op("reference", flat, cfg, "full") if use_op else apply_chunked(flat, call)
+        upstream = random_upstream(out.loss.shape, t.shape, logprobs=True, entropy=True,
+                                   generator=torch.Generator().manual_seed(5))
+        backward_surrogate(out, upstream).backward()
+        results.append((out.loss, out.logprobs, out.entropy, xs.grad, ws.grad, bs.grad))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_op_rejects_unknown_backend(generator: torch.Generator) -> None:
+    x, w, b, t = _inputs(generator, grads=(False, False, False))
+    kwargs = _op_kwargs("plain", LCEConfig(), b, (False, False, False))
+    kwargs["backend"] = "no-such-backend"
+    with pytest.raises(ValueError, match="backend='no-such-backend': expected a registered chunk-loop backend"):
+        torch.ops.flce.chunked_forward(x, w, b, t, None, **kwargs)
+
+
+@pytest.mark.triton
+def test_cuda_backend_kernels_compile_under_the_interpreter(generator: torch.Generator) -> None:
+    """The CUDA backend's entry point through the op: here its Triton kernels run interpreted on CPU
+    tensors (on a GPU machine they run for real on CUDA tensors)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    options = {"label_smoothing": 0.1, "return_logprobs": True, "return_entropy": True}
+    loss_fn = flce.get_impl(device, backend="cuda")(**options)
+    inputs = tuple(None if a is None else a.detach().to(device).requires_grad_(a.requires_grad)
+                   for a in _inputs(generator, bias=False))
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
+    out_c, grads_c = _run(lambda x, w, t, b: compiled(x, w, t, b), inputs, upstream_seed=11)
+    out_e, grads_e = _run(lambda x, w, t, b: loss_fn(x, w, t, b), inputs, upstream_seed=11)
+    for name, value in _fields(out_e).items():
+        torch.testing.assert_close(_fields(out_c)[name], value, rtol=1e-5, atol=1e-5)
+    for gc, ge in zip(grads_c[:2], grads_e[:2], strict=True):
+        torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-5)
