@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import importlib
 import json
 import multiprocessing
 import os
@@ -72,7 +73,8 @@ LAYOUTS = {2: {"even": (16, 16), "uneven": (7, 18)}, 4: {"even": (8, 8, 8, 8), "
 
 # --------------------------------------------------------------------------- the harness
 
-def _rank_main(rank: int, world_size: int, store_dir: str) -> None:
+def _rank_main(rank: int, world_size: int, store_dir: str, sections_module: str) -> None:
+    sections = importlib.import_module(sections_module).SECTIONS[world_size]
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
     dist.init_process_group(
@@ -81,7 +83,7 @@ def _rank_main(rank: int, world_size: int, store_dir: str) -> None:
     )
     report: dict[str, dict] = {}
     try:
-        for section, run in SECTIONS[world_size].items():
+        for section, run in sections.items():
             checker = Checker()
             try:
                 run(checker, rank, world_size)
@@ -94,11 +96,15 @@ def _rank_main(rank: int, world_size: int, store_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, tmp_path: Path) -> list[dict[str, dict]]:
-    # A forkserver imports torch and flce once and forks every rank from there: importing them
-    # in each rank costs more than all the checks together on a 2-core CI machine.
-    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__, *PRELOAD])
-    context = mp.start_processes(_rank_main, args=(world_size, str(tmp_path)), nprocs=world_size,
+def run_ranks(world_size: int, tmp_path: Path, sections_module: str = __name__,
+              preload: tuple[str, ...] = PRELOAD) -> list[dict[str, dict]]:
+    """Run ``sections_module.SECTIONS[world_size]`` on ``world_size`` gloo ranks; every rank's report.
+
+    A forkserver imports torch and flce once and forks every rank from there: importing them
+    in each rank costs more than all the checks together on a 2-core CI machine.
+    """
+    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__, sections_module, *preload])
+    context = mp.start_processes(_rank_main, args=(world_size, str(tmp_path), sections_module), nprocs=world_size,
                                  join=False, start_method="forkserver")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not context.join(timeout=1):

@@ -1,0 +1,1 @@
+"""Optional adapters that route other libraries' LM heads through flce."""
