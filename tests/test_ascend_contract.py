@@ -312,3 +312,19 @@ def test_argmax_ties_pick_the_first_index():
         stats = kernels.row_stats(logits.to(DEVICE), target.to(DEVICE), LCEConfig(return_predicted_tokens=True),
                                   offset)
         assert stats.argmax.cpu().tolist() == [40 + offset, 200 + offset, 127 + offset, V - 1 + offset]
+
+
+def test_non_contiguous_inputs():
+    # Column-major hidden and weight: the gradients keep that layout, so scale_ takes its torch path.
+    hidden, weight, bias, target, _ = make_inputs(with_bias=True)
+    leaves = [t.float().t().contiguous().t().to(DEVICE).requires_grad_() for t in (hidden, weight)]
+    assert not leaves[0].is_contiguous() and not leaves[1].is_contiguous()
+    b = bias.float().to(DEVICE).requires_grad_()
+    loss = ascend_loss_fn(label_smoothing=0.1)(*leaves, target.to(DEVICE), b)
+    grads = torch.autograd.grad(loss * 1.3, [*leaves, b])
+    ref_leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    ref = oracle(*ref_leaves[:2], target, ref_leaves[2], label_smoothing=0.1)["loss"]
+    ref_grads = torch.autograd.grad(ref * 1.3, ref_leaves)
+    torch.testing.assert_close(loss.double().cpu(), ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-4)

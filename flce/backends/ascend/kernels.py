@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 # Larger than any column index: the "no candidate" value of the first-index argmax.
-_NO_INDEX = 2147483647
+_NO_INDEX = tl.constexpr(2147483647)
 
 
 @triton.jit
@@ -144,8 +144,8 @@ def _row_stats_kernel(
         target_col = tl.where(in_shard, local_target, 0).to(tl.int32)
         target_z = tl.load(row_ptr + target_col, mask=in_shard, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            tanh_e = tl.exp(-2.0 * tl.abs(target_z / softcap))
-            target_z = softcap * tl.where(target_z < 0.0, tanh_e - 1.0, 1.0 - tanh_e) / (1.0 + tanh_e)
+            target_e = tl.exp(-2.0 * tl.abs(target_z / softcap))
+            target_z = softcap * tl.where(target_z < 0.0, target_e - 1.0, 1.0 - target_e) / (1.0 + target_e)
         if HAS_TEMPERATURE:
             target_z = target_z * inv_temperature
         tl.store(target_z_ptr + row, tl.where(in_shard, target_z, 0.0))

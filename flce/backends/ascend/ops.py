@@ -365,7 +365,8 @@ class AscendChunkKernels:
             return tensor
         if not tensor.is_contiguous():
             # Gradients of non-contiguous inputs keep their layout; the kernel walks flat memory.
-            return tensor.mul_(scale.to(tensor.dtype))
+            # The fp32 scale is not rounded to the gradient's dtype first (1.3 is 1.296875 in bf16).
+            return tensor.mul_(scale.float())
         n = tensor.numel()
         block = block_size("scale", tensor.dtype, n, self.props.ub_bytes)
         _kernels()._scale_kernel[grid_for(-(-n // block), self.props)](
