@@ -31,6 +31,16 @@ def main() -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    import triton.testing
+
+    bench = triton.testing.do_bench(step, warmup=100, rep=400, return_mode="median")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    print(f"do_bench median {bench:.2f} ms; back-to-back mean of 20 steps {start.elapsed_time(end) / 20:.2f} ms")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             step()

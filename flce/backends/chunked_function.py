@@ -166,9 +166,22 @@ def _as_result(outputs: tuple[Tensor, ...], cfg: LCEConfig) -> Tensor | LCEOutpu
     )
 
 
+def needs_autograd(flat: FlatInputs) -> bool:
+    """Whether a backward can follow: grad mode on and an input that requires grad.
+    (ctx.needs_input_grad does not see torch.no_grad(), so this is decided before apply.)"""
+    tensors = (flat.hidden, flat.weight, flat.bias)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def apply_chunked(flat: FlatInputs, call: ChunkedCall) -> Tensor | LCEOutput:
     """Run the Function and return the loss, or an LCEOutput when extras were asked."""
-    outputs = ChunkedLCEFunction.apply(flat.hidden, flat.weight, flat.bias, flat.target, call)
+    if needs_autograd(flat):
+        outputs = ChunkedLCEFunction.apply(flat.hidden, flat.weight, flat.bias, flat.target, call)
+    else:
+        # Inference (no_grad, evaluation, RL log-probs): the scan alone, no gradient work, nothing kept.
+        state = run_forward(call.kernels, flat, call.cfg, call.plan, call.plain, grads_in_forward=None,
+                            sharding=call.sharding, backward_follows=False)
+        outputs = _shape_outputs(_flat_outputs(state, call.cfg, flat.hidden), call.cfg, call.token_shape)
     return _as_result(outputs, call.cfg)
 
 

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from flce.backends.chunk_driver import ChunkPlan
+from flce.backends.chunked_function import needs_autograd
 from flce.backends.cuda import kernels
 from flce.backends.memory import MiB, default_logits_save_limit
 from flce.config import LCEConfig
@@ -51,18 +52,13 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig) -> ChunkPlan:
     if cfg.memory_budget is not None:
         budget = cfg.memory_budget
     else:
-        budget = DEFAULT_CHUNK_BUDGET if _gradients_follow(flat) else INFERENCE_CHUNK_BUDGET
+        budget = DEFAULT_CHUNK_BUDGET if needs_autograd(flat) else INFERENCE_CHUNK_BUDGET
     tokens = balanced_chunk_rows(n_rows, max(1, budget // row_bytes))
     logits_bytes = n_rows * row_bytes
     save_limit = default_logits_save_limit(flat.hidden.device)
     if cfg.memory_budget is not None:
         save_limit = min(save_limit, cfg.memory_budget - tokens * row_bytes)
     return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit)
-
-
-def _gradients_follow(flat: FlatInputs) -> bool:
-    tensors = (flat.hidden, flat.weight, flat.bias)
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def balanced_chunk_rows(n_rows: int, max_rows: int) -> int:
