@@ -27,6 +27,7 @@ from flce.backends.chunk_driver import (
     run_backward,
     run_forward,
 )
+from flce.backends.chunked_function import run_backend
 from flce.config import LCEConfig
 from flce.distributed import checks, collectives
 from flce.distributed.shards import VocabShard, group_size, vocab_shard
@@ -216,4 +217,4 @@ def _single_rank(flat: FlatInputs, cfg: LCEConfig, candidates: Candidates, varia
     checks.check_target_range(flat.target, flat.weight.shape[0], cfg.ignore_index)
     if variant == "auto":
         variant = "full" if cfg.needs_full else "plain"
-    return choose_for_call(candidates, cfg, flat).run(flat, cfg, variant)
+    return run_backend(choose_for_call(candidates, cfg, flat), flat, cfg, variant)
