@@ -67,13 +67,14 @@ def test_round_trip_keeps_every_field_and_the_header(tmp_path: Path) -> None:
     assert all(e.source == str(path.absolute()) for e in loaded.entries)
 
 
-def test_update_merges_by_key_and_keeps_order(tmp_path: Path) -> None:
+def test_update_merges_by_key_and_keeps_order_and_notes(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
-    write(path, [entry(tokens=64), entry(tokens=128)])
+    path.write_text(cache_files.render([entry(tokens=64), entry(tokens=128)], ["# made by: flce-autotune tune ..."]))
     newer = entry(tokens=64, params={"tokens_per_chunk": 32})
     write(path, [newer, entry(tokens=256)])
     assert [(e.tokens, e.params["tokens_per_chunk"]) for e in cache_files.read_file(path).entries] == [
         (64, 32), (128, 8), (256, 8)]
+    assert path.read_text().splitlines()[:2] == [HEADER, "# made by: flce-autotune tune ..."]
     assert merge([entry(tokens=1)], [entry(tokens=1, params={})]) == [entry(tokens=1, params={})]
 
 

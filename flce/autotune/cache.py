@@ -125,9 +125,26 @@ def nearest_bucket(bucket: list[Entry], tokens: int) -> Entry:
     return min(bucket, key=lambda e: (max(e.tokens, target) / min(e.tokens, target), -e.tokens))
 
 
-def render(entries: list[Entry]) -> str:
+def render(entries: list[Entry], comments: list[str] = ()) -> str:
+    """The file's text: the header, then ``comments`` (lines starting with '#'), then the YAML."""
     body = yaml.dump(document_of(entries), Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=200)
-    return f"{HEADER}\n{body}"
+    return "".join(f"{line}\n" for line in [HEADER, *comments]) + body
+
+
+def leading_comments(path: Path) -> list[str]:
+    """Comment lines at the top of a file, without flce's header: notes such as the command that
+    made a shipped file survive later updates."""
+    comments = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.startswith("#"):
+                    break
+                if line.rstrip("\n") != HEADER:
+                    comments.append(line.rstrip("\n"))
+    except (OSError, UnicodeDecodeError):
+        return []
+    return comments
 
 
 def is_flce_file(path: Path) -> bool:
@@ -200,11 +217,12 @@ def update_file(path: str | os.PathLike, new_entries: list[Entry]) -> UpdateResu
     path = Path(path).expanduser().absolute()
     with locked(path):
         current = read_file(path)
+        comments = leading_comments(path) if current.usable else []
         moved = None
         if current.status == INVALID or current.skipped:
             moved = _move_aside(path)
         merged = merge([_without_source(e) for e in current.entries], [_without_source(e) for e in new_entries])
-        atomic_write(path, render(merged))
+        atomic_write(path, render(merged, comments))
     forget(path)
     problem = current.problem or ("; ".join(current.skipped) if current.skipped else None)
     return UpdateResult(path, len(merged), moved_aside=moved, problem=problem if moved else None)

@@ -5,7 +5,7 @@ For every (dtype, H, V, tokens, variant) it measures, with fresh random inputs:
 * the floor: the three GEMMs of a forward+backward (``x @ W.T``, ``G @ W``, ``G.T @ x``);
 * the heuristic: the backend's planner with nothing cached (the baseline);
 * every candidate the backend's :class:`~flce.autotune.spaces.TuningSpace` lists, skipping (and
-  counting) those over ``memory_budget``, those that fail or run out of memory, and those whose
+  counting) those over the memory budget, those that fail or run out of memory, and those whose
   loss or hidden gradient disagree with the heuristic's;
 * with the winner, the deferred schedule with the logits kept versus recomputed, which sets the
   entry's logits-save limit.
@@ -13,6 +13,12 @@ For every (dtype, H, V, tokens, variant) it measures, with fresh random inputs:
 Times are medians of forward+backward calls, from device events on accelerators and
 ``time.perf_counter`` on the CPU. The heuristic is kept (empty ``params``) unless a candidate beats
 it by more than the noise margin, so a tuned entry is never slower than the heuristic as measured.
+
+Every configuration runs as a user's call would, without ``memory_budget`` (so the heuristic
+measured is the one dispatch uses); the budget only decides which configurations may be chosen.
+It is ``--memory-budget`` when given, else the default logits-save limit
+``max(1 GiB, min(4 GiB, total memory / 8))`` or the heuristic's own working memory if that is
+larger, so a tuned entry never needs much more memory than the heuristic unless asked to.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ class TuneRequest:
     tokens: list[int]
     variants: list[str] = field(default_factory=lambda: ["plain", "full"])
     backend: str | None = None  # None: the backend dispatch would pick for this device
-    memory_budget: int | None = None  # bytes of working memory any candidate may use
+    memory_budget: int | None = None  # bytes of working memory a chosen configuration may use
     quick: bool = False
     repeats: int | None = None
     warmup: int | None = None
@@ -189,44 +195,57 @@ class Tuner:
         result.floor_ms = self._floor_ms(shape, inputs)
 
         self.progress.step(f"{label}: heuristic")
+        after_heuristic = len(candidates) + (2 if self.space.tunes_logits_save_limit else 0)
         try:
-            baseline = self._run(shape, inputs, None, deferred=False)
+            baseline = self._run(shape, inputs, None, deferred=False, budget=None)
         except _Skip as skip:
             result.skipped[f"heuristic {skip.reason}"] += 1
             result.first_error = result.first_error or f"heuristic: {skip.detail or skip.reason}"
-            self.progress.advance(len(candidates) + (2 if self.space.tunes_logits_save_limit else 0))
+            self.progress.advance(after_heuristic)
             return result
         result.heuristic_ms = baseline.ms
         result.heuristic_params = self._heuristic_params(shape, inputs)
+        budget = self._budget(shape, baseline)
+        heuristic_fits = baseline.working_bytes is None or baseline.working_bytes <= budget
 
         best_params: Params | None = None
-        best = baseline
+        best = baseline if heuristic_fits else None
         for params in candidates:
             self.progress.step(f"{label}: {_params_text(params)}")
             result.tried += 1
             try:
-                run = self._run(shape, inputs, params, deferred=False, reference=baseline)
+                run = self._run(shape, inputs, params, deferred=False, budget=budget, reference=baseline)
             except _Skip as skip:
                 result.skipped[skip.reason] += 1
                 if skip.detail and result.first_error is None:
                     result.first_error = f"{_params_text(params)}: {skip.detail}"
                 continue
-            if run.ms < best.ms and run.ms < baseline.ms * (1 - NOISE_MARGIN):
+            # A heuristic that fits keeps its place unless beaten by more than the noise margin.
+            beats_heuristic = not heuristic_fits or run.ms < baseline.ms * (1 - NOISE_MARGIN)
+            if best is None or (run.ms < best.ms and beats_heuristic):
                 best, best_params = run, params
+        if best is None:
+            result.first_error = result.first_error or (
+                f"neither the heuristic ({_size(baseline.working_bytes)}) nor any candidate fits the memory "
+                f"budget of {_size(budget)}")
+            self.progress.advance(2 if self.space.tunes_logits_save_limit else 0)
+            return result
         result.best_ms = best.ms
         result.peak_mib = None if best.working_bytes is None else best.working_bytes / MiB
         result.peak_kind = best.peak_kind
 
         limit, save_ms, recompute_ms = None, None, None
         if self.space.tunes_logits_save_limit:
-            limit, save_ms, recompute_ms = self._logits_save_limit(shape, inputs, best_params, best, label, result)
+            limit, save_ms, recompute_ms = self._logits_save_limit(shape, inputs, best_params, best, budget, label,
+                                                                   result)
         measured: dict[str, Scalar] = {
             "ms": _round(best.ms), "heuristic_ms": _round(baseline.ms), "floor_ms": _round(result.floor_ms),
             "speedup": _round(baseline.ms / best.ms), "peak_mib": _round(result.peak_mib),
             "peak": result.peak_kind, "chosen": "heuristic" if best_params is None else "candidate",
             "candidates": result.tried, "skipped": sum(result.skipped.values()),
             "keep_logits_ms": _round(save_ms), "recompute_logits_ms": _round(recompute_ms),
-            "memory_budget_bytes": self.request.memory_budget, "repeats": self.repeats,
+            "memory_budget_bytes": budget, "budget_from": "argument" if self.request.memory_budget else "default",
+            "repeats": self.repeats,
             **self._versions,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         }
@@ -238,38 +257,41 @@ class Tuner:
         )
         return result
 
+    def _budget(self, shape: TuneShape, heuristic: _Run) -> int:
+        """--memory-budget, else the default logits-save limit or the heuristic's working memory."""
+        if self.request.memory_budget is not None:
+            return self.request.memory_budget
+        return max(default_logits_save_limit(shape.device), heuristic.working_bytes or 0)
+
     def _logits_save_limit(
-        self, shape: TuneShape, inputs: _Inputs, params: Params | None, chosen: _Run, label: str,
+        self, shape: TuneShape, inputs: _Inputs, params: Params | None, chosen: _Run, budget: int, label: str,
         result: ShapeResult,
     ) -> tuple[int | None, float | None, float | None]:
         """Time the deferred schedule keeping forward's logits and recomputing them. Keeping wins
         only when it is faster by the noise margin and the logits fit the budget; the limit then
         admits this shape's logits, else it is 0 (always recompute)."""
         logits_bytes = shape.tokens * shape.vocab * _element_size(shape.dtype)
-        budget = self.request.memory_budget
         working = chosen.working_bytes or 0
         self.progress.step(f"{label}: recompute logits")
         try:
-            recompute = self._run(shape, inputs, params, deferred=True, limit=0)
+            recompute = self._run(shape, inputs, params, deferred=True, budget=None, limit=0)
         except _Skip as skip:
             result.skipped[f"recompute {skip.reason}"] += 1
             self.progress.advance(1)
             return None, None, None
         self.progress.step(f"{label}: keep logits")
-        if budget is not None and logits_bytes + working > budget:
+        if logits_bytes + working > budget:
             result.skipped["keep logits over budget"] += 1
             return 0, None, recompute.ms
         try:
-            keep = self._run(shape, inputs, params, deferred=True, limit=logits_bytes)
+            keep = self._run(shape, inputs, params, deferred=True, budget=None, limit=logits_bytes)
         except _Skip as skip:
             result.skipped[f"keep logits {skip.reason}"] += 1
             return 0, None, recompute.ms
         if keep.ms >= recompute.ms * (1 - NOISE_MARGIN):
             return 0, keep.ms, recompute.ms
-        limit = max(default_logits_save_limit(shape.device), logits_bytes)
-        if budget is not None:
-            limit = min(limit, budget - working)
-        return limit, keep.ms, recompute.ms
+        # Logits this size or a little larger (the bucket's neighbours) are kept; the budget still holds.
+        return min(max(default_logits_save_limit(shape.device), logits_bytes), budget - working), keep.ms, recompute.ms
 
     # Measurements ----------------------------------------------------------------------------
 
@@ -295,16 +317,16 @@ class Tuner:
         return ms
 
     def _run(self, shape: TuneShape, inputs: _Inputs, params: Params | None, *, deferred: bool,
-             limit: int | None = None, reference: _Run | None = None) -> _Run:
-        """Time one configuration; raises _Skip (with the reason) instead of failing."""
-        budget = self.request.memory_budget
+             budget: int | None, limit: int | None = None, reference: _Run | None = None) -> _Run:
+        """Time one configuration; raises _Skip (with the reason) instead of failing. ``budget``
+        skips it when its estimated or measured working memory is larger."""
         estimate = None
         if self.space.working_bytes is not None:
             estimate = self.space.working_bytes(shape, params or self._heuristic_params(shape, inputs) or {})
-            if budget is not None and params is not None and estimate > budget:
+            if budget is not None and estimate > budget:
                 raise _Skip("over budget")
         try:
-            workload = _Workload(shape, inputs, self.space.backend, budget, deferred)
+            workload = _Workload(shape, inputs, self.space.backend, deferred)
             with override_params(params, limit, backend=self.space.backend):
                 loss, grad_hidden = workload.values()  # also the first (compiling) call
                 ms, peak = _time(workload, shape.device, self.warmup, self.repeats, reset=inputs.clear_grads)
@@ -318,7 +340,7 @@ class Tuner:
         working, kind = estimate, "estimated" if estimate is not None else "unknown"
         if peak is not None:
             working, kind = max(0, peak - inputs.grad_bytes), "measured"
-        if budget is not None and params is not None and working is not None and working > budget:
+        if budget is not None and working is not None and working > budget:
             raise _Skip("over budget")
         if reference is not None:
             _check_agreement(shape.dtype, reference, loss, grad_hidden)
@@ -333,7 +355,7 @@ class Tuner:
         backend = candidates_for(shape.device.type, self.space.backend).backends[0]
         if backend.chunked is None:
             return None
-        cfg = _workload_config(shape.variant, deferred=False, budget=self.request.memory_budget)
+        cfg = _workload_config(shape.variant, deferred=False)
         with override_params(None, backend=self.space.backend):
             call = backend.chunked(inputs.flat(), LCEConfig(**cfg), shape.variant)
         return {"tokens_per_chunk": call.plan.tokens_per_chunk}
@@ -376,11 +398,11 @@ def _make_inputs(shape: TuneShape, generator: torch.Generator) -> _Inputs:
     return _Inputs(hidden, weight, target.masked_fill_(ignored, -100))
 
 
-def _workload_config(variant: str, *, deferred: bool, budget: int | None) -> dict:
+def _workload_config(variant: str, *, deferred: bool) -> dict:
     """Representative options per variant. In-forward: the plain loss; for the full variant,
     label smoothing and z-loss. Deferred (where the logits-save limit matters): per-token losses
     for plain, per-token log-probs for full."""
-    cfg: dict = {"memory_budget": budget}
+    cfg: dict = {}
     if variant == "full":
         cfg.update(return_logprobs=True) if deferred else cfg.update(label_smoothing=0.1, lse_square_scale=1e-4)
     elif deferred:
@@ -391,10 +413,10 @@ def _workload_config(variant: str, *, deferred: bool, budget: int | None) -> dic
 class _Workload:
     """One forward+backward of the backend on the shape's inputs, with the variant's options."""
 
-    def __init__(self, shape: TuneShape, inputs: _Inputs, backend: str, budget: int | None, deferred: bool):
+    def __init__(self, shape: TuneShape, inputs: _Inputs, backend: str, deferred: bool):
         import flce
 
-        options = _workload_config(shape.variant, deferred=deferred, budget=budget)
+        options = _workload_config(shape.variant, deferred=deferred)
         self.module = flce.get_impl(shape.device, backend=backend, variant=shape.variant)(**options)
         self.inputs = inputs
 
@@ -472,6 +494,15 @@ def _release(device: torch.device) -> None:
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _size(value: int | None) -> str:
+    if value is None:
+        return "unknown size"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value} B"
 
 
 def _round(value: float | None) -> float | None:
