@@ -396,3 +396,39 @@ def test_oracle_agrees_with_torch_cross_entropy(reduction: str, smoothing: float
     theirs = F.cross_entropy(hidden @ weight.T + b, target, weight=cw, reduction=reduction,
                              label_smoothing=smoothing)
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("block_rows", [1, 5])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("case", ["defaults", "everything", "returns"])
+def test_cpu_cache_blocks(case: str, reduction: str, block_rows: int, generator: torch.Generator,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU kernels walk each chunk in cache-sized row blocks: small blocks, the same answer."""
+    from flce.backends.reference import kernels
+
+    monkeypatch.setattr(kernels, "CPU_BLOCK_BYTES", block_rows * VOCAB * 4)
+    options = build_options(OPTION_CASES[case], VOCAB, generator, reduction=reduction)
+    run_case(options, generator, bias=True)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("case", ["defaults", "everything"])
+def test_cpu_cache_blocks_bf16(case: str, reduction: str, generator: torch.Generator,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Low-precision logits go through an fp32 copy of each block and back."""
+    from flce.backends.reference import kernels
+
+    options = build_options(OPTION_CASES[case], VOCAB, generator, reduction=reduction, return_logprobs=True)
+    hidden, weight, target, b = make_inputs(TOKENS, HIDDEN, VOCAB, dtype=torch.bfloat16, bias=True,
+                                            generator=generator, ignore_index=options.get("ignore_index", -100))
+    upstream = upstream_for(options, TOKENS, generator)
+    module = flce.get_impl("cpu")(**options)
+    whole = flce_grads(module, hidden, weight, target, b, upstream)
+    monkeypatch.setattr(kernels, "CPU_BLOCK_BYTES", 2 * VOCAB * 4)
+    blocked = flce_grads(module, hidden, weight, target, b, upstream)
+    ref = reference_loss(hidden, weight, target, b, **options)
+    compare_outputs(blocked[0], ref, options, torch.bfloat16)
+    for name in ("loss", "logprobs"):
+        torch.testing.assert_close(getattr(blocked[0], name), getattr(whole[0], name), rtol=0, atol=0)
+    for name in ("hidden", "weight", "bias"):
+        torch.testing.assert_close(getattr(blocked[1], name), getattr(whole[1], name), rtol=0, atol=0)
