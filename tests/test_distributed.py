@@ -73,8 +73,8 @@ LAYOUTS = {2: {"even": (16, 16), "uneven": (7, 18)}, 4: {"even": (8, 8, 8, 8), "
 
 # --------------------------------------------------------------------------- the harness
 
-def _rank_main(rank: int, world_size: int, store_dir: str, sections_module: str) -> None:
-    sections = importlib.import_module(sections_module).SECTIONS[world_size]
+def _rank_main(rank: int, world_size: int, store_dir: str, sections_module: str, sections_key: str) -> None:
+    sections = importlib.import_module(sections_module).SECTIONS[sections_key]
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
     dist.init_process_group(
@@ -96,16 +96,31 @@ def _rank_main(rank: int, world_size: int, store_dir: str, sections_module: str)
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, tmp_path: Path, sections_module: str = __name__,
-              preload: tuple[str, ...] = PRELOAD) -> list[dict[str, dict]]:
-    """Run ``sections_module.SECTIONS[world_size]`` on ``world_size`` gloo ranks; every rank's report.
+def run_ranks(world_size: int, tmp_path: Path, sections_module: str = __name__, sections_key: str | None = None,
+              preload: tuple[str, ...] = PRELOAD, fresh_env: dict[str, str] | None = None) -> list[dict[str, dict]]:
+    """Run ``sections_module.SECTIONS[sections_key or str(world_size)]`` on ``world_size`` gloo ranks;
+    returns every rank's report.
 
     A forkserver imports torch and flce once and forks every rank from there: importing them
-    in each rank costs more than all the checks together on a 2-core CI machine.
+    in each rank costs more than all the checks together on a 2-core CI machine. ``fresh_env``
+    instead spawns fresh interpreters with those variables set from their first import (for
+    TRITON_INTERPRET, which triton reads when it is imported).
     """
-    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__, sections_module, *preload])
-    context = mp.start_processes(_rank_main, args=(world_size, str(tmp_path), sections_module), nprocs=world_size,
-                                 join=False, start_method="forkserver")
+    args = (world_size, str(tmp_path), sections_module, sections_key or str(world_size))
+    if fresh_env is None:
+        multiprocessing.get_context("forkserver").set_forkserver_preload([__name__, sections_module, *preload])
+        context = mp.start_processes(_rank_main, args=args, nprocs=world_size, join=False, start_method="forkserver")
+    else:
+        saved = {name: os.environ.get(name) for name in fresh_env}
+        os.environ.update(fresh_env)
+        try:
+            context = mp.start_processes(_rank_main, args=args, nprocs=world_size, join=False, start_method="spawn")
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
@@ -162,15 +177,16 @@ def shard_rows(sizes: tuple[int, ...], rank: int) -> slice:
 
 
 def sharded_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
-                 group: Any, options: dict[str, Any]) -> torch.Tensor | flce.LCEOutput:
+                 group: Any, options: dict[str, Any], backend: str | None = None) -> torch.Tensor | flce.LCEOutput:
     """flce with process_group; a global class_weight goes straight to the vocab-parallel op,
     because flce/inputs.py checks class_weight against the local shard's size."""
     class_weight = options.get("class_weight")
     if class_weight is None or class_weight.shape[0] == weight.shape[0]:
-        return flce.linear_cross_entropy(hidden, weight, target, bias, process_group=group, **options)
+        return flce.linear_cross_entropy(hidden, weight, target, bias, process_group=group, backend=backend,
+                                         **options)
     cfg = LCEConfig(process_group=group, **options)
     flat = prepare_inputs(hidden, weight, target, bias, cfg.replace(class_weight=None))
-    return vocab_parallel_linear_cross_entropy(flat, cfg, candidates_for("cpu"))
+    return vocab_parallel_linear_cross_entropy(flat, cfg, candidates_for("cpu", backend))
 
 
 # --------------------------------------------------------------------------- one equality case
@@ -185,6 +201,7 @@ class Case:
     token_shape: tuple[int, ...] = (3, 5)
     hidden_size: int = 16
     ignore_fraction: float = 0.2
+    backend: str | None = None  # the sharded call's; the unsharded comparison uses the default
 
 
 def check_case(checker: Checker, case: Case, rank: int, group: Any) -> None:
@@ -208,7 +225,7 @@ def check_case(checker: Checker, case: Case, rank: int, group: Any) -> None:
     b_shard = None if bias is None else bias[rows]
 
     with checker.case(case.name):
-        got, got_grads = flce_grads(lambda h, w, t, b: sharded_loss(h, w, t, b, group, options),
+        got, got_grads = flce_grads(lambda h, w, t, b: sharded_loss(h, w, t, b, group, options, case.backend),
                                     hidden, w_shard, target, b_shard, upstream)
         unsharded, full_grads = flce_grads(lambda h, w, t, b: flce.linear_cross_entropy(h, w, t, b, **options),
                                            hidden, weight, target, bias, upstream)
@@ -286,6 +303,17 @@ def equality_cases(world_size: int) -> list[Case]:
 
 def section_matches_unsharded(checker: Checker, rank: int, world_size: int) -> None:
     for case in equality_cases(world_size):
+        check_case(checker, case, rank, dist.group.WORLD)
+
+
+def section_cuda_kernels_interpreted(checker: Checker, rank: int, world_size: int) -> None:
+    """The CUDA backend's Triton kernels (vocab_offset, shard slice of class_weight, global argmax)
+    under the Triton interpreter on CPU tensors, float32 (the interpreter's bf16 dot is wrong)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "test setup: the ranks must start with TRITON_INTERPRET=1"
+    sizes = LAYOUTS[world_size]["uneven"]
+    for set_name, reduction in (("plain", "mean"), ("full+class_weight", "none"), ("smoothing+metrics", "sum")):
+        case = Case(f"w{world_size}/cuda-interpreted/{set_name}/{reduction}", sizes,
+                    dict(OPTION_SETS[set_name], reduction=reduction), bias=True, backend="cuda")
         check_case(checker, case, rank, dist.group.WORLD)
 
 
@@ -467,15 +495,18 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
-SECTIONS: dict[int, dict[str, Callable[[Checker, int, int], None]]] = {
-    2: {
+SECTIONS: dict[str, dict[str, Callable[[Checker, int, int], None]]] = {
+    "2": {
         "matches_unsharded": section_matches_unsharded,
         "argmax_ties": section_argmax_ties,
         "single_rank_groups": section_single_rank_groups,
         "errors": section_errors,
         "communication": section_communication,
     },
-    4: {
+    "2-interpreted": {
+        "cuda_kernels_interpreted": section_cuda_kernels_interpreted,
+    },
+    "4": {
         "matches_unsharded": section_matches_unsharded,
         "argmax_ties": section_argmax_ties,
         "subgroups": section_subgroups,
@@ -498,6 +529,13 @@ def test_vocab_parallel(reports: Callable[[int], list[dict[str, dict]]], world_s
 def test_vocab_parallel_groups_and_errors(reports: Callable[[int], list[dict[str, dict]]], world_size: int,
                                           section: str) -> None:
     assert_section(reports(world_size), section)
+
+
+@pytest.mark.distributed
+@pytest.mark.triton
+def test_vocab_parallel_cuda_kernels_interpreted(tmp_path: Path) -> None:
+    reports = run_ranks(2, tmp_path, sections_key="2-interpreted", fresh_env={"TRITON_INTERPRET": "1"})
+    assert_section(reports, "cuda_kernels_interpreted")
 
 
 def test_packed_max_argmax_round_trip() -> None:
