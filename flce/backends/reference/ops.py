@@ -11,16 +11,26 @@ from flce.config import LCEConfig
 from flce.inputs import FlatInputs
 
 # Without a budget a chunk may use this much: large enough for full-speed CPU GEMMs
-# (>= 512 rows at V = 128k in fp32), small next to the logits it replaces.
+# (>= 512 rows at V = 128k in fp32; 2 chunks at 4096 x 32000), small next to the logits it replaces.
 DEFAULT_CHUNK_BUDGET = 256 * MiB
+# Math-dtype temporaries the kernels hold at once over the rows they work on (the full variant's
+# z, probabilities and one product; the plain variant needs at most one, for low-precision logits).
+_TEMPORARIES = 3
 
 
 def working_bytes_per_row(flat: FlatInputs) -> int:
-    """Logits in the compute dtype plus two math-dtype temporaries per vocabulary entry."""
+    """Working memory per token row of a chunk.
+
+    On the CPU the kernels work in place on the chunk's logits and keep their temporaries to
+    cache-sized row blocks (at most ``_TEMPORARIES * CPU_BLOCK_BYTES``, a fixed 24 MiB whatever the
+    shape), so a row costs its logits alone. On other devices a block is the whole chunk: each
+    row also carries the temporaries.
+    """
     vocab = flat.weight.shape[0]
     compute = flat.weight.element_size()
-    math = math_dtype(flat.weight.dtype).itemsize
-    return vocab * (compute + 2 * math)
+    if flat.hidden.device.type == "cpu":
+        return vocab * compute
+    return vocab * (compute + _TEMPORARIES * math_dtype(flat.weight.dtype).itemsize)
 
 
 def plan_chunks(flat: FlatInputs, cfg: LCEConfig, variant: str | None = None) -> ChunkPlan:
