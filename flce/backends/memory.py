@@ -20,6 +20,10 @@ def total_memory_bytes(device: torch.device) -> int:
 
 
 def default_logits_save_limit(device: torch.device) -> int:
-    """Largest logits (bytes) kept from forward for backward when the cache has no tuned value:
-    max(1 GiB, min(4 GiB, total memory / 8))."""
-    return max(GiB, min(4 * GiB, total_memory_bytes(device) // 8))
+    """Largest logits (bytes) kept from forward for backward when the cache has no tuned value."""
+    return logits_save_limit_for(total_memory_bytes(device))
+
+
+def logits_save_limit_for(total_memory: int) -> int:
+    """max(1 GiB, min(4 GiB, total memory / 8))."""
+    return max(GiB, min(4 * GiB, total_memory // 8))

@@ -150,7 +150,7 @@ class TritonChunkKernels:
 
     def scale_(self, tensor, scale):  # noqa: ANN001, ANN201
         if not tensor.is_contiguous() or tensor.numel() == 0:
-            return tensor.mul_(scale.to(tensor.dtype))
+            return tensor.mul_(scale)  # scale stays fp32: no rounding of grad_output to bf16
         kernels._scale_kernel[(triton.cdiv(tensor.numel(), _SCALE_BLOCK),)](
             tensor, scale, tensor.numel(), BLOCK=_SCALE_BLOCK, num_warps=8)
         return tensor
