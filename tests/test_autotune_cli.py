@@ -20,6 +20,7 @@ from flce.autotune import locations, progress, spaces
 from flce.autotune.cli import main, parse_bytes
 from flce.autotune.tuner import Tuner, TuneRequest, resolve_backend
 from flce.backends.reference.function import reference_linear_cross_entropy
+from flce.backends.reference.ops import working_bytes_per_row
 from flce.inputs import FlatInputs
 from flce.registry import Backend, register_backend
 
@@ -100,9 +101,16 @@ def test_clear_defaults_to_the_user_cache_and_spares_other_files(cache_env: Path
     assert code == 1 and "not an flce autotune cache; left untouched" in err and foreign.exists()
 
 
+def reference_bytes_per_row(vocab: int, hidden: int = 16) -> int:
+    """The reference planner's working memory per token row for a float32 CPU call."""
+    flat = FlatInputs(hidden=torch.empty(0, hidden), weight=torch.empty(vocab, hidden),
+                      target=torch.empty(0, dtype=torch.int64), bias=None, token_shape=torch.Size([0]))
+    return working_bytes_per_row(flat)
+
+
 def test_memory_budget_skips_and_counts_candidates(cache_env: Path, capsys: pytest.CaptureFixture) -> None:
     path = cache_env / "c.yaml"
-    per_row = 64 * (4 + 2 * 4)  # the reference planner's figure at V=64, fp32
+    per_row = reference_bytes_per_row(64)
     code, out, err = run_cli(capsys, "tune", *TINY, "--tokens", "256", "--variant", "plain", "--quick",
                              "--memory-budget", str(64 * per_row), "--cache", str(path), "--no-progress")
     assert code == 0, err
@@ -119,7 +127,8 @@ def test_nothing_within_budget_writes_no_entry_and_says_why(cache_env: Path, cap
     code, out, _ = run_cli(capsys, "tune", *TINY, "--tokens", "128", "--variant", "plain", "--quick",
                            "--memory-budget", "1000", "--cache", str(path), "--no-progress")
     assert code == 1 and not path.exists()
-    why = "neither the heuristic (96.0 KiB) nor any candidate fits the memory budget of 1000 B"
+    heuristic_kib = 128 * reference_bytes_per_row(64) / 1024  # one 128-row chunk
+    why = f"neither the heuristic ({heuristic_kib:.1f} KiB) nor any candidate fits the memory budget of 1000 B"
     assert f"skipped 2 over budget (first: {why})" in out
 
 

@@ -79,15 +79,15 @@ def _reference_candidates(shape: TuneShape, quick: bool) -> list[Params]:
 
 
 def _reference_working_bytes(shape: TuneShape, params: Mapping[str, Scalar]) -> int:
-    # The reference planner's own per-row figure, fed meta tensors so nothing is allocated.
+    # The reference planner's own per-row figure (it depends on the device), fed tensors of the
+    # right device, dtype and shape that allocate nothing: no rows, and a broadcast weight.
     from flce.backends.reference.ops import working_bytes_per_row
     from flce.inputs import FlatInputs
 
-    meta = torch.device("meta")
     flat = FlatInputs(
-        hidden=torch.empty(0, shape.hidden, dtype=shape.dtype, device=meta),
-        weight=torch.empty(shape.vocab, shape.hidden, dtype=shape.dtype, device=meta),
-        target=torch.empty(0, dtype=torch.int64, device=meta), bias=None, token_shape=torch.Size([0]),
+        hidden=torch.empty(0, shape.hidden, dtype=shape.dtype, device=shape.device),
+        weight=torch.empty((), dtype=shape.dtype, device=shape.device).expand(shape.vocab, shape.hidden),
+        target=torch.empty(0, dtype=torch.int64, device=shape.device), bias=None, token_shape=torch.Size([0]),
     )
     rows = min(int(params.get("tokens_per_chunk") or shape.tokens), shape.tokens)
     return rows * working_bytes_per_row(flat)
