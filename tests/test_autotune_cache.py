@@ -441,3 +441,17 @@ def test_tuned_params_under_torch_compile_matches_eager(cache_env: dict[str, Pat
     with autotune.override_params({"tokens_per_chunk": 11}):
         x = torch.randn(64, 16)
         assert compiled(x, w).shape == (6,)
+
+
+def test_shipped_defaults_are_valid_and_say_how_they_were_made() -> None:
+    files = sorted(locations.DEFAULTS_DIR.glob("*.yaml"))
+    if not files:
+        pytest.skip(f"no shipped defaults in {locations.DEFAULTS_DIR} yet")
+    for path in files:
+        loaded = cache_files.read_file(path)
+        assert loaded.status == cache_files.OK and not loaded.skipped, (path, loaded.problem, loaded.skipped)
+        assert any(line.startswith("# made by:") for line in cache_files.leading_comments(path)), path
+        for e in loaded.entries:
+            assert {"flce", "torch", "date", "ms", "heuristic_ms"} <= set(e.measured), (path, e.key)
+            if e.measured.get("budget_from") != "argument":  # the heuristic fitted: never slower than it
+                assert e.measured["ms"] <= e.measured["heuristic_ms"], (path, e.key)
