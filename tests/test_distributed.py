@@ -247,6 +247,15 @@ def check_case(checker: Checker, case: Case, rank: int, group: Any) -> None:
             assert_close_per_design(value, getattr(oracle, name), kind=kind, dtype=case.dtype,
                                     name=f"{name} vs oracle")
         _check_grads(case, got_grads, full_grads, oracle_grads, rows)
+        with torch.no_grad():
+            inferred = sharded_loss(hidden, w_shard, target, b_shard, group, options, case.backend)
+        inferred = inferred if isinstance(inferred, flce.LCEOutput) else flce.LCEOutput(loss=inferred)
+        for name, value in zip(flce.LCEOutput._fields, inferred, strict=True):
+            expected = getattr(got_out, name)
+            assert (value is None) == (expected is None), f"no_grad: {name} present/absent differs"
+            if value is not None:
+                torch.testing.assert_close(value, expected.detach(), rtol=1e-6, atol=1e-7,
+                                           msg=lambda m, n=name: f"no_grad {n} vs grad mode: {m}")
 
 
 def _check_grads(case: Case, got: Any, unsharded: Any, oracle: Any, rows: slice) -> None:

@@ -27,7 +27,7 @@ from flce.backends.chunk_driver import (
     run_backward,
     run_forward,
 )
-from flce.backends.chunked_function import run_backend
+from flce.backends.chunked_function import needs_autograd, run_backend
 from flce.config import LCEConfig
 from flce.distributed import checks, collectives
 from flce.distributed.shards import VocabShard, group_size, vocab_shard
@@ -173,9 +173,14 @@ def vocab_parallel_linear_cross_entropy(
         ),
         group=group,
     )
-    loss, z_loss, acc, pred, logprobs, entropy = VocabParallelLCEFunction.apply(
-        flat.hidden, flat.weight, flat.bias, flat.target, call
-    )
+    if needs_autograd(flat):
+        outputs = VocabParallelLCEFunction.apply(flat.hidden, flat.weight, flat.bias, flat.target, call)
+    else:
+        # Inference (no_grad, frozen inputs): the scan and its collectives only, nothing kept.
+        state = run_forward(call.kernels, flat, cfg, call.plan, plain=False, grads_in_forward=None,
+                            sharding=call.sharding, backward_follows=False)
+        outputs = _shape_outputs(state, call, flat.hidden)
+    loss, z_loss, acc, pred, logprobs, entropy = outputs
     if not cfg.returns_extras:
         return loss
     return LCEOutput(
