@@ -57,7 +57,9 @@ def prepare_inputs(
         )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != vocab):
         raise ValueError(f"bias: expected shape [V={vocab}], got {tuple(bias.shape)}")
-    if config.class_weight is not None and config.class_weight.shape[0] != vocab:
+    # With a process group the weight is this rank's shard but class_weight covers the global
+    # vocabulary: the distributed wrapper checks it against the global size.
+    if config.class_weight is not None and config.process_group is None and config.class_weight.shape[0] != vocab:
         raise ValueError(
             f"class_weight: expected shape [V={vocab}], got {tuple(config.class_weight.shape)}"
         )

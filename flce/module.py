@@ -73,7 +73,7 @@ def _compute(
     if cfg.process_group is not None:
         from flce.distributed import vocab_parallel_linear_cross_entropy
 
-        return vocab_parallel_linear_cross_entropy(flat, cfg, candidates)
+        return vocab_parallel_linear_cross_entropy(flat, cfg, candidates, variant)
     backend = choose_for_call(candidates, cfg, flat)
     return run_backend(backend, flat, cfg, variant)
 

@@ -39,6 +39,25 @@ class PartialRowStats:
     argmax: torch.Tensor | None = None  # [n] int64                              (metrics)
 
 
+def merge_partial_stats(a: PartialRowStats, b: PartialRowStats) -> PartialRowStats:
+    """Statistics of the union of two disjoint column ranges (b's columns after a's)."""
+    row_max = torch.maximum(a.row_max, b.row_max)
+    scale_a, scale_b = torch.exp(a.row_max - row_max), torch.exp(b.row_max - row_max)
+
+    def rescaled(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None or y is None else x * scale_a + y * scale_b
+
+    return PartialRowStats(
+        row_max=row_max,
+        sum_exp=rescaled(a.sum_exp, b.sum_exp),
+        target_z=a.target_z + b.target_z,
+        sum_exp_z=rescaled(a.sum_exp_z, b.sum_exp_z),
+        weighted_sum_z=None if a.weighted_sum_z is None else a.weighted_sum_z + b.weighted_sum_z,
+        # Strictly greater: a's columns come first, so ties keep a's (first) index.
+        argmax=None if a.argmax is None else torch.where(b.row_max > a.row_max, b.argmax, a.argmax),
+    )
+
+
 @dataclass
 class RowStats:
     lse: torch.Tensor  # [n] fp32

@@ -181,3 +181,36 @@ def test_gpu_no_host_sync_and_autocast():
         torch.cuda.set_sync_debug_mode("default")
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
     assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+
+
+@pytest.mark.parametrize("options", [FULL_OPTIONS[0], FULL_OPTIONS[-1], FULL_OPTIONS[7]],
+                         ids=["plain", "everything", "metrics"])
+def test_interpreter_inference_scans_vocab_blocks(options, monkeypatch):  # noqa: ANN001
+    """Without gradients the plan scans vocabulary blocks of all rows; the in-kernel merge of
+    block statistics must equal the one-pass result, ties and tails included."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test: runs where there is no GPU")
+    monkeypatch.setattr("flce.backends.cuda.ops.MAX_BLOCK_V", 32)
+    monkeypatch.setattr("flce.backends.cuda.ops.MIN_VOCAB_BLOCK", 16)
+    monkeypatch.setattr("flce.backends.cuda.ops.INFERENCE_CHUNK_BUDGET", 9 * 48 * 4)
+    n, h, v = 9, 16, 203
+    options = _materialise_options(dict(options, return_predicted_tokens=True), v, "cpu")
+    x, w, b, t = _inputs(n, h, v, torch.float32, "cpu", with_bias=True)
+    # A repeated maximal column in two different blocks: argmax must keep the first.
+    w.data[150] = w.data[20]
+    if b is not None:
+        b.data[150] = b.data[20]
+    from flce.backends.cuda.ops import plan_chunks
+    from flce.inputs import prepare_inputs
+    from flce.config import LCEConfig
+
+    with torch.no_grad():
+        plan = plan_chunks(prepare_inputs(x, w, t, b, LCEConfig()), LCEConfig())
+        assert plan.vocab_block == 48
+        out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", **options)
+    want = reference_loss(x.double(), w.double(), t, b.double(), **options)
+    for name in ("loss", "z_loss", "token_accuracy", "logprobs", "entropy"):
+        got = getattr(out, name)
+        if got is not None:
+            torch.testing.assert_close(got.double(), getattr(want, name).double(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.predicted_tokens, want.predicted_tokens)

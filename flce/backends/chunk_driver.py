@@ -60,9 +60,11 @@ class ChunkKernels(Protocol):
         """(softmax - onehot) * grad_scale given the row lse, over logits where the kernel can."""
 
     def row_stats(
-        self, logits: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, vocab_offset: int
+        self, logits: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, vocab_offset: int,
+        into: PartialRowStats | None = None,
     ) -> PartialRowStats:
-        """Scan raw logits u (capped and temperature-scaled inside) into partial row statistics."""
+        """Scan raw logits u (capped and temperature-scaled inside) into partial row statistics.
+        With ``into`` (statistics of the columns before vocab_offset), merge into it and return it."""
 
     def full_grad_(
         self, logits: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, vocab_offset: int,
@@ -84,6 +86,10 @@ class ChunkKernels(Protocol):
 class ChunkPlan:
     tokens_per_chunk: int
     save_logits: bool  # deferred schedule only: keep forward's logits for backward
+    # Inference only (no backward follows): scan all rows at once, the vocabulary in blocks of this
+    # many columns. Nothing accumulates across blocks but [tokens] statistics, so blocks can be small
+    # while every GEMM keeps all rows (full speed where a few hundred token rows would not be).
+    vocab_block: int | None = None
 
 
 @dataclass
@@ -203,6 +209,13 @@ def run_forward(
     stats_per_chunk: list[RowStats] = []
     terms_per_chunk: list[RowTerms] = []
 
+    if not backward_follows and plan.vocab_block and sharding is None and n_rows:
+        stats = _scan_vocab_blocks(kernels, flat, cfg, plan.vocab_block)
+        terms = row_terms(stats, target, cfg, vocab)
+        loss, z_loss = reduce_terms(terms, cfg, denoms)
+        return ForwardState(loss=loss, z_loss=z_loss, extras=extras(stats, terms, target, cfg, denoms),
+                            denoms=denoms)
+
     for rows in chunk_bounds(n_rows, plan.tokens_per_chunk):
         logits = chunk_logits(flat, rows)
         t = target[rows]
@@ -243,6 +256,22 @@ def run_forward(
         saved_logits=saved if keep_logits else None,
         grads=acc.result() if acc else None,
     )
+
+
+def _scan_vocab_blocks(kernels: ChunkKernels, flat: FlatInputs, cfg: LCEConfig, block: int) -> RowStats:
+    """Row statistics over all rows, the vocabulary scanned in column blocks."""
+    running = None
+    for start in range(0, flat.weight.shape[0], block):
+        cols = slice(start, start + block)
+        weight = flat.weight[cols]
+        if flat.bias is None:
+            logits = torch.mm(flat.hidden, weight.t())
+        else:
+            logits = torch.addmm(flat.bias[cols], flat.hidden, weight.t())
+        running = kernels.row_stats(logits, flat.target, cfg, start, into=running)
+        del logits
+    assert running is not None
+    return RowStats.from_partial(running)
 
 
 def run_backward(

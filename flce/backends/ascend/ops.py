@@ -29,7 +29,14 @@ from flce.backends.chunk_driver import ChunkPlan
 from flce.backends.memory import GiB, MiB, total_memory_bytes
 from flce.config import LCEConfig
 from flce.inputs import FlatInputs
-from flce.semantics import GradCoefficients, PartialRowStats, needs_argmax, needs_expected_z, needs_weighted_sum_z
+from flce.semantics import (
+    GradCoefficients,
+    PartialRowStats,
+    merge_partial_stats,
+    needs_argmax,
+    needs_expected_z,
+    needs_weighted_sum_z,
+)
 
 KiB = 1 << 10
 
@@ -312,7 +319,11 @@ class AscendChunkKernels:
             )
         return logits
 
-    def row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:  # noqa: ANN001
+    def row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int, into=None) -> PartialRowStats:  # noqa: ANN001
+        stats = self._block_row_stats(logits, target, cfg, vocab_offset)
+        return stats if into is None else merge_partial_stats(into, stats)
+
+    def _block_row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:  # noqa: ANN001
         logits = _unit_column_stride(logits)
         n, vocab = logits.shape
         f32 = {"dtype": torch.float32, "device": logits.device}

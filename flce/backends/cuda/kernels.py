@@ -97,12 +97,13 @@ def _row_stats_kernel(
     V, vocab_offset, softcap, inv_temperature,
     HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     NEED_SUM_EXP_Z: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    ACCUMULATE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Partial row statistics of z = cap(u)/T over this shard (semantics.PartialRowStats):
     row max, sum exp(z - max), z at the target (0 when not in this shard),
     sum exp(z - max) * z, sum w[c] z[c] (class_weight_ptr: [V] of this shard), first argmax
-    as a global index. Outputs are [n] fp32 (argmax int64)."""
+    as a global index. Outputs are [n] fp32 (argmax int64). With ACCUMULATE the outputs hold
+    the statistics of the columns before vocab_offset, and this block's are merged into them."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     cols = tl.arange(0, BLOCK_V)
@@ -139,6 +140,23 @@ def _row_stats_kernel(
     in_shard = (local_target >= 0) & (local_target < V)
     target_u = tl.load(row_ptr + tl.where(in_shard, local_target, 0)).to(tl.float32)
     target_z = tl.where(in_shard, _capped_scaled(target_u, softcap, inv_temperature, HAS_SOFTCAP), 0.0)
+    best_index += vocab_offset
+    if ACCUMULATE:
+        # Merge with the earlier columns' statistics (semantics.merge_partial_stats).
+        earlier_max = tl.load(row_max_ptr + row)
+        merged_max = tl.maximum(earlier_max, running_max)
+        scale_earlier = tl.exp(earlier_max - merged_max)
+        scale_block = tl.exp(running_max - merged_max)
+        running_sum = tl.load(sum_exp_ptr + row) * scale_earlier + running_sum * scale_block
+        target_z += tl.load(target_z_ptr + row)
+        if NEED_SUM_EXP_Z:
+            running_sum_z = tl.load(sum_exp_z_ptr + row) * scale_earlier + running_sum_z * scale_block
+        if NEED_WEIGHTED_SUM_Z:
+            weighted_sum += tl.load(weighted_sum_z_ptr + row)
+        if NEED_ARGMAX:
+            # Strictly greater: earlier columns keep ties, so the first maximal index wins.
+            best_index = tl.where(running_max > earlier_max, best_index, tl.load(argmax_ptr + row))
+        running_max = merged_max
     tl.store(row_max_ptr + row, running_max)
     tl.store(sum_exp_ptr + row, running_sum)
     tl.store(target_z_ptr + row, target_z)
@@ -147,7 +165,7 @@ def _row_stats_kernel(
     if NEED_WEIGHTED_SUM_Z:
         tl.store(weighted_sum_z_ptr + row, weighted_sum)
     if NEED_ARGMAX:
-        tl.store(argmax_ptr + row, best_index + vocab_offset)
+        tl.store(argmax_ptr + row, best_index)
 
 
 @triton.jit

@@ -21,11 +21,14 @@ from flce.semantics import GradCoefficients, PartialRowStats, needs_argmax, need
 
 # Default working memory of one chunk's logits when gradients are computed. Larger chunks mean fewer
 # read-modify-writes of the V x H weight gradient (one per chunk); this keeps the default call
-# under 512 MiB above the gradients.
-DEFAULT_CHUNK_BUDGET = 448 * MiB
+# under 512 MiB above the gradients (2048-row chunks at V = 128256, the largest that fit).
+DEFAULT_CHUNK_BUDGET = 504 * MiB
 # Without gradients (evaluation, RL log-probs) nothing is accumulated across chunks, so small
 # chunks cost nothing: 256+ rows keep the GEMM at full speed at a 128k vocabulary.
 INFERENCE_CHUNK_BUDGET = 64 * MiB
+# Inference scans vocabulary blocks of all rows when blocks of at least this many columns fit the
+# budget (GEMMs [tokens, H] x [H, block] run at full speed); else it falls back to token chunks.
+MIN_VOCAB_BLOCK = 512
 # Chunk rows are rounded down to this multiple: GEMM tiles stay full.
 ROW_MULTIPLE = 128
 MAX_BLOCK_V = 4096
@@ -54,11 +57,16 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig) -> ChunkPlan:
     else:
         budget = DEFAULT_CHUNK_BUDGET if needs_autograd(flat) else INFERENCE_CHUNK_BUDGET
     tokens = balanced_chunk_rows(n_rows, max(1, budget // row_bytes))
+    vocab_block = None
+    if not needs_autograd(flat) and n_rows * row_bytes > budget:
+        columns = budget // (max(n_rows, 1) * flat.weight.element_size())
+        if columns >= MIN_VOCAB_BLOCK:
+            vocab_block = columns - columns % MIN_VOCAB_BLOCK
     logits_bytes = n_rows * row_bytes
     save_limit = default_logits_save_limit(flat.hidden.device)
     if cfg.memory_budget is not None:
         save_limit = min(save_limit, cfg.memory_budget - tokens * row_bytes)
-    return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit)
+    return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit, vocab_block=vocab_block)
 
 
 def balanced_chunk_rows(n_rows: int, max_rows: int) -> int:
@@ -103,10 +111,10 @@ class TritonChunkKernels:
             )
         return logits
 
-    def row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:  # noqa: ANN001
+    def row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int, into=None) -> PartialRowStats:  # noqa: ANN001
         n, vocab = logits.shape
         f32 = dict(dtype=torch.float32, device=logits.device)
-        stats = PartialRowStats(
+        stats = into if into is not None else PartialRowStats(
             row_max=torch.empty(n, **f32), sum_exp=torch.empty(n, **f32), target_z=torch.empty(n, **f32),
             sum_exp_z=torch.empty(n, **f32) if needs_expected_z(cfg) else None,
             weighted_sum_z=torch.empty(n, **f32) if needs_weighted_sum_z(cfg) else None,
@@ -126,7 +134,8 @@ class TritonChunkKernels:
             vocab, vocab_offset, float(cfg.softcap or 1.0), 1.0 / cfg.temperature,
             HAS_SOFTCAP=cfg.softcap is not None, HAS_CLASS_WEIGHT=weight is not None,
             NEED_SUM_EXP_Z=stats.sum_exp_z is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
-            NEED_ARGMAX=stats.argmax is not None, BLOCK_V=p.block_v, num_warps=p.num_warps,
+            NEED_ARGMAX=stats.argmax is not None, ACCUMULATE=into is not None,
+            BLOCK_V=p.block_v, num_warps=p.num_warps,
         )
         return stats
 

@@ -21,6 +21,7 @@ from flce.config import LCEConfig
 from flce.semantics import (
     GradCoefficients,
     PartialRowStats,
+    merge_partial_stats,
     needs_argmax,
     needs_expected_z,
     needs_weighted_sum_z,
@@ -98,7 +99,11 @@ class ReferenceKernels:
                 block.copy_(z)
         return logits
 
-    def row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:  # noqa: ANN001
+    def row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int, into=None) -> PartialRowStats:  # noqa: ANN001
+        stats = self._block_row_stats(logits, target, cfg, vocab_offset)
+        return stats if into is None else merge_partial_stats(into, stats)
+
+    def _block_row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:  # noqa: ANN001
         math = math_dtype(logits.dtype)
         n_rows, vocab = logits.shape
         local = target - vocab_offset
