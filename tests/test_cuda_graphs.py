@@ -114,6 +114,7 @@ def test_compiled_step_with_cuda_graphs(generator: torch.Generator) -> None:
     torch._dynamo.reset()
     compiled = torch.compile(loss_fn, mode="reduce-overhead", fullgraph=True)
     for step in range(4):
+        torch.compiler.cudagraph_mark_step_begin()
         x, w, t = _data(generator, torch.float32)
         xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
         loss = compiled(xc, wc, t)

@@ -114,7 +114,8 @@ def hf_llama_memory(batch: int, seq: int, hidden: int, layers: int, vocab: int, 
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).train()
+    with torch.device("cuda"):  # initialise on the GPU: the 128k-row embeddings are slow to fill on the CPU
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
     g = torch.Generator(device="cuda").manual_seed(1)
     input_ids = torch.randint(0, vocab, (batch, seq), device="cuda", generator=g)
     labels = input_ids.clone()
