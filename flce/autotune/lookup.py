@@ -139,8 +139,11 @@ def _memoised_lookup(
 
 
 # Dynamo calls this eagerly while tracing and treats the result as a constant: file reads and
-# dictionaries stay out of the graph.
-_constant_lookup = torch.compiler.assume_constant_result(_memoised_lookup)
+# dictionaries stay out of the graph. torch.compiler.assume_constant_result does exactly this
+# marking, but importing it loads torch._dynamo (seconds, and triton) at `import flce`; the marker
+# is set directly instead, and tests/test_autotune_cache.py compiles a lookup to hold it to that.
+_memoised_lookup._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_constant_lookup = _memoised_lookup
 
 
 def _as_dict(items: tuple[tuple[str, Scalar], ...] | None) -> Params | None:
