@@ -234,6 +234,25 @@ def test_compiled_inference_without_grad(generator: torch.Generator) -> None:
     assert_close_per_design(out.entropy, oracle.entropy, kind="forward", dtype=torch.float32, name="entropy")
 
 
+def test_autocast_region_compiles(generator: torch.Generator) -> None:
+    """Under autocast the inputs are cast before the op; compiled and eager agree."""
+    x, w, _, t = _inputs(generator, bias=False)
+    loss_fn = flce.get_impl("cpu")(reduction="none", return_logprobs=True)
+
+    def step(x, w, t):  # noqa: ANN001, ANN202
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = loss_fn(x, w, t)
+        return 2 * out.loss.sum() + out.logprobs.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got, want = compiled(x, w, t), step(x, w, t)
+    torch.testing.assert_close(got, want)
+    for g_got, g_want in zip(torch.autograd.grad(got, (x, w)), torch.autograd.grad(want, (x, w)), strict=True):
+        assert g_want.abs().sum() > 0
+        torch.testing.assert_close(g_got, g_want)
+
+
 def test_dynamic_token_count_compiles_once(generator: torch.Generator) -> None:
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     loss_fn = flce.get_impl("cpu")(reduction="none", return_logprobs=True)

@@ -290,7 +290,8 @@ def chunked_forward(
     wanted = _wanted(grad_hidden, grad_weight, grad_bias, bias)
     in_forward = wanted.any and grads_in_forward_allowed(cfg)
     plan = replace(call.plan, save_logits=False)
-    state = run_forward(call.kernels, flat, cfg, plan, call.plain, grads_in_forward=wanted if in_forward else None)
+    state = run_forward(call.kernels, flat, cfg, plan, call.plain, grads_in_forward=wanted if in_forward else None,
+                        backward_follows=wanted.any)
 
     def empty() -> Tensor:
         return hidden.new_empty(0)
