@@ -208,3 +208,20 @@ def test_info_command_reports_passed_over_backends(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "passed over fakegpu: cuda forced absent by FLCE_PROBE_OVERRIDE" in out
     assert re.search(r"^\s+fakegpu\s+cuda\s+999\s+no\s+cuda forced absent", out, re.MULTILINE), out
+
+
+def test_demo_runs_and_agrees() -> None:
+    """tools/demo.py (what `make demo` runs) end to end at a tiny shape: both methods in their
+    child processes, agreement checked, exit status 0."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    demo = Path(__file__).resolve().parents[1] / "tools" / "demo.py"
+    done = subprocess.run([sys.executable, str(demo), "--device", "cpu", "--tokens", "64", "--hidden", "32",
+                           "--vocab", "300"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "backend: reference" in done.stdout
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["agree"] and summary["grad_weight_rel_err"] < 1e-4
+    assert summary["peak_mib"]["flce"] > 0 and summary["seconds"]["torch"] > 0
