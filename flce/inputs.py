@@ -97,7 +97,7 @@ def _common_dtype(
 
 def _check_same_device(*tensors: torch.Tensor | None) -> None:
     names = ("hidden", "weight", "target", "bias", "class_weight")
-    present = [(n, t) for n, t in zip(names, tensors) if t is not None]
+    present = [(n, t) for n, t in zip(names, tensors, strict=True) if t is not None]
     first_name, first = present[0]
     for name, tensor in present[1:]:
         if tensor.device != first.device:

@@ -16,8 +16,9 @@ if not torch.cuda.is_available():
     # Must be set before the kernels module is imported (it decorates with @triton.jit).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import flce  # noqa: E402
 from helpers import reference_loss  # noqa: E402
+
+import flce  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -76,7 +77,7 @@ def _run_and_compare(n, h, v, dtype, device, options, reduction, with_bias, tol)
             torch.testing.assert_close(getattr(got, name).double(), getattr(want, name).double(), rtol=tol, atol=tol)
     if got.predicted_tokens is not None:
         assert torch.equal(got.predicted_tokens, want.predicted_tokens)
-    torch.autograd.backward(outputs, [u.to(o.dtype) for o, u in zip(outputs, grads)])
+    torch.autograd.backward(outputs, [u.to(o.dtype) for o, u in zip(outputs, grads, strict=True)])
     torch.autograd.backward(ref_outputs, grads)
     gtol = 5 * tol
     for name, a, r in (("hidden", x, xd), ("weight", w, wd), ("bias", b, bd)):
@@ -157,7 +158,7 @@ def test_gpu_accum_fp32_and_budget_agree():
         grads[label] = (loss.detach(), *torch.autograd.grad(loss, (x, w)))
     xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     rx, rw = torch.autograd.grad(torch.nn.functional.cross_entropy(xd @ wd.t(), t), (xd, wd))
-    for label, (loss, gx, gw) in grads.items():
+    for label, (_loss, gx, gw) in grads.items():
         assert _rel(gx, rx) < 2e-2, label
         assert _rel(gw, rw) < 2e-2, label
     # The fp32 accumulator is at least as exact as bf16 accumulation over 1+ chunks.
@@ -201,8 +202,8 @@ def test_interpreter_inference_scans_vocab_blocks(options, monkeypatch):  # noqa
     if b is not None:
         b.data[150] = b.data[20]
     from flce.backends.cuda.ops import plan_chunks
-    from flce.inputs import prepare_inputs
     from flce.config import LCEConfig
+    from flce.inputs import prepare_inputs
 
     with torch.no_grad():
         plan = plan_chunks(prepare_inputs(x, w, t, b, LCEConfig()), LCEConfig())

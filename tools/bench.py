@@ -19,8 +19,8 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -178,7 +178,6 @@ def measure(case: Case, name: str, method: Callable, device: str) -> dict:
         row["fwd_ms"] = bench_ms(fwd_only)
     except Exception as exc:  # noqa: BLE001 - an OOM or a peer failure is a row, not a crash
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    del x, w, t
     gc.collect()
     torch.cuda.empty_cache()
     return row
@@ -191,15 +190,12 @@ def floors(case: Case, device: str) -> tuple[float, float]:
     g = torch.randn(case.tokens, case.vocab, device=device, dtype=case.dtype) / case.vocab
     three = bench_ms(lambda: (x @ w.t(), g @ w, g.t() @ x))
     one = bench_ms(lambda: x @ w.t())
-    del x, w, g
-    gc.collect()
-    torch.cuda.empty_cache()
     return three, one
 
 
 def markdown(rows: list[dict], header: str) -> str:
-    lines = [header, "", "| shape | method | fwd+bwd ms | x floor | MiB above grads | fwd ms | fwd x 1 GEMM | fwd MiB |",
-             "|---|---|---|---|---|---|---|---|"]
+    columns = "| shape | method | fwd+bwd ms | x floor | MiB above grads | fwd ms | fwd x 1 GEMM | fwd MiB |"
+    lines = [header, "", columns, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['method']} | {r['error']} | | | | | |")
@@ -229,6 +225,8 @@ def main() -> None:
         tokens, hidden, vocab = (int(v) for v in shape.split("x"))
         case = Case(tokens, hidden, vocab, dtype)
         floor3, floor1 = floors(case, device)
+        gc.collect()
+        torch.cuda.empty_cache()
         rows.append({"shape": case.label, "method": "3-GEMM floor", "fwd_bwd_ms": floor3, "ratio": 1.0,
                      "peak_mib": 0.0, "fwd_ms": floor1, "fwd_ratio": 1.0, "fwd_peak_mib": 0.0})
         for name, method in methods.items():

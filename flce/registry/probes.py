@@ -44,7 +44,7 @@ def system_probe() -> HardwareProbe:
     override = os.environ.get(PROBE_ENV, "").strip()
     if not override:
         return real
-    values = dict(zip(PROBE_NAMES, (real.cuda, real.npu, real.triton, real.triton_interpret)))
+    values = dict(zip(PROBE_NAMES, (real.cuda, real.npu, real.triton, real.triton_interpret), strict=True))
     for item in override.split(","):
         name, _, flag = item.partition("=")
         name = name.strip()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from flce.autotune import TuningSpace, register_tuning_space
+from flce.autotune.spaces import TuneShape, chunk_candidates
 from flce.config import LCEConfig
 from flce.inputs import FlatInputs
 from flce.outputs import LCEOutput
@@ -53,3 +55,20 @@ BACKEND = Backend(
     chunked=_chunked,
 )
 register_backend(BACKEND)
+
+
+def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
+    launches = [(4096, 8)] if quick else [(4096, 8), (4096, 16), (2048, 8)]
+    return [{"tokens_per_chunk": rows, "block_v": block_v, "num_warps": warps}
+            for rows in chunk_candidates(shape.tokens, quick, smallest=512) for block_v, warps in launches]
+
+
+def _tuning_working_bytes(shape: TuneShape, params: dict) -> int:
+    rows = int(params.get("tokens_per_chunk") or shape.tokens)
+    return min(rows, shape.tokens) * shape.vocab * shape.dtype.itemsize
+
+
+# The default (plain, in-forward gradient) schedule never keeps logits, so the save limit is
+# not worth device time to tune.
+register_tuning_space(TuningSpace("cuda", candidates=_tuning_candidates, working_bytes=_tuning_working_bytes,
+                                  tunes_logits_save_limit=False))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flce.backends.chunked_function import ChunkedCall, apply_chunked
-from flce.backends.cuda.ops import TritonChunkKernels, plan_chunks
+from flce.backends.cuda.ops import TritonChunkKernels, plan_chunks, tuned_knobs
 from flce.config import LCEConfig
 from flce.inputs import FlatInputs
 from flce.outputs import LCEOutput
@@ -14,7 +14,9 @@ _KERNELS = TritonChunkKernels()
 
 
 def cuda_chunked_call(flat: FlatInputs, cfg: LCEConfig, variant: str) -> ChunkedCall:
-    return ChunkedCall(kernels=_KERNELS, cfg=cfg, plan=plan_chunks(flat, cfg), plain=variant == "plain",
+    tuned = tuned_knobs(flat, variant)
+    kernels = _KERNELS if tuned.launch is None else TritonChunkKernels(tuned.launch)
+    return ChunkedCall(kernels=kernels, cfg=cfg, plan=plan_chunks(flat, cfg, tuned), plain=variant == "plain",
                        token_shape=flat.token_shape)
 
 

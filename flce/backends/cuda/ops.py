@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from flce.autotune import tuned_params
 from flce.backends.chunk_driver import ChunkPlan
 from flce.backends.chunked_function import needs_autograd
 from flce.backends.cuda import kernels
@@ -43,27 +44,68 @@ class LaunchParams:
     num_warps: int
 
 
-def launch_params(vocab: int) -> LaunchParams:
-    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(max(vocab, 16)))
+def launch_params(vocab: int, tuned: LaunchParams | None = None) -> LaunchParams:
+    widest = triton.next_power_of_2(max(vocab, 16))
+    if tuned is not None:
+        return LaunchParams(block_v=min(tuned.block_v, widest), num_warps=tuned.num_warps)
+    block_v = min(MAX_BLOCK_V, widest)
     return LaunchParams(block_v=block_v, num_warps=8 if block_v >= 2048 else 4)
 
 
-def plan_chunks(flat: FlatInputs, cfg: LCEConfig) -> ChunkPlan:
+@dataclass(frozen=True)
+class TunedKnobs:
+    """What the autotune cache holds for this shape, each None where it holds nothing usable."""
+
+    tokens_per_chunk: int | None = None
+    launch: LaunchParams | None = None
+    logits_save_limit: int | None = None
+
+
+def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
+    """The cached knobs for (device, "cuda", variant, dtype, H, V, tokens), validated: a file from
+    another flce version may hold values this one cannot use, and those fall back to the heuristic."""
+    vocab, hidden = flat.weight.shape
+    params, limit = tuned_params(flat.hidden.device, "cuda", variant, flat.weight.dtype, hidden, vocab,
+                                 flat.target.shape[0])
+    params = params or {}
+
+    def positive_int(name: str) -> int | None:
+        value = params.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    block_v, num_warps = positive_int("block_v"), positive_int("num_warps")
+    launch = None
+    if block_v and num_warps and block_v & (block_v - 1) == 0 and block_v <= MAX_BLOCK_V and num_warps in (
+            1, 2, 4, 8, 16, 32):
+        launch = LaunchParams(block_v=block_v, num_warps=num_warps)
+    return TunedKnobs(tokens_per_chunk=positive_int("tokens_per_chunk"), launch=launch,
+                      logits_save_limit=limit if isinstance(limit, int) and limit >= 0 else None)
+
+
+def plan_chunks(flat: FlatInputs, cfg: LCEConfig, tuned: TunedKnobs = TunedKnobs()) -> ChunkPlan:
     n_rows = flat.target.shape[0]
     vocab = flat.weight.shape[0]
     row_bytes = vocab * flat.weight.element_size()
+    training = needs_autograd(flat)
     if cfg.memory_budget is not None:
         budget = cfg.memory_budget
     else:
-        budget = DEFAULT_CHUNK_BUDGET if needs_autograd(flat) else INFERENCE_CHUNK_BUDGET
-    tokens = balanced_chunk_rows(n_rows, max(1, budget // row_bytes))
+        budget = DEFAULT_CHUNK_BUDGET if training else INFERENCE_CHUNK_BUDGET
+    max_rows = max(1, budget // row_bytes)
+    if training and tuned.tokens_per_chunk is not None:
+        # A tuned chunk still honours an explicit memory_budget.
+        tokens = min(tuned.tokens_per_chunk, max_rows if cfg.memory_budget is not None else tuned.tokens_per_chunk)
+    else:
+        tokens = balanced_chunk_rows(n_rows, max_rows)
     vocab_block = None
     if not needs_autograd(flat) and n_rows * row_bytes > budget:
         columns = budget // (max(n_rows, 1) * flat.weight.element_size())
         if columns >= MIN_VOCAB_BLOCK:
             vocab_block = columns - columns % MIN_VOCAB_BLOCK
     logits_bytes = n_rows * row_bytes
-    save_limit = default_logits_save_limit(flat.hidden.device)
+    save_limit = tuned.logits_save_limit
+    if save_limit is None:
+        save_limit = default_logits_save_limit(flat.hidden.device)
     if cfg.memory_budget is not None:
         save_limit = min(save_limit, cfg.memory_budget - tokens * row_bytes)
     return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit, vocab_block=vocab_block)
@@ -85,7 +127,11 @@ def _scale_stride(t: torch.Tensor) -> int:
 
 
 class TritonChunkKernels:
-    """The chunk kernels of the CUDA backend (also run by the Triton interpreter on CPU tensors)."""
+    """The chunk kernels of the CUDA backend (also run by the Triton interpreter on CPU tensors).
+    ``launch``: tuned block size and warps, else a heuristic per launch."""
+
+    def __init__(self, launch: LaunchParams | None = None) -> None:
+        self.launch = launch
 
     def plain_loss(self, logits, target, ignore_index, grad_scale):  # noqa: ANN001, ANN201
         n, vocab = logits.shape
@@ -93,7 +139,7 @@ class TritonChunkKernels:
         lse = torch.empty_like(loss)
         if n == 0:
             return loss, lse, logits if grad_scale is not None else None
-        p = launch_params(vocab)
+        p = launch_params(vocab, self.launch)
         scale = grad_scale if grad_scale is not None else loss
         kernels._plain_forward_kernel[(n,)](
             logits, logits.stride(0), target, scale, _scale_stride(scale), loss, lse, vocab, ignore_index,
@@ -104,7 +150,7 @@ class TritonChunkKernels:
     def plain_grad_(self, logits, target, ignore_index, lse, grad_scale):  # noqa: ANN001, ANN201
         n, vocab = logits.shape
         if n:
-            p = launch_params(vocab)
+            p = launch_params(vocab, self.launch)
             kernels._plain_grad_kernel[(n,)](
                 logits, logits.stride(0), target, lse, grad_scale, _scale_stride(grad_scale), vocab, ignore_index,
                 BLOCK_V=p.block_v, num_warps=p.num_warps,
@@ -122,7 +168,7 @@ class TritonChunkKernels:
         )
         if n == 0:
             return stats
-        p = launch_params(vocab)
+        p = launch_params(vocab, self.launch)
         unused = stats.row_max
         weight = _shard_class_weight(cfg, vocab_offset, vocab)
         kernels._row_stats_kernel[(n,)](
@@ -143,7 +189,7 @@ class TritonChunkKernels:
         n, vocab = logits.shape
         if n == 0:
             return logits
-        p = launch_params(vocab)
+        p = launch_params(vocab, self.launch)
         weight = _shard_class_weight(cfg, vocab_offset, vocab)
         a, d = coeffs.a.contiguous(), coeffs.d.contiguous()
         h = coeffs.h.contiguous() if coeffs.h is not None else a
