@@ -444,12 +444,14 @@ def _forward_backward(ctx, grad_loss, _z, _acc, _pred, grad_logprobs, grad_entro
         return None, None, None, None, None
     if ctx.in_forward:
         # Out of place: the gradients are outputs of the op, which backward may not mutate. Inductor
-        # donates them to the backward graph and writes the product over their buffers.
+        # donates them to the backward graph and writes the product over their buffers, in one
+        # pass that multiplies in the scale's fp32 (grad_output is not rounded to bf16 first).
         saved = ctx.saved_tensors
         if grad_loss is None:
             grad_loss = torch.zeros((), device=saved[0].device)
         scale = grad_loss.reshape(())
-        grads = tuple(g * scale.to(g.dtype) if a else None for g, a in zip(saved, asked, strict=True))
+        grads = tuple((g.to(scale.dtype) * scale).to(g.dtype) if a else None
+                      for g, a in zip(saved, asked, strict=True))
     else:
         hidden, weight, bias, target, class_weight, lse, target_z, expected_z = ctx.saved_tensors
         results = torch.ops.flce.chunked_backward(
