@@ -20,10 +20,13 @@ N, H, V = 1024, 256, 8192
 BUDGET = 4 << 20
 
 CASES = {
-    "plain-mean": {},
-    "full-none-logprobs-entropy": {"reduction": "none", "return_logprobs": True, "return_entropy": True,
-                                   "temperature": 0.8},
-    "full-math": {"label_smoothing": 0.1, "softcap": 15.0, "lse_square_scale": 1e-4, "return_z_loss": True},
+    "plain-mean": {"memory_budget": BUDGET},
+    # No budget: the deferred schedule keeps forward's logits (32 MiB) for backward.
+    "full-none-logprobs-entropy-saved-logits": {"reduction": "none", "return_logprobs": True,
+                                                "return_entropy": True, "temperature": 0.8},
+    "full-none-recomputed-logits": {"reduction": "none", "return_entropy": True, "memory_budget": BUDGET},
+    "full-math": {"label_smoothing": 0.1, "softcap": 15.0, "lse_square_scale": 1e-4, "return_z_loss": True,
+                  "memory_budget": BUDGET},
 }
 
 
@@ -59,7 +62,7 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, nam
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_captured_step_replays_with_new_data(case: str, dtype: torch.dtype, generator: torch.Generator) -> None:
-    loss_fn = flce.get_impl("cuda", backend="cuda")(memory_budget=BUDGET, **CASES[case])
+    loss_fn = flce.get_impl("cuda", backend="cuda")(**CASES[case])
     static_x, static_w, static_t = _data(generator, dtype)
     static_x.requires_grad_()
     static_w.requires_grad_()
