@@ -142,3 +142,24 @@ def test_apply_rejects_bad_models_and_options() -> None:
         flce_hf.apply(transformers.LlamaForCausalLM(config), reduction="sum")
     with pytest.raises(ValueError, match="memory_budget=-1"):
         flce_hf.apply(transformers.LlamaForCausalLM(config), memory_budget=-1)
+
+
+def test_a_forward_set_on_the_instance_is_kept(generator: torch.Generator) -> None:
+    """Libraries such as accelerate replace model.forward on the instance: that forward still runs
+    where logits are wanted, and remove() puts it back."""
+    model, _ = _models("llama", seed=7)
+    calls = []
+    class_forward = model.forward
+
+    def hooked_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(kwargs.get("labels") is not None)
+        return class_forward(*args, **kwargs)
+
+    model.forward = hooked_forward
+    flce_hf.apply(model)
+    input_ids, _, labels = _batch(generator)
+    assert model(input_ids=input_ids).logits is not None
+    assert model(input_ids=input_ids, labels=labels).logits is None
+    assert calls == [False], "only the logits call goes through the instance's forward"
+    flce_hf.remove(model)
+    assert model.forward is hooked_forward

@@ -64,8 +64,12 @@ def apply(model: torch.nn.Module, *, backend: str | None = None, variant: str = 
 
 def remove(model: torch.nn.Module) -> None:
     """Undo :func:`apply`: the model computes logits and loss with its own code again."""
-    if getattr(model, _PATCHED, None) is not None:
-        del model.forward  # the instance attribute; the class's forward shows through again
+    patch = getattr(model, _PATCHED, None)
+    if patch is not None:
+        if patch.instance_forward is not None:
+            model.forward = patch.instance_forward  # e.g. accelerate's hooked forward, as it was
+        else:
+            del model.forward  # the class's forward shows through again
         delattr(model, _PATCHED)
 
 
@@ -113,11 +117,15 @@ def causal_lm_loss(
 
 
 class _Patch:
-    """What the patched forward needs: the class's forward, its signature, flce's settings."""
+    """What the patched forward needs: the forward it replaces, the class forward's signature,
+    flce's settings."""
 
     def __init__(self, model: torch.nn.Module, backend: str | None, variant: str, options: dict[str, Any]) -> None:
-        self.forward = type(model).forward
-        self.signature = inspect.signature(self.forward)
+        # A forward set on the instance (accelerate's device hooks do that) keeps running when
+        # logits are wanted, and comes back on remove().
+        self.instance_forward = model.__dict__.get("forward")
+        self.forward = model.forward
+        self.signature = inspect.signature(type(model).forward)
         self.backend, self.variant, self.options = backend, variant, dict(options)
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
@@ -129,7 +137,7 @@ def _forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     call.pop("self")
     # The model computes a loss only when labels are given (shift_labels alone do not ask for one).
     if call.get("labels") is None or not torch.is_grad_enabled():
-        return patch.forward(self, *args, **kwargs)
+        return patch.forward(*args, **kwargs)
 
     labels = call.pop("labels", None)
     logits_to_keep = call.pop("logits_to_keep", 0)
