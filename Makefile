@@ -25,7 +25,7 @@ demo: install
 
 # pytest exits 5 when it collected no tests: that is a failure here, not a pass.
 test: install
-	@$(PYTHON) -m pytest -rs $(PYTEST_ARGS); rc=$$?; \
+	@$(PYTHON) -m pytest -rfEs $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
 
