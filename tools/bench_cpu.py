@@ -5,7 +5,9 @@
 
 Time: all methods run in this one process, interleaved (warm-up round, then ``--repeats``
 rounds, each method once per round) so that a change in machine load hits every method
-alike; the median per method is reported, with its ratio to the floor's median.
+alike; the median per method is reported, with its ratio to the floor's median. The
+median process CPU time (all threads) is reported too: on a machine shared with other
+work it moves less than wall time, since time spent descheduled is not counted.
 
 Memory: each method runs once more in a fresh child process, which reports its peak RSS
 growth: the high-water mark (VmHWM, reset through /proc/self/clear_refs once the inputs
@@ -150,16 +152,19 @@ def main() -> None:
     x, w, t = make_inputs(args.tokens, args.hidden, args.vocab, args.seed)
     runs = {m: method_fn(m, x, w, t) for m in methods}
     times: dict[str, list[float]] = {m: [] for m in methods}
+    cpu_times: dict[str, list[float]] = {m: [] for m in methods}
     for round_index in range(args.repeats + 1):
         for m in methods:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             runs[m]()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
             label = "warm-up" if round_index == 0 else f"run {round_index}"
-            print(f"  {label:8s} {m:14s} {elapsed:7.3f} s", flush=True)
+            print(f"  {label:8s} {m:14s} {elapsed:7.3f} s   ({cpu:7.3f} CPU s)", flush=True)
             if round_index:
                 times[m].append(elapsed)
+                cpu_times[m].append(cpu)
     medians = {m: statistics.median(v) for m, v in times.items()}
+    cpu_medians = {m: statistics.median(v) for m, v in cpu_times.items()}
 
     memory = {}
     if not args.no_memory:
@@ -169,15 +174,17 @@ def main() -> None:
     load_after = load_average()
 
     grads_mib = (args.vocab * args.hidden + args.tokens * args.hidden) * 4 / MiB
-    floor = medians.get("floor")
+    floor, cpu_floor = medians.get("floor"), cpu_medians.get("floor")
     rows = []
     for m in methods:
         ratio = f"{medians[m] / floor:.2f}x" if floor else "-"
+        cpu_ratio = f"{cpu_medians[m] / cpu_floor:.2f}x" if cpu_floor else "-"
         growth = memory.get(m, {}).get("rss_growth_mib")
         growth_cells = ("-", "-") if growth is None else (f"{growth:.0f}", f"{growth - grads_mib:.0f}")
-        rows.append((m, f"{medians[m]:.2f}", ratio, *growth_cells))
+        rows.append((m, f"{medians[m]:.2f}", ratio, f"{cpu_medians[m]:.2f}", cpu_ratio, *growth_cells))
     print()
-    header = ("method", "median s", "vs floor", "peak RSS growth MiB", "above gradients MiB")
+    header = ("method", "median s", "vs floor", "median CPU s", "CPU vs floor", "peak RSS growth MiB",
+              "above gradients MiB")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)))
