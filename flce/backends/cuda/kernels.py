@@ -33,44 +33,41 @@ def _capped_scaled(u, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _plain_forward_kernel(
     logits_ptr, stride_row, target_ptr, grad_scale_ptr, stride_scale,
-    loss_ptr, lse_ptr, n_rows, V, ignore_index,
+    loss_ptr, lse_ptr, V, ignore_index,
     WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Per row: lse and loss = lse - u[y]; with WRITE_GRAD, overwrite the row with
     (softmax(u) - onehot(y)) * grad_scale[row] (zero on ignored rows).
 
-    Programs stride over rows (grid <= n_rows). With about one program per multiprocessor the rows
-    in flight fit in L2, so the gradient pass re-reads each row from L2 instead of HBM.
     grad_scale_ptr [n] fp32 with stride stride_scale (0 broadcasts one scalar); loss_ptr, lse_ptr [n] fp32.
     """
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    target = tl.load(target_ptr + row)
+    valid = target != ignore_index
     cols = tl.arange(0, BLOCK_V)
-    # int64 rows: row * stride_row passes 2**31 in large chunks.
-    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
-        row_ptr = logits_ptr + row * stride_row
-        target = tl.load(target_ptr + row)
-        valid = target != ignore_index
 
-        running_max = tl.full((), float("-inf"), tl.float32)
-        running_sum = tl.zeros((), tl.float32)
+    running_max = tl.full((), float("-inf"), tl.float32)
+    running_sum = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK_V):
+        mask = start + cols < V
+        u = tl.load(row_ptr + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(u, 0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(u - new_max), 0)
+        running_max = new_max
+    lse = running_max + tl.log(running_sum)
+    safe_target = tl.where(valid, target, 0)
+    target_u = tl.load(row_ptr + safe_target).to(tl.float32)
+    tl.store(lse_ptr + row, lse)
+    tl.store(loss_ptr + row, tl.where(valid, lse - target_u, 0.0))
+
+    if WRITE_GRAD:
+        scale = tl.where(valid, tl.load(grad_scale_ptr + row * stride_scale), 0.0)
         for start in range(0, V, BLOCK_V):
             mask = start + cols < V
-            u = tl.load(row_ptr + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(u, 0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(u - new_max), 0)
-            running_max = new_max
-        lse = running_max + tl.log(running_sum)
-        safe_target = tl.where(valid, target, 0)
-        target_u = tl.load(row_ptr + safe_target).to(tl.float32)
-        tl.store(lse_ptr + row, lse)
-        tl.store(loss_ptr + row, tl.where(valid, lse - target_u, 0.0))
-
-        if WRITE_GRAD:
-            scale = tl.where(valid, tl.load(grad_scale_ptr + row * stride_scale), 0.0)
-            for start in range(0, V, BLOCK_V):
-                mask = start + cols < V
-                u = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-                grad = tl.exp(u - lse) - tl.where(start + cols == safe_target, 1.0, 0.0)
-                tl.store(row_ptr + start + cols, (grad * scale).to(logits_ptr.dtype.element_ty), mask=mask)
+            u = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            grad = tl.exp(u - lse) - tl.where(start + cols == safe_target, 1.0, 0.0)
+            tl.store(row_ptr + start + cols, (grad * scale).to(logits_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

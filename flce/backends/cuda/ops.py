@@ -42,15 +42,12 @@ _FP32_ACCUMULATE_ROWS = 8192
 class LaunchParams:
     block_v: int
     num_warps: int
-    # Plain kernel: programs per multiprocessor, striding over rows (0: one program per row).
-    programs_per_sm: int = 0
 
 
 def launch_params(vocab: int, tuned: LaunchParams | None = None) -> LaunchParams:
     widest = triton.next_power_of_2(max(vocab, 16))
     if tuned is not None:
-        return LaunchParams(block_v=min(tuned.block_v, widest), num_warps=tuned.num_warps,
-                            programs_per_sm=tuned.programs_per_sm)
+        return LaunchParams(block_v=min(tuned.block_v, widest), num_warps=tuned.num_warps)
     block_v = min(MAX_BLOCK_V, widest)
     return LaunchParams(block_v=block_v, num_warps=8 if block_v >= 2048 else 4)
 
@@ -125,15 +122,6 @@ def balanced_chunk_rows(n_rows: int, max_rows: int) -> int:
     return rounded if rounded <= max_rows else rows
 
 
-def row_programs(n_rows: int, launch: LaunchParams, device: torch.device) -> int:
-    """Grid of the plain kernel: programs_per_sm per multiprocessor, at most one per row."""
-    if launch.programs_per_sm <= 0:
-        return n_rows
-    # Under the interpreter (CPU tensors) one "multiprocessor": tests reach the row-striding loop.
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return max(1, min(n_rows, sms * launch.programs_per_sm))
-
-
 def _scale_stride(t: torch.Tensor) -> int:
     return t.stride(0) if t.dim() else 0
 
@@ -153,8 +141,8 @@ class TritonChunkKernels:
             return loss, lse, logits if grad_scale is not None else None
         p = launch_params(vocab, self.launch)
         scale = grad_scale if grad_scale is not None else loss
-        kernels._plain_forward_kernel[(row_programs(n, p, logits.device),)](
-            logits, logits.stride(0), target, scale, _scale_stride(scale), loss, lse, n, vocab, ignore_index,
+        kernels._plain_forward_kernel[(n,)](
+            logits, logits.stride(0), target, scale, _scale_stride(scale), loss, lse, vocab, ignore_index,
             WRITE_GRAD=grad_scale is not None, BLOCK_V=p.block_v, num_warps=p.num_warps,
         )
         return loss, lse, logits if grad_scale is not None else None
