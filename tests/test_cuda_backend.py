@@ -206,7 +206,7 @@ def test_interpreter_inference_scans_vocab_blocks(options, monkeypatch):  # noqa
     from flce.inputs import prepare_inputs
 
     with torch.no_grad():
-        plan = plan_chunks(prepare_inputs(x, w, t, b, LCEConfig()), LCEConfig())
+        plan = plan_chunks(prepare_inputs(x, w, t, b, LCEConfig()), LCEConfig(), training=False)
         assert plan.vocab_block == 48
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", **options)
     want = reference_loss(x.double(), w.double(), t, b.double(), **options)
@@ -215,3 +215,18 @@ def test_interpreter_inference_scans_vocab_blocks(options, monkeypatch):  # noqa
         if got is not None:
             torch.testing.assert_close(got.double(), getattr(want, name).double(), rtol=1e-5, atol=1e-5)
     assert torch.equal(out.predicted_tokens, want.predicted_tokens)
+
+
+def test_plan_follows_the_training_flag_not_grad_mode():
+    """Inside an autograd or custom op grad mode is off: the caller's flag decides the plan."""
+    from flce.backends.cuda.function import cuda_chunked_call
+    from flce.config import LCEConfig
+    from flce.inputs import prepare_inputs
+
+    x, w, _, t = _inputs(4096, 8, 32000, torch.float16, "cpu", with_bias=False)
+    flat = prepare_inputs(x, w, t, None, LCEConfig())
+    with torch.no_grad():
+        training = cuda_chunked_call(flat, LCEConfig(), "plain", training=True).plan
+        inference = cuda_chunked_call(flat, LCEConfig(), "plain", training=False).plan
+    assert training.vocab_block is None and training.tokens_per_chunk == 4096
+    assert inference.vocab_block is not None

@@ -230,13 +230,14 @@ def _options_of(arguments: dict[str, Any]) -> dict[str, Any]:
     return {name: arguments[name] for name in _OPTION_NAMES}
 
 
-def _backend_call(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str) -> ChunkedCall:
+def _backend_call(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str, training: bool) -> ChunkedCall:
     """The named backend's kernels and plan for this call, rebuilt inside the op."""
     by_name = {b.name: b for b in registered_backends()}
     if backend not in by_name or by_name[backend].chunked is None:
         chunked = sorted(name for name, b in by_name.items() if b.chunked is not None)
         raise ValueError(f"backend={backend!r}: expected a registered chunk-loop backend, one of {chunked}")
-    return by_name[backend].chunked(flat, cfg, variant)
+    # Inside the op grad mode is off: the plan must be told that gradients follow.
+    return by_name[backend].chunked(flat, cfg, variant, training=training)
 
 
 def _wanted(grad_hidden: bool, grad_weight: bool, grad_bias: bool, bias: Tensor | None) -> GradTargets:
@@ -286,8 +287,8 @@ def chunked_forward(
     flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
     # prepare_inputs leaves this check to the op while torch.compile traces (it needs the values).
     _check_target_range(target, weight.shape[0], cfg.ignore_index, sharded=False)
-    call = _backend_call(backend, flat, cfg, variant)
     wanted = _wanted(grad_hidden, grad_weight, grad_bias, bias)
+    call = _backend_call(backend, flat, cfg, variant, training=wanted.any)
     in_forward = wanted.any and grads_in_forward_allowed(cfg)
     plan = replace(call.plan, save_logits=False)
     state = run_forward(call.kernels, flat, cfg, plan, call.plain, grads_in_forward=wanted if in_forward else None,
@@ -388,7 +389,7 @@ def chunked_backward(
     from forward's row statistics and the upstream gradients, recomputing each chunk's logits."""
     cfg = _config_from_options(class_weight, _options_of(locals()))
     flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
-    call = _backend_call(backend, flat, cfg, variant)
+    call = _backend_call(backend, flat, cfg, variant, training=True)
     wanted = _wanted(grad_hidden, grad_weight, grad_bias, bias)
     with_expected_z = not call.plain and needs_expected_z(cfg)
     stats = [

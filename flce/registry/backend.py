@@ -17,8 +17,10 @@ VARIANTS = ("plain", "full")
 
 # run(flat_inputs, config, variant) -> loss or LCEOutput
 RunFn = Callable[[FlatInputs, LCEConfig, str], "torch.Tensor | LCEOutput"]
-# chunked(flat_inputs, config, variant) -> flce.backends.chunked_function.ChunkedCall: the backend's
-# kernels and plan, for callers that drive the chunk loop themselves (vocab-parallel, custom ops).
+# chunked(flat_inputs, config, variant, training=None) -> flce.backends.chunked_function.ChunkedCall:
+# the backend's kernels and plan, for callers that drive the chunk loop themselves (vocab-parallel,
+# custom ops). training says whether gradients follow; None infers it from grad mode and the inputs,
+# which a caller already inside an autograd op (grad mode off) must not rely on.
 ChunkedFn = Callable[[FlatInputs, LCEConfig, str], Any]
 
 

@@ -56,7 +56,8 @@ def _run(flat: FlatInputs, cfg: LCEConfig, variant: str) -> torch.Tensor | LCEOu
     return ascend_linear_cross_entropy(flat, cfg, variant)
 
 
-def _chunked(flat: FlatInputs, cfg: LCEConfig, variant: str):  # noqa: ANN202
+def _chunked(flat: FlatInputs, cfg: LCEConfig, variant: str, training: bool | None = None):  # noqa: ANN202
+    """training is accepted for the descriptor's signature: the Ascend plan is the same either way."""
     from flce.backends.ascend.function import ascend_chunked_call
 
     return ascend_chunked_call(flat, cfg, variant)

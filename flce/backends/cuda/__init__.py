@@ -39,10 +39,10 @@ def _run(flat: FlatInputs, cfg: LCEConfig, variant: str) -> torch.Tensor | LCEOu
     return cuda_linear_cross_entropy(flat, cfg, variant)
 
 
-def _chunked(flat: FlatInputs, cfg: LCEConfig, variant: str):  # noqa: ANN202
+def _chunked(flat: FlatInputs, cfg: LCEConfig, variant: str, training: bool | None = None):  # noqa: ANN202
     from flce.backends.cuda.function import cuda_chunked_call
 
-    return cuda_chunked_call(flat, cfg, variant)
+    return cuda_chunked_call(flat, cfg, variant, training)
 
 
 BACKEND = Backend(

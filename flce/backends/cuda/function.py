@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flce.backends.chunked_function import ChunkedCall, apply_chunked
+from flce.backends.chunked_function import ChunkedCall, apply_chunked, needs_autograd
 from flce.backends.cuda.ops import TritonChunkKernels, plan_chunks, tuned_knobs
 from flce.config import LCEConfig
 from flce.inputs import FlatInputs
@@ -13,11 +13,13 @@ from flce.outputs import LCEOutput
 _KERNELS = TritonChunkKernels()
 
 
-def cuda_chunked_call(flat: FlatInputs, cfg: LCEConfig, variant: str) -> ChunkedCall:
+def cuda_chunked_call(flat: FlatInputs, cfg: LCEConfig, variant: str, training: bool | None = None) -> ChunkedCall:
     tuned = tuned_knobs(flat, variant)
     kernels = _KERNELS if tuned.launch is None else TritonChunkKernels(tuned.launch)
-    return ChunkedCall(kernels=kernels, cfg=cfg, plan=plan_chunks(flat, cfg, tuned), plain=variant == "plain",
-                       token_shape=flat.token_shape)
+    if training is None:
+        training = needs_autograd(flat)
+    return ChunkedCall(kernels=kernels, cfg=cfg, plan=plan_chunks(flat, cfg, training, tuned),
+                       plain=variant == "plain", token_shape=flat.token_shape)
 
 
 def cuda_linear_cross_entropy(flat: FlatInputs, cfg: LCEConfig, variant: str) -> torch.Tensor | LCEOutput:

@@ -13,7 +13,6 @@ import triton
 
 from flce.autotune import tuned_params
 from flce.backends.chunk_driver import ChunkPlan
-from flce.backends.chunked_function import needs_autograd
 from flce.backends.cuda import kernels
 from flce.backends.memory import MiB, default_logits_save_limit
 from flce.config import LCEConfig
@@ -82,11 +81,12 @@ def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
                       logits_save_limit=limit if isinstance(limit, int) and limit >= 0 else None)
 
 
-def plan_chunks(flat: FlatInputs, cfg: LCEConfig, tuned: TunedKnobs = TunedKnobs()) -> ChunkPlan:
+def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKnobs = TunedKnobs()) -> ChunkPlan:
+    """training: gradients follow (large chunks: fewer weight-gradient updates); else inference
+    (small chunks, or vocabulary blocks of all rows)."""
     n_rows = flat.target.shape[0]
     vocab = flat.weight.shape[0]
     row_bytes = vocab * flat.weight.element_size()
-    training = needs_autograd(flat)
     if cfg.memory_budget is not None:
         budget = cfg.memory_budget
     else:
@@ -98,7 +98,7 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, tuned: TunedKnobs = TunedKnobs
     else:
         tokens = balanced_chunk_rows(n_rows, max_rows)
     vocab_block = None
-    if not needs_autograd(flat) and n_rows * row_bytes > budget:
+    if not training and n_rows * row_bytes > budget:
         columns = budget // (max(n_rows, 1) * flat.weight.element_size())
         if columns >= MIN_VOCAB_BLOCK:
             vocab_block = columns - columns % MIN_VOCAB_BLOCK

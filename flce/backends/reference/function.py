@@ -14,7 +14,8 @@ from flce.outputs import LCEOutput
 _KERNELS = ReferenceKernels()
 
 
-def reference_chunked_call(flat: FlatInputs, cfg: LCEConfig, variant: str) -> ChunkedCall:
+def reference_chunked_call(flat: FlatInputs, cfg: LCEConfig, variant: str, training: bool | None = None) -> ChunkedCall:
+    """training is accepted for the descriptor's signature: the reference plan is the same either way."""
     return ChunkedCall(kernels=_KERNELS, cfg=cfg, plan=plan_chunks(flat, cfg), plain=variant == "plain",
                        token_shape=flat.token_shape)
 
