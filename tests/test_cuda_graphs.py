@@ -66,7 +66,13 @@ def test_captured_step_replays_with_new_data(case: str, dtype: torch.dtype, gene
     static_x, static_w, static_t = _data(generator, dtype)
     static_x.requires_grad_()
     static_w.requires_grad_()
-    probe = loss_fn(static_x, static_w, static_t)
+    # Everything that touches the static leaves runs on one side stream, capture included: autograd
+    # records a leaf's gradient-accumulator stream at its first use, and an accumulator on the legacy
+    # default stream cannot be waited on while another stream captures (cudaErrorStreamCaptureImplicit).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        probe = loss_fn(static_x, static_w, static_t)
     loss_shape = (probe if isinstance(probe, torch.Tensor) else probe.loss).shape
     extras = not isinstance(probe, torch.Tensor)
     upstream = random_upstream(loss_shape, static_t.shape, logprobs=extras and probe.logprobs is not None,
@@ -75,8 +81,7 @@ def test_captured_step_replays_with_new_data(case: str, dtype: torch.dtype, gene
                                  (upstream.loss, upstream.logprobs, upstream.entropy)))
     del probe
 
-    # Warm up on a side stream (allocator pools, Triton compilation), then capture one step.
-    side = torch.cuda.Stream()
+    # Warm up on the side stream (allocator pools, Triton compilation), then capture one step.
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
@@ -85,7 +90,7 @@ def test_captured_step_replays_with_new_data(case: str, dtype: torch.dtype, gene
     torch.cuda.current_stream().wait_stream(side)
     static_x.grad = static_w.grad = None
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         static_result = loss_fn(static_x, static_w, static_t)
         backward_surrogate(static_result, static_upstream).backward()
     static_out = _outputs(static_result)
