@@ -121,11 +121,14 @@ class ForwardState:
 
 @dataclass
 class Sharding:
-    """Vocabulary sharding of a tensor-parallel call: this rank's slice and the combine step."""
+    """Vocabulary sharding of a tensor-parallel call: this rank's slice, the combine step, and
+    the reduction that completes grad_hidden (each rank's covers its shard only), which the
+    autograd function applies once, in backward."""
 
     vocab_offset: int
     global_vocab: int
     combine: StatsCombiner
+    reduce_grad_hidden: Callable[[torch.Tensor], None]
 
 
 def chunk_bounds(n_rows: int, tokens_per_chunk: int) -> list[slice]:

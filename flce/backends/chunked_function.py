@@ -104,6 +104,8 @@ class ChunkedLCEFunction(torch.autograd.Function):
                 grad_loss, grad_logprobs if call.cfg.return_logprobs else None,
                 grad_entropy if call.cfg.return_entropy else None, sharding=call.sharding,
             )
+        if call.sharding is not None and grad_hidden is not None and grad_hidden.numel():
+            call.sharding.reduce_grad_hidden(grad_hidden)
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
