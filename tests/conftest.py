@@ -22,6 +22,14 @@ from functools import lru_cache
 import pytest
 import torch
 
+# Without a GPU, Triton kernels can only run in the interpreter, and triton reads this variable
+# as kernels are decorated: set it here, before any test module or probe imports triton, so
+# every Triton backend (cuda, ascend) in this process runs interpreted on CPU tensors. With the
+# variable set only by a test module, a kernel module imported earlier in the session kept
+# compiled-mode helpers and every interpreter test failed in a full run.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SKIP_MARKERS = ("cuda", "npu", "triton", "distributed")
 SEED_ENV = "FLCE_TEST_SEED"
 

@@ -1,24 +1,18 @@
 """The CUDA backend's Triton kernels against the float64 materialised computation.
 
-Without a GPU the kernels run under the Triton interpreter on CPU tensors (small shapes,
+Without a GPU the kernels run under the Triton interpreter on CPU tensors (tests/conftest.py
+sets TRITON_INTERPRET=1 for the session; small shapes,
 fp32/fp16: the interpreter's bf16 dot is wrong, and these kernels take bf16 only from cuBLAS);
 with a GPU (marker ``cuda``) at realistic sizes and in bf16 too.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from helpers import reference_loss
 
-if not torch.cuda.is_available():
-    # Must be set before the kernels module is imported (it decorates with @triton.jit).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from helpers import reference_loss  # noqa: E402
-
-import flce  # noqa: E402
+import flce
 
 pytest.importorskip("triton")
 
