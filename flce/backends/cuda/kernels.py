@@ -31,6 +31,17 @@ def _capped_scaled(u, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _write_plain_grad_row(row_ptr, target, lse, scale, V, BLOCK_V: tl.constexpr):
+    """Overwrite one row of logits u with (softmax(u) - onehot(target)) * scale."""
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        mask = start + cols < V
+        u = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.exp(u - lse) - tl.where(start + cols == target, 1.0, 0.0)
+        tl.store(row_ptr + start + cols, (grad * scale).to(row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _plain_forward_kernel(
     logits_ptr, stride_row, target_ptr, grad_scale_ptr, stride_scale,
     loss_ptr, lse_ptr, V, ignore_index,
@@ -63,11 +74,7 @@ def _plain_forward_kernel(
 
     if WRITE_GRAD:
         scale = tl.where(valid, tl.load(grad_scale_ptr + row * stride_scale), 0.0)
-        for start in range(0, V, BLOCK_V):
-            mask = start + cols < V
-            u = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-            grad = tl.exp(u - lse) - tl.where(start + cols == safe_target, 1.0, 0.0)
-            tl.store(row_ptr + start + cols, (grad * scale).to(logits_ptr.dtype.element_ty), mask=mask)
+        _write_plain_grad_row(row_ptr, target, lse, scale, V, BLOCK_V)
 
 
 @triton.jit
@@ -81,13 +88,7 @@ def _plain_grad_kernel(
     target = tl.load(target_ptr + row)
     valid = target != ignore_index
     scale = tl.where(valid, tl.load(grad_scale_ptr + row * stride_scale), 0.0)
-    lse = tl.load(lse_ptr + row)
-    cols = tl.arange(0, BLOCK_V)
-    for start in range(0, V, BLOCK_V):
-        mask = start + cols < V
-        u = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-        grad = tl.exp(u - lse) - tl.where(start + cols == target, 1.0, 0.0)
-        tl.store(row_ptr + start + cols, (grad * scale).to(logits_ptr.dtype.element_ty), mask=mask)
+    _write_plain_grad_row(row_ptr, target, tl.load(lse_ptr + row), scale, V, BLOCK_V)
 
 
 @triton.jit
