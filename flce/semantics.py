@@ -77,6 +77,11 @@ class RowStats:
         )
 
 
+def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Row statistics and per-call scalars: float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def needs_expected_z(cfg: LCEConfig) -> bool:
     return cfg.return_entropy
 
@@ -97,18 +102,18 @@ class Denominators:
     z_loss: torch.Tensor  # scalar fp32: non-ignored tokens
 
 
-def denominators(target: torch.Tensor, cfg: LCEConfig) -> Denominators:
+def denominators(target: torch.Tensor, cfg: LCEConfig, dtype: torch.dtype = torch.float32) -> Denominators:
     valid = target != cfg.ignore_index
-    count = valid.sum(dtype=torch.float32)
+    count = valid.sum(dtype=dtype)
     if cfg.class_weight is None:
         return Denominators(count, count)
-    weights = class_weight_of_target(target, cfg) * valid
-    return Denominators(weights.sum(dtype=torch.float32), count)
+    weights = class_weight_of_target(target, cfg, dtype) * valid
+    return Denominators(weights.sum(dtype=dtype), count)
 
 
-def class_weight_of_target(target: torch.Tensor, cfg: LCEConfig) -> torch.Tensor:
+def class_weight_of_target(target: torch.Tensor, cfg: LCEConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     assert cfg.class_weight is not None
-    return cfg.class_weight.float()[target.clamp(0, cfg.class_weight.shape[0] - 1)]
+    return cfg.class_weight.to(dtype)[target.clamp(0, cfg.class_weight.shape[0] - 1)]
 
 
 def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
@@ -130,11 +135,12 @@ def row_terms(stats: RowStats, target: torch.Tensor, cfg: LCEConfig, vocab: int)
     valid = target != cfg.ignore_index
     nll = stats.lse - stats.target_z
     eps = cfg.label_smoothing
+    dtype = stats.lse.dtype
     if cfg.class_weight is not None:
-        nll = nll * class_weight_of_target(target, cfg)
+        nll = nll * class_weight_of_target(target, cfg, dtype)
     ce = nll if eps == 0.0 else (1.0 - eps) * nll
     if eps != 0.0:
-        weight_sum = float(vocab) if cfg.class_weight is None else cfg.class_weight.float().sum()
+        weight_sum = float(vocab) if cfg.class_weight is None else cfg.class_weight.to(dtype).sum()
         ce = ce + (eps / vocab) * (weight_sum * stats.lse - stats.weighted_sum_z)
     if cfg.token_scaling:
         ce = ce * torch.exp(stats.target_z - stats.lse)
@@ -190,9 +196,9 @@ def upstream_scales(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row multipliers of the cross-entropy and z-loss terms, from the loss's grad_output."""
     if cfg.reduction == "none":
-        g = grad_loss.reshape(-1)[rows].float()
+        g = grad_loss.reshape(-1)[rows].to(denoms.z_loss.dtype)
         return g, g
-    g = grad_loss.float().reshape(())
+    g = grad_loss.to(denoms.z_loss.dtype).reshape(())
     if cfg.reduction == "sum":
         g_ce = g_z = g
     else:
@@ -211,28 +217,29 @@ def grad_coefficients(
     grad_logprobs: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
 ) -> GradCoefficients:
-    valid = (target != cfg.ignore_index).float()
+    dtype = stats.lse.dtype
+    valid = (target != cfg.ignore_index).to(dtype)
     g_ce = grad_ce * valid
     if cfg.token_scaling:
         g_ce = g_ce * torch.exp(stats.target_z - stats.lse)
-    w_y = class_weight_of_target(target, cfg) if cfg.class_weight is not None else 1.0
+    w_y = class_weight_of_target(target, cfg, dtype) if cfg.class_weight is not None else 1.0
     eps = cfg.label_smoothing
     nll_scale = g_ce * ((1.0 - eps) * w_y)
     a = nll_scale
     d = nll_scale
     e = None
     if eps != 0.0:
-        weight_sum = float(vocab) if cfg.class_weight is None else cfg.class_weight.float().sum()
+        weight_sum = float(vocab) if cfg.class_weight is None else cfg.class_weight.to(dtype).sum()
         a = a + g_ce * (eps * weight_sum / vocab)
         e = g_ce * (eps / vocab)
     if cfg.lse_square_scale:
         a = a + (2.0 * cfg.lse_square_scale) * (grad_z_loss * valid) * stats.lse
     if grad_logprobs is not None:
-        g_lp = grad_logprobs.float() * valid
+        g_lp = grad_logprobs.to(dtype) * valid
         a = a - g_lp
         d = d - g_lp
     h = None
     if grad_entropy is not None:
-        h = grad_entropy.float() * valid
+        h = grad_entropy.to(dtype) * valid
         a = a + h * stats.expected_z
     return GradCoefficients(a=a, h=h, d=d, e=e)

@@ -38,6 +38,7 @@ from flce.semantics import (
     grad_coefficients,
     reduce_terms,
     row_terms,
+    statistics_dtype,
     upstream_scales,
 )
 
@@ -152,7 +153,7 @@ class _GradAccumulator:
             alloc = torch.zeros if fp32_acc else torch.empty
             self.weight_acc = alloc(w.shape, dtype=torch.float32 if fp32_acc else w.dtype, device=w.device)
         self.bias_acc = (
-            torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) if wanted.bias else None
+            torch.zeros(w.shape[0], dtype=statistics_dtype(w.dtype), device=w.device) if wanted.bias else None
         )
 
     def add(self, grad_logits: torch.Tensor, rows: slice) -> None:
@@ -168,7 +169,7 @@ class _GradAccumulator:
                 torch.mm(grad_logits.t(), x_rows, out=self.weight_acc)
                 self.weight_written = True
         if self.bias_acc is not None:
-            self.bias_acc += grad_logits.sum(0, dtype=torch.float32)
+            self.bias_acc += grad_logits.sum(0, dtype=self.bias_acc.dtype)
 
     def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         w = self.flat.weight
@@ -205,8 +206,8 @@ def run_forward(
     n_rows = target.shape[0]
     vocab = sharding.global_vocab if sharding else flat.weight.shape[0]
     vocab_offset = sharding.vocab_offset if sharding else 0
-    denoms = denominators(target, cfg)
-    one = torch.ones((), dtype=torch.float32, device=target.device)
+    denoms = denominators(target, cfg, statistics_dtype(flat.weight.dtype))
+    one = torch.ones((), dtype=denoms.z_loss.dtype, device=target.device)
     acc = _GradAccumulator(kernels, flat, cfg, grads_in_forward) if grads_in_forward else None
     keep_logits = backward_follows and acc is None and plan.save_logits
     saved: list[torch.Tensor] = []
@@ -296,7 +297,7 @@ def run_backward(
     vocab = sharding.global_vocab if sharding else flat.weight.shape[0]
     vocab_offset = sharding.vocab_offset if sharding else 0
     if grad_loss is None:
-        grad_loss = torch.zeros((), dtype=torch.float32, device=target.device)
+        grad_loss = torch.zeros((), dtype=state.denoms.z_loss.dtype, device=target.device)
     acc = _GradAccumulator(kernels, flat, cfg, wanted)
     saved = state.saved_logits
     # The saved logits are overwritten by the grad kernels: a second backward must recompute.

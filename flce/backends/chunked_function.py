@@ -42,7 +42,7 @@ from flce.config import LCEConfig
 from flce.inputs import FlatInputs, _check_target_range
 from flce.outputs import LCEOutput
 from flce.registry import Backend, registered_backends
-from flce.semantics import RowStats, denominators, needs_expected_z
+from flce.semantics import RowStats, denominators, needs_expected_z, statistics_dtype
 
 
 @dataclass(frozen=True)
@@ -109,14 +109,10 @@ class ChunkedLCEFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
-def _output_dtype(hidden: Tensor) -> torch.dtype:
-    return torch.promote_types(hidden.dtype, torch.float32)
-
-
 def _flat_outputs(state: ForwardState, cfg: LCEConfig, hidden: Tensor) -> tuple[Tensor, ...]:
     """(loss, z_loss, token_accuracy, predicted_tokens, logprobs, entropy): per-token ones flat [N],
     each one its own tensor (a fresh empty one where not asked: op outputs may not alias)."""
-    out_dtype = _output_dtype(hidden)
+    out_dtype = statistics_dtype(hidden.dtype)
 
     def empty(dtype: torch.dtype = out_dtype) -> Tensor:
         return hidden.new_empty(0, dtype=dtype)
@@ -246,11 +242,6 @@ def _wanted(grad_hidden: bool, grad_weight: bool, grad_bias: bool, bias: Tensor 
     return GradTargets(hidden=grad_hidden, weight=grad_weight, bias=grad_bias and bias is not None)
 
 
-def _stat_dtype(hidden: Tensor) -> torch.dtype:
-    """Row statistics are fp32 (fp64 for fp64 inputs), whatever the compute dtype."""
-    return torch.promote_types(hidden.dtype, torch.float32)
-
-
 @torch.library.custom_op("flce::chunked_forward", mutates_args=())
 def chunked_forward(
     hidden: Tensor,
@@ -301,7 +292,7 @@ def chunked_forward(
 
     grads = state.grads if in_forward else (None, None, None)
     grad_outputs = tuple(empty() if g is None else g for g in grads)
-    stat_dtype = _stat_dtype(hidden)
+    stat_dtype = statistics_dtype(hidden.dtype)
 
     def stat(name: str) -> Tensor:
         parts = [getattr(s, name) for s in state.stats]
@@ -319,7 +310,7 @@ def chunked_forward(
 def _chunked_forward_fake(hidden, weight, bias, target, class_weight, **kw):  # noqa: ANN001, ANN003, ANN202
     cfg = _config_from_options(None, _options_of(kw))
     n = target.shape[0]
-    out_dtype = _output_dtype(hidden)
+    out_dtype = statistics_dtype(hidden.dtype)
 
     def per_row(asked: bool, dtype: torch.dtype = out_dtype, rows: bool = True) -> Tensor:
         if not asked:
@@ -335,7 +326,7 @@ def _chunked_forward_fake(hidden, weight, bias, target, class_weight, **kw):  # 
         bias.new_empty(bias.shape) if in_forward and wanted.bias else hidden.new_empty(0),
     )
     keep_stats = wanted.any and not in_forward
-    stat_dtype = _stat_dtype(hidden)
+    stat_dtype = statistics_dtype(hidden.dtype)
     stats = (
         per_row(keep_stats, stat_dtype),
         per_row(keep_stats, stat_dtype),
@@ -399,7 +390,8 @@ def chunked_backward(
         for rows in chunk_bounds(target.shape[0], call.plan.tokens_per_chunk)
     ]
     empty = hidden.new_empty(0)
-    state = ForwardState(loss=empty, z_loss=empty, extras={}, denoms=denominators(target, cfg), stats=stats)
+    denoms = denominators(target, cfg, statistics_dtype(weight.dtype))
+    state = ForwardState(loss=empty, z_loss=empty, extras={}, denoms=denoms, stats=stats)
     grads = run_backward(
         call.kernels, flat, cfg, call.plan, call.plain, state, wanted, grad_loss,
         grad_logprobs if cfg.return_logprobs else None, grad_entropy if cfg.return_entropy else None,

@@ -26,6 +26,9 @@ from flce.semantics import (
     needs_expected_z,
     needs_weighted_sum_z,
 )
+from flce.semantics import (
+    statistics_dtype as math_dtype,
+)
 
 # Rows of grad_weight upcast at a time when accumulating in fp32: bounds the temporary.
 _FP32_ACCUMULATE_ROWS = 8192
@@ -33,10 +36,6 @@ _FP32_ACCUMULATE_ROWS = 8192
 # per core, 32 MiB L3) at 699 x 32000: 2-32 MiB blocks within 10% of each other; 8 MiB best with
 # 2 threads, and few enough blocks that OpenMP's per-op barriers stay cheap on a loaded machine.
 CPU_BLOCK_BYTES = 8 << 20
-
-
-def math_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _target_onehot_index(target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
