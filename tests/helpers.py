@@ -195,11 +195,12 @@ def backward_surrogate(outputs: torch.Tensor | LCEOutput, upstream: Upstream) ->
     ``upstream`` into each one."""
     if isinstance(outputs, torch.Tensor):
         outputs = LCEOutput(loss=outputs)
-    total = (outputs.loss.double() * upstream.loss).sum()
+    device = outputs.loss.device
+    total = (outputs.loss.double() * upstream.loss.to(device)).sum()
     if upstream.logprobs is not None:
-        total = total + (outputs.logprobs.double() * upstream.logprobs).sum()
+        total = total + (outputs.logprobs.double() * upstream.logprobs.to(device)).sum()
     if upstream.entropy is not None:
-        total = total + (outputs.entropy.double() * upstream.entropy).sum()
+        total = total + (outputs.entropy.double() * upstream.entropy.to(device)).sum()
     return total
 
 

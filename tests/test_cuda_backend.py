@@ -224,3 +224,20 @@ def test_plan_follows_the_training_flag_not_grad_mode():
         inference = cuda_chunked_call(flat, LCEConfig(), "plain", training=False).plan
     assert training.vocab_block is None and training.tokens_per_chunk == 4096
     assert inference.vocab_block is not None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "return_entropy": True, "reduction": "none"}],
+                         ids=["plain", "full-deferred"])
+def test_gpu_deterministic(options):  # noqa: ANN001
+    """No atomics anywhere: the same inputs give bitwise the same loss and gradients."""
+    x, w, b, t = _inputs(3000, 512, 50257, torch.bfloat16, "cuda", with_bias=True)
+    runs = []
+    for _ in range(2):
+        out = flce.linear_cross_entropy(x, w, t, b, memory_budget=32 << 20, **options)
+        loss = out if isinstance(out, torch.Tensor) else out.loss + out.entropy
+        upstream = torch.ones_like(loss) if loss.dim() else None
+        grads = torch.autograd.grad(loss, (x, w, b), upstream)
+        runs.append((loss.detach(), *grads))
+    for first, second in zip(*runs, strict=True):
+        assert torch.equal(first, second)

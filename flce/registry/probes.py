@@ -64,7 +64,9 @@ def _real_probe() -> HardwareProbe:
 def _probe_cuda() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "torch.cuda.is_available() is False (no NVIDIA/AMD GPU or a CPU-only torch build)"
-    return True, f"{torch.cuda.device_count()} GPU(s)"
+    # No device_count() here: torch.compile traces this probe in the functional form, and a
+    # torch call returning an int breaks the graph.
+    return True, "torch.cuda.is_available()"
 
 
 def _probe_npu() -> tuple[bool, str]:
@@ -77,7 +79,7 @@ def _probe_npu() -> tuple[bool, str]:
         return False, f"import torch_npu failed: {exc}"
     if not torch.npu.is_available():
         return False, "torch.npu.is_available() is False"
-    return True, f"{torch.npu.device_count()} NPU(s)"
+    return True, "torch.npu.is_available()"
 
 
 def _probe_triton() -> tuple[bool, str]:
