@@ -23,8 +23,8 @@ from flce.semantics import GradCoefficients, PartialRowStats, needs_argmax, need
 # read-modify-writes of the V x H weight gradient (one per chunk); this keeps the default call
 # under 512 MiB above the gradients (2048-row chunks at V = 128256, the largest that fit).
 DEFAULT_CHUNK_BUDGET = 504 * MiB
-# Without gradients (evaluation, RL log-probs) nothing is accumulated across chunks, so small
-# chunks cost nothing: 256+ rows keep the GEMM at full speed at a 128k vocabulary.
+# Without gradients (evaluation, RL log-probs) nothing is accumulated across chunks: inference
+# scans vocabulary blocks of all rows in this much memory, at the speed of one large GEMM.
 INFERENCE_CHUNK_BUDGET = 64 * MiB
 # Inference scans vocabulary blocks of all rows when blocks of at least this many columns fit the
 # budget (GEMMs [tokens, H] x [H, block] run at full speed); else it falls back to token chunks.
@@ -94,7 +94,7 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
     max_rows = max(1, budget // row_bytes)
     if training and tuned.tokens_per_chunk is not None:
         # A tuned chunk still honours an explicit memory_budget.
-        tokens = min(tuned.tokens_per_chunk, max_rows if cfg.memory_budget is not None else tuned.tokens_per_chunk)
+        tokens = tuned.tokens_per_chunk if cfg.memory_budget is None else min(tuned.tokens_per_chunk, max_rows)
     else:
         tokens = chunk_rows(n_rows, max_rows)
     vocab_block = None
