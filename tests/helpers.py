@@ -288,3 +288,22 @@ def make_inputs(
 def random_class_weight(vocab: int, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Positive class weights in [0.25, 2), never all equal."""
     return (torch.rand(vocab, generator=generator, dtype=torch.float64) * 1.75 + 0.25).to(dtype)
+
+
+# Option sets every backend's contract test runs (each with every reduction): each full-feature
+# option alone, class weights with and without smoothing, the metrics, and everything at once.
+# "random" class weights are drawn by the test for its vocabulary size.
+OPTION_CASES = [
+    {},
+    {"label_smoothing": 0.1},
+    {"lse_square_scale": 1e-3, "return_z_loss": True},
+    {"softcap": 2.5},
+    {"temperature": 0.7, "return_logprobs": True, "return_entropy": True},
+    {"token_scaling": True},
+    {"class_weight": "random", "label_smoothing": 0.05},
+    {"class_weight": "random"},
+    {"return_token_accuracy": True, "return_predicted_tokens": True},
+    {"softcap": 3.0, "temperature": 1.3, "label_smoothing": 0.2, "lse_square_scale": 1e-2, "token_scaling": True,
+     "class_weight": "random", "return_logprobs": True, "return_entropy": True, "return_z_loss": True,
+     "return_token_accuracy": True, "return_predicted_tokens": True},
+]

@@ -32,7 +32,7 @@ if DEVICE == "cpu":
 os.environ.setdefault("FLCE_ASCEND_UB_BYTES", "12288")
 os.environ.setdefault("FLCE_ASCEND_VECTOR_CORES", "3")
 
-from helpers import reference_loss  # noqa: E402
+from helpers import OPTION_CASES, reference_loss  # noqa: E402
 
 import flce  # noqa: E402
 from flce.backends import ascend  # noqa: E402
@@ -127,24 +127,10 @@ def assert_matches(got, want, fwd_tol, bwd_tol):  # noqa: ANN001
         torch.testing.assert_close(value.double(), expected, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-FULL_OPTIONS = [
-    {},
-    {"label_smoothing": 0.1},
-    {"lse_square_scale": 1e-3, "return_z_loss": True},
-    {"softcap": 2.5},
-    {"temperature": 0.7, "return_logprobs": True, "return_entropy": True},
-    {"token_scaling": True},
-    {"class_weight": "random", "label_smoothing": 0.05},
-    {"class_weight": "random"},
-    {"return_token_accuracy": True, "return_predicted_tokens": True},
-    {"softcap": 3.0, "temperature": 1.3, "label_smoothing": 0.2, "lse_square_scale": 1e-2, "token_scaling": True,
-     "class_weight": "random", "return_logprobs": True, "return_entropy": True, "return_z_loss": True,
-     "return_token_accuracy": True, "return_predicted_tokens": True},
-]
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("options", FULL_OPTIONS, ids=lambda o: "+".join(o) or "plain")
+@pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: "+".join(o) or "plain")
 def test_every_option_and_reduction_fp32(options, reduction):  # noqa: ANN001
     with_bias = len(options) % 2 == 1  # half of the cases carry a bias
     got, want = run_both({**options, "reduction": reduction}, with_bias=with_bias)

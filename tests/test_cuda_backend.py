@@ -10,24 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import reference_loss
+from helpers import OPTION_CASES, reference_loss
 
 import flce
 
 pytest.importorskip("triton")
 
-FULL_OPTIONS = [
-    {},
-    {"label_smoothing": 0.1},
-    {"lse_square_scale": 1e-3, "return_z_loss": True},
-    {"softcap": 2.5},
-    {"temperature": 0.7, "return_logprobs": True, "return_entropy": True},
-    {"token_scaling": True},
-    {"class_weight": "random", "label_smoothing": 0.05},
-    {"return_token_accuracy": True, "return_predicted_tokens": True},
-    {"softcap": 3.0, "temperature": 1.3, "label_smoothing": 0.2, "lse_square_scale": 1e-2, "token_scaling": True,
-     "class_weight": "random", "return_logprobs": True, "return_entropy": True},
-]
 
 
 def _inputs(n, h, v, dtype, device, with_bias, seed_ignore=True):  # noqa: ANN001, ANN202
@@ -80,7 +68,7 @@ def _run_and_compare(n, h, v, dtype, device, options, reduction, with_bias, tol)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("options", FULL_OPTIONS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: ",".join(o) or "plain")
 def test_interpreter_contract_fp32(options, reduction, monkeypatch):  # noqa: ANN001
     if torch.cuda.is_available():
         pytest.skip("interpreter test: runs where there is no GPU")
@@ -112,7 +100,7 @@ def test_interpreter_plain_fp16_and_chunks(monkeypatch):  # noqa: ANN001
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("options", FULL_OPTIONS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: ",".join(o) or "plain")
 def test_gpu_contract_fp32(options, reduction):  # noqa: ANN001
     # V = 32001: not a multiple of any block size.
     _run_and_compare(257, 128, 32001, torch.float32, "cuda", options, reduction, with_bias=True, tol=1e-5)
@@ -178,7 +166,7 @@ def test_gpu_no_host_sync_and_autocast():
     assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
 
 
-@pytest.mark.parametrize("options", [FULL_OPTIONS[0], FULL_OPTIONS[-1], FULL_OPTIONS[7]],
+@pytest.mark.parametrize("options", [OPTION_CASES[0], OPTION_CASES[-1], OPTION_CASES[-2]],
                          ids=["plain", "everything", "metrics"])
 def test_interpreter_inference_scans_vocab_blocks(options, monkeypatch):  # noqa: ANN001
     """Without gradients the plan scans vocabulary blocks of all rows; the in-kernel merge of
