@@ -38,6 +38,19 @@ class PartialRowStats:
     weighted_sum_z: torch.Tensor | None = None  # [n] fp32, sum w[c] * z[c]      (smoothing)
     argmax: torch.Tensor | None = None  # [n] int64                              (metrics)
 
+    @staticmethod
+    def allocate(n_rows: int, cfg: LCEConfig, device: torch.device) -> PartialRowStats:
+        """Uninitialised fp32 statistics for a kernel to write: the optional ones only where cfg needs them."""
+        def f32() -> torch.Tensor:
+            return torch.empty(n_rows, dtype=torch.float32, device=device)
+
+        return PartialRowStats(
+            row_max=f32(), sum_exp=f32(), target_z=f32(),
+            sum_exp_z=f32() if needs_expected_z(cfg) else None,
+            weighted_sum_z=f32() if needs_weighted_sum_z(cfg) else None,
+            argmax=torch.empty(n_rows, dtype=torch.int64, device=device) if needs_argmax(cfg) else None,
+        )
+
 
 def merge_partial_stats(a: PartialRowStats, b: PartialRowStats) -> PartialRowStats:
     """Statistics of the union of two disjoint column ranges (b's columns after a's)."""

@@ -33,9 +33,6 @@ from flce.semantics import (
     GradCoefficients,
     PartialRowStats,
     merge_partial_stats,
-    needs_argmax,
-    needs_expected_z,
-    needs_weighted_sum_z,
 )
 
 KiB = 1 << 10
@@ -326,13 +323,7 @@ class AscendChunkKernels:
     def _block_row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:  # noqa: ANN001
         logits = _unit_column_stride(logits)
         n, vocab = logits.shape
-        f32 = {"dtype": torch.float32, "device": logits.device}
-        stats = PartialRowStats(
-            row_max=torch.empty(n, **f32), sum_exp=torch.empty(n, **f32), target_z=torch.empty(n, **f32),
-            sum_exp_z=torch.empty(n, **f32) if needs_expected_z(cfg) else None,
-            weighted_sum_z=torch.empty(n, **f32) if needs_weighted_sum_z(cfg) else None,
-            argmax=torch.empty(n, dtype=torch.int64, device=logits.device) if needs_argmax(cfg) else None,
-        )
+        stats = PartialRowStats.allocate(n, cfg, logits.device)
         if n == 0:
             return stats
         weight = _shard_class_weight(cfg, vocab_offset, vocab) if stats.weighted_sum_z is not None else None

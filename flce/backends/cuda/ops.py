@@ -17,7 +17,7 @@ from flce.backends.cuda import kernels
 from flce.backends.memory import MiB, default_logits_save_limit
 from flce.config import LCEConfig
 from flce.inputs import FlatInputs
-from flce.semantics import GradCoefficients, PartialRowStats, needs_argmax, needs_expected_z, needs_weighted_sum_z
+from flce.semantics import GradCoefficients, PartialRowStats
 
 # Default working memory of one chunk's logits when gradients are computed. Larger chunks mean fewer
 # read-modify-writes of the V x H weight gradient (one per chunk); this keeps the default call
@@ -159,13 +159,7 @@ class TritonChunkKernels:
 
     def row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int, into=None) -> PartialRowStats:  # noqa: ANN001
         n, vocab = logits.shape
-        f32 = dict(dtype=torch.float32, device=logits.device)
-        stats = into if into is not None else PartialRowStats(
-            row_max=torch.empty(n, **f32), sum_exp=torch.empty(n, **f32), target_z=torch.empty(n, **f32),
-            sum_exp_z=torch.empty(n, **f32) if needs_expected_z(cfg) else None,
-            weighted_sum_z=torch.empty(n, **f32) if needs_weighted_sum_z(cfg) else None,
-            argmax=torch.empty(n, dtype=torch.int64, device=logits.device) if needs_argmax(cfg) else None,
-        )
+        stats = into if into is not None else PartialRowStats.allocate(n, cfg, logits.device)
         if n == 0:
             return stats
         p = launch_params(vocab, self.launch)
