@@ -75,6 +75,13 @@ class ChunkKernels(Protocol):
         """d loss / d u for raw logits u (semantics.py's formula, chained through cap and T), over
         logits where the kernel can."""
 
+    def gemm_row_stats(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+        cfg: LCEConfig, vocab_offset: int,
+    ) -> PartialRowStats:
+        """Partial row statistics of the logits hidden @ weight.T + bias without materialising them
+        (a fused GEMM). Called only when the plan sets ``fused_stats``."""
+
     def accumulate_fp32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """acc += a @ b with fp32 accumulation, for low-precision a and b, without a full-size temporary."""
 
@@ -92,6 +99,9 @@ class ChunkPlan:
     # many columns. Nothing accumulates across blocks but [tokens] statistics, so blocks can be small
     # while every GEMM keeps all rows (full speed where a few hundred token rows would not be).
     vocab_block: int | None = None
+    # A forward that keeps no logits (inference, or the deferred schedule without saved logits) takes
+    # its statistics from kernels.gemm_row_stats over all rows at once: one GEMM's work, no logits.
+    fused_stats: bool = False
 
 
 @dataclass
@@ -214,6 +224,17 @@ def run_forward(
     stats_per_chunk: list[RowStats] = []
     terms_per_chunk: list[RowTerms] = []
 
+    if plan.fused_stats and acc is None and not keep_logits:
+        partial = kernels.gemm_row_stats(flat.hidden, flat.weight, flat.bias, target, cfg, vocab_offset)
+        if sharding:
+            partial = sharding.combine(partial)
+        stats = RowStats.from_partial(partial)
+        terms = row_terms(stats, target, cfg, vocab)
+        loss, z_loss = reduce_terms(terms, cfg, denoms)
+        per_chunk = [_slice_stats(stats, rows) for rows in chunk_bounds(n_rows, plan.tokens_per_chunk)]
+        return ForwardState(loss=loss, z_loss=z_loss, extras=extras(stats, terms, target, cfg, denoms),
+                            denoms=denoms, stats=per_chunk if backward_follows else [])
+
     if not backward_follows and plan.vocab_block and sharding is None and n_rows:
         stats = _scan_vocab_blocks(kernels, flat, cfg, plan.vocab_block)
         terms = row_terms(stats, target, cfg, vocab)
@@ -265,18 +286,34 @@ def run_forward(
 
 def _scan_vocab_blocks(kernels: ChunkKernels, flat: FlatInputs, cfg: LCEConfig, block: int) -> RowStats:
     """Row statistics over all rows, the vocabulary scanned in column blocks."""
+    return RowStats.from_partial(scan_vocab_blocks(kernels, flat.hidden, flat.weight, flat.bias, flat.target, cfg,
+                                                   0, block))
+
+
+def scan_vocab_blocks(
+    kernels: ChunkKernels, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    target: torch.Tensor, cfg: LCEConfig, vocab_offset: int, block: int,
+) -> PartialRowStats:
+    """Partial statistics of hidden @ weight.T + bias, one GEMM and one row scan per column block."""
     running = None
-    for start in range(0, flat.weight.shape[0], block):
+    for start in range(0, weight.shape[0], block):
         cols = slice(start, start + block)
-        weight = flat.weight[cols]
-        if flat.bias is None:
-            logits = torch.mm(flat.hidden, weight.t())
+        if bias is None:
+            logits = torch.mm(hidden, weight[cols].t())
         else:
-            logits = torch.addmm(flat.bias[cols], flat.hidden, weight.t())
-        running = kernels.row_stats(logits, flat.target, cfg, start, into=running)
+            logits = torch.addmm(bias[cols], hidden, weight[cols].t())
+        running = kernels.row_stats(logits, target, cfg, vocab_offset + start, into=running)
         del logits
     assert running is not None
-    return RowStats.from_partial(running)
+    return running
+
+
+def _slice_stats(stats: RowStats, rows: slice) -> RowStats:
+    def part(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[rows]
+
+    return RowStats(lse=stats.lse[rows], target_z=stats.target_z[rows], expected_z=part(stats.expected_z),
+                    weighted_sum_z=part(stats.weighted_sum_z), argmax=part(stats.argmax))
 
 
 def run_backward(

@@ -15,7 +15,7 @@ _KERNELS = TritonChunkKernels()
 
 def cuda_chunked_call(flat: FlatInputs, cfg: LCEConfig, variant: str, training: bool | None = None) -> ChunkedCall:
     tuned = tuned_knobs(flat, variant)
-    kernels = _KERNELS if tuned.launch is None else TritonChunkKernels(tuned.launch)
+    kernels = _KERNELS if tuned.launch is None and tuned.gemm is None else TritonChunkKernels(tuned.launch, tuned.gemm)
     if training is None:
         training = needs_autograd(flat)
     return ChunkedCall(kernels=kernels, cfg=cfg, plan=plan_chunks(flat, cfg, training, tuned),

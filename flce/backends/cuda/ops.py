@@ -6,14 +6,16 @@ GEMMs around it stay in cuBLAS (torch.mm), which already runs them at the floor.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import triton
 
 from flce.autotune import tuned_params
-from flce.backends.chunk_driver import ChunkPlan
+from flce.backends.chunk_driver import ChunkPlan, scan_vocab_blocks
 from flce.backends.cuda import kernels
+from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_row_stats
 from flce.backends.memory import MiB, default_logits_save_limit
 from flce.config import LCEConfig
 from flce.inputs import FlatInputs
@@ -58,6 +60,8 @@ class TunedKnobs:
     tokens_per_chunk: int | None = None
     launch: LaunchParams | None = None
     logits_save_limit: int | None = None
+    forward: str | None = None  # "fused" (gemm_row_stats) or "cublas" (GEMM + row kernels)
+    gemm: GemmConfig | None = None
 
 
 def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
@@ -77,8 +81,22 @@ def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
     if block_v and num_warps and block_v & (block_v - 1) == 0 and block_v <= MAX_BLOCK_V and num_warps in (
             1, 2, 4, 8, 16, 32):
         launch = LaunchParams(block_v=block_v, num_warps=num_warps)
+    forward = params.get("forward")
     return TunedKnobs(tokens_per_chunk=positive_int("tokens_per_chunk"), launch=launch,
-                      logits_save_limit=limit if isinstance(limit, int) and limit >= 0 else None)
+                      logits_save_limit=limit if isinstance(limit, int) and limit >= 0 else None,
+                      forward=forward if forward in FORWARD_PATHS else None, gemm=GemmConfig.from_params(params))
+
+
+FORWARD_PATHS = ("fused", "cublas")
+
+
+def fused_forward_default(flat: FlatInputs) -> bool:
+    """Where the cache says nothing: the fused forward on GPUs with bf16/fp16 tensor cores (sm_80+) for
+    16-bit inputs. fp32 stays on cuBLAS (its fp32 GEMM is exact where a Triton dot would need its
+    slow IEEE mode), and the interpreter on the row kernels (tests ask for the fused path by name)."""
+    x = flat.hidden
+    return (x.is_cuda and flat.weight.dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
 def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKnobs = TunedKnobs()) -> ChunkPlan:
@@ -108,7 +126,9 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
         save_limit = default_logits_save_limit(flat.hidden.device)
     if cfg.memory_budget is not None:
         save_limit = min(save_limit, cfg.memory_budget - tokens * row_bytes)
-    return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit, vocab_block=vocab_block)
+    fused = fused_forward_default(flat) if tuned.forward is None else tuned.forward == "fused"
+    return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit, vocab_block=vocab_block,
+                     fused_stats=fused)
 
 
 def chunk_rows(n_rows: int, max_rows: int) -> int:
@@ -126,12 +146,35 @@ def _scale_stride(t: torch.Tensor) -> int:
     return t.stride(0) if t.dim() else 0
 
 
+_log = logging.getLogger("flce")
+# (device, dtype, GemmConfig) whose fused kernel failed to compile or launch: served by the fallback.
+_failed_gemm_configs: set[tuple] = set()
+
+
 class TritonChunkKernels:
     """The chunk kernels of the CUDA backend (also run by the Triton interpreter on CPU tensors).
-    ``launch``: tuned block size and warps, else a heuristic per launch."""
+    ``launch``: tuned block size and warps, else a heuristic per launch; ``gemm``: tuned tiles of
+    the fused GEMM, else :func:`default_gemm_config`."""
 
-    def __init__(self, launch: LaunchParams | None = None) -> None:
+    def __init__(self, launch: LaunchParams | None = None, gemm: GemmConfig | None = None) -> None:
         self.launch = launch
+        self.gemm = gemm
+
+    def gemm_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:  # noqa: ANN001
+        config = self.gemm or default_gemm_config(hidden.device, hidden.dtype)
+        key = (hidden.device, hidden.dtype, config)
+        if key not in _failed_gemm_configs:
+            try:
+                return gemm_row_stats(hidden, weight, bias, target, cfg, vocab_offset, config)
+            except (triton.CompilationError, triton.OutOfResources) as error:
+                # A GPU or Triton version the kernel does not compile for: the row-kernel path
+                # computes the same statistics; say so once per configuration.
+                _failed_gemm_configs.add(key)
+                _log.warning("flce: the fused forward kernel failed on %s %s with %s (%s); using cuBLAS GEMMs "
+                             "and row kernels instead", hidden.device, hidden.dtype, config, error)
+        budget_columns = INFERENCE_CHUNK_BUDGET // max(1, target.shape[0] * hidden.element_size())
+        block = max(MIN_VOCAB_BLOCK, budget_columns - budget_columns % MIN_VOCAB_BLOCK)
+        return scan_vocab_blocks(self, hidden, weight, bias, target, cfg, vocab_offset, block)
 
     def plain_loss(self, logits, target, ignore_index, grad_scale):  # noqa: ANN001, ANN201
         n, vocab = logits.shape

@@ -1,0 +1,176 @@
+"""Fused GEMM kernels of the CUDA backend (device code only).
+
+:func:`_gemm_row_stats_kernel` computes logits tiles ``u = x @ W.T (+ b)`` with ``tl.dot`` (wgmma on
+Hopper) and reduces each tile in registers to row statistics, so a forward that needs only
+statistics never writes the ``[tokens, V]`` logits to memory. Each program owns one block of
+BLOCK_M token rows and one *split* of the vocabulary (a run of consecutive BLOCK_N tiles); it walks
+its tiles carrying running statistics, FlashAttention-style, and writes one partial result per
+(split, row). A few splits keep every SM busy at small token counts; the host merges the
+``[SPLITS, n]`` partials (semantics.merge_partial_stats algebra), which is O(tokens) work.
+
+Statistics are kept in base 2 (``y = z * log2(e)``): ``exp2(y - m)`` is one fused multiply-add and
+one MUFU instruction per logit, the epilogue's whole cost on the plain path. The host converts
+back: ``row_max = m / log2(e)``; the sums of ``exp2(y - m)`` are the sums of ``exp(z - max)``.
+
+Program order (GROUP_M): consecutive programs take GROUP_M row blocks x SPLITS splits, so the SMs
+working at one time share the same few x row blocks and W tiles in L2.
+
+Shared arguments:
+
+    x        [M, K] hidden rows; a pointer (row stride stride_xm, unit column stride) or, with
+             USE_TMA, a tensor descriptor of block [BLOCK_M, BLOCK_K]
+    w        [V, K] this shard's weight; a pointer (stride_wv) or a descriptor of block [BLOCK_N, BLOCK_K]
+    bias_ptr [V] (read when HAS_BIAS)
+    part_*   [SPLITS, M] outputs: max of y, sum exp2(y - max), sum exp2(y - max) * y,
+             sum w[c] * y[c], first argmax (global index, int64)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flce.backends.cuda.kernels import _capped_scaled
+
+LOG2E: tl.constexpr = 1.4426950408889634
+
+
+@triton.jit
+def _program_tile(pid, M, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, SPLITS: tl.constexpr):
+    """(row block, vocabulary split) of program pid, grouped so neighbours share L2 data."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    group_size = GROUP_M * SPLITS
+    group = pid // group_size
+    first_m = group * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    local = pid % group_size
+    return first_m + local % group_m, local // group_m
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b.T, acc, input_precision="ieee")
+    return tl.dot(a, b.T, acc)
+
+
+@triton.jit
+def _logits_tile(x, w, off_m, off_n, M, V, K, stride_xm, stride_wv,
+                 USE_TMA: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] tile of x @ W.T; rows >= M and columns >= V hold zeros. IEEE: fp32
+    operands multiply in full fp32 (Triton's default for them is tf32, 1e-3 relative error)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            a = x.load([off_m, k])
+            b = w.load([off_n, k])
+            acc = _dot(a, b, acc, IEEE)
+    else:
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        row_ok = rows < M
+        col_ok = cols < V
+        x_ptrs = x + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
+        w_ptrs = w + cols.to(tl.int64)[:, None] * stride_wv + ks[None, :]
+        for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k_ok = k + ks < K
+            a = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = _dot(a, b, acc, IEEE)
+    return acc
+
+
+@triton.jit
+def _gemm_row_stats_kernel(
+    x, w, bias_ptr, class_weight_ptr,
+    part_max_ptr, part_sum_ptr, part_sum_y_ptr, part_weighted_y_ptr, part_argmax_ptr,
+    M, V, K, stride_xm, stride_wv, vocab_offset, softcap, inv_temperature, tiles_per_split,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
+    NEED_SUM_EXP_Z: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
+    USE_TMA: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Partial base-2 row statistics of z = cap(u) / T over one vocabulary split (module docstring)."""
+    pid_m, split = _program_tile(tl.program_id(0), M, BLOCK_M, GROUP_M, SPLITS)
+    off_m = pid_m * BLOCK_M
+    n_tiles = tl.cdiv(V, BLOCK_N)
+    first_tile = split * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, n_tiles)
+
+    running_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    running_sum = tl.zeros((BLOCK_M,), tl.float32)
+    running_sum_y = tl.zeros((BLOCK_M,), tl.float32)
+    weighted_y = tl.zeros((BLOCK_M,), tl.float32)
+    best_index = tl.zeros((BLOCK_M,), tl.int64)
+    for tile in range(first_tile, last_tile):
+        off_n = tile * BLOCK_N
+        u = _logits_tile(x, w, off_m, off_n, M, V, K, stride_xm, stride_wv,
+                         USE_TMA, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < V
+        if HAS_BIAS:
+            u += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_SOFTCAP:
+            y = _capped_scaled(u, softcap, inv_temperature * LOG2E, HAS_SOFTCAP)
+        else:
+            y = u * (inv_temperature * LOG2E)
+        y = tl.where(col_ok[None, :], y, float("-inf"))
+        tile_max = tl.max(y, 1)
+        new_max = tl.maximum(running_max, tile_max)
+        rescale = tl.exp2(running_max - new_max)
+        e = tl.exp2(y - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(e, 1)
+        if NEED_SUM_EXP_Z:
+            running_sum_y = running_sum_y * rescale + tl.sum(e * tl.where(col_ok[None, :], y, 0.0), 1)
+        if NEED_WEIGHTED_SUM_Z:
+            if HAS_CLASS_WEIGHT:
+                cw = tl.load(class_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                weighted_y += tl.sum(cw[None, :] * tl.where(col_ok[None, :], y, 0.0), 1)
+            else:
+                weighted_y += tl.sum(tl.where(col_ok[None, :], y, 0.0), 1)
+        if NEED_ARGMAX:
+            tile_first = tl.min(tl.where(y == tile_max[:, None], cols[None, :], V), 1).to(tl.int64)
+            # Strictly greater: an earlier tile keeps ties, so the first maximal index wins.
+            best_index = tl.where(tile_max > running_max, tile_first, best_index)
+        running_max = new_max
+
+    rows = off_m + tl.arange(0, BLOCK_M)
+    out = split.to(tl.int64) * M + rows
+    row_ok = rows < M
+    tl.store(part_max_ptr + out, running_max, mask=row_ok)
+    tl.store(part_sum_ptr + out, running_sum, mask=row_ok)
+    if NEED_SUM_EXP_Z:
+        tl.store(part_sum_y_ptr + out, running_sum_y, mask=row_ok)
+    if NEED_WEIGHTED_SUM_Z:
+        tl.store(part_weighted_y_ptr + out, weighted_y, mask=row_ok)
+    if NEED_ARGMAX:
+        tl.store(part_argmax_ptr + out, best_index + vocab_offset, mask=row_ok)
+
+
+@triton.jit
+def _target_logit_kernel(
+    x_ptr, stride_xm, w_ptr, stride_wv, bias_ptr, target_ptr, target_z_ptr,
+    K, V, vocab_offset, softcap, inv_temperature,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """target_z[row] = cap(x[row] . W[y] + b[y]) / T for a target y in this shard, else 0: one dot per
+    row, so the statistics kernel needs no per-logit comparison with the target.
+    x [M, K], w [V, K] (unit column strides), target [M] int64 global ids, target_z [M] fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    local_target = tl.load(target_ptr + row) - vocab_offset
+    in_shard = (local_target >= 0) & (local_target < V)
+    safe_target = tl.where(in_shard, local_target, 0)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_K,), tl.float32)
+    for k in range(0, K, BLOCK_K):
+        mask = k + ks < K
+        a = tl.load(x_ptr + row * stride_xm + k + ks, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(w_ptr + safe_target * stride_wv + k + ks, mask=mask, other=0.0).to(tl.float32)
+        acc += a * b
+    u = tl.sum(acc, 0)
+    if HAS_BIAS:
+        u += tl.load(bias_ptr + safe_target).to(tl.float32)
+    z = _capped_scaled(u, softcap, inv_temperature, HAS_SOFTCAP)
+    tl.store(target_z_ptr + row, tl.where(in_shard, z, 0.0))

@@ -1,0 +1,181 @@
+"""Launchers of the fused GEMM kernels (gemm_kernels.py): tile configuration, vocabulary splits,
+tensor descriptors, and the merge of per-split partial statistics.
+
+The fused forward computes row statistics straight from ``x`` and ``W``: one GEMM's work, no logits
+in memory. Its working memory is the ``[splits, tokens]`` partials (a few MiB), so an inference
+call or the deferred schedule's forward runs over all rows in one launch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from flce.backends.cuda import gemm_kernels
+from flce.config import LCEConfig
+from flce.semantics import PartialRowStats, needs_argmax, needs_expected_z, needs_weighted_sum_z
+
+LN2 = math.log(2.0)
+# Programs per SM the split heuristic plans for: one [128, 128..256] tile program fills an SM's
+# registers, and several waves amortise the last, partly empty one.
+_WAVES = 8
+_MAX_SPLITS = 256
+_TARGET_BLOCK_K = 128
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and launch of the fused GEMM; the autotune cache stores these as gemm_* knobs."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    splits: int | None = None  # None: chosen per call from the SM count (split_count)
+    tma: bool = True  # tensor-descriptor loads where the GPU and the strides allow them
+
+    @staticmethod
+    def from_params(params: dict) -> GemmConfig | None:
+        """The gemm_* knobs of an autotune entry, or None when any is missing or unusable."""
+        def knob(name: str, allowed: tuple[int, ...]) -> int | None:
+            value = params.get(name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value in allowed
+            return value if ok else None
+
+        powers = (16, 32, 64, 128, 256)
+        values = (knob("gemm_block_m", powers), knob("gemm_block_n", powers), knob("gemm_block_k", powers),
+                  knob("gemm_group_m", (1, 2, 4, 8, 16, 32)), knob("gemm_warps", (4, 8)),
+                  knob("gemm_stages", (1, 2, 3, 4, 5, 6)))
+        if any(v is None for v in values):
+            return None
+        splits = params.get("gemm_splits")
+        if not (isinstance(splits, int) and not isinstance(splits, bool) and 1 <= splits <= _MAX_SPLITS):
+            splits = None
+        return GemmConfig(*values, splits=splits, tma=params.get("gemm_tma") is not False)  # type: ignore[arg-type]
+
+    def as_params(self) -> dict:
+        params = {"gemm_block_m": self.block_m, "gemm_block_n": self.block_n, "gemm_block_k": self.block_k,
+                  "gemm_group_m": self.group_m, "gemm_warps": self.num_warps, "gemm_stages": self.num_stages}
+        if self.splits is not None:
+            params["gemm_splits"] = self.splits
+        if not self.tma:
+            params["gemm_tma"] = False
+        return params
+
+
+def default_gemm_config(device: torch.device, dtype: torch.dtype) -> GemmConfig:
+    """Hopper-class and Ampere-class GPUs: 128 x 128 x 64 tiles (the accumulator and the epilogue's
+    temporaries fit the registers of two warpgroups); the interpreter: small tiles, so CPU tests run
+    in seconds; fp32 operands halve the K step to keep shared memory per stage the same."""
+    if device.type != "cuda":
+        return GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
+    return GemmConfig(block_k=32 if dtype == torch.float32 else 64)
+
+
+def split_count(n_rows: int, vocab: int, config: GemmConfig, device: torch.device) -> int:
+    """Vocabulary splits per row block: enough programs for several waves over the SMs, choosing
+    among nearby counts the one whose last wave is fullest (waves x tiles per program is the time)."""
+    n_tiles = triton.cdiv(vocab, config.block_n)
+    if config.splits is not None:
+        return min(config.splits, n_tiles)
+    row_blocks = triton.cdiv(n_rows, config.block_m)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    wanted = max(1, min(n_tiles, _MAX_SPLITS, triton.cdiv(_WAVES * sms, row_blocks)))
+    best, best_cost = wanted, None
+    for splits in range(max(1, wanted // 2), min(n_tiles, _MAX_SPLITS, 2 * wanted) + 1):
+        cost = triton.cdiv(row_blocks * splits, sms) * triton.cdiv(n_tiles, splits)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = splits, cost
+    return best
+
+
+def _uses_tma(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Tensor descriptors need Hopper (sm_90+), unit column strides and 16-byte aligned rows."""
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return all(t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (x, w))
+
+
+def gemm_row_stats(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, cfg: LCEConfig,
+    vocab_offset: int, config: GemmConfig,
+) -> PartialRowStats:
+    """Row statistics of z = cap(x @ w.T + bias) / T (semantics.PartialRowStats), without logits.
+
+    x [n, H], w [V, H] (this shard; global class ids start at vocab_offset), target [n] int64."""
+    n, hidden = x.shape
+    vocab = w.shape[0]
+    stats = PartialRowStats.allocate(n, cfg, x.device)
+    if n == 0:
+        return stats
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    splits = split_count(n, vocab, config, x.device)
+    tiles_per_split = triton.cdiv(triton.cdiv(vocab, config.block_n), splits)
+    splits = triton.cdiv(triton.cdiv(vocab, config.block_n), tiles_per_split)  # no empty split
+
+    def partial(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(splits, n, dtype=dtype, device=x.device)
+
+    part_max, part_sum = partial(), partial()
+    part_sum_y = partial() if needs_expected_z(cfg) else part_sum
+    part_weighted = partial() if needs_weighted_sum_z(cfg) else part_sum
+    part_argmax = partial(torch.int64) if needs_argmax(cfg) else part_sum
+    class_weight = None
+    if cfg.class_weight is not None:
+        class_weight = cfg.class_weight[vocab_offset:vocab_offset + vocab].float().contiguous()
+    block_k = min(config.block_k, max(16, triton.next_power_of_2(hidden)))
+    use_tma = config.tma and _uses_tma(x, w)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_arg = TensorDescriptor.from_tensor(x, [config.block_m, block_k])
+        w_arg = TensorDescriptor.from_tensor(w, [config.block_n, block_k])
+    else:
+        x_arg, w_arg = x, w
+    softcap = float(cfg.softcap or 1.0)
+    grid = (triton.cdiv(n, config.block_m) * splits,)
+    gemm_kernels._gemm_row_stats_kernel[grid](
+        x_arg, w_arg, bias if bias is not None else part_max, class_weight if class_weight is not None else part_max,
+        part_max, part_sum, part_sum_y, part_weighted, part_argmax,
+        n, vocab, hidden, x.stride(0), w.stride(0), vocab_offset, softcap, 1.0 / cfg.temperature, tiles_per_split,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=cfg.softcap is not None, HAS_CLASS_WEIGHT=class_weight is not None,
+        NEED_SUM_EXP_Z=stats.sum_exp_z is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
+        NEED_ARGMAX=stats.argmax is not None, USE_TMA=use_tma, IEEE=x.dtype == torch.float32,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
+        SPLITS=splits, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+    )
+    gemm_kernels._target_logit_kernel[(n,)](
+        x, x.stride(0), w, w.stride(0), bias if bias is not None else part_max, target, stats.target_z,
+        hidden, vocab, vocab_offset, softcap, 1.0 / cfg.temperature,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=cfg.softcap is not None,
+        BLOCK_K=min(1024, max(16, triton.next_power_of_2(hidden))), num_warps=4,
+    )
+    _merge_splits(stats, part_max, part_sum, part_sum_y, part_weighted, part_argmax)
+    return stats
+
+
+def _merge_splits(stats: PartialRowStats, part_max, part_sum, part_sum_y, part_weighted, part_argmax) -> None:  # noqa: ANN001
+    """Fold the [splits, n] base-2 partials into ``stats`` (natural-log units), in vocabulary order."""
+    row_max = part_max.amax(0)
+    scale = torch.exp2(part_max - row_max)
+    torch.mul(row_max, LN2, out=stats.row_max)
+    torch.sum(part_sum * scale, 0, out=stats.sum_exp)
+    if stats.sum_exp_z is not None:
+        torch.sum(part_sum_y * scale, 0, out=stats.sum_exp_z)
+        stats.sum_exp_z.mul_(LN2)
+    if stats.weighted_sum_z is not None:
+        torch.sum(part_weighted, 0, out=stats.weighted_sum_z)
+        stats.weighted_sum_z.mul_(LN2)
+    if stats.argmax is not None:
+        # The first split that reaches the row maximum holds the first maximal index.
+        first_split = (part_max == row_max).to(torch.int8).argmax(0, keepdim=True)
+        stats.argmax.copy_(part_argmax.gather(0, first_split).squeeze(0))

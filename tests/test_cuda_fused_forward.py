@@ -1,0 +1,215 @@
+"""The CUDA backend's fused forward (statistics straight from a Triton GEMM, no logits) against the
+float64 oracle: under the Triton interpreter on CPU tensors (fp32/fp16, small tiles so every row
+block, vocabulary split and tail is exercised), and on a GPU in bf16 at real vocabulary sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import OPTION_CASES, reference_loss
+
+import flce
+from flce.autotune import override_params
+
+triton = pytest.importorskip("triton")
+
+# Interpreter tiles: 7 vocabulary tiles at V = 203 in 3 splits (the last one short), 2 row blocks.
+SMALL_TILES = {"forward": "fused", "gemm_block_m": 16, "gemm_block_n": 32, "gemm_block_k": 16,
+               "gemm_group_m": 2, "gemm_warps": 4, "gemm_stages": 1, "gemm_splits": 3}
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: runs where there is no GPU")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):  # noqa: ANN001, ANN201
+    """Counts launches of the fused path, so a test fails if the call silently took another."""
+    from flce.backends.cuda import ops
+
+    calls = []
+    real = ops.gemm_row_stats
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "gemm_row_stats", counting)
+    return calls
+
+
+def _inputs(n, h, v, dtype, device, with_bias=True):  # noqa: ANN001, ANN202
+    x = torch.randn(n, h, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(v, h, device=device) / h**0.25).to(dtype).requires_grad_()
+    b = torch.randn(v, device=device, dtype=dtype, requires_grad=True) if with_bias else None
+    t = torch.randint(0, v, (n,), device=device)
+    t[torch.rand(n, device=device) < 0.2] = -100
+    return x, w, b, t
+
+
+def _options(options: dict, v: int, device: str) -> dict:
+    options = dict(options)
+    if options.get("class_weight") == "random":
+        options["class_weight"] = torch.rand(v, device=device) + 0.5
+    return options
+
+
+def _check_outputs(out, want, tol: float) -> None:  # noqa: ANN001
+    got = out if isinstance(out, flce.LCEOutput) else flce.LCEOutput(loss=out)
+    for name in ("loss", "z_loss", "token_accuracy", "logprobs", "entropy"):
+        value = getattr(got, name)
+        if value is not None:
+            torch.testing.assert_close(value.double(), getattr(want, name).detach().double(), rtol=tol, atol=tol,
+                                       msg=name)
+    if got.predicted_tokens is not None:
+        assert torch.equal(got.predicted_tokens, want.predicted_tokens)
+
+
+@interpreter_only
+@pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: ",".join(o) or "plain")
+def test_interpreter_inference(options, fused_calls):  # noqa: ANN001
+    n, h, v = 21, 24, 203
+    options = _options(options, v, "cpu")
+    x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
+    with override_params(SMALL_TILES, backend="cuda"), torch.no_grad():
+        out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", **options)
+    assert fused_calls == [torch.Size([n, h])]
+    _check_outputs(out, reference_loss(x.double(), w.double(), t, b.double(), **options), 1e-5)
+
+
+@interpreter_only
+@pytest.mark.parametrize("options", [OPTION_CASES[0], OPTION_CASES[4], OPTION_CASES[-1]],
+                         ids=["plain", "logprobs-entropy", "everything"])
+def test_interpreter_deferred_schedule(options, fused_calls):  # noqa: ANN001
+    """reduction="none": forward statistics from the fused GEMM (all rows, one launch, sliced per
+    chunk), backward recomputes each chunk's logits; gradients for any upstream gradient."""
+    n, h, v = 21, 24, 203
+    options = _options(options, v, "cpu")
+    x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
+    # 8-row chunks and no saved logits: backward's chunks must line up with the sliced statistics.
+    with override_params(dict(SMALL_TILES, tokens_per_chunk=8), logits_save_limit_bytes=0, backend="cuda"):
+        out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction="none", **options)
+    assert fused_calls == [torch.Size([n, h])]
+    leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
+    want = reference_loss(*leaves[:2], t, leaves[2], reduction="none", **options)
+    _check_outputs(out, want, 1e-5)
+    got = out if isinstance(out, flce.LCEOutput) else flce.LCEOutput(loss=out)
+    outs, refs, ups = [], [], []
+    for name in ("loss", "logprobs", "entropy"):
+        if getattr(got, name) is not None:
+            outs.append(getattr(got, name))
+            refs.append(getattr(want, name))
+            ups.append(torch.randn(n, dtype=torch.float64))
+    torch.autograd.backward(outs, [u.float() for u in ups])
+    torch.autograd.backward(refs, ups)
+    for name, a, r in zip(("hidden", "weight", "bias"), (x, w, b), leaves, strict=True):
+        torch.testing.assert_close(a.grad.double(), r.grad, rtol=5e-5, atol=5e-5, msg=f"grad {name}")
+
+
+@interpreter_only
+def test_interpreter_extreme_logits_ties_and_ignored_rows(fused_calls):  # noqa: ANN001
+    """Logits of +-1e4, a maximal column repeated in two splits (argmax keeps the first), fp16
+    operands, and a batch whose every target is ignored (mean gives 0, as documented)."""
+    n, h, v = 18, 16, 203
+    x = torch.randn(n, h)
+    w = torch.randn(v, h)
+    w[150] = w[20]  # tiles 0 and 4: different splits
+    x16, w16 = (x * 40).half(), (w * 20).half()  # |u| up to ~1e4
+    t = torch.randint(0, v, (n,))
+    options = {"return_predicted_tokens": True, "return_logprobs": True, "return_entropy": True}
+    with override_params(SMALL_TILES, backend="cuda"), torch.no_grad():
+        out = flce.linear_cross_entropy(x16, w16, t, backend="cuda", **options)
+        ignored = flce.linear_cross_entropy(x16, w16, torch.full_like(t, -100), backend="cuda")
+    want = reference_loss(x16.double(), w16.double(), t, None, **options)
+    assert float((x16.double() @ w16.double().t()).abs().max()) > 5e3
+    assert torch.isfinite(out.loss) and torch.isfinite(out.entropy).all()
+    torch.testing.assert_close(out.loss.double(), want.loss, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(out.logprobs.double(), want.logprobs, rtol=1e-5, atol=1e-3)
+    assert torch.equal(out.predicted_tokens, want.predicted_tokens)
+    assert float(ignored) == 0.0
+    assert len(fused_calls) == 2
+
+
+@interpreter_only
+def test_fallback_when_the_fused_kernel_fails(monkeypatch, caplog):  # noqa: ANN001
+    """A kernel that does not compile here falls back to the row-kernel path with one log line."""
+    from flce.backends.cuda import ops
+
+    def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise triton.OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(ops, "gemm_row_stats", failing)
+    monkeypatch.setattr(ops, "_failed_gemm_configs", set())
+    n, h, v = 10, 16, 203
+    x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
+    want = reference_loss(x.double(), w.double(), t, b.double())
+    with override_params(SMALL_TILES, backend="cuda"), torch.no_grad(), caplog.at_level("WARNING", logger="flce"):
+        first = flce.linear_cross_entropy(x, w, t, b, backend="cuda")
+        second = flce.linear_cross_entropy(x, w, t, b, backend="cuda")
+    assert [r.message.count("fused forward kernel failed") for r in caplog.records] == [1]
+    for loss in (first, second):
+        torch.testing.assert_close(loss.double(), want.loss.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_tuned_knobs_read_the_fused_forward_entries():
+    from flce.backends.cuda.gemm_ops import GemmConfig
+    from flce.backends.cuda.ops import tuned_knobs
+    from flce.config import LCEConfig
+    from flce.inputs import prepare_inputs
+
+    x, w, _, t = _inputs(8, 16, 64, torch.float32, "cpu", with_bias=False)
+    flat = prepare_inputs(x, w, t, None, LCEConfig())
+    with override_params(SMALL_TILES, backend="cuda"):
+        knobs = tuned_knobs(flat, "plain")
+    assert knobs.forward == "fused"
+    assert knobs.gemm == GemmConfig(16, 32, 16, 2, 4, 1, splits=3)
+    assert GemmConfig.from_params(knobs.gemm.as_params()) == knobs.gemm
+    with override_params(dict(SMALL_TILES, forward="bogus", gemm_block_m=48), backend="cuda"):
+        knobs = tuned_knobs(flat, "plain")
+    assert knobs.forward is None and knobs.gemm is None  # unusable values fall back to the heuristic
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("vocab", [32001, 129920, 151936])
+def test_gpu_fused_inference_bf16(vocab, fused_calls):  # noqa: ANN001
+    """bf16 statistics from the fused GEMM at real vocabulary sizes (none a multiple of any tile),
+    no closer to float64 than the fused path's fp32 accumulation allows, for every extra."""
+    n, h = 1000, 1024
+    x, w, b, t = _inputs(n, h, vocab, torch.bfloat16, "cuda")
+    options = {"softcap": 30.0, "temperature": 0.7, "label_smoothing": 0.1, "return_logprobs": True,
+               "return_entropy": True, "return_predicted_tokens": True, "reduction": "none"}
+    with torch.no_grad():
+        out = flce.linear_cross_entropy(x, w, t, b, **options)
+    assert len(fused_calls) == 1
+    want = reference_loss(x.double(), w.double(), t, b.double(), **options)
+    for name in ("loss", "logprobs", "entropy"):
+        assert _rel(getattr(out, name), getattr(want, name)) < 1e-4, name
+    agree = (out.predicted_tokens == want.predicted_tokens).float().mean()
+    assert agree > 0.999
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_fused_deferred_matches_cublas_path(dtype, fused_calls):  # noqa: ANN001
+    """The RL schedule with the fused forward against the cuBLAS + row-kernel path and float64."""
+    n, h, v = 3000, 512, 50257
+    x, w, b, t = _inputs(n, h, v, dtype, "cuda")
+    options = {"temperature": 0.7, "return_logprobs": True, "return_entropy": True, "reduction": "none"}
+    results = {}
+    for path in ("fused", "cublas"):
+        with override_params({"forward": path}, logits_save_limit_bytes=0, backend="cuda"):
+            out = flce.linear_cross_entropy(x, w, t, b, **options)
+        objective = (out.logprobs * torch.linspace(-1, 1, n, device="cuda")).sum() - 0.01 * out.entropy.sum()
+        results[path] = (out.logprobs.detach(), out.entropy.detach(), *torch.autograd.grad(objective, (x, w, b)))
+    assert len(fused_calls) == 1
+    leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
+    ref = reference_loss(*leaves[:2], t, leaves[2], **options)
+    objective = (ref.logprobs * torch.linspace(-1, 1, n, device="cuda", dtype=torch.float64)).sum()
+    ref_grads = torch.autograd.grad(objective - 0.01 * ref.entropy.sum(), leaves)
+    for k, want in enumerate((ref.logprobs, ref.entropy, *ref_grads)):
+        fused, cublas = results["fused"][k], results["cublas"][k]
+        assert _rel(fused, want) <= 1.5 * _rel(cublas, want) + (1e-6 if dtype == torch.float32 else 1e-4), k

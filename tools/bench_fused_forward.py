@@ -1,0 +1,119 @@
+"""Forward-only benchmark of the CUDA backend's fused forward (issue 10), one GPU, bf16.
+
+For each shape: one cuBLAS GEMM ``x @ W.T`` (the floor of a forward), the fused statistics kernel
+alone for each tile configuration (TFLOP/s beside cuBLAS's), and flce's no-grad calls (plain loss;
+RL statistics: reduction="none", log-probs and entropy at temperature 0.7) on the fused path and
+on the cuBLAS + row-kernel path, as ratios to the GEMM, with peak working memory above the outputs.
+Medians of triton.testing.do_bench, all in one process.
+
+    python tools/bench_fused_forward.py --markdown out.md [--shapes 8192x4096x128256,...] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+import triton
+
+import flce
+from flce.autotune import override_params
+from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_row_stats
+from flce.config import LCEConfig
+
+MiB = 1 << 20
+SHAPES = ("8192x4096x128256", "16384x2048x151936", "16384x4096x151936")
+CONFIGS = (
+    GemmConfig(128, 128, 64, 8, 8, 3),
+    GemmConfig(128, 128, 64, 8, 8, 4),
+    GemmConfig(128, 256, 64, 8, 8, 3),
+    GemmConfig(256, 128, 64, 8, 8, 3),
+    GemmConfig(128, 128, 64, 8, 4, 4),
+    GemmConfig(128, 128, 64, 8, 8, 3, tma=False),
+)
+RL = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_entropy": True}
+
+
+def bench(fn) -> float:  # noqa: ANN001
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def peak_above(fn) -> float:  # noqa: ANN001
+    """MiB allocated at the peak of fn() beyond what was allocated before and what fn returns."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return (peak - kept) / MiB
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--quick", action="store_true", help="only the default tile configuration")
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+             f"{datetime.date.today()}, `python tools/bench_fused_forward.py{' --quick' if args.quick else ''}`", ""]
+    kernel_rows = ["| shape | config | fused kernel ms | TFLOP/s | cuBLAS GEMM ms | TFLOP/s | kernel / GEMM |",
+                   "|---|---|---|---|---|---|---|"]
+    call_rows = ["| shape | call | fused: x GEMM / MiB | cuBLAS + row kernels: x GEMM / MiB |", "|---|---|---|---|"]
+    for label in args.shapes.split(","):
+        n, h, v = (int(p) for p in label.split("x"))
+        g = torch.Generator(device=dev).manual_seed(n + h + v)
+        x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, generator=g)
+        w = (torch.randn(v, h, device=dev, generator=g) / h**0.5).to(torch.bfloat16)
+        t = torch.randint(0, v, (n,), device=dev, generator=g)
+        t[::17] = -100
+        flops = 2.0 * n * h * v
+        gemm_ms = bench(lambda x=x, w=w: x @ w.t())
+        best = None
+        configs = [default_gemm_config(dev, x.dtype)] if args.quick else list(CONFIGS)
+        for config in configs:
+            try:
+                ms = bench(lambda x=x, w=w, t=t, c=config: gemm_row_stats(x, w, None, t, LCEConfig(), 0, c))
+            except (triton.CompilationError, triton.OutOfResources) as error:
+                print(f"{label} {config}: {type(error).__name__}", file=sys.stderr)
+                continue
+            kernel_rows.append(f"| {label} | {config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} "
+                               f"s{config.num_stages}{'' if config.tma else ' no-TMA'} | {ms:.3f} | "
+                               f"{flops / ms / 1e9:.0f} | {gemm_ms:.3f} | {flops / gemm_ms / 1e9:.0f} | "
+                               f"{ms / gemm_ms:.3f} |")
+            if best is None or ms < best[1]:
+                best = (config, ms)
+            print(kernel_rows[-1], flush=True)
+        assert best is not None
+        tiles = dict(best[0].as_params())
+        for name, options in (("plain loss", {}), ("RL log-probs + entropy", RL)):
+            cells = []
+            for path in ("fused", "cublas"):
+                with override_params(dict(tiles, forward=path), backend="cuda"), torch.no_grad():
+                    def call(x=x, w=w, t=t, options=options):  # noqa: ANN001, ANN202
+                        return flce.linear_cross_entropy(x, w, t, **options)
+                    ms = bench(call)
+                    mib = peak_above(call)
+                cells.append(f"{ms / gemm_ms:.3f}x / {mib:.0f}")
+            call_rows.append(f"| {label} | {name} | {cells[0]} | {cells[1]} |")
+            print(call_rows[-1], flush=True)
+        del x, w, t
+        torch.cuda.empty_cache()
+    lines += ["Fused statistics kernel alone vs one cuBLAS GEMM (bf16 out):", "", *kernel_rows, "",
+              "flce forward-only calls (no_grad), ratio to one cuBLAS GEMM / peak MiB above the outputs "
+              "(fused path with the best tile configuration above):", "", *call_rows]
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
