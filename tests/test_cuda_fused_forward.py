@@ -14,7 +14,7 @@ from flce.autotune import override_params
 triton = pytest.importorskip("triton")
 
 # Interpreter tiles: 7 vocabulary tiles at V = 203 in 3 splits (the last one short), 2 row blocks.
-SMALL_TILES = {"forward": "fused", "gemm_block_m": 16, "gemm_block_n": 32, "gemm_block_k": 16,
+SMALL_TILES = {"forward_stats": "fused", "gemm_block_m": 16, "gemm_block_n": 32, "gemm_block_k": 16,
                "gemm_group_m": 2, "gemm_warps": 4, "gemm_stages": 1, "gemm_splits": 3}
 interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: runs where there is no GPU")
 
@@ -104,25 +104,58 @@ def test_interpreter_deferred_schedule(options, fused_calls):  # noqa: ANN001
 
 
 @interpreter_only
-def test_interpreter_extreme_logits_ties_and_ignored_rows(fused_calls):  # noqa: ANN001
-    """Logits of +-1e4, a maximal column repeated in two splits (argmax keeps the first), fp16
-    operands, and a batch whose every target is ignored (mean gives 0, as documented)."""
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("options", [OPTION_CASES[0], OPTION_CASES[-1]], ids=["plain", "everything"])
+def test_interpreter_fused_logits_schedules(options, reduction, fused_calls):  # noqa: ANN001
+    """The schedules that need each chunk's logits (gradients in forward for "mean"; saved logits
+    for "none") take statistics and logits from one fused GEMM per chunk."""
+    n, h, v = 21, 24, 203
+    options = _options(options, v, "cpu")
+    x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
+    knobs = dict(SMALL_TILES, forward_logits="fused", tokens_per_chunk=8)
+    with override_params(knobs, logits_save_limit_bytes=1 << 30, backend="cuda"):
+        out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction=reduction, **options)
+    assert fused_calls == [torch.Size([8, h]), torch.Size([8, h]), torch.Size([5, h])]
+    leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
+    want = reference_loss(*leaves[:2], t, leaves[2], reduction=reduction, **options)
+    _check_outputs(out, want, 1e-5)
+    got = out if isinstance(out, flce.LCEOutput) else flce.LCEOutput(loss=out)
+    outs, refs, ups = [], [], []
+    for name in ("loss", "logprobs", "entropy"):
+        if getattr(got, name) is not None:
+            outs.append(getattr(got, name))
+            refs.append(getattr(want, name))
+            ups.append(torch.randn(refs[-1].shape, dtype=torch.float64))
+    torch.autograd.backward(outs, [u.float() for u in ups])
+    torch.autograd.backward(refs, ups)
+    for name, a, r in zip(("hidden", "weight", "bias"), (x, w, b), leaves, strict=True):
+        torch.testing.assert_close(a.grad.double(), r.grad, rtol=5e-5, atol=5e-5, msg=f"grad {name}")
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interpreter_extreme_logits_ties_and_ignored_rows(dtype, fused_calls):  # noqa: ANN001
+    """Logits of +-1e4, a maximal column repeated in two splits (argmax keeps the first), and a
+    batch whose every target is ignored (mean gives 0, as documented). fp16 statistics are those of
+    the fp16-rounded logits, as PyTorch materialises them."""
     n, h, v = 18, 16, 203
-    x = torch.randn(n, h)
-    w = torch.randn(v, h)
+    x = (torch.randn(n, h) * 40).to(dtype)
+    w = torch.randn(v, h) * 20
     w[150] = w[20]  # tiles 0 and 4: different splits
-    x16, w16 = (x * 40).half(), (w * 20).half()  # |u| up to ~1e4
+    w = w.to(dtype)
     t = torch.randint(0, v, (n,))
     options = {"return_predicted_tokens": True, "return_logprobs": True, "return_entropy": True}
     with override_params(SMALL_TILES, backend="cuda"), torch.no_grad():
-        out = flce.linear_cross_entropy(x16, w16, t, backend="cuda", **options)
-        ignored = flce.linear_cross_entropy(x16, w16, torch.full_like(t, -100), backend="cuda")
-    want = reference_loss(x16.double(), w16.double(), t, None, **options)
-    assert float((x16.double() @ w16.double().t()).abs().max()) > 5e3
-    assert torch.isfinite(out.loss) and torch.isfinite(out.entropy).all()
-    torch.testing.assert_close(out.loss.double(), want.loss, rtol=1e-5, atol=1e-3)
-    torch.testing.assert_close(out.logprobs.double(), want.logprobs, rtol=1e-5, atol=1e-3)
-    assert torch.equal(out.predicted_tokens, want.predicted_tokens)
+        out = flce.linear_cross_entropy(x, w, t, backend="cuda", **options)
+        ignored = flce.linear_cross_entropy(x, w, torch.full_like(t, -100), backend="cuda")
+    logits = (x.double() @ w.double().t()).to(dtype).double()
+    assert float(logits.abs().max()) > 5e3
+    logprobs = torch.log_softmax(logits, 1)
+    torch.testing.assert_close(out.loss.double(), torch.nn.functional.cross_entropy(logits, t), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(out.logprobs.double(), logprobs.gather(1, t[:, None]).squeeze(1), rtol=1e-5, atol=1e-3)
+    entropy = -(logprobs.exp() * logprobs).sum(1)
+    torch.testing.assert_close(out.entropy.double(), entropy, rtol=1e-4, atol=1e-3)
+    assert torch.equal(out.predicted_tokens, logits.argmax(1))
     assert float(ignored) == 0.0
     assert len(fused_calls) == 2
 
@@ -158,19 +191,19 @@ def test_tuned_knobs_read_the_fused_forward_entries():
     flat = prepare_inputs(x, w, t, None, LCEConfig())
     with override_params(SMALL_TILES, backend="cuda"):
         knobs = tuned_knobs(flat, "plain")
-    assert knobs.forward == "fused"
+    assert knobs.forward_stats == "fused"
     assert knobs.gemm == GemmConfig(16, 32, 16, 2, 4, 1, splits=3)
     assert GemmConfig.from_params(knobs.gemm.as_params()) == knobs.gemm
-    with override_params(dict(SMALL_TILES, forward="bogus", gemm_block_m=48), backend="cuda"):
+    with override_params(dict(SMALL_TILES, forward_stats="bogus", gemm_block_m=48), backend="cuda"):
         knobs = tuned_knobs(flat, "plain")
-    assert knobs.forward is None and knobs.gemm is None  # unusable values fall back to the heuristic
+    assert knobs.forward_stats is None and knobs.gemm is None  # unusable values fall back to the heuristic
 
 
 # ---------------------------------------------------------------------------------------------- GPU
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b).norm() / b.norm())
+    return float((a.detach().double() - b.detach()).norm() / b.detach().norm())
 
 
 @pytest.mark.cuda
@@ -201,7 +234,7 @@ def test_gpu_fused_deferred_matches_cublas_path(dtype, fused_calls):  # noqa: AN
     options = {"temperature": 0.7, "return_logprobs": True, "return_entropy": True, "reduction": "none"}
     results = {}
     for path in ("fused", "cublas"):
-        with override_params({"forward": path}, logits_save_limit_bytes=0, backend="cuda"):
+        with override_params({"forward_stats": path}, logits_save_limit_bytes=0, backend="cuda"):
             out = flce.linear_cross_entropy(x, w, t, b, **options)
         objective = (out.logprobs * torch.linspace(-1, 1, n, device="cuda")).sum() - 0.01 * out.entropy.sum()
         results[path] = (out.logprobs.detach(), out.entropy.detach(), *torch.autograd.grad(objective, (x, w, b)))

@@ -26,12 +26,12 @@ from flce.config import LCEConfig
 MiB = 1 << 20
 SHAPES = ("8192x4096x128256", "16384x2048x151936", "16384x4096x151936")
 CONFIGS = (
-    GemmConfig(128, 128, 64, 8, 8, 3),
-    GemmConfig(128, 128, 64, 8, 8, 4),
     GemmConfig(128, 256, 64, 8, 8, 3),
-    GemmConfig(256, 128, 64, 8, 8, 3),
-    GemmConfig(128, 128, 64, 8, 4, 4),
-    GemmConfig(128, 128, 64, 8, 8, 3, tma=False),
+    GemmConfig(128, 256, 64, 8, 8, 4),
+    GemmConfig(128, 256, 64, 16, 8, 3),
+    GemmConfig(128, 256, 64, 4, 8, 3),
+    GemmConfig(256, 128, 64, 8, 8, 4),
+    GemmConfig(128, 256, 64, 8, 8, 3, tma=False),
 )
 RL = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_entropy": True}
 
@@ -53,6 +53,36 @@ def peak_above(fn) -> float:  # noqa: ANN001
     return (peak - kept) / MiB
 
 
+def training_rows(label: str, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, tiles: dict) -> list[str]:
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+
+    def floor() -> None:
+        logits = x.detach() @ w.detach().t()
+        logits @ w.detach()
+        logits.t() @ x.detach()
+
+    floor_ms = bench(floor)
+    torch.cuda.empty_cache()
+    rows = []
+    advantages = torch.randn(t.shape[0], device=t.device)
+    for name, options, knob in (("plain loss", {}, "forward_logits"), ("RL log-probs + entropy", RL, "forward_stats")):
+        cells = []
+        for path in ("fused", "cublas"):
+            def step(options=options):  # noqa: ANN001, ANN202
+                out = flce.linear_cross_entropy(x, w, t, **options)
+                objective = out if isinstance(out, torch.Tensor) else (
+                    -(advantages * out.logprobs).mean() - 0.01 * out.entropy.mean())
+                return torch.autograd.grad(objective, (x, w))
+
+            with override_params(dict(tiles, **{knob: path}), logits_save_limit_bytes=0, backend="cuda"):
+                ms = bench(step)
+                mib = peak_above(step)  # step returns the gradients: MiB above them
+            cells.append(f"{ms / floor_ms:.3f}x / {mib:.0f}")
+        rows.append(f"| {label} | {name} | {cells[0]} | {cells[1]} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -65,6 +95,8 @@ def main() -> int:
     kernel_rows = ["| shape | config | fused kernel ms | TFLOP/s | cuBLAS GEMM ms | TFLOP/s | kernel / GEMM |",
                    "|---|---|---|---|---|---|---|"]
     call_rows = ["| shape | call | fused: x GEMM / MiB | cuBLAS + row kernels: x GEMM / MiB |", "|---|---|---|---|"]
+    train_rows = ["| shape | call | fused forward: x floor / MiB | cuBLAS + row kernels: x floor / MiB |",
+                  "|---|---|---|---|"]
     for label in args.shapes.split(","):
         n, h, v = (int(p) for p in label.split("x"))
         g = torch.Generator(device=dev).manual_seed(n + h + v)
@@ -94,7 +126,7 @@ def main() -> int:
         for name, options in (("plain loss", {}), ("RL log-probs + entropy", RL)):
             cells = []
             for path in ("fused", "cublas"):
-                with override_params(dict(tiles, forward=path), backend="cuda"), torch.no_grad():
+                with override_params(dict(tiles, forward_stats=path), backend="cuda"), torch.no_grad():
                     def call(x=x, w=w, t=t, options=options):  # noqa: ANN001, ANN202
                         return flce.linear_cross_entropy(x, w, t, **options)
                     ms = bench(call)
@@ -102,11 +134,15 @@ def main() -> int:
                 cells.append(f"{ms / gemm_ms:.3f}x / {mib:.0f}")
             call_rows.append(f"| {label} | {name} | {cells[0]} | {cells[1]} |")
             print(call_rows[-1], flush=True)
+        train_rows += training_rows(label, x, w, t, tiles)
         del x, w, t
         torch.cuda.empty_cache()
     lines += ["Fused statistics kernel alone vs one cuBLAS GEMM (bf16 out):", "", *kernel_rows, "",
               "flce forward-only calls (no_grad), ratio to one cuBLAS GEMM / peak MiB above the outputs "
-              "(fused path with the best tile configuration above):", "", *call_rows]
+              "(fused path with the best tile configuration above):", "", *call_rows, "",
+              "flce forward+backward, ratio to the 3-GEMM floor / peak MiB above the gradients; plain loss: "
+              "statistics and logits of each chunk from the fused GEMM (forward_logits) or cuBLAS; RL: "
+              "statistics from the fused GEMM (forward_stats), logits recomputed in backward:", "", *train_rows]
     text = "\n".join(lines)
     print(text)
     if args.markdown:

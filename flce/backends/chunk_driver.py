@@ -77,10 +77,11 @@ class ChunkKernels(Protocol):
 
     def gemm_row_stats(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-        cfg: LCEConfig, vocab_offset: int,
+        cfg: LCEConfig, vocab_offset: int, logits_out: torch.Tensor | None = None,
     ) -> PartialRowStats:
-        """Partial row statistics of the logits hidden @ weight.T + bias without materialising them
-        (a fused GEMM). Called only when the plan sets ``fused_stats``."""
+        """Partial row statistics of the logits hidden @ weight.T + bias from one fused GEMM, which
+        also writes the logits into ``logits_out`` when given and materialises nothing otherwise.
+        Called only when the plan sets ``fused_stats``."""
 
     def accumulate_fp32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """acc += a @ b with fp32 accumulation, for low-precision a and b, without a full-size temporary."""
@@ -99,9 +100,12 @@ class ChunkPlan:
     # many columns. Nothing accumulates across blocks but [tokens] statistics, so blocks can be small
     # while every GEMM keeps all rows (full speed where a few hundred token rows would not be).
     vocab_block: int | None = None
-    # A forward that keeps no logits (inference, or the deferred schedule without saved logits) takes
-    # its statistics from kernels.gemm_row_stats over all rows at once: one GEMM's work, no logits.
+    # Statistics from the fused GEMM (kernels.gemm_row_stats). fused_stats: a forward that keeps no
+    # logits (inference, or the deferred schedule without saved logits) runs it over all rows at
+    # once, one GEMM's work and no logits. fused_logits: the schedules that need each chunk's logits
+    # (the in-forward gradient, saved logits) run it per chunk, writing the logits as it goes.
     fused_stats: bool = False
+    fused_logits: bool = False
 
 
 @dataclass
@@ -243,25 +247,36 @@ def run_forward(
                             denoms=denoms)
 
     for rows in chunk_bounds(n_rows, plan.tokens_per_chunk):
-        logits = chunk_logits(flat, rows)
         t = target[rows]
         n = t.shape[0]
-        if plain:
+        grad = None
+        if plan.fused_logits:
+            logits = flat.hidden.new_empty(n, flat.weight.shape[0])
+            partial = kernels.gemm_row_stats(flat.hidden[rows], flat.weight, flat.bias, t, cfg, vocab_offset, logits)
+            if sharding:
+                partial = sharding.combine(partial)
+            stats = RowStats.from_partial(partial)
+            terms_per_chunk.append(row_terms(stats, t, cfg, vocab))
+            if acc and plain:
+                grad_scale = upstream_scales(cfg, denoms, one, rows, n)[0]
+                grad = kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, grad_scale)
+        elif plain:
+            logits = chunk_logits(flat, rows)
             grad_scale = upstream_scales(cfg, denoms, one, rows, n)[0] if acc else None
             loss_rows, lse, grad = kernels.plain_loss(logits, t, cfg.ignore_index, grad_scale)
             stats = RowStats(lse=lse, target_z=lse - loss_rows)
             terms_per_chunk.append(RowTerms(loss_rows, torch.zeros_like(loss_rows), t != cfg.ignore_index))
         else:
-            grad = None
+            logits = chunk_logits(flat, rows)
             partial = kernels.row_stats(logits, t, cfg, vocab_offset)
             if sharding:
                 partial = sharding.combine(partial)
             stats = RowStats.from_partial(partial)
             terms_per_chunk.append(row_terms(stats, t, cfg, vocab))
-            if acc:
-                g_ce, g_z = upstream_scales(cfg, denoms, one, rows, n)
-                coeffs = grad_coefficients(stats, t, cfg, vocab, g_ce, g_z, None, None)
-                grad = kernels.full_grad_(logits, t, cfg, vocab_offset, stats.lse, coeffs)
+        if acc and not plain:
+            g_ce, g_z = upstream_scales(cfg, denoms, one, rows, n)
+            coeffs = grad_coefficients(stats, t, cfg, vocab, g_ce, g_z, None, None)
+            grad = kernels.full_grad_(logits, t, cfg, vocab_offset, stats.lse, coeffs)
         if acc:
             acc.add(grad, rows)
         elif keep_logits:

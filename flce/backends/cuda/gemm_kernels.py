@@ -8,6 +8,11 @@ its tiles carrying running statistics, FlashAttention-style, and writes one part
 (split, row). A few splits keep every SM busy at small token counts; the host merges the
 ``[SPLITS, n]`` partials (semantics.merge_partial_stats algebra), which is O(tokens) work.
 
+Each logit is rounded to the inputs' dtype (LOGITS_DTYPE) before the statistics, as cuBLAS rounds the
+logits it writes: the statistics are those of the logits PyTorch would materialise, and they agree
+with the logits a backward recomputes (a softmax from unrounded statistics over rounded logits
+would not sum to one, which the entropy and z-loss gradients amplify).
+
 Statistics are kept in base 2 (``y = z * log2(e)``): ``exp2(y - m)`` is one fused multiply-add and
 one MUFU instruction per logit, the epilogue's whole cost on the plain path. The host converts
 back: ``row_max = m / log2(e)``; the sums of ``exp2(y - m)`` are the sums of ``exp(z - max)``.
@@ -32,7 +37,7 @@ import triton.language as tl
 
 from flce.backends.cuda.kernels import _capped_scaled
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -84,17 +89,22 @@ def _logits_tile(x, w, off_m, off_n, M, V, K, stride_xm, stride_wv,
 
 @triton.jit
 def _gemm_row_stats_kernel(
-    x, w, bias_ptr, class_weight_ptr,
+    x, w, bias_ptr, class_weight_ptr, logits_ptr, stride_lm,
     part_max_ptr, part_sum_ptr, part_sum_y_ptr, part_weighted_y_ptr, part_argmax_ptr,
     M, V, K, stride_xm, stride_wv, vocab_offset, softcap, inv_temperature, tiles_per_split,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     NEED_SUM_EXP_Z: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
-    USE_TMA: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, LOGITS_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """Partial base-2 row statistics of z = cap(u) / T over one vocabulary split (module docstring)."""
+    """Partial base-2 row statistics of z = cap(u) / T over one vocabulary split (module docstring).
+    STORE_LOGITS: also write the rounded logits u to logits_ptr [M, V] (row stride stride_lm), for
+    a schedule that turns them into the gradient next (one read and one write per logit left)."""
     pid_m, split = _program_tile(tl.program_id(0), M, BLOCK_M, GROUP_M, SPLITS)
     off_m = pid_m * BLOCK_M
+    rows = off_m + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
     n_tiles = tl.cdiv(V, BLOCK_N)
     first_tile = split * tiles_per_split
     last_tile = tl.minimum(first_tile + tiles_per_split, n_tiles)
@@ -112,6 +122,11 @@ def _gemm_row_stats_kernel(
         col_ok = cols < V
         if HAS_BIAS:
             u += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        u = u.to(LOGITS_DTYPE)
+        if STORE_LOGITS:
+            tl.store(logits_ptr + rows.to(tl.int64)[:, None] * stride_lm + cols[None, :], u,
+                     mask=row_ok[:, None] & col_ok[None, :])
+        u = u.to(tl.float32)
         if HAS_SOFTCAP:
             y = _capped_scaled(u, softcap, inv_temperature * LOG2E, HAS_SOFTCAP)
         else:
@@ -136,9 +151,7 @@ def _gemm_row_stats_kernel(
             best_index = tl.where(tile_max > running_max, tile_first, best_index)
         running_max = new_max
 
-    rows = off_m + tl.arange(0, BLOCK_M)
     out = split.to(tl.int64) * M + rows
-    row_ok = rows < M
     tl.store(part_max_ptr + out, running_max, mask=row_ok)
     tl.store(part_sum_ptr + out, running_sum, mask=row_ok)
     if NEED_SUM_EXP_Z:
@@ -172,5 +185,6 @@ def _target_logit_kernel(
     u = tl.sum(acc, 0)
     if HAS_BIAS:
         u += tl.load(bias_ptr + safe_target).to(tl.float32)
+    u = u.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the statistics kernel rounds it
     z = _capped_scaled(u, softcap, inv_temperature, HAS_SOFTCAP)
     tl.store(target_z_ptr + row, tl.where(in_shard, z, 0.0))

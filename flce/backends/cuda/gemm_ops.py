@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 from flce.backends.cuda import gemm_kernels
 from flce.config import LCEConfig
@@ -23,7 +24,7 @@ LN2 = math.log(2.0)
 # registers, and several waves amortise the last, partly empty one.
 _WAVES = 8
 _MAX_SPLITS = 256
-_TARGET_BLOCK_K = 128
+_TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,13 @@ class GemmConfig:
 
 
 def default_gemm_config(device: torch.device, dtype: torch.dtype) -> GemmConfig:
-    """Hopper-class and Ampere-class GPUs: 128 x 128 x 64 tiles (the accumulator and the epilogue's
-    temporaries fit the registers of two warpgroups); the interpreter: small tiles, so CPU tests run
-    in seconds; fp32 operands halve the K step to keep shared memory per stage the same."""
+    """GPUs: 128 x 256 x 64 tiles, 8 warps, 3 stages, the fastest of six configurations on the H200
+    at three LM shapes (95-98% of cuBLAS's TFLOP/s; docs/benchmarks.md); fp32 operands halve the K
+    step to keep shared memory per stage the same. The interpreter: small tiles, so CPU tests run
+    in seconds."""
     if device.type != "cuda":
         return GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
-    return GemmConfig(block_k=32 if dtype == torch.float32 else 64)
+    return GemmConfig(block_n=256, block_k=32 if dtype == torch.float32 else 64)
 
 
 def split_count(n_rows: int, vocab: int, config: GemmConfig, device: torch.device) -> int:
@@ -104,9 +106,10 @@ def _uses_tma(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def gemm_row_stats(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, cfg: LCEConfig,
-    vocab_offset: int, config: GemmConfig,
+    vocab_offset: int, config: GemmConfig, logits_out: torch.Tensor | None = None,
 ) -> PartialRowStats:
-    """Row statistics of z = cap(x @ w.T + bias) / T (semantics.PartialRowStats), without logits.
+    """Row statistics of z = cap(x @ w.T + bias) / T (semantics.PartialRowStats), without logits,
+    or also writing them into ``logits_out`` [n, V] (unit column stride) when given.
 
     x [n, H], w [V, H] (this shard; global class ids start at vocab_offset), target [n] int64."""
     n, hidden = x.shape
@@ -145,11 +148,14 @@ def gemm_row_stats(
     grid = (triton.cdiv(n, config.block_m) * splits,)
     gemm_kernels._gemm_row_stats_kernel[grid](
         x_arg, w_arg, bias if bias is not None else part_max, class_weight if class_weight is not None else part_max,
+        logits_out if logits_out is not None else x, logits_out.stride(0) if logits_out is not None else 0,
         part_max, part_sum, part_sum_y, part_weighted, part_argmax,
         n, vocab, hidden, x.stride(0), w.stride(0), vocab_offset, softcap, 1.0 / cfg.temperature, tiles_per_split,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=cfg.softcap is not None, HAS_CLASS_WEIGHT=class_weight is not None,
         NEED_SUM_EXP_Z=stats.sum_exp_z is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
-        NEED_ARGMAX=stats.argmax is not None, USE_TMA=use_tma, IEEE=x.dtype == torch.float32,
+        NEED_ARGMAX=stats.argmax is not None, STORE_LOGITS=logits_out is not None,
+        LOGITS_DTYPE=_TRITON_DTYPES[x.dtype], USE_TMA=use_tma,
+        IEEE=x.dtype == torch.float32,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
         SPLITS=splits, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
     )

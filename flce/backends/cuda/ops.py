@@ -60,7 +60,10 @@ class TunedKnobs:
     tokens_per_chunk: int | None = None
     launch: LaunchParams | None = None
     logits_save_limit: int | None = None
-    forward: str | None = None  # "fused" (gemm_row_stats) or "cublas" (GEMM + row kernels)
+    # "fused" (gemm_row_stats) or "cublas" (GEMM + row kernels): forward_stats for forwards that keep
+    # no logits, forward_logits for the schedules that turn each chunk's logits into the gradient.
+    forward_stats: str | None = None
+    forward_logits: str | None = None
     gemm: GemmConfig | None = None
 
 
@@ -81,10 +84,14 @@ def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
     if block_v and num_warps and block_v & (block_v - 1) == 0 and block_v <= MAX_BLOCK_V and num_warps in (
             1, 2, 4, 8, 16, 32):
         launch = LaunchParams(block_v=block_v, num_warps=num_warps)
-    forward = params.get("forward")
+    def path(name: str) -> str | None:
+        value = params.get(name)
+        return value if value in FORWARD_PATHS else None
+
     return TunedKnobs(tokens_per_chunk=positive_int("tokens_per_chunk"), launch=launch,
                       logits_save_limit=limit if isinstance(limit, int) and limit >= 0 else None,
-                      forward=forward if forward in FORWARD_PATHS else None, gemm=GemmConfig.from_params(params))
+                      forward_stats=path("forward_stats"), forward_logits=path("forward_logits"),
+                      gemm=GemmConfig.from_params(params))
 
 
 FORWARD_PATHS = ("fused", "cublas")
@@ -126,9 +133,9 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
         save_limit = default_logits_save_limit(flat.hidden.device)
     if cfg.memory_budget is not None:
         save_limit = min(save_limit, cfg.memory_budget - tokens * row_bytes)
-    fused = fused_forward_default(flat) if tuned.forward is None else tuned.forward == "fused"
+    fused_stats = fused_forward_default(flat) if tuned.forward_stats is None else tuned.forward_stats == "fused"
     return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit, vocab_block=vocab_block,
-                     fused_stats=fused)
+                     fused_stats=fused_stats, fused_logits=tuned.forward_logits == "fused")
 
 
 def chunk_rows(n_rows: int, max_rows: int) -> int:
@@ -160,18 +167,25 @@ class TritonChunkKernels:
         self.launch = launch
         self.gemm = gemm
 
-    def gemm_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:  # noqa: ANN001
+    def gemm_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,  # noqa: ANN001
+                       logits_out=None) -> PartialRowStats:  # noqa: ANN001
         config = self.gemm or default_gemm_config(hidden.device, hidden.dtype)
         key = (hidden.device, hidden.dtype, config)
         if key not in _failed_gemm_configs:
             try:
-                return gemm_row_stats(hidden, weight, bias, target, cfg, vocab_offset, config)
+                return gemm_row_stats(hidden, weight, bias, target, cfg, vocab_offset, config, logits_out)
             except (triton.CompilationError, triton.OutOfResources) as error:
                 # A GPU or Triton version the kernel does not compile for: the row-kernel path
                 # computes the same statistics; say so once per configuration.
                 _failed_gemm_configs.add(key)
                 _log.warning("flce: the fused forward kernel failed on %s %s with %s (%s); using cuBLAS GEMMs "
                              "and row kernels instead", hidden.device, hidden.dtype, config, error)
+        if logits_out is not None:
+            if bias is None:
+                torch.mm(hidden, weight.t(), out=logits_out)
+            else:
+                torch.addmm(bias, hidden, weight.t(), out=logits_out)
+            return self.row_stats(logits_out, target, cfg, vocab_offset)
         budget_columns = INFERENCE_CHUNK_BUDGET // max(1, target.shape[0] * hidden.element_size())
         block = max(MIN_VOCAB_BLOCK, budget_columns - budget_columns % MIN_VOCAB_BLOCK)
         return scan_vocab_blocks(self, hidden, weight, bias, target, cfg, vocab_offset, block)
