@@ -237,6 +237,27 @@ def test_tuner_skips_failures_oom_wrong_results_and_over_budget(
     assert result.heuristic_params is None  # no chunked() on this backend: the planner's choice is unknown
 
 
+def test_tuner_times_forward_only_overlays_and_stores_the_fastest(
+    cache_env: Path, isolated_registry: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Knobs only forward-only calls use (the CUDA backend's forward_stats path) are timed on such a
+    call; a failing overlay is skipped and counted, a faster one replaces the baseline."""
+    register_backend(Backend(name="flaky", device_types=("cpu",), priority=-10,
+                             is_available=lambda probe: (True, "test backend"),
+                             supports=lambda cfg, flat: (True, "everything"), run=_flaky_run))
+    space = spaces.TuningSpace("flaky", candidates=lambda shape, quick: [], tunes_logits_save_limit=False,
+                               inference_overlays=({"mode": "slow"}, {"mode": "fail"}, {"mode": "same"}))
+    monkeypatch.setitem(spaces._spaces, "flaky", space)
+    request = TuneRequest(device=torch.device("cpu"), dtypes=[torch.float32], hiddens=[8], vocabs=[32],
+                          tokens=[16], variants=["plain"], backend="flaky", quick=True)
+    (result,) = Tuner(request).run()
+    assert result.entry is not None and result.entry.params == {"mode": "same"}
+    assert dict(result.skipped) == {"forward only failed": 1}
+    measured = result.entry.measured
+    assert measured["inference_ms_mode=slow"] > 50 > measured["inference_ms_mode=same"]
+    assert "inference_ms_mode=fail" not in measured
+
+
 # Entry points and concurrent tuners --------------------------------------------------------------
 
 

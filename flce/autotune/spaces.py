@@ -42,6 +42,10 @@ class TuningSpace:
     working_bytes: Callable[[TuneShape, Mapping[str, Scalar]], int] | None = None
     # False for a backend whose planner ignores logits_save_limit_bytes: the tuner skips measuring it.
     tunes_logits_save_limit: bool = True
+    # Knob overlays that only forward-only calls (no gradient: evaluation, RL log-probs) exercise,
+    # each timed on such a call with the chosen params; the fastest is stored. The first is the
+    # baseline, kept unless another beats it by the noise margin.
+    inference_overlays: tuple[Params, ...] = ()
 
 
 _spaces: dict[str, TuningSpace] = {}

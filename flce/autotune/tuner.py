@@ -169,7 +169,8 @@ class Tuner:
 
     def run(self) -> list[ShapeResult]:
         plans = [(shape, self.space.candidates(shape, self.request.quick)) for shape in self.shapes()]
-        extra = 2 + (2 if self.space.tunes_logits_save_limit else 0)  # floor, heuristic, keep/recompute
+        # floor, heuristic, keep/recompute, forward-only overlays
+        extra = 2 + (2 if self.space.tunes_logits_save_limit else 0) + len(self.space.inference_overlays)
         self.progress.start(sum(len(c) + extra for _, c in plans))
         self.results = []
         try:
@@ -238,12 +239,16 @@ class Tuner:
         if self.space.tunes_logits_save_limit:
             limit, save_ms, recompute_ms = self._logits_save_limit(shape, inputs, best_params, best, budget, label,
                                                                    result)
+        overlay, inference_ms = self._inference_overlay(shape, inputs, best_params, label, result)
+        if overlay:
+            best_params = {**(best_params or {}), **overlay}
         measured: dict[str, Scalar] = {
             "ms": _round(best.ms), "heuristic_ms": _round(baseline.ms), "floor_ms": _round(result.floor_ms),
             "speedup": _round(baseline.ms / best.ms), "peak_mib": _round(result.peak_mib),
             "peak": result.peak_kind, "chosen": "heuristic" if best_params is None else "candidate",
             "candidates": result.tried, "skipped": sum(result.skipped.values()),
             "keep_logits_ms": _round(save_ms), "recompute_logits_ms": _round(recompute_ms),
+            **{f"inference_ms_{_params_text(o)}": _round(ms) for o, ms in inference_ms},
             "memory_budget_bytes": budget, "budget_from": "argument" if self.request.memory_budget else "default",
             "repeats": self.repeats,
             **self._versions,
@@ -292,6 +297,32 @@ class Tuner:
             return 0, keep.ms, recompute.ms
         # Logits this size or a little larger (the bucket's neighbours) are kept; the budget still holds.
         return min(max(default_logits_save_limit(shape.device), logits_bytes), budget - working), keep.ms, recompute.ms
+
+    def _inference_overlay(
+        self, shape: TuneShape, inputs: _Inputs, params: Params | None, label: str, result: ShapeResult,
+    ) -> tuple[Params, list[tuple[Params, float]]]:
+        """Time a forward-only call (no gradient) with each of the space's inference overlays on top
+        of the chosen params; the fastest overlay (the first unless beaten by the noise margin)."""
+        timed: list[tuple[Params, float]] = []
+        for overlay in self.space.inference_overlays:
+            self.progress.step(f"{label}: forward only {_params_text(overlay)}")
+            try:
+                workload = _Workload(shape, inputs, self.space.backend, deferred=True)
+                with override_params({**(params or {}), **overlay}, backend=self.space.backend), torch.no_grad():
+                    ms, _ = _time(workload.forward, shape.device, self.warmup, self.repeats)
+            except Exception as exc:  # a path that fails to compile here is skipped, as candidates are
+                _release(shape.device)
+                result.skipped["forward only failed"] += 1
+                result.first_error = result.first_error or f"forward only {_params_text(overlay)}: {exc}"[:300]
+                continue
+            timed.append((overlay, ms))
+        if not timed:
+            return {}, timed
+        best_overlay, best_ms = timed[0]
+        for overlay, ms in timed[1:]:
+            if ms < best_ms * (1 - NOISE_MARGIN):
+                best_overlay, best_ms = overlay, ms
+        return dict(best_overlay), timed
 
     # Measurements ----------------------------------------------------------------------------
 
@@ -429,6 +460,10 @@ class _Workload:
             objective = out.sum() if out.dim() else out
         objective.backward()
         return objective.detach(), self.inputs.hidden.grad
+
+    def forward(self) -> object:
+        """The call alone (under no_grad: what evaluation and RL log-prob passes run)."""
+        return self.module(self.inputs.hidden, self.inputs.weight, self.inputs.target)
 
     def values(self) -> tuple[float, torch.Tensor | None]:
         """The objective (one host sync, outside the timed calls) and the hidden gradient."""

@@ -58,9 +58,18 @@ register_backend(BACKEND)
 
 
 def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
+    """Chunk rows x row-kernel launches on the cuBLAS forward, and chunk rows x fused-GEMM tiles with
+    the chunk's statistics and logits from the fused forward (forward_logits)."""
+    from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config
+
     launches = [(4096, 8)] if quick else [(4096, 8), (4096, 16), (2048, 8)]
-    return [{"tokens_per_chunk": rows, "block_v": block_v, "num_warps": warps}
-            for rows in chunk_candidates(shape.tokens, quick, smallest=512) for block_v, warps in launches]
+    tiles = [default_gemm_config(shape.device, shape.dtype)]
+    if not quick:
+        tiles += [GemmConfig(128, 256, 64, 16, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4)]
+    rows = chunk_candidates(shape.tokens, quick, smallest=512)
+    return ([{"tokens_per_chunk": n, "block_v": block_v, "num_warps": warps}
+             for n in rows for block_v, warps in launches]
+            + [{"tokens_per_chunk": n, "forward_logits": "fused", **t.as_params()} for n in rows for t in tiles])
 
 
 def _tuning_working_bytes(shape: TuneShape, params: dict) -> int:
@@ -71,4 +80,5 @@ def _tuning_working_bytes(shape: TuneShape, params: dict) -> int:
 # The default (plain, in-forward gradient) schedule never keeps logits, so the save limit is
 # not worth device time to tune.
 register_tuning_space(TuningSpace("cuda", candidates=_tuning_candidates, working_bytes=_tuning_working_bytes,
-                                  tunes_logits_save_limit=False))
+                                  tunes_logits_save_limit=False,
+                                  inference_overlays=({"forward_stats": "fused"}, {"forward_stats": "cublas"})))
