@@ -254,3 +254,55 @@ def test_gpu_fused_deferred_matches_cublas_path(dtype, fused_calls):  # noqa: AN
     for k, want in enumerate((ref.logprobs, ref.entropy, *ref_grads)):
         fused, cublas = results["fused"][k], results["cublas"][k]
         assert _rel(fused, want) <= 1.5 * _rel(cublas, want) + (1e-6 if dtype == torch.float32 else 1e-4), k
+
+
+@interpreter_only
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-stats", "scanned-stats"])
+@pytest.mark.parametrize(("options", "reduction"), [({}, "mean"), (OPTION_CASES[-1], "sum"),
+                                                    (OPTION_CASES[4], "none"), (OPTION_CASES[6], "mean")],
+                         ids=["plain-mean", "everything-sum", "rl-none", "weights-smoothing"])
+def test_interpreter_vocab_block_gradients(options, reduction, fused, monkeypatch):  # noqa: ANN001
+    """The lean schedule: statistics of all rows, then gradients by vocabulary blocks (one weight-
+    gradient write per block), for the in-forward and the deferred schedules, any upstream gradient."""
+    monkeypatch.setattr("flce.backends.cuda.ops.MIN_VOCAB_BLOCK", 16)
+    n, h, v = 21, 24, 203
+    options = _options(options, v, "cpu")
+    x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
+    knobs = dict(SMALL_TILES, forward_stats="fused" if fused else "cublas", grad_schedule="vocab_blocks",
+                 grad_vocab_block=64)  # 4 blocks, the last one ragged
+    from flce.backends.cuda.function import cuda_chunked_call
+    from flce.config import LCEConfig
+    from flce.inputs import prepare_inputs
+
+    with override_params(knobs, logits_save_limit_bytes=0, backend="cuda"):
+        cfg = LCEConfig(reduction=reduction)
+        assert cuda_chunked_call(prepare_inputs(x, w, t, b, cfg), cfg, "full", True).plan.grad_vocab_block == 64
+        out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction=reduction, **options)
+        leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
+        want = reference_loss(*leaves[:2], t, leaves[2], reduction=reduction, **options)
+        _check_outputs(out, want, 1e-5)
+        got = out if isinstance(out, flce.LCEOutput) else flce.LCEOutput(loss=out)
+        outs, refs, ups = [], [], []
+        for name in ("loss", "logprobs", "entropy"):
+            if getattr(got, name) is not None:
+                outs.append(getattr(got, name))
+                refs.append(getattr(want, name))
+                ups.append(torch.randn(refs[-1].shape, dtype=torch.float64))
+        torch.autograd.backward(outs, [u.float() for u in ups])
+    torch.autograd.backward(refs, ups)
+    for name, a, r in zip(("hidden", "weight", "bias"), (x, w, b), leaves, strict=True):
+        torch.testing.assert_close(a.grad.double(), r.grad, rtol=5e-5, atol=5e-5, msg=f"grad {name}")
+
+
+def test_small_budgets_plan_the_vocab_block_schedule():
+    from flce.backends.cuda.ops import plan_chunks
+    from flce.config import LCEConfig
+    from flce.inputs import prepare_inputs
+
+    x, w, _, t = _inputs(4096, 8, 32000, torch.float16, "cpu", with_bias=False)
+    flat = prepare_inputs(x, w, t, None, LCEConfig())
+    lean = plan_chunks(flat, LCEConfig(memory_budget=16 << 20), training=True)
+    assert lean.grad_vocab_block == 2048  # 16 MiB / (4096 rows x 2 bytes)
+    roomy = plan_chunks(flat, LCEConfig(memory_budget=512 << 20), training=True)
+    assert roomy.grad_vocab_block is None  # token chunks hold 1024+ rows: the weight gradient is cheap
+    assert plan_chunks(flat, LCEConfig(memory_budget=16 << 20), training=False).grad_vocab_block is None

@@ -106,6 +106,11 @@ class ChunkPlan:
     # (the in-forward gradient, saved logits) run it per chunk, writing the logits as it goes.
     fused_stats: bool = False
     fused_logits: bool = False
+    # Small budgets (the lean mode): gradients by vocabulary blocks of this many columns over all
+    # rows, after the statistics of all rows (fused or scanned). Each block's weight gradient is
+    # written once, where token chunks would read-modify-write all of it once per chunk; the price
+    # is one more GEMM (the logits are recomputed) and a read-modify-write of grad_hidden per block.
+    grad_vocab_block: int | None = None
 
 
 @dataclass
@@ -228,8 +233,24 @@ def run_forward(
     stats_per_chunk: list[RowStats] = []
     terms_per_chunk: list[RowTerms] = []
 
-    if plan.fused_stats and acc is None and not keep_logits:
-        partial = kernels.gemm_row_stats(flat.hidden, flat.weight, flat.bias, target, cfg, vocab_offset)
+    vocab_blocks = plan.grad_vocab_block is not None and sharding is None and backward_follows
+    if vocab_blocks and acc is not None:
+        stats = _all_row_stats(kernels, flat, cfg, plan)
+        terms = row_terms(stats, target, cfg, vocab)
+        loss, z_loss = reduce_terms(terms, cfg, denoms)
+        g_ce, g_z = upstream_scales(cfg, denoms, one, slice(None), n_rows)
+        grads = vocab_block_gradients(kernels, flat, cfg, plan.grad_vocab_block, stats,
+                                      grad_coefficients(stats, target, cfg, vocab, g_ce, g_z, None, None),
+                                      grads_in_forward)
+        return ForwardState(loss=loss, z_loss=z_loss, extras=extras(stats, terms, target, cfg, denoms),
+                            denoms=denoms, grads=grads)
+
+    if (plan.fused_stats or vocab_blocks) and acc is None and not keep_logits:
+        if plan.fused_stats:
+            partial = kernels.gemm_row_stats(flat.hidden, flat.weight, flat.bias, target, cfg, vocab_offset)
+        else:
+            partial = scan_vocab_blocks(kernels, flat.hidden, flat.weight, flat.bias, target, cfg, vocab_offset,
+                                        plan.grad_vocab_block)
         if sharding:
             partial = sharding.combine(partial)
         stats = RowStats.from_partial(partial)
@@ -323,6 +344,57 @@ def scan_vocab_blocks(
     return running
 
 
+def _all_row_stats(kernels: ChunkKernels, flat: FlatInputs, cfg: LCEConfig, plan: ChunkPlan) -> RowStats:
+    if plan.fused_stats:
+        partial = kernels.gemm_row_stats(flat.hidden, flat.weight, flat.bias, flat.target, cfg, 0)
+    else:
+        assert plan.grad_vocab_block is not None
+        partial = scan_vocab_blocks(kernels, flat.hidden, flat.weight, flat.bias, flat.target, cfg, 0,
+                                    plan.grad_vocab_block)
+    return RowStats.from_partial(partial)
+
+
+def vocab_block_gradients(
+    kernels: ChunkKernels, flat: FlatInputs, cfg: LCEConfig, block: int, stats: RowStats, coeffs: GradCoefficients,
+    wanted: GradTargets,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of all rows by vocabulary blocks: each block's logits are recomputed by one GEMM
+    and turned into d loss / d u in place; that block's rows of grad_weight (and grad_bias) are
+    written once, and grad_hidden accumulates over the blocks (in fp32 when accum_dtype asks)."""
+    x, w, target = flat.hidden, flat.weight, flat.target
+    fp32_acc = cfg.accum_dtype == torch.float32 and w.dtype != torch.float32
+    grad_hidden = None
+    if wanted.hidden:
+        grad_hidden = torch.zeros(x.shape, dtype=torch.float32 if fp32_acc else x.dtype, device=x.device)
+    grad_weight = None
+    if wanted.weight:
+        grad_weight = (torch.zeros if fp32_acc else torch.empty)(
+            w.shape, dtype=torch.float32 if fp32_acc else w.dtype, device=w.device)
+    grad_bias = torch.empty_like(flat.bias) if wanted.bias and flat.bias is not None else None
+    for start in range(0, w.shape[0], block):
+        cols = slice(start, start + block)
+        if flat.bias is None:
+            logits = torch.mm(x, w[cols].t())
+        else:
+            logits = torch.addmm(flat.bias[cols], x, w[cols].t())
+        grad = kernels.full_grad_(logits, target, cfg, start, stats.lse, coeffs)
+        if grad_hidden is not None:
+            if fp32_acc:
+                kernels.accumulate_fp32_(grad_hidden, grad, w[cols])
+            else:
+                grad_hidden.addmm_(grad, w[cols])
+        if grad_weight is not None:
+            if fp32_acc:
+                kernels.accumulate_fp32_(grad_weight[cols], grad.t(), x)
+            else:
+                torch.mm(grad.t(), x, out=grad_weight[cols])
+        if grad_bias is not None:
+            grad_bias[cols] = grad.sum(0, dtype=statistics_dtype(grad.dtype))
+        del logits, grad
+    return (None if grad_hidden is None else grad_hidden.to(x.dtype),
+            None if grad_weight is None else grad_weight.to(w.dtype), grad_bias)
+
+
 def _slice_stats(stats: RowStats, rows: slice) -> RowStats:
     def part(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[rows]
@@ -350,8 +422,17 @@ def run_backward(
     vocab_offset = sharding.vocab_offset if sharding else 0
     if grad_loss is None:
         grad_loss = torch.zeros((), dtype=state.denoms.z_loss.dtype, device=target.device)
-    acc = _GradAccumulator(kernels, flat, cfg, wanted)
     saved = state.saved_logits
+    if plan.grad_vocab_block is not None and sharding is None and saved is None:
+        stats = _concat_stats(state.stats, target)
+        n_rows = target.shape[0]
+        g_ce, g_z = upstream_scales(cfg, state.denoms, grad_loss, slice(None), n_rows)
+        coeffs = grad_coefficients(
+            stats, target, cfg, vocab, g_ce, g_z,
+            None if grad_logprobs is None else grad_logprobs.reshape(-1),
+            None if grad_entropy is None else grad_entropy.reshape(-1))
+        return vocab_block_gradients(kernels, flat, cfg, plan.grad_vocab_block, stats, coeffs, wanted)
+    acc = _GradAccumulator(kernels, flat, cfg, wanted)
     # The saved logits are overwritten by the grad kernels: a second backward must recompute.
     state.saved_logits = None
     for k, rows in enumerate(chunk_bounds(target.shape[0], plan.tokens_per_chunk)):

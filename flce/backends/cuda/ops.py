@@ -64,6 +64,9 @@ class TunedKnobs:
     # no logits, forward_logits for the schedules that turn each chunk's logits into the gradient.
     forward_stats: str | None = None
     forward_logits: str | None = None
+    # "vocab_blocks" (ChunkPlan.grad_vocab_block) or "token_chunks", and the block's columns
+    grad_schedule: str | None = None
+    grad_vocab_block: int | None = None
     gemm: GemmConfig | None = None
 
 
@@ -91,10 +94,16 @@ def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
     return TunedKnobs(tokens_per_chunk=positive_int("tokens_per_chunk"), launch=launch,
                       logits_save_limit=limit if isinstance(limit, int) and limit >= 0 else None,
                       forward_stats=path("forward_stats"), forward_logits=path("forward_logits"),
-                      gemm=GemmConfig.from_params(params))
+                      gemm=GemmConfig.from_params(params),
+                      grad_schedule=params["grad_schedule"] if params.get("grad_schedule") in GRAD_SCHEDULES else None,
+                      grad_vocab_block=positive_int("grad_vocab_block"))
 
 
 FORWARD_PATHS = ("fused", "cublas")
+GRAD_SCHEDULES = ("vocab_blocks", "token_chunks")
+# With gradients, budgets that leave token chunks of fewer rows than this take the vocabulary-block
+# schedule: each small chunk would read-modify-write the whole V x H weight gradient.
+VOCAB_BLOCK_SCHEDULE_BELOW_ROWS = 1024
 
 
 def fused_forward_default(flat: FlatInputs) -> bool:
@@ -134,8 +143,16 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
     if cfg.memory_budget is not None:
         save_limit = min(save_limit, cfg.memory_budget - tokens * row_bytes)
     fused_stats = fused_forward_default(flat) if tuned.forward_stats is None else tuned.forward_stats == "fused"
+    grad_vocab_block = None
+    if training and n_rows:
+        by_blocks = tuned.grad_schedule == "vocab_blocks" if tuned.grad_schedule else (
+            tokens < min(n_rows, VOCAB_BLOCK_SCHEDULE_BELOW_ROWS))
+        columns = tuned.grad_vocab_block or budget // (n_rows * flat.weight.element_size())
+        if by_blocks and columns >= MIN_VOCAB_BLOCK:
+            grad_vocab_block = min(columns - columns % MIN_VOCAB_BLOCK, vocab)
     return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit, vocab_block=vocab_block,
-                     fused_stats=fused_stats, fused_logits=tuned.forward_logits == "fused")
+                     fused_stats=fused_stats, fused_logits=tuned.forward_logits == "fused",
+                     grad_vocab_block=grad_vocab_block)
 
 
 def chunk_rows(n_rows: int, max_rows: int) -> int:

@@ -1,0 +1,113 @@
+"""Gradient schedules of the CUDA backend side by side (issue 11), one GPU, bf16, one process.
+
+For each shape and memory budget: forward+backward with token chunks (each chunk read-modify-writes
+the V x H weight gradient) and with vocabulary blocks over all rows (statistics first, then each
+block's logits recomputed and its weight-gradient rows written once), as ratios to the 3-GEMM floor
+with peak MiB above the gradients; Liger-Kernel's fused linear cross-entropy beside them when it is
+importable. Plain loss and the RL objective (log-probs and entropy at temperature 0.7).
+
+    python tools/bench_schedules.py --markdown out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+import triton
+
+import flce
+from flce.autotune import override_params
+
+MiB = 1 << 20
+CASES = (  # shape, call, budgets in MiB (None: the default)
+    ("8192x4096x128256", "plain", (64, 128, 256, None)),
+    ("16384x2048x151936", "plain", (64, 128, 256, None)),
+    ("16384x4096x151936", "rl", (512, None)),
+)
+RL = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_entropy": True}
+
+
+def bench(fn) -> float:  # noqa: ANN001
+    return triton.testing.do_bench(fn, warmup=100, rep=600, return_mode="median")
+
+
+def peak_above(fn) -> float:  # noqa: ANN001
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return (peak - kept) / MiB
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+    except ImportError:
+        liger = None
+    rows = ["| shape | call | budget | token chunks | vocabulary blocks | Liger |", "|---|---|---|---|---|---|"]
+    for label, call, budgets in CASES:
+        n, h, v = (int(p) for p in label.split("x"))
+        g = torch.Generator(device=dev).manual_seed(n + h + v)
+        x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+        w = (torch.randn(v, h, device=dev, generator=g) / h**0.5).to(torch.bfloat16).requires_grad_()
+        t = torch.randint(0, v, (n,), device=dev, generator=g)
+        t[::17] = -100
+        advantages = torch.randn(n, device=dev, generator=g)
+
+        def floor(x=x, w=w) -> None:  # noqa: ANN001
+            logits = x.detach() @ w.detach().t()
+            logits @ w.detach()
+            logits.t() @ x.detach()
+
+        floor_ms = bench(floor)
+        for budget in budgets:
+            cells = []
+            for schedule in ("token_chunks", "vocab_blocks"):
+                options = dict(RL if call == "rl" else {}, memory_budget=None if budget is None else budget * MiB)
+
+                def step(x=x, w=w, t=t, options=options, advantages=advantages):  # noqa: ANN001, ANN202
+                    out = flce.linear_cross_entropy(x, w, t, **options)
+                    objective = out if isinstance(out, torch.Tensor) else (
+                        -(advantages * out.logprobs).mean() - 0.01 * out.entropy.mean())
+                    return torch.autograd.grad(objective, (x, w))
+
+                with override_params({"grad_schedule": schedule}, logits_save_limit_bytes=0, backend="cuda"):
+                    ms = bench(step)
+                    mib = peak_above(step)
+                cells.append(f"{ms / floor_ms:.3f}x / {mib:.0f}")
+            if liger is not None and call == "plain" and budget == 64:
+                def liger_step(x=x, w=w, t=t):  # noqa: ANN001, ANN202
+                    return torch.autograd.grad(liger(w, x, t), (x, w))
+
+                cells.append(f"{bench(liger_step) / floor_ms:.3f}x / {peak_above(liger_step):.0f}")
+            else:
+                cells.append("")
+            rows.append(f"| {label} | {call} | {'default' if budget is None else f'{budget} MiB'} | "
+                        + " | ".join(cells) + " |")
+            print(rows[-1], flush=True)
+        del x, w, t
+        torch.cuda.empty_cache()
+    text = "\n".join([f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+                      f"{datetime.date.today()}, `python tools/bench_schedules.py`", "",
+                      "forward+backward, ratio to the 3-GEMM floor / peak MiB above the gradients "
+                      "(logits never saved; RL: -(adv * logp).mean() - 0.01 * entropy.mean()):", "", *rows])
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
