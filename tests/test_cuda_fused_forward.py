@@ -84,7 +84,8 @@ def test_interpreter_deferred_schedule(options, fused_calls):  # noqa: ANN001
     options = _options(options, v, "cpu")
     x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
     # 8-row chunks and no saved logits: backward's chunks must line up with the sliced statistics.
-    with override_params(dict(SMALL_TILES, tokens_per_chunk=8), logits_save_limit_bytes=0, backend="cuda"):
+    knobs = dict(SMALL_TILES, tokens_per_chunk=8, grad_schedule="token_chunks")
+    with override_params(knobs, logits_save_limit_bytes=0, backend="cuda"):
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction="none", **options)
     assert fused_calls == [torch.Size([n, h])]
     leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
@@ -112,7 +113,7 @@ def test_interpreter_fused_logits_schedules(options, reduction, fused_calls):  #
     n, h, v = 21, 24, 203
     options = _options(options, v, "cpu")
     x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
-    knobs = dict(SMALL_TILES, forward_logits="fused", tokens_per_chunk=8)
+    knobs = dict(SMALL_TILES, forward_logits="fused", tokens_per_chunk=8, grad_schedule="token_chunks")
     with override_params(knobs, logits_save_limit_bytes=1 << 30, backend="cuda"):
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction=reduction, **options)
     assert fused_calls == [torch.Size([8, h]), torch.Size([8, h]), torch.Size([5, h])]
@@ -302,7 +303,7 @@ def test_small_budgets_plan_the_vocab_block_schedule():
     x, w, _, t = _inputs(4096, 8, 32000, torch.float16, "cpu", with_bias=False)
     flat = prepare_inputs(x, w, t, None, LCEConfig())
     lean = plan_chunks(flat, LCEConfig(memory_budget=16 << 20), training=True)
-    assert lean.grad_vocab_block == 2048  # 16 MiB / (4096 rows x 2 bytes)
+    assert lean.grad_vocab_block == 1536  # (16 MiB - 64 bytes per row) / (4096 rows x 2 bytes), in 512s
     roomy = plan_chunks(flat, LCEConfig(memory_budget=512 << 20), training=True)
     assert roomy.grad_vocab_block is None  # token chunks hold 1024+ rows: the weight gradient is cheap
     assert plan_chunks(flat, LCEConfig(memory_budget=16 << 20), training=False).grad_vocab_block is None

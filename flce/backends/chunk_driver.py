@@ -151,6 +151,11 @@ class Sharding:
     reduce_grad_hidden: Callable[[torch.Tensor], None]
 
 
+def grads_in_forward_allowed(cfg: LCEConfig) -> bool:
+    """The in-forward schedule needs a scalar loss as the only differentiable output."""
+    return cfg.reduction != "none" and not (cfg.return_logprobs or cfg.return_entropy)
+
+
 def chunk_bounds(n_rows: int, tokens_per_chunk: int) -> list[slice]:
     step = max(1, tokens_per_chunk)
     return [slice(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
@@ -227,14 +232,8 @@ def run_forward(
     vocab_offset = sharding.vocab_offset if sharding else 0
     denoms = denominators(target, cfg, statistics_dtype(flat.weight.dtype))
     one = torch.ones((), dtype=denoms.z_loss.dtype, device=target.device)
-    acc = _GradAccumulator(kernels, flat, cfg, grads_in_forward) if grads_in_forward else None
-    keep_logits = backward_follows and acc is None and plan.save_logits
-    saved: list[torch.Tensor] = []
-    stats_per_chunk: list[RowStats] = []
-    terms_per_chunk: list[RowTerms] = []
-
     vocab_blocks = plan.grad_vocab_block is not None and sharding is None and backward_follows
-    if vocab_blocks and acc is not None:
+    if vocab_blocks and grads_in_forward is not None:
         stats = _all_row_stats(kernels, flat, cfg, plan)
         terms = row_terms(stats, target, cfg, vocab)
         loss, z_loss = reduce_terms(terms, cfg, denoms)
@@ -244,6 +243,12 @@ def run_forward(
                                       grads_in_forward)
         return ForwardState(loss=loss, z_loss=z_loss, extras=extras(stats, terms, target, cfg, denoms),
                             denoms=denoms, grads=grads)
+
+    acc = _GradAccumulator(kernels, flat, cfg, grads_in_forward) if grads_in_forward else None
+    keep_logits = backward_follows and acc is None and plan.save_logits
+    saved: list[torch.Tensor] = []
+    stats_per_chunk: list[RowStats] = []
+    terms_per_chunk: list[RowTerms] = []
 
     if (plan.fused_stats or vocab_blocks) and acc is None and not keep_logits:
         if plan.fused_stats:

@@ -35,6 +35,7 @@ from flce.backends.chunk_driver import (
     GradTargets,
     Sharding,
     chunk_bounds,
+    grads_in_forward_allowed,
     run_backward,
     run_forward,
 )
@@ -55,11 +56,6 @@ class ChunkedCall:
     plain: bool
     token_shape: torch.Size
     sharding: Sharding | None = None
-
-
-def grads_in_forward_allowed(cfg: LCEConfig) -> bool:
-    """The in-forward schedule needs a scalar loss as the only differentiable output."""
-    return cfg.reduction != "none" and not (cfg.return_logprobs or cfg.return_entropy)
 
 
 class ChunkedLCEFunction(torch.autograd.Function):

@@ -13,7 +13,7 @@ import torch
 import triton
 
 from flce.autotune import tuned_params
-from flce.backends.chunk_driver import ChunkPlan, scan_vocab_blocks
+from flce.backends.chunk_driver import ChunkPlan, grads_in_forward_allowed, scan_vocab_blocks
 from flce.backends.cuda import kernels
 from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_row_stats
 from flce.backends.memory import MiB, default_logits_save_limit
@@ -101,9 +101,14 @@ def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
 
 FORWARD_PATHS = ("fused", "cublas")
 GRAD_SCHEDULES = ("vocab_blocks", "token_chunks")
-# With gradients, budgets that leave token chunks of fewer rows than this take the vocabulary-block
-# schedule: each small chunk would read-modify-write the whole V x H weight gradient.
-VOCAB_BLOCK_SCHEDULE_BELOW_ROWS = 1024
+# In-forward gradients: budgets that leave token chunks of fewer rows than this take the vocabulary-
+# block schedule, whose recomputed GEMM costs less than each small chunk's read-modify-write of the
+# V x H weight gradient. Measured on the H200 (docs/benchmarks.md): 256-row chunks 1.47x / 1.71x the
+# floor against 1.42x by blocks, 512-row chunks 1.23x against 1.44x.
+VOCAB_BLOCK_SCHEDULE_BELOW_ROWS = 512
+# Working memory the vocabulary-block schedule keeps per row besides the logits block (statistics,
+# per-row coefficients, the fused forward's partials).
+_STATS_BYTES_PER_ROW = 64
 
 
 def fused_forward_default(flat: FlatInputs) -> bool:
@@ -145,14 +150,27 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
     fused_stats = fused_forward_default(flat) if tuned.forward_stats is None else tuned.forward_stats == "fused"
     grad_vocab_block = None
     if training and n_rows:
-        by_blocks = tuned.grad_schedule == "vocab_blocks" if tuned.grad_schedule else (
-            tokens < min(n_rows, VOCAB_BLOCK_SCHEDULE_BELOW_ROWS))
-        columns = tuned.grad_vocab_block or budget // (n_rows * flat.weight.element_size())
+        by_blocks = tuned.grad_schedule == "vocab_blocks" if tuned.grad_schedule else _vocab_blocks_pay(
+            cfg, n_rows, vocab, tokens, logits_bytes <= save_limit)
+        columns = tuned.grad_vocab_block or (budget - n_rows * _STATS_BYTES_PER_ROW) // (
+            n_rows * flat.weight.element_size())
         if by_blocks and columns >= MIN_VOCAB_BLOCK:
             grad_vocab_block = min(columns - columns % MIN_VOCAB_BLOCK, vocab)
     return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit, vocab_block=vocab_block,
                      fused_stats=fused_stats, fused_logits=tuned.forward_logits == "fused",
                      grad_vocab_block=grad_vocab_block)
+
+
+def _vocab_blocks_pay(cfg: LCEConfig, n_rows: int, vocab: int, chunk: int, logits_saved: bool) -> bool:
+    """The heuristic choice of the vocabulary-block schedule. In forward it trades a fourth GEMM for
+    the weight gradient's read-modify-writes, worth it for small chunks only. The deferred schedule
+    recomputes the logits either way (unless they are saved), so there blocks only trade a V x H
+    read-modify-write per token chunk for an N x H one per block: fewer bytes when N < V."""
+    if chunk >= n_rows:
+        return False
+    if grads_in_forward_allowed(cfg):
+        return chunk < VOCAB_BLOCK_SCHEDULE_BELOW_ROWS
+    return not logits_saved and n_rows < vocab
 
 
 def chunk_rows(n_rows: int, max_rows: int) -> int:
