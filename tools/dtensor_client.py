@@ -225,7 +225,7 @@ def train(mode: str, kind: str, args: ModelArgs, mesh: Any, steps: int, device: 
     weight_grad = model.output.weight.grad
     return {"losses": losses, "grads": first_grads, "params": params, "times_ms": times, "peaks_mib": peaks,
             "output_grad_type": type(weight_grad).__name__,
-            "output_grad_placements": [str(p) for p in getattr(weight_grad, "placements", ())]}
+            "output_grad_placements": [repr(p) for p in getattr(weight_grad, "placements", ())]}
 
 
 def _max_relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
