@@ -9,6 +9,7 @@ import torch
 
 from flce.backends.chunked_function import run_backend
 from flce.config import LCEConfig
+from flce.distributed.dtensor import localize_inputs
 from flce.inputs import prepare_inputs
 from flce.outputs import LCEOutput
 from flce.registry import (
@@ -68,6 +69,7 @@ def _compute(
     cfg: LCEConfig, variant: str, candidates: Candidates,
 ) -> torch.Tensor | LCEOutput:
     """One call, shared by the module and the functional form."""
+    hidden, weight, target, bias, cfg = localize_inputs(hidden, weight, target, bias, cfg)
     flat = prepare_inputs(hidden, weight, target, bias, cfg)
     variant = variant if variant != "auto" else ("full" if cfg.needs_full else "plain")
     if cfg.process_group is not None:
