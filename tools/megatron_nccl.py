@@ -66,6 +66,11 @@ class SequenceParallelLayerNorm(torch.nn.LayerNorm):
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Megatron's local attention path hands some fp32 activations to the norms of a bf16 model
+        # (its Apex/TE norms accept mixed dtypes; torch's refuses them): normalise in the params' dtype.
+        return super().forward(x.to(self.weight.dtype))
+
 
 def build_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.device) -> GPTModel:
     on_gpu = device.type == "cuda"
