@@ -1,6 +1,7 @@
 """Fused GEMM kernels of the CUDA backend (device code only).
 
-:func:`_gemm_row_stats_kernel` computes logits tiles ``u = x @ W.T (+ b)`` with ``tl.dot`` (wgmma on
+:func:`_gemm_grad_kernel` (end of the file) computes a logits tile and writes d loss / d u in its
+place, for the schedules that recompute logits in backward. :func:`_gemm_row_stats_kernel` computes logits tiles ``u = x @ W.T (+ b)`` with ``tl.dot`` (wgmma on
 Hopper) and reduces each tile in registers to row statistics, so a forward that needs only
 statistics never writes the ``[tokens, V]`` logits to memory. Each program owns one block of
 BLOCK_M token rows and one *split* of the vocabulary (a run of consecutive BLOCK_N tiles); it walks
@@ -188,3 +189,64 @@ def _target_logit_kernel(
     u = u.to(x_ptr.dtype.element_ty).to(tl.float32)  # as the statistics kernel rounds it
     z = _capped_scaled(u, softcap, inv_temperature, HAS_SOFTCAP)
     tl.store(target_z_ptr + row, tl.where(in_shard, z, 0.0))
+
+
+@triton.jit
+def _gemm_grad_kernel(
+    x, w, bias_ptr, class_weight_ptr, target_ptr, lse_ptr, a_ptr, h_ptr, d_ptr, e_ptr, grad_ptr, stride_gm,
+    M, V, K, stride_xm, stride_wv, vocab_offset, softcap, inv_temperature,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
+    HAS_H: tl.constexpr, HAS_E: tl.constexpr,
+    LOGITS_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """grad [M, V] = d loss / d u, straight from a logits tile in registers: the tile is computed,
+    rounded as cuBLAS would write it, and turned into semantics.py's gradient
+    ``grad_z = p (a - h z) - [c == y] d - e w[c]`` chained through cap and T, so no logits pass
+    through memory. lse, a, h, d, e: [M] fp32 per-row values (h, e read when HAS_H / HAS_E);
+    grad_ptr row stride stride_gm, unit column stride. Grid: one program per output tile, grouped
+    GROUP_M row blocks at a time for L2 reuse of the weight tiles."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(V, BLOCK_N)
+    group_size = GROUP_M * num_pid_n
+    first_m = (pid // group_size) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % group_m
+    pid_n = (pid % group_size) // group_m
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+    u = _logits_tile(x, w, off_m, off_n, M, V, K, stride_xm, stride_wv,
+                     USE_TMA, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < V
+    if HAS_BIAS:
+        u += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    u = u.to(LOGITS_DTYPE).to(tl.float32)
+    z = _capped_scaled(u, softcap, inv_temperature, HAS_SOFTCAP)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
+    d = tl.load(d_ptr + rows, mask=row_ok, other=0.0)
+    local_target = tl.load(target_ptr + rows, mask=row_ok, other=-1) - vocab_offset
+    p = tl.exp(z - lse[:, None])
+    if HAS_H:
+        h = tl.load(h_ptr + rows, mask=row_ok, other=0.0)
+        grad = p * (a[:, None] - h[:, None] * z)
+    else:
+        grad = p * a[:, None]
+    grad -= tl.where(cols[None, :] == local_target[:, None], d[:, None], 0.0)
+    if HAS_E:
+        e = tl.load(e_ptr + rows, mask=row_ok, other=0.0)
+        if HAS_CLASS_WEIGHT:
+            cw = tl.load(class_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            grad -= e[:, None] * cw[None, :]
+        else:
+            grad -= e[:, None]
+    if HAS_SOFTCAP:
+        t = z / (softcap * inv_temperature)  # tanh(u / softcap)
+        grad = grad * (1.0 - t * t)
+    grad = grad * inv_temperature
+    tl.store(grad_ptr + rows.to(tl.int64)[:, None] * stride_gm + cols[None, :], grad.to(LOGITS_DTYPE),
+             mask=row_ok[:, None] & col_ok[None, :])
