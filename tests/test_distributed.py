@@ -48,11 +48,8 @@ from flce.distributed import (
     clear_cache,
     payload_bytes_per_step,
     record_collectives,
-    vocab_parallel_linear_cross_entropy,
 )
 from flce.distributed.collectives import key_to_float, order_preserving_key, pack_max_argmax, unpack_max_argmax
-from flce.inputs import prepare_inputs
-from flce.registry import candidates_for
 
 SPAWN_TIMEOUT_S = 240
 # Imported by the forkserver before it forks the ranks (the registry's built-in backends).
@@ -178,15 +175,8 @@ def shard_rows(sizes: tuple[int, ...], rank: int) -> slice:
 
 def sharded_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
                  group: Any, options: dict[str, Any], backend: str | None = None) -> torch.Tensor | flce.LCEOutput:
-    """flce with process_group; a global class_weight goes straight to the vocab-parallel op,
-    because flce/inputs.py checks class_weight against the local shard's size."""
-    class_weight = options.get("class_weight")
-    if class_weight is None or class_weight.shape[0] == weight.shape[0]:
-        return flce.linear_cross_entropy(hidden, weight, target, bias, process_group=group, backend=backend,
-                                         **options)
-    cfg = LCEConfig(process_group=group, **options)
-    flat = prepare_inputs(hidden, weight, target, bias, cfg.replace(class_weight=None))
-    return vocab_parallel_linear_cross_entropy(flat, cfg, candidates_for("cpu", backend))
+    """flce with process_group (a class_weight is the global [V] vector)."""
+    return flce.linear_cross_entropy(hidden, weight, target, bias, process_group=group, backend=backend, **options)
 
 
 # --------------------------------------------------------------------------- one equality case
