@@ -22,9 +22,9 @@ import torch._dynamo.testing  # noqa: E402
 from helpers import assert_close_per_design, backward_surrogate, random_upstream, reference_loss  # noqa: E402
 
 import flce  # noqa: E402
-from flce.backends.chunked_function import _op_options, apply_chunked, apply_chunked_op  # noqa: E402
+from flce.backends.chunked_function import apply_chunked, apply_chunked_op  # noqa: E402
 from flce.backends.reference.function import reference_chunked_call  # noqa: E402
-from flce.config import LCEConfig  # noqa: E402
+from flce.config import LCEConfig, primitive_options  # noqa: E402
 from flce.inputs import prepare_inputs  # noqa: E402
 from flce.registry import Backend, HardwareProbe, register_backend  # noqa: E402
 from flce.registry import probes as probe_module  # noqa: E402
@@ -74,7 +74,7 @@ def _options(options: dict, generator: torch.Generator) -> dict:
 
 def _op_kwargs(variant: str, cfg: LCEConfig, bias: torch.Tensor | None, grads: tuple[bool, bool, bool]) -> dict:
     return dict(backend="reference", variant=variant, grad_hidden=grads[0], grad_weight=grads[1],
-                grad_bias=grads[2] and bias is not None, **_op_options(cfg))
+                grad_bias=grads[2] and bias is not None, **primitive_options(cfg))
 
 
 @pytest.mark.parametrize("case", sorted(OPCHECK_CASES))

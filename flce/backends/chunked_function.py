@@ -23,7 +23,6 @@ op's schema cannot carry a process group.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,7 +37,7 @@ from flce.backends.chunk_driver import (
     run_backward,
     run_forward,
 )
-from flce.config import LCEConfig
+from flce.config import LCEConfig, config_from_primitives, primitive_options
 from flce.inputs import FlatInputs, _check_target_range
 from flce.outputs import LCEOutput
 from flce.registry import Backend, registered_backends
@@ -85,6 +84,13 @@ class ChunkedLCEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss, _grad_acc, _grad_pred, grad_logprobs, grad_entropy):  # noqa: ANN001, ANN205
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            grads = ChunkedLCEFunction._gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
+        return (*first_order_only(grads, create_graph), None, None)
+
+    @staticmethod
+    def _gradients(ctx, grad_loss, grad_logprobs, grad_entropy):  # noqa: ANN001, ANN205
         call, state, wanted = ctx.call, ctx.state, ctx.wanted
         if ctx.eager:
             if state.grads is None:
@@ -106,7 +112,34 @@ class ChunkedLCEFunction(torch.autograd.Function):
             )
         if call.sharding is not None and grad_hidden is not None and grad_hidden.numel():
             call.sharding.reduce_grad_hidden(grad_hidden)
-        return grad_hidden, grad_weight, grad_bias, None, None
+        return grad_hidden, grad_weight, grad_bias
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Passes a gradient through, and refuses to be differentiated: what flce's backward returns
+    under create_graph=True, so that differentiating a gradient fails with a message saying why."""
+
+    @staticmethod
+    def forward(ctx, grad, _anchor):  # noqa: ANN001, ANN205
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, _grad):  # noqa: ANN001, ANN205
+        raise RuntimeError(
+            "flce: the gradients of linear cross-entropy are first-order only: flce computes them with "
+            "its own kernels, which have no derivative themselves, so a double backward (differentiating "
+            "a gradient taken with create_graph=True) is not supported"
+        )
+
+
+def first_order_only(grads: tuple[Tensor | None, ...], create_graph: bool) -> tuple[Tensor | None, ...]:
+    """Under create_graph=True, each gradient as a tensor whose own backward raises; else unchanged.
+    The anchor is a leaf that requires grad, so the wrapped gradients require grad even though
+    nothing in flce's backward builds a graph."""
+    if not create_graph:
+        return grads
+    anchor = torch.zeros((), requires_grad=True)
+    return tuple(None if g is None else _FirstOrderOnly.apply(g, anchor) for g in grads)
 
 
 def _flat_outputs(state: ForwardState, cfg: LCEConfig, hidden: Tensor) -> tuple[Tensor, ...]:
@@ -192,41 +225,8 @@ def run_backend(backend: Backend, flat: FlatInputs, cfg: LCEConfig, variant: str
 
 
 # ---------------------------------------------------------------------------------------------
-# Custom ops. Options travel as keyword-only primitives; _op_options and _config_from_options
-# are the two directions of that encoding.
-
-def _op_options(cfg: LCEConfig) -> dict[str, Any]:
-    return {
-        "ignore_index": int(cfg.ignore_index),
-        "reduction": cfg.reduction,
-        "label_smoothing": float(cfg.label_smoothing),
-        "lse_square_scale": float(cfg.lse_square_scale),
-        "softcap": None if cfg.softcap is None else float(cfg.softcap),
-        "temperature": float(cfg.temperature),
-        "token_scaling": cfg.token_scaling,
-        "fp32_accumulation": cfg.accum_dtype == torch.float32,
-        "memory_budget": cfg.memory_budget,
-        "return_z_loss": cfg.return_z_loss,
-        "return_token_accuracy": cfg.return_token_accuracy,
-        "return_predicted_tokens": cfg.return_predicted_tokens,
-        "return_logprobs": cfg.return_logprobs,
-        "return_entropy": cfg.return_entropy,
-    }
-
-
-def _config_from_options(class_weight: Tensor | None, options: dict[str, Any]) -> LCEConfig:
-    values = dict(options)
-    fp32 = values.pop("fp32_accumulation")
-    return LCEConfig(class_weight=class_weight, accum_dtype=torch.float32 if fp32 else None, **values)
-
-
-_OPTION_NAMES = tuple(_op_options(LCEConfig()))
-
-
-def _options_of(arguments: dict[str, Any]) -> dict[str, Any]:
-    """The option values among an op's arguments."""
-    return {name: arguments[name] for name in _OPTION_NAMES}
-
+# Custom ops. Options travel as keyword-only primitives: flce.config.primitive_options and
+# config_from_primitives are the two directions of that encoding.
 
 def _backend_call(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str, training: bool) -> ChunkedCall:
     """The named backend's kernels and plan for this call, rebuilt inside the op."""
@@ -276,7 +276,7 @@ def chunked_forward(
     of hidden, weight, bias (in-forward schedule, empty otherwise), then the row statistics
     lse, target_z, expected_z [N] that the deferred schedule's backward needs (empty otherwise).
     """
-    cfg = _config_from_options(class_weight, _options_of(locals()))
+    cfg = config_from_primitives(locals(), class_weight)
     flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
     # prepare_inputs leaves this check to the op while torch.compile traces (it needs the values).
     _check_target_range(target, weight.shape[0], cfg.ignore_index, sharded=False)
@@ -308,7 +308,7 @@ def chunked_forward(
 
 @chunked_forward.register_fake
 def _chunked_forward_fake(hidden, weight, bias, target, class_weight, **kw):  # noqa: ANN001, ANN003, ANN202
-    cfg = _config_from_options(None, _options_of(kw))
+    cfg = config_from_primitives(kw)
     n = target.shape[0]
     out_dtype = statistics_dtype(hidden.dtype)
 
@@ -380,7 +380,7 @@ def chunked_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Deferred-schedule backward: gradients of hidden, weight, bias (empty where not wanted)
     from forward's row statistics and the upstream gradients, recomputing each chunk's logits."""
-    cfg = _config_from_options(class_weight, _options_of(locals()))
+    cfg = config_from_primitives(locals(), class_weight)
     flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
     call = _backend_call(backend, flat, cfg, variant, training=True)
     wanted = _wanted(grad_hidden, grad_weight, grad_bias, bias)
@@ -418,7 +418,7 @@ _STATS = slice(9, 12)
 def _forward_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:  # noqa: ANN001
     hidden, weight, bias, target, class_weight = inputs
     kw = keyword_only_inputs
-    cfg = _config_from_options(None, _options_of(kw))
+    cfg = config_from_primitives(kw)
     wanted = _wanted(kw["grad_hidden"], kw["grad_weight"], kw["grad_bias"], bias)
     ctx.kw = kw
     ctx.wanted = wanted
@@ -433,6 +433,16 @@ def _forward_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:  #
 
 
 def _forward_backward(ctx, grad_loss, _z, _acc, _pred, grad_logprobs, grad_entropy, *_unused):  # noqa: ANN001, ANN002, ANN202
+    # Eager calls of the op only: AOTAutograd traces this formula and refuses double backward itself.
+    create_graph = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    if create_graph:
+        with torch.no_grad():
+            grads = _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
+        return (*first_order_only(grads[:3], create_graph=True), None, None)
+    return _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
+
+
+def _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy):  # noqa: ANN001, ANN202
     wanted = ctx.wanted
     asked = (wanted.hidden, wanted.weight, wanted.bias)
     if not wanted.any:
@@ -472,6 +482,6 @@ def apply_chunked_op(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: st
         grad_hidden=grad_mode and flat.hidden.requires_grad,
         grad_weight=grad_mode and flat.weight.requires_grad,
         grad_bias=grad_mode and flat.bias is not None and flat.bias.requires_grad,
-        **_op_options(cfg),
+        **primitive_options(cfg),
     )
     return _as_result(_shape_outputs(tuple(outputs[_USER_OUTPUTS]), cfg, flat.token_shape), cfg)
