@@ -68,7 +68,16 @@ def _tuning_working_bytes(shape: TuneShape, params: dict) -> int:
     return min(rows, shape.tokens) * shape.vocab * shape.dtype.itemsize
 
 
+def _tuning_heuristic(shape: TuneShape) -> dict:
+    """The chunk and launch knobs the planner picks with nothing cached (a training call)."""
+    from flce.backends.cuda.ops import launch_params, plan_chunks
+
+    plan = plan_chunks(shape.stand_in_inputs(), LCEConfig(), training=True)
+    launch = launch_params(shape.vocab)
+    return {"tokens_per_chunk": plan.tokens_per_chunk, "block_v": launch.block_v, "num_warps": launch.num_warps}
+
+
 # The default (plain, in-forward gradient) schedule never keeps logits, so the save limit is
 # not worth device time to tune.
 register_tuning_space(TuningSpace("cuda", candidates=_tuning_candidates, working_bytes=_tuning_working_bytes,
-                                  tunes_logits_save_limit=False))
+                                  tunes_logits_save_limit=False, heuristic=_tuning_heuristic))
