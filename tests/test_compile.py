@@ -73,7 +73,7 @@ def _options(options: dict, generator: torch.Generator) -> dict:
 
 
 def _op_kwargs(variant: str, cfg: LCEConfig, bias: torch.Tensor | None, grads: tuple[bool, bool, bool]) -> dict:
-    return dict(backend="reference", variant=variant, grad_hidden=grads[0], grad_weight=grads[1],
+    return dict(backend="reference", variant=variant, group_name=None, grad_hidden=grads[0], grad_weight=grads[1],
                 grad_bias=grads[2] and bias is not None, **primitive_options(cfg))
 
 

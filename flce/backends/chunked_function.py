@@ -16,8 +16,9 @@ count, so under the op backward recomputes them; and the Function scales the in-
 gradients in place, which an op's backward may not do to the op's outputs. Under torch.compile
 that costs nothing: AOTAutograd donates the saved gradients to the backward graph and Inductor
 writes the scaled result over their buffers (no V x H copy; other compiler backends, e.g.
-aot_eager, allocate one). Vocab-parallel calls (a process group) always use the Function: the
-op's schema cannot carry a process group.
+aot_eager, allocate one). Vocab-parallel calls carry their process group into the ops by name
+(``group_name``, as torch's functional collectives do); inside, the op rebuilds the sharded call
+(flce.distributed.function.sharded_call), so a compiled tensor-parallel step is one graph too.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from flce.inputs import FlatInputs, _check_target_range
 from flce.outputs import LCEOutput
 from flce.registry import Backend, registered_backends
 from flce.semantics import RowStats, denominators, needs_expected_z, statistics_dtype
+
+# torch's functional collectives (all_reduce, wait_tensor): ops that name their group by string.
+_c10d = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,7 @@ def apply_chunked(flat: FlatInputs, call: ChunkedCall) -> Tensor | LCEOutput:
 def run_backend(backend: Backend, flat: FlatInputs, cfg: LCEConfig, variant: str) -> Tensor | LCEOutput:
     """Compute a call on ``backend``: through the custom op while torch.compile traces (so the
     graph does not break), else through the backend's own entry point."""
-    if torch.compiler.is_compiling() and backend.chunked is not None and cfg.process_group is None:
+    if torch.compiler.is_compiling() and backend.chunked is not None:
         return apply_chunked_op(backend.name, flat, cfg, variant)
     return backend.run(flat, cfg, variant)
 
@@ -228,14 +232,27 @@ def run_backend(backend: Backend, flat: FlatInputs, cfg: LCEConfig, variant: str
 # Custom ops. Options travel as keyword-only primitives: flce.config.primitive_options and
 # config_from_primitives are the two directions of that encoding.
 
-def _backend_call(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str, training: bool) -> ChunkedCall:
-    """The named backend's kernels and plan for this call, rebuilt inside the op."""
+def _chunk_loop_backend(backend: str) -> Backend:
     by_name = {b.name: b for b in registered_backends()}
     if backend not in by_name or by_name[backend].chunked is None:
         chunked = sorted(name for name, b in by_name.items() if b.chunked is not None)
         raise ValueError(f"backend={backend!r}: expected a registered chunk-loop backend, one of {chunked}")
-    # Inside the op grad mode is off: the plan must be told that gradients follow.
-    return by_name[backend].chunked(flat, cfg, variant, training=training)
+    return by_name[backend]
+
+
+def _backend_call(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str, group_name: str | None,
+                  wanted: GradTargets, training: bool) -> ChunkedCall:
+    """The named backend's kernels and plan for this call, rebuilt inside the op; with a group
+    name, the vocab-parallel call over that group (its plan and Sharding)."""
+    chosen = _chunk_loop_backend(backend)
+    if group_name is None:
+        # Inside the op grad mode is off: the plan must be told that gradients follow.
+        return chosen.chunked(flat, cfg, variant, training=training)
+    # Imported here, not at the top: flce.distributed builds on this module.
+    from flce.distributed.function import sharded_call
+
+    group = torch.distributed.distributed_c10d._resolve_process_group(group_name)
+    return sharded_call(flat, cfg.replace(process_group=group), chosen, training, wanted.hidden)
 
 
 def _wanted(grad_hidden: bool, grad_weight: bool, grad_bias: bool, bias: Tensor | None) -> GradTargets:
@@ -252,6 +269,7 @@ def chunked_forward(
     *,
     backend: str,
     variant: str,
+    group_name: str | None,
     grad_hidden: bool,
     grad_weight: bool,
     grad_bias: bool,
@@ -278,14 +296,17 @@ def chunked_forward(
     """
     cfg = config_from_primitives(locals(), class_weight)
     flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
-    # prepare_inputs leaves this check to the op while torch.compile traces (it needs the values).
-    _check_target_range(target, weight.shape[0], cfg.ignore_index, sharded=False)
+    if group_name is None:
+        # prepare_inputs leaves this check to the op while torch.compile traces (it needs the values);
+        # a vocab-parallel call checks against the global vocabulary instead.
+        _check_target_range(target, weight.shape[0], cfg.ignore_index, sharded=False)
     wanted = _wanted(grad_hidden, grad_weight, grad_bias, bias)
-    call = _backend_call(backend, flat, cfg, variant, training=wanted.any)
+    call = _backend_call(backend, flat, cfg, variant, group_name, wanted, training=wanted.any)
+    cfg = call.cfg
     in_forward = wanted.any and grads_in_forward_allowed(cfg)
     plan = replace(call.plan, save_logits=False)
     state = run_forward(call.kernels, flat, cfg, plan, call.plain, grads_in_forward=wanted if in_forward else None,
-                        backward_follows=wanted.any)
+                        sharding=call.sharding, backward_follows=wanted.any)
 
     def empty() -> Tensor:
         return hidden.new_empty(0)
@@ -360,6 +381,7 @@ def chunked_backward(
     *,
     backend: str,
     variant: str,
+    group_name: str | None,
     grad_hidden: bool,
     grad_weight: bool,
     grad_bias: bool,
@@ -382,8 +404,9 @@ def chunked_backward(
     from forward's row statistics and the upstream gradients, recomputing each chunk's logits."""
     cfg = config_from_primitives(locals(), class_weight)
     flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
-    call = _backend_call(backend, flat, cfg, variant, training=True)
     wanted = _wanted(grad_hidden, grad_weight, grad_bias, bias)
+    call = _backend_call(backend, flat, cfg, variant, group_name, wanted, training=True)
+    cfg = call.cfg
     with_expected_z = not call.plain and needs_expected_z(cfg)
     stats = [
         RowStats(lse=lse[rows], target_z=target_z[rows], expected_z=expected_z[rows] if with_expected_z else None)
@@ -395,7 +418,10 @@ def chunked_backward(
     grads = run_backward(
         call.kernels, flat, cfg, call.plan, call.plain, state, wanted, grad_loss,
         grad_logprobs if cfg.return_logprobs else None, grad_entropy if cfg.return_entropy else None,
+        sharding=call.sharding,
     )
+    if call.sharding is not None and grads[0] is not None and grads[0].numel():
+        call.sharding.reduce_grad_hidden(grads[0])
     return tuple(hidden.new_empty(0) if g is None else g for g in grads)
 
 
@@ -457,6 +483,11 @@ def _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy):  # noqa: ANN001,
         scale = grad_loss.reshape(())
         grads = tuple((g.to(scale.dtype) * scale).to(g.dtype) if a else None
                       for g, a in zip(saved, asked, strict=True))
+        group_name = ctx.kw["group_name"]
+        if group_name is not None and grads[0] is not None:
+            # Each rank's grad_hidden covers its vocabulary shard: their sum is the gradient. A
+            # functional collective, so that the compiled backward graph holds it.
+            grads = (_c10d.wait_tensor(_c10d.all_reduce(grads[0], "sum", group_name)), *grads[1:])
     else:
         hidden, weight, bias, target, class_weight, lse, target_z, expected_z = ctx.saved_tensors
         results = torch.ops.flce.chunked_backward(
@@ -471,14 +502,14 @@ chunked_forward.register_autograd(_forward_backward, setup_context=_forward_setu
 
 
 def apply_chunked_op(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str) -> Tensor | LCEOutput:
-    """The call through the custom ops (what torch.compile sees): same results as apply_chunked."""
-    if cfg.process_group is not None:
-        raise ValueError("process_group: vocab-parallel calls run through apply_chunked, not the custom op")
+    """The call through the custom ops (what torch.compile sees): same results as apply_chunked.
+    A process group travels by name, as torch's functional collectives carry theirs."""
     grad_mode = torch.is_grad_enabled()
     outputs = torch.ops.flce.chunked_forward(
         flat.hidden, flat.weight, flat.bias, flat.target, cfg.class_weight,
         backend=backend,
         variant=variant,
+        group_name=None if cfg.process_group is None else cfg.process_group.group_name,
         grad_hidden=grad_mode and flat.hidden.requires_grad,
         grad_weight=grad_mode and flat.weight.requires_grad,
         grad_bias=grad_mode and flat.bias is not None and flat.bias.requires_grad,
