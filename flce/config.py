@@ -6,6 +6,7 @@ the source of truth for names, defaults and meaning.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -107,8 +108,13 @@ class LCEConfig:
         return LCEConfig(**values)
 
 
+# Computed once: dataclasses.fields cannot be traced by torch.compile, and the functional form
+# checks its keywords against these names inside the trace.
+_OPTION_NAMES = tuple(f.name for f in fields(LCEConfig))
+
+
 def option_names() -> tuple[str, ...]:
-    return tuple(f.name for f in fields(LCEConfig))
+    return _OPTION_NAMES
 
 
 def _check_int(name: str, value: Any) -> None:
@@ -125,3 +131,53 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     return f"{type(value).__name__} {value!r}"
+
+
+def config_from_keywords(caller: str, options: dict[str, Any]) -> LCEConfig:
+    """``LCEConfig(**options)`` for a public entry point named ``caller``: an unknown keyword is
+    reported against that function, with the closest option name, instead of as an error of
+    LCEConfig's constructor, which users never call."""
+    valid = option_names()
+    for name in options:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{caller}() got an unexpected option {name!r}{hint} Valid options: {', '.join(valid)}")
+    return LCEConfig(**options)
+
+
+# The options as primitives (bool, int, float, str, None), for schemas and cache keys that cannot
+# hold tensors or dtypes: class_weight and process_group travel separately, accum_dtype as a flag.
+Primitive = bool | int | float | str | None
+
+
+def primitive_options(cfg: LCEConfig) -> dict[str, Primitive]:
+    return {
+        "ignore_index": int(cfg.ignore_index),
+        "reduction": cfg.reduction,
+        "label_smoothing": float(cfg.label_smoothing),
+        "lse_square_scale": float(cfg.lse_square_scale),
+        "softcap": None if cfg.softcap is None else float(cfg.softcap),
+        "temperature": float(cfg.temperature),
+        "token_scaling": cfg.token_scaling,
+        "fp32_accumulation": cfg.accum_dtype == torch.float32,
+        "memory_budget": cfg.memory_budget,
+        "return_z_loss": cfg.return_z_loss,
+        "return_token_accuracy": cfg.return_token_accuracy,
+        "return_predicted_tokens": cfg.return_predicted_tokens,
+        "return_logprobs": cfg.return_logprobs,
+        "return_entropy": cfg.return_entropy,
+    }
+
+
+PRIMITIVE_OPTION_NAMES = tuple(primitive_options(LCEConfig()))
+
+
+def config_from_primitives(options: dict[str, Any], class_weight: torch.Tensor | None = None,
+                           process_group: Any = None) -> LCEConfig:
+    """The inverse of :func:`primitive_options`; ``options`` may hold other keys, which are ignored."""
+    values = {name: options[name] for name in PRIMITIVE_OPTION_NAMES}
+    fp32 = values.pop("fp32_accumulation")
+    return LCEConfig(class_weight=class_weight, process_group=process_group,
+                     accum_dtype=torch.float32 if fp32 else None, **values)
+

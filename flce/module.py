@@ -8,19 +8,11 @@ from typing import Any, ClassVar
 import torch
 
 from flce.backends.chunked_function import run_backend
-from flce.config import LCEConfig
+from flce.config import LCEConfig, config_from_keywords, primitive_options
 from flce.distributed.dtensor import localize_inputs
 from flce.inputs import prepare_inputs
 from flce.outputs import LCEOutput
-from flce.registry import (
-    VARIANTS,
-    Candidates,
-    HardwareProbe,
-    candidates_for,
-    choose_for_call,
-    registered_backends,
-    resolve_device,
-)
+from flce.registry import VARIANTS, HardwareProbe, candidates_for, dispatch, registered_backends, resolve_device
 
 
 class LinearCrossEntropy(torch.nn.Module):
@@ -38,10 +30,9 @@ class LinearCrossEntropy(torch.nn.Module):
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
-        self.config = _checked_config(self.variant, options)
+        self.config = _checked_config("LinearCrossEntropy", self.variant, options)
         # A buffer, so module.to(device) moves the class weights with the module.
         self.register_buffer("class_weight", self.config.class_weight, persistent=False)
-        self._candidates: Candidates = candidates_for(self.device_type, self.backend_name, self.probe)
 
     def forward(
         self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
@@ -49,15 +40,16 @@ class LinearCrossEntropy(torch.nn.Module):
         cfg = self.config
         if self.class_weight is not None and self.class_weight is not cfg.class_weight:
             cfg = cfg.replace(class_weight=self.class_weight)
-        return _compute(hidden, weight, target, bias, cfg, self.variant, self._candidates)
+        return _compute(hidden, weight, target, bias, cfg, self.variant, self.device_type, self.backend_name,
+                        self.probe)
 
     def extra_repr(self) -> str:
         options = {k: v for k, v in vars(self.config).items() if k != "class_weight"}
         return f"device_type={self.device_type!r}, backend={self.backend_name!r}, variant={self.variant!r}, {options}"
 
 
-def _checked_config(variant: str, options: dict[str, Any]) -> LCEConfig:
-    config = LCEConfig(**options)
+def _checked_config(caller: str, variant: str, options: dict[str, Any]) -> LCEConfig:
+    config = config_from_keywords(caller, options)
     if variant == "plain" and config.needs_full:
         names = ", ".join(config.full_feature_options())
         raise ValueError(f"variant='plain' cannot serve {names}; use variant='full' or 'auto'")
@@ -66,17 +58,19 @@ def _checked_config(variant: str, options: dict[str, Any]) -> LCEConfig:
 
 def _compute(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
-    cfg: LCEConfig, variant: str, candidates: Candidates,
+    cfg: LCEConfig, variant: str, device_type: str, backend_name: str | None, probe: HardwareProbe | None,
 ) -> torch.Tensor | LCEOutput:
-    """One call, shared by the module and the functional form."""
+    """One call, shared by the module and the functional form. Selection happens in
+    flce.registry.dispatch, which torch.compile never traces."""
     hidden, weight, target, bias, cfg = localize_inputs(hidden, weight, target, bias, cfg)
     flat = prepare_inputs(hidden, weight, target, bias, cfg)
-    variant = variant if variant != "auto" else ("full" if cfg.needs_full else "plain")
-    if cfg.process_group is not None:
+    sharded = cfg.process_group is not None
+    backend, variant = dispatch(device_type, backend_name, variant, primitive_options(cfg), flat, cfg.class_weight,
+                                sharded, probe)
+    if sharded:
         from flce.distributed import vocab_parallel_linear_cross_entropy
 
-        return vocab_parallel_linear_cross_entropy(flat, cfg, candidates, variant)
-    backend = choose_for_call(candidates, cfg, flat)
+        return vocab_parallel_linear_cross_entropy(flat, cfg, backend, variant)
     return run_backend(backend, flat, cfg, variant)
 
 
@@ -129,8 +123,8 @@ def linear_cross_entropy(
         raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
     _check_variant(variant)
     # No module object per call: building one inside a torch.compile trace would break the graph.
-    candidates = candidates_for(hidden.device.type, backend)
-    return _compute(hidden, weight, target, bias, _checked_config(variant, options), variant, candidates)
+    cfg = _checked_config("linear_cross_entropy", variant, options)
+    return _compute(hidden, weight, target, bias, cfg, variant, hidden.device.type, backend, None)
 
 
 # Register the built-in backends at import: a first lookup inside a torch.compile trace would

@@ -18,6 +18,7 @@ import flce.autotune as autotune
 from flce.autotune import cache as cache_files
 from flce.autotune import locations, progress, spaces
 from flce.autotune.cli import main, parse_bytes
+from flce.autotune.lookup import override_params
 from flce.autotune.tuner import Tuner, TuneRequest, resolve_backend
 from flce.backends.reference.function import reference_linear_cross_entropy
 from flce.backends.reference.ops import working_bytes_per_row
@@ -234,7 +235,41 @@ def test_tuner_skips_failures_oom_wrong_results_and_over_budget(
     assert result.first_error == "mode=fail: RuntimeError: kernel does not compile"
     assert result.entry is not None and result.entry.params in ({}, {"mode": "same"})
     assert result.entry.logits_save_limit_bytes is None and result.entry.backend == "flaky"
-    assert result.heuristic_params is None  # no chunked() on this backend: the planner's choice is unknown
+    assert result.heuristic_params is None  # the space has no heuristic: the planner's choice is unknown
+
+
+def test_winning_heuristic_is_stored_as_the_knobs_it_chose(
+    cache_env: Path, isolated_registry: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where no candidate beats the heuristic, the entry holds the heuristic's own knob values (what
+    its space's heuristic reports), not empty params that would mean whatever a later flce picks."""
+    register_backend(Backend(name="flaky", device_types=("cpu",), priority=-10,
+                             is_available=lambda probe: (True, "test backend"),
+                             supports=lambda cfg, flat: (True, "everything"), run=_flaky_run))
+    # Candidates that cannot win whatever the timings: the heuristic is kept.
+    space = spaces.TuningSpace("flaky", candidates=lambda shape, quick: [{"mode": "fail"}, {"mode": "wrong"}],
+                               tunes_logits_save_limit=False, heuristic=lambda shape: {"mode": f"h{shape.tokens}"})
+    monkeypatch.setitem(spaces._spaces, "flaky", space)
+    request = TuneRequest(device=torch.device("cpu"), dtypes=[torch.float32], hiddens=[8], vocabs=[32],
+                          tokens=[16], variants=["plain"], backend="flaky", quick=True)
+    (result,) = Tuner(request).run()
+    assert result.entry is not None and result.entry.measured["chosen"] == "heuristic"
+    assert result.heuristic_params == result.entry.params == {"mode": "h16"}
+
+
+@pytest.mark.parametrize("variant", ["plain", "full"])
+def test_reference_space_reports_the_planners_chunk(variant: str) -> None:
+    """The reference space's heuristic is what the planner does with nothing cached."""
+    from flce.backends.reference.ops import plan_chunks
+    from flce.config import LCEConfig
+
+    shape = spaces.TuneShape(torch.device("cpu"), torch.float32, hidden=64, vocab=1 << 20, tokens=4096,
+                             variant=variant)
+    with override_params(None):
+        reported = spaces.tuning_space("reference").heuristic(shape)
+        planned = plan_chunks(shape.stand_in_inputs(), LCEConfig(), variant).tokens_per_chunk
+    assert reported == {"tokens_per_chunk": planned}
+    assert 1 < planned < shape.tokens, "a shape whose heuristic splits the tokens, so the value says something"
 
 
 def test_tuner_times_forward_only_overlays_and_stores_the_fastest(

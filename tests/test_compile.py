@@ -8,6 +8,7 @@ form) compiles with ``fullgraph=True`` into one graph, and its loss, extras and 
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -21,10 +22,12 @@ import torch._dynamo.testing  # noqa: E402
 from helpers import assert_close_per_design, backward_surrogate, random_upstream, reference_loss  # noqa: E402
 
 import flce  # noqa: E402
-from flce.backends.chunked_function import _op_options, apply_chunked, apply_chunked_op  # noqa: E402
+from flce.backends.chunked_function import apply_chunked, apply_chunked_op  # noqa: E402
 from flce.backends.reference.function import reference_chunked_call  # noqa: E402
-from flce.config import LCEConfig  # noqa: E402
+from flce.config import LCEConfig, primitive_options  # noqa: E402
 from flce.inputs import prepare_inputs  # noqa: E402
+from flce.registry import Backend, HardwareProbe, register_backend  # noqa: E402
+from flce.registry import probes as probe_module  # noqa: E402
 
 N, H, V = 13, 8, 24
 # Small enough that the reference plan splits 13 rows into chunks of 3 (multi-chunk paths).
@@ -70,8 +73,8 @@ def _options(options: dict, generator: torch.Generator) -> dict:
 
 
 def _op_kwargs(variant: str, cfg: LCEConfig, bias: torch.Tensor | None, grads: tuple[bool, bool, bool]) -> dict:
-    return dict(backend="reference", variant=variant, grad_hidden=grads[0], grad_weight=grads[1],
-                grad_bias=grads[2] and bias is not None, **_op_options(cfg))
+    return dict(backend="reference", variant=variant, group_name=None, grad_hidden=grads[0], grad_weight=grads[1],
+                grad_bias=grads[2] and bias is not None, **primitive_options(cfg))
 
 
 @pytest.mark.parametrize("case", sorted(OPCHECK_CASES))
@@ -113,6 +116,43 @@ STEP_OPTIONS = {
 }
 
 
+@pytest.fixture(params=["cpu", "claims-accelerators"])
+def machine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The compile tests run twice on the CPU: as they are, and on a machine that claims CUDA, an
+    NPU and Triton (FLCE_PROBE_OVERRIDE), where the hardware probe and a registered backend's
+    availability and support checks each call torch._dynamo.graph_break(). That call does
+    nothing when run, and breaks any graph it is traced into: under fullgraph=True a probe, a
+    find_spec, a device query or any selection logic that leaks into the trace fails the test,
+    as it fails on a GPU machine, where the real probes take the branches a CPU machine skips."""
+    if request.param == "cpu":
+        return request.param
+    request.getfixturevalue("isolated_registry")
+    monkeypatch.setenv(probe_module.PROBE_ENV, "cuda=1,npu=1,triton=1")
+    real_probe = probe_module._real_probe
+
+    def tripwire_probe() -> HardwareProbe:
+        torch._dynamo.graph_break()
+        return real_probe()
+
+    def tripwire_available(_probe: HardwareProbe) -> tuple[bool, str]:
+        torch._dynamo.graph_break()
+        return True, "tripwire"
+
+    def tripwire_supports(_cfg: LCEConfig, _flat: object) -> tuple[bool, str]:
+        torch._dynamo.graph_break()
+        return False, "the tripwire backend declines every call"
+
+    def never_runs(*_args: object) -> torch.Tensor:
+        raise AssertionError("the tripwire backend declines every call; it must never run")
+
+    monkeypatch.setattr(probe_module, "_real_probe", tripwire_probe)
+    register_backend(Backend(name="tripwire", device_types=("cpu",), priority=1000,
+                             is_available=tripwire_available, supports=tripwire_supports, run=never_runs))
+    # Selection warns (once) that the reference backend serves the calls the tripwire declines.
+    warnings.filterwarnings("ignore", message="flce: using the 'reference' backend", category=RuntimeWarning)
+    return request.param
+
+
 def _make_step(form: str, options: dict):  # noqa: ANN202
     if form == "module":
         loss_fn = flce.get_impl("cpu")(**options)
@@ -146,7 +186,8 @@ def _fields(out) -> dict[str, torch.Tensor]:  # noqa: ANN001
 
 @pytest.mark.parametrize("form", ["module", "functional"])
 @pytest.mark.parametrize("case", sorted(STEP_OPTIONS))
-def test_compiled_step_matches_eager_and_oracle(form: str, case: str, generator: torch.Generator) -> None:
+def test_compiled_step_matches_eager_and_oracle(form: str, case: str, machine: str,
+                                                generator: torch.Generator) -> None:
     options = _options(STEP_OPTIONS[case], generator)
     inputs = _inputs(generator)
     step = _make_step(form, options)
@@ -192,14 +233,8 @@ def test_inductor_compiled_step_matches_eager(case: str, generator: torch.Genera
         torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("form", [
-    "module",
-    pytest.param("functional", marks=pytest.mark.xfail(
-        torch.cuda.is_available(), strict=False,
-        reason="known, not yet diagnosed: on a machine with CUDA (seen on an H200, torch 2.11) explain counts "
-               "a second graph for the functional form with no break reason; the module form is one graph")),
-])
-def test_explain_shows_one_graph(form: str, generator: torch.Generator) -> None:
+@pytest.mark.parametrize("form", ["module", "functional"])
+def test_explain_shows_one_graph(form: str, machine: str, generator: torch.Generator) -> None:
     step = _make_step(form, {"label_smoothing": 0.1, "return_logprobs": True})
     x, w, b, t = _inputs(generator)
 
@@ -211,6 +246,27 @@ def test_explain_shows_one_graph(form: str, generator: torch.Generator) -> None:
     explanation = torch._dynamo.explain(train_step)(x, w, t, b)
     assert explanation.graph_break_count == 0, [r.reason for r in explanation.break_reasons]
     assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("form", ["module", "functional"])
+def test_unavailable_backend_fails_with_flce_error_under_compile(form: str, monkeypatch: pytest.MonkeyPatch,
+                                                                 generator: torch.Generator) -> None:
+    """With the probes claiming an NPU but no triton-ascend installed, the Ascend backend is not
+    available: the compiled call stops with selection's own error (Dynamo wraps it, message intact),
+    not with Dynamo refusing to trace the availability check's file-system probe."""
+    monkeypatch.setenv(probe_module.PROBE_ENV, "cuda=1,npu=1,triton=1")
+    x, w, b, t = _inputs(generator)
+    if form == "module":
+        with pytest.raises(RuntimeError, match="backend is not available"):
+            flce.get_impl("cpu", backend="ascend")
+        return
+    with pytest.raises(RuntimeError, match="backend is not available"):
+        flce.linear_cross_entropy(x, w, t, b, backend="ascend")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, t, b: flce.linear_cross_entropy(x, w, t, b, backend="ascend"),
+                             backend="aot_eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="backend='ascend': backend is not available"):
+        compiled(x, w, t, b)
 
 
 def test_frozen_weight_and_grad_accumulation(generator: torch.Generator) -> None:

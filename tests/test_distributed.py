@@ -48,11 +48,8 @@ from flce.distributed import (
     clear_cache,
     payload_bytes_per_step,
     record_collectives,
-    vocab_parallel_linear_cross_entropy,
 )
 from flce.distributed.collectives import key_to_float, order_preserving_key, pack_max_argmax, unpack_max_argmax
-from flce.inputs import prepare_inputs
-from flce.registry import candidates_for
 
 SPAWN_TIMEOUT_S = 240
 # Imported by the forkserver before it forks the ranks (the registry's built-in backends).
@@ -178,15 +175,8 @@ def shard_rows(sizes: tuple[int, ...], rank: int) -> slice:
 
 def sharded_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
                  group: Any, options: dict[str, Any], backend: str | None = None) -> torch.Tensor | flce.LCEOutput:
-    """flce with process_group; a global class_weight goes straight to the vocab-parallel op,
-    because flce/inputs.py checks class_weight against the local shard's size."""
-    class_weight = options.get("class_weight")
-    if class_weight is None or class_weight.shape[0] == weight.shape[0]:
-        return flce.linear_cross_entropy(hidden, weight, target, bias, process_group=group, backend=backend,
-                                         **options)
-    cfg = LCEConfig(process_group=group, **options)
-    flat = prepare_inputs(hidden, weight, target, bias, cfg.replace(class_weight=None))
-    return vocab_parallel_linear_cross_entropy(flat, cfg, candidates_for("cpu", backend))
+    """flce with process_group (a class_weight is the global [V] vector)."""
+    return flce.linear_cross_entropy(hidden, weight, target, bias, process_group=group, backend=backend, **options)
 
 
 # --------------------------------------------------------------------------- one equality case
@@ -504,6 +494,68 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
+COMPILED_OPTIONS = {
+    "plain-mean": {},  # gradients in forward, scaled and all-reduced in the compiled backward
+    "none-logprobs-entropy": dict(reduction="none", return_logprobs=True, return_entropy=True, temperature=0.7),
+    "full-class_weight": dict(FULL, class_weight=True, reduction="sum"),
+}
+
+
+def section_compiled(checker: Checker, rank: int, world_size: int) -> None:
+    """torch.compile(fullgraph=True) over a vocab-parallel step (module and functional form): one
+    graph, the group carried into the custom ops by name; outputs and gradients equal the eager
+    sharded call's and the unsharded op's."""
+    group = dist.group.WORLD
+    sizes = LAYOUTS[world_size]["uneven"]
+    rows = shard_rows(sizes, rank)
+    for name, options in COMPILED_OPTIONS.items():
+        for form in ("functional", "module"):
+            gen = seed_of(f"compiled-{name}")
+            hidden, weight, target, bias = make_inputs((3, 5), 8, sum(sizes), bias=True, generator=gen)
+            options = dict(options)
+            if options.get("class_weight") is True:
+                options["class_weight"] = random_class_weight(sum(sizes), gen)
+            loss_shape = target.shape if options.get("reduction") == "none" else torch.Size()
+            upstream = random_upstream(loss_shape, target.shape, logprobs=bool(options.get("return_logprobs")),
+                                       entropy=bool(options.get("return_entropy")), generator=gen)
+            if form == "module":
+                loss_fn = flce.get_impl("cpu")(process_group=group, **options)
+            else:
+                def loss_fn(h, w, t, b, options=options):  # noqa: ANN001, ANN202
+                    return flce.linear_cross_entropy(h, w, t, b, process_group=group, **options)
+            torch._dynamo.reset()
+            compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
+            with checker.case(f"compiled {name} {form}"):
+                got, got_grads = flce_grads(compiled, hidden, weight[rows], target, bias[rows], upstream)
+                eager, eager_grads = flce_grads(loss_fn, hidden, weight[rows], target, bias[rows], upstream)
+                unsharded, full_grads = flce_grads(
+                    lambda h, w, t, b: flce.linear_cross_entropy(h, w, t, b, **options),  # noqa: B023
+                    hidden, weight, target, bias, upstream)
+                pairs = list(zip(_as_output(got), _as_output(eager), _as_output(unsharded), strict=True))
+                pairs += [(got_grads.hidden, eager_grads.hidden, full_grads.hidden),
+                          (got_grads.weight, eager_grads.weight, full_grads.weight[rows]),
+                          (got_grads.bias, eager_grads.bias, full_grads.bias[rows])]
+                for mine, same_path, full in pairs:
+                    assert (mine is None) == (same_path is None) == (full is None)
+                    if mine is not None:
+                        torch.testing.assert_close(mine, same_path, rtol=1e-5, atol=1e-6)
+                        torch.testing.assert_close(mine, full, rtol=1e-4, atol=1e-5)
+    with checker.case("explain: one graph, no break"):
+        def step(h, w, t, b):  # noqa: ANN001, ANN202
+            out = flce.linear_cross_entropy(h, w, t, b, process_group=group, return_logprobs=True)
+            return out.loss + out.logprobs.sum()
+
+        hidden, weight, target, bias = make_inputs((6,), 8, sum(sizes), bias=True, generator=seed_of("explain"))
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(step)(hidden, weight[rows], target, bias[rows])
+        assert explanation.graph_break_count == 0, [r.reason for r in explanation.break_reasons]
+        assert explanation.graph_count == 1
+
+
+def _as_output(out: Any) -> flce.LCEOutput:
+    return out if isinstance(out, flce.LCEOutput) else flce.LCEOutput(loss=out)
+
+
 SECTIONS: dict[str, dict[str, Callable[[Checker, int, int], None]]] = {
     "2": {
         "matches_unsharded": section_matches_unsharded,
@@ -511,6 +563,7 @@ SECTIONS: dict[str, dict[str, Callable[[Checker, int, int], None]]] = {
         "single_rank_groups": section_single_rank_groups,
         "errors": section_errors,
         "communication": section_communication,
+        "compiled": section_compiled,
     },
     "2-interpreted": {
         "cuda_kernels_interpreted": section_cuda_kernels_interpreted,
@@ -534,7 +587,8 @@ def test_vocab_parallel(reports: Callable[[int], list[dict[str, dict]]], world_s
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("world_size", "section"), [(2, "single_rank_groups"), (2, "errors"), (4, "subgroups")])
+@pytest.mark.parametrize(("world_size", "section"), [(2, "single_rank_groups"), (2, "errors"), (4, "subgroups"),
+                                                     (2, "compiled")])
 def test_vocab_parallel_groups_and_errors(reports: Callable[[int], list[dict[str, dict]]], world_size: int,
                                           section: str) -> None:
     assert_section(reports(world_size), section)

@@ -190,6 +190,29 @@ def test_bad_option(inputs, no_kernel, options: dict, error: type[Exception], fr
         call(hidden, weight, target, **options)
 
 
+def test_unknown_option_names_the_function_and_the_closest_option(inputs, no_kernel) -> None:  # noqa: ANN001
+    hidden, weight, target = inputs
+    with raises(TypeError, "linear_cross_entropy()", "'reductoin'", "did you mean 'reduction'?"):
+        flce.linear_cross_entropy(hidden, weight, target, reductoin="sum")
+    with raises(TypeError, "LinearCrossEntropy()", "'softcapp'", "did you mean 'softcap'?"):
+        flce.get_impl("cpu")(softcapp=3.0)
+    with raises(TypeError, "linear_cross_entropy()", "'xyzzy'", "Valid options: ignore_index"):
+        flce.linear_cross_entropy(hidden, weight, target, xyzzy=1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])  # the in-forward and the deferred schedule
+def test_double_backward_is_refused_with_a_clear_error(inputs, reduction: str) -> None:  # noqa: ANN001
+    """create_graph=True works (first-order gradients, as without it); differentiating them raises."""
+    hidden, weight, target = inputs
+    hidden = hidden.detach().requires_grad_()
+    loss = call(hidden, weight, target, reduction=reduction).sum()
+    (grad,) = torch.autograd.grad(loss, hidden, create_graph=True)
+    want = torch.autograd.grad(call(hidden, weight, target, reduction=reduction).sum(), hidden)[0]
+    torch.testing.assert_close(grad, want)
+    with raises(RuntimeError, "first-order only", "double backward"):
+        grad.pow(2).sum().backward()
+
+
 def test_class_weight_wrong_length(inputs, no_kernel) -> None:  # noqa: ANN001
     hidden, weight, target = inputs
     with raises(ValueError, "class_weight", f"[V={V}]", f"({V + 3},)"):

@@ -8,7 +8,11 @@ A backend makes itself tunable with one call at import time (its ``__init__.py``
 ``candidates(shape, quick)`` lists params mappings (the knobs its planner reads back through
 :func:`flce.autotune.tuned_params`); ``working_bytes(shape, params)`` estimates the memory a
 candidate uses beyond inputs and gradients, so ``--memory-budget`` skips candidates before running
-them and CPU runs can report a peak. The reference backend's space is defined here.
+them and CPU runs can report a peak; ``heuristic(shape)`` says which knob values the planner picks
+with nothing cached, so an entry where the heuristic measured best still states the configuration
+that ran (and keeps it when a later flce changes the heuristic).
+
+Nothing here imports a backend: each backend's package registers its own space.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from flce.autotune.schema import Scalar
+from flce.inputs import FlatInputs
 
 Params = dict[str, Scalar]
 
@@ -34,6 +39,16 @@ class TuneShape:
     tokens: int
     variant: str
 
+    def stand_in_inputs(self) -> FlatInputs:
+        """Inputs of this shape, device and dtype that allocate nothing (broadcast views of one
+        element), for planners asked what they would do at this shape."""
+        def view(*size: int, dtype: torch.dtype = self.dtype) -> torch.Tensor:
+            return torch.empty((), dtype=dtype, device=self.device).expand(*size)
+
+        return FlatInputs(hidden=view(self.tokens, self.hidden), weight=view(self.vocab, self.hidden),
+                          target=view(self.tokens, dtype=torch.int64), bias=None,
+                          token_shape=torch.Size([self.tokens]))
+
 
 @dataclass(frozen=True)
 class TuningSpace:
@@ -46,6 +61,9 @@ class TuningSpace:
     # each timed on such a call with the chosen params; the fastest is stored. The first is the
     # baseline, kept unless another beats it by the noise margin.
     inference_overlays: tuple[Params, ...] = ()
+    # The knobs the planner picks with nothing cached (the tuner calls it under
+    # override_params(None)); None: the entry of a winning heuristic holds empty params.
+    heuristic: Callable[[TuneShape], Params] | None = None
 
 
 _spaces: dict[str, TuningSpace] = {}
@@ -77,25 +95,3 @@ def chunk_candidates(tokens: int, quick: bool, smallest: int = 64) -> list[int]:
         sizes = sorted({sizes[round(i * step)] for i in range(3)})
     return sizes
 
-
-def _reference_candidates(shape: TuneShape, quick: bool) -> list[Params]:
-    return [{"tokens_per_chunk": n} for n in chunk_candidates(shape.tokens, quick)]
-
-
-def _reference_working_bytes(shape: TuneShape, params: Mapping[str, Scalar]) -> int:
-    # The reference planner's own per-row figure (it depends on the device), fed tensors of the
-    # right device, dtype and shape that allocate nothing: no rows, and a broadcast weight.
-    from flce.backends.reference.ops import working_bytes_per_row
-    from flce.inputs import FlatInputs
-
-    flat = FlatInputs(
-        hidden=torch.empty(0, shape.hidden, dtype=shape.dtype, device=shape.device),
-        weight=torch.empty((), dtype=shape.dtype, device=shape.device).expand(shape.vocab, shape.hidden),
-        target=torch.empty(0, dtype=torch.int64, device=shape.device), bias=None, token_shape=torch.Size([0]),
-    )
-    rows = min(int(params.get("tokens_per_chunk") or shape.tokens), shape.tokens)
-    return rows * working_bytes_per_row(flat)
-
-
-register_tuning_space(TuningSpace("reference", candidates=_reference_candidates,
-                                  working_bytes=_reference_working_bytes))

@@ -11,8 +11,9 @@ For every (dtype, H, V, tokens, variant) it measures, with fresh random inputs:
   entry's logits-save limit.
 
 Times are medians of forward+backward calls, from device events on accelerators and
-``time.perf_counter`` on the CPU. The heuristic is kept (empty ``params``) unless a candidate beats
-it by more than the noise margin, so a tuned entry is never slower than the heuristic as measured.
+``time.perf_counter`` on the CPU. The heuristic is kept unless a candidate beats it by more than
+the noise margin, so a tuned entry is never slower than the heuristic as measured; a kept heuristic
+is stored as the knob values it chose (the space's ``heuristic``), so the entry states what ran.
 
 Every configuration runs as a user's call would, without ``memory_budget`` (so the heuristic
 measured is the one dispatch uses); the budget only decides which configurations may be chosen.
@@ -205,7 +206,7 @@ class Tuner:
             self.progress.advance(after_heuristic)
             return result
         result.heuristic_ms = baseline.ms
-        result.heuristic_params = self._heuristic_params(shape, inputs)
+        result.heuristic_params = self._heuristic_params(shape)
         budget = self._budget(shape, baseline)
         heuristic_fits = baseline.working_bytes is None or baseline.working_bytes <= budget
 
@@ -257,7 +258,8 @@ class Tuner:
         result.entry = Entry(
             device=self._device_name, backend=self.space.backend, variant=shape.variant,
             dtype=dtype_name(shape.dtype), hidden=shape.hidden, vocab=shape.vocab, tokens=shape.tokens,
-            params=dict(best_params or {}), logits_save_limit_bytes=limit,
+            # A winning heuristic is stored as the knobs it chose, so the entry states what ran.
+            params=dict(best_params or result.heuristic_params or {}), logits_save_limit_bytes=limit,
             measured={k: v for k, v in measured.items() if v is not None},
         )
         return result
@@ -353,7 +355,7 @@ class Tuner:
         skips it when its estimated or measured working memory is larger."""
         estimate = None
         if self.space.working_bytes is not None:
-            estimate = self.space.working_bytes(shape, params or self._heuristic_params(shape, inputs) or {})
+            estimate = self.space.working_bytes(shape, params or self._heuristic_params(shape) or {})
             if budget is not None and estimate > budget:
                 raise _Skip("over budget")
         try:
@@ -378,18 +380,12 @@ class Tuner:
         return _Run(ms=ms, working_bytes=working, peak_kind=kind, loss=loss,
                     grad_hidden=grad_hidden if reference is None else None)
 
-    def _heuristic_params(self, shape: TuneShape, inputs: _Inputs) -> Params | None:
-        """The token chunk the planner picks without the cache, for backends on the shared chunk loop."""
-        from flce.config import LCEConfig
-        from flce.registry import candidates_for
-
-        backend = candidates_for(shape.device.type, self.space.backend).backends[0]
-        if backend.chunked is None:
+    def _heuristic_params(self, shape: TuneShape) -> Params | None:
+        """The knobs the backend's planner picks without the cache, when its space says."""
+        if self.space.heuristic is None:
             return None
-        cfg = _workload_config(shape.variant, deferred=False)
         with override_params(None, backend=self.space.backend):
-            call = backend.chunked(inputs.flat(), LCEConfig(**cfg), shape.variant)
-        return {"tokens_per_chunk": call.plan.tokens_per_chunk}
+            return dict(self.space.heuristic(shape))
 
 
 # Inputs and workloads ------------------------------------------------------------------------

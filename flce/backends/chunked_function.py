@@ -16,14 +16,14 @@ count, so under the op backward recomputes them; and the Function scales the in-
 gradients in place, which an op's backward may not do to the op's outputs. Under torch.compile
 that costs nothing: AOTAutograd donates the saved gradients to the backward graph and Inductor
 writes the scaled result over their buffers (no V x H copy; other compiler backends, e.g.
-aot_eager, allocate one). Vocab-parallel calls (a process group) always use the Function: the
-op's schema cannot carry a process group.
+aot_eager, allocate one). Vocab-parallel calls carry their process group into the ops by name
+(``group_name``, as torch's functional collectives do); inside, the op rebuilds the sharded call
+(flce.distributed.function.sharded_call), so a compiled tensor-parallel step is one graph too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,11 +39,14 @@ from flce.backends.chunk_driver import (
     run_backward,
     run_forward,
 )
-from flce.config import LCEConfig
+from flce.config import LCEConfig, config_from_primitives, primitive_options
 from flce.inputs import FlatInputs, _check_target_range
 from flce.outputs import LCEOutput
 from flce.registry import Backend, registered_backends
 from flce.semantics import RowStats, denominators, needs_expected_z, statistics_dtype
+
+# torch's functional collectives (all_reduce, wait_tensor): ops that name their group by string.
+_c10d = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,13 @@ class ChunkedLCEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss, _grad_acc, _grad_pred, grad_logprobs, grad_entropy):  # noqa: ANN001, ANN205
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            grads = ChunkedLCEFunction._gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
+        return (*first_order_only(grads, create_graph), None, None)
+
+    @staticmethod
+    def _gradients(ctx, grad_loss, grad_logprobs, grad_entropy):  # noqa: ANN001, ANN205
         call, state, wanted = ctx.call, ctx.state, ctx.wanted
         if ctx.eager:
             if state.grads is None:
@@ -102,7 +112,34 @@ class ChunkedLCEFunction(torch.autograd.Function):
             )
         if call.sharding is not None and grad_hidden is not None and grad_hidden.numel():
             call.sharding.reduce_grad_hidden(grad_hidden)
-        return grad_hidden, grad_weight, grad_bias, None, None
+        return grad_hidden, grad_weight, grad_bias
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Passes a gradient through, and refuses to be differentiated: what flce's backward returns
+    under create_graph=True, so that differentiating a gradient fails with a message saying why."""
+
+    @staticmethod
+    def forward(ctx, grad, _anchor):  # noqa: ANN001, ANN205
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, _grad):  # noqa: ANN001, ANN205
+        raise RuntimeError(
+            "flce: the gradients of linear cross-entropy are first-order only: flce computes them with "
+            "its own kernels, which have no derivative themselves, so a double backward (differentiating "
+            "a gradient taken with create_graph=True) is not supported"
+        )
+
+
+def first_order_only(grads: tuple[Tensor | None, ...], create_graph: bool) -> tuple[Tensor | None, ...]:
+    """Under create_graph=True, each gradient as a tensor whose own backward raises; else unchanged.
+    The anchor is a leaf that requires grad, so the wrapped gradients require grad even though
+    nothing in flce's backward builds a graph."""
+    if not create_graph:
+        return grads
+    anchor = torch.zeros((), requires_grad=True)
+    return tuple(None if g is None else _FirstOrderOnly.apply(g, anchor) for g in grads)
 
 
 def _flat_outputs(state: ForwardState, cfg: LCEConfig, hidden: Tensor) -> tuple[Tensor, ...]:
@@ -182,56 +219,36 @@ def apply_chunked(flat: FlatInputs, call: ChunkedCall) -> Tensor | LCEOutput:
 def run_backend(backend: Backend, flat: FlatInputs, cfg: LCEConfig, variant: str) -> Tensor | LCEOutput:
     """Compute a call on ``backend``: through the custom op while torch.compile traces (so the
     graph does not break), else through the backend's own entry point."""
-    if torch.compiler.is_compiling() and backend.chunked is not None and cfg.process_group is None:
+    if torch.compiler.is_compiling() and backend.chunked is not None:
         return apply_chunked_op(backend.name, flat, cfg, variant)
     return backend.run(flat, cfg, variant)
 
 
 # ---------------------------------------------------------------------------------------------
-# Custom ops. Options travel as keyword-only primitives; _op_options and _config_from_options
-# are the two directions of that encoding.
+# Custom ops. Options travel as keyword-only primitives: flce.config.primitive_options and
+# config_from_primitives are the two directions of that encoding.
 
-def _op_options(cfg: LCEConfig) -> dict[str, Any]:
-    return {
-        "ignore_index": int(cfg.ignore_index),
-        "reduction": cfg.reduction,
-        "label_smoothing": float(cfg.label_smoothing),
-        "lse_square_scale": float(cfg.lse_square_scale),
-        "softcap": None if cfg.softcap is None else float(cfg.softcap),
-        "temperature": float(cfg.temperature),
-        "token_scaling": cfg.token_scaling,
-        "fp32_accumulation": cfg.accum_dtype == torch.float32,
-        "memory_budget": cfg.memory_budget,
-        "return_z_loss": cfg.return_z_loss,
-        "return_token_accuracy": cfg.return_token_accuracy,
-        "return_predicted_tokens": cfg.return_predicted_tokens,
-        "return_logprobs": cfg.return_logprobs,
-        "return_entropy": cfg.return_entropy,
-    }
-
-
-def _config_from_options(class_weight: Tensor | None, options: dict[str, Any]) -> LCEConfig:
-    values = dict(options)
-    fp32 = values.pop("fp32_accumulation")
-    return LCEConfig(class_weight=class_weight, accum_dtype=torch.float32 if fp32 else None, **values)
-
-
-_OPTION_NAMES = tuple(_op_options(LCEConfig()))
-
-
-def _options_of(arguments: dict[str, Any]) -> dict[str, Any]:
-    """The option values among an op's arguments."""
-    return {name: arguments[name] for name in _OPTION_NAMES}
-
-
-def _backend_call(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str, training: bool) -> ChunkedCall:
-    """The named backend's kernels and plan for this call, rebuilt inside the op."""
+def _chunk_loop_backend(backend: str) -> Backend:
     by_name = {b.name: b for b in registered_backends()}
     if backend not in by_name or by_name[backend].chunked is None:
         chunked = sorted(name for name, b in by_name.items() if b.chunked is not None)
         raise ValueError(f"backend={backend!r}: expected a registered chunk-loop backend, one of {chunked}")
-    # Inside the op grad mode is off: the plan must be told that gradients follow.
-    return by_name[backend].chunked(flat, cfg, variant, training=training)
+    return by_name[backend]
+
+
+def _backend_call(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str, group_name: str | None,
+                  wanted: GradTargets, training: bool) -> ChunkedCall:
+    """The named backend's kernels and plan for this call, rebuilt inside the op; with a group
+    name, the vocab-parallel call over that group (its plan and Sharding)."""
+    chosen = _chunk_loop_backend(backend)
+    if group_name is None:
+        # Inside the op grad mode is off: the plan must be told that gradients follow.
+        return chosen.chunked(flat, cfg, variant, training=training)
+    # Imported here, not at the top: flce.distributed builds on this module.
+    from flce.distributed.function import sharded_call
+
+    group = torch.distributed.distributed_c10d._resolve_process_group(group_name)
+    return sharded_call(flat, cfg.replace(process_group=group), chosen, training, wanted.hidden)
 
 
 def _wanted(grad_hidden: bool, grad_weight: bool, grad_bias: bool, bias: Tensor | None) -> GradTargets:
@@ -248,6 +265,7 @@ def chunked_forward(
     *,
     backend: str,
     variant: str,
+    group_name: str | None,
     grad_hidden: bool,
     grad_weight: bool,
     grad_bias: bool,
@@ -272,16 +290,19 @@ def chunked_forward(
     of hidden, weight, bias (in-forward schedule, empty otherwise), then the row statistics
     lse, target_z, expected_z [N] that the deferred schedule's backward needs (empty otherwise).
     """
-    cfg = _config_from_options(class_weight, _options_of(locals()))
+    cfg = config_from_primitives(locals(), class_weight)
     flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
-    # prepare_inputs leaves this check to the op while torch.compile traces (it needs the values).
-    _check_target_range(target, weight.shape[0], cfg.ignore_index, sharded=False)
+    if group_name is None:
+        # prepare_inputs leaves this check to the op while torch.compile traces (it needs the values);
+        # a vocab-parallel call checks against the global vocabulary instead.
+        _check_target_range(target, weight.shape[0], cfg.ignore_index, sharded=False)
     wanted = _wanted(grad_hidden, grad_weight, grad_bias, bias)
-    call = _backend_call(backend, flat, cfg, variant, training=wanted.any)
+    call = _backend_call(backend, flat, cfg, variant, group_name, wanted, training=wanted.any)
+    cfg = call.cfg
     in_forward = wanted.any and grads_in_forward_allowed(cfg)
     plan = replace(call.plan, save_logits=False)
     state = run_forward(call.kernels, flat, cfg, plan, call.plain, grads_in_forward=wanted if in_forward else None,
-                        backward_follows=wanted.any)
+                        sharding=call.sharding, backward_follows=wanted.any)
 
     def empty() -> Tensor:
         return hidden.new_empty(0)
@@ -304,7 +325,7 @@ def chunked_forward(
 
 @chunked_forward.register_fake
 def _chunked_forward_fake(hidden, weight, bias, target, class_weight, **kw):  # noqa: ANN001, ANN003, ANN202
-    cfg = _config_from_options(None, _options_of(kw))
+    cfg = config_from_primitives(kw)
     n = target.shape[0]
     out_dtype = statistics_dtype(hidden.dtype)
 
@@ -356,6 +377,7 @@ def chunked_backward(
     *,
     backend: str,
     variant: str,
+    group_name: str | None,
     grad_hidden: bool,
     grad_weight: bool,
     grad_bias: bool,
@@ -376,10 +398,11 @@ def chunked_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Deferred-schedule backward: gradients of hidden, weight, bias (empty where not wanted)
     from forward's row statistics and the upstream gradients, recomputing each chunk's logits."""
-    cfg = _config_from_options(class_weight, _options_of(locals()))
+    cfg = config_from_primitives(locals(), class_weight)
     flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
-    call = _backend_call(backend, flat, cfg, variant, training=True)
     wanted = _wanted(grad_hidden, grad_weight, grad_bias, bias)
+    call = _backend_call(backend, flat, cfg, variant, group_name, wanted, training=True)
+    cfg = call.cfg
     with_expected_z = not call.plain and needs_expected_z(cfg)
     stats = [
         RowStats(lse=lse[rows], target_z=target_z[rows], expected_z=expected_z[rows] if with_expected_z else None)
@@ -391,7 +414,10 @@ def chunked_backward(
     grads = run_backward(
         call.kernels, flat, cfg, call.plan, call.plain, state, wanted, grad_loss,
         grad_logprobs if cfg.return_logprobs else None, grad_entropy if cfg.return_entropy else None,
+        sharding=call.sharding,
     )
+    if call.sharding is not None and grads[0] is not None and grads[0].numel():
+        call.sharding.reduce_grad_hidden(grads[0])
     return tuple(hidden.new_empty(0) if g is None else g for g in grads)
 
 
@@ -414,7 +440,7 @@ _STATS = slice(9, 12)
 def _forward_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:  # noqa: ANN001
     hidden, weight, bias, target, class_weight = inputs
     kw = keyword_only_inputs
-    cfg = _config_from_options(None, _options_of(kw))
+    cfg = config_from_primitives(kw)
     wanted = _wanted(kw["grad_hidden"], kw["grad_weight"], kw["grad_bias"], bias)
     ctx.kw = kw
     ctx.wanted = wanted
@@ -429,6 +455,16 @@ def _forward_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:  #
 
 
 def _forward_backward(ctx, grad_loss, _z, _acc, _pred, grad_logprobs, grad_entropy, *_unused):  # noqa: ANN001, ANN002, ANN202
+    # Eager calls of the op only: AOTAutograd traces this formula and refuses double backward itself.
+    create_graph = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    if create_graph:
+        with torch.no_grad():
+            grads = _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
+        return (*first_order_only(grads[:3], create_graph=True), None, None)
+    return _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
+
+
+def _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy):  # noqa: ANN001, ANN202
     wanted = ctx.wanted
     asked = (wanted.hidden, wanted.weight, wanted.bias)
     if not wanted.any:
@@ -443,6 +479,11 @@ def _forward_backward(ctx, grad_loss, _z, _acc, _pred, grad_logprobs, grad_entro
         scale = grad_loss.reshape(())
         grads = tuple((g.to(scale.dtype) * scale).to(g.dtype) if a else None
                       for g, a in zip(saved, asked, strict=True))
+        group_name = ctx.kw["group_name"]
+        if group_name is not None and grads[0] is not None:
+            # Each rank's grad_hidden covers its vocabulary shard: their sum is the gradient. A
+            # functional collective, so that the compiled backward graph holds it.
+            grads = (_c10d.wait_tensor(_c10d.all_reduce(grads[0], "sum", group_name)), *grads[1:])
     else:
         hidden, weight, bias, target, class_weight, lse, target_z, expected_z = ctx.saved_tensors
         results = torch.ops.flce.chunked_backward(
@@ -457,17 +498,17 @@ chunked_forward.register_autograd(_forward_backward, setup_context=_forward_setu
 
 
 def apply_chunked_op(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str) -> Tensor | LCEOutput:
-    """The call through the custom ops (what torch.compile sees): same results as apply_chunked."""
-    if cfg.process_group is not None:
-        raise ValueError("process_group: vocab-parallel calls run through apply_chunked, not the custom op")
+    """The call through the custom ops (what torch.compile sees): same results as apply_chunked.
+    A process group travels by name, as torch's functional collectives carry theirs."""
     grad_mode = torch.is_grad_enabled()
     outputs = torch.ops.flce.chunked_forward(
         flat.hidden, flat.weight, flat.bias, flat.target, cfg.class_weight,
         backend=backend,
         variant=variant,
+        group_name=None if cfg.process_group is None else cfg.process_group.group_name,
         grad_hidden=grad_mode and flat.hidden.requires_grad,
         grad_weight=grad_mode and flat.weight.requires_grad,
         grad_bias=grad_mode and flat.bias is not None and flat.bias.requires_grad,
-        **_op_options(cfg),
+        **primitive_options(cfg),
     )
     return _as_result(_shape_outputs(tuple(outputs[_USER_OUTPUTS]), cfg, flat.token_shape), cfg)

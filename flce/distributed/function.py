@@ -18,51 +18,52 @@ import torch
 import torch.distributed as dist
 
 from flce.backends.chunk_driver import ChunkPlan, Sharding
-from flce.backends.chunked_function import apply_chunked, run_backend
+from flce.backends.chunked_function import ChunkedCall, apply_chunked, apply_chunked_op, needs_autograd, run_backend
 from flce.config import LCEConfig
 from flce.distributed import checks, collectives
 from flce.distributed.shards import VocabShard, group_size, vocab_shard
 from flce.inputs import FlatInputs
 from flce.outputs import LCEOutput
-from flce.registry import Backend, Candidates, choose_for_call
-
-
-def _chunked_candidates(candidates: Candidates) -> Candidates:
-    """Only backends built on the shared chunk loop can scan one vocabulary shard."""
-    usable = tuple(b for b in candidates.backends if b.chunked is not None)
-    skipped = tuple((b.name, "does not expose a chunked call, so it cannot scan a vocabulary shard")
-                    for b in candidates.backends if b.chunked is None)
-    if candidates.explicit and skipped:
-        name = skipped[0][0]
-        raise ValueError(f"backend {name!r} cannot serve process_group: it does not expose a chunked call")
-    return Candidates(usable, candidates.explicit, candidates.passed_over + skipped)
+from flce.registry import Backend
 
 
 def vocab_parallel_linear_cross_entropy(
-    flat: FlatInputs, cfg: LCEConfig, candidates: Candidates, variant: str = "auto"
+    flat: FlatInputs, cfg: LCEConfig, backend: Backend, variant: str
 ) -> torch.Tensor | LCEOutput:
     """The loss (or LCEOutput) of a call whose ``cfg.process_group`` shards the vocabulary.
 
     ``flat.weight``/``flat.bias`` are this rank's contiguous shard (shards in group-rank order,
     sizes may differ); ``flat.target`` holds global ids; ``cfg.class_weight``, when given, is the
-    global ``[V]`` vector, the same on every rank. ``variant`` only matters for a group of one
-    rank, which runs exactly the unsharded path.
+    global ``[V]`` vector, the same on every rank. ``backend`` is a chunk-loop backend
+    (flce.registry.dispatch chose it); ``variant`` ("plain" or "full") only matters for a group
+    of one rank, which runs exactly the unsharded path. Under torch.compile the call is the
+    custom op, which carries the group by name and runs :func:`sharded_call` inside.
     """
     group = cfg.process_group
     if group_size(group) == 1:
-        return _single_rank(flat, cfg, candidates, variant)
+        return _single_rank(flat, cfg, backend, variant)
+    if torch.compiler.is_compiling():
+        # The shard's scan is the "full" variant's: only it produces combinable statistics.
+        return apply_chunked_op(backend.name, flat, cfg, "full")
+    training = needs_autograd(flat)
+    return apply_chunked(flat, sharded_call(flat, cfg, backend, training, training and flat.hidden.requires_grad))
+
+
+def sharded_call(flat: FlatInputs, cfg: LCEConfig, backend: Backend, training: bool,
+                 needs_grad_hidden: bool) -> ChunkedCall:
+    """The backend's kernels and a plan every rank shares, with the Sharding that combines row
+    statistics and completes grad_hidden: for the eager Function and inside the custom op."""
+    group = cfg.process_group
     if checks.debug_checks_enabled():
         # Before the layout exchange: its collective is skipped on ranks that have it cached.
-        needs_grad_hidden = torch.is_grad_enabled() and flat.hidden.requires_grad
         checks.check_ranks_agree(flat, cfg, needs_grad_hidden, group)
     shard = vocab_shard(group, flat.weight)
     checks.check_target_range(flat.target, shard.global_vocab, cfg.ignore_index)
     checks.check_class_weight(cfg, shard.global_vocab)
-    backend: Backend = choose_for_call(_chunked_candidates(candidates), cfg, flat)
-    chunked = backend.chunked(flat, cfg, "full")
-    plan = _agreed_plan(backend, chunked.plan, flat, cfg, shard)
+    chunked = backend.chunked(flat, cfg, "full", training=training)
+    plan = _agreed_plan(backend, chunked.plan, flat, cfg, shard, training)
     # The shard-local scan is the "full" variant's: only it produces combinable statistics.
-    call = replace(chunked, plan=plan, plain=False, sharding=Sharding(
+    return replace(chunked, plan=plan, plain=False, sharding=Sharding(
         vocab_offset=shard.offset,
         global_vocab=shard.global_vocab,
         combine=functools.partial(collectives.combine_row_stats, group=group),
@@ -70,10 +71,10 @@ def vocab_parallel_linear_cross_entropy(
         # call's only backward collective.
         reduce_grad_hidden=functools.partial(collectives.all_reduce_, op=dist.ReduceOp.SUM, group=group),
     ))
-    return apply_chunked(flat, call)
 
 
-def _agreed_plan(backend: Backend, own: ChunkPlan, flat: FlatInputs, cfg: LCEConfig, shard: VocabShard) -> ChunkPlan:
+def _agreed_plan(backend: Backend, own: ChunkPlan, flat: FlatInputs, cfg: LCEConfig, shard: VocabShard,
+                 training: bool) -> ChunkPlan:
     """A chunk plan every rank computes identically.
 
     Each chunk issues the combine collectives, so all ranks must cut the tokens the same way;
@@ -92,14 +93,12 @@ def _agreed_plan(backend: Backend, own: ChunkPlan, flat: FlatInputs, cfg: LCECon
         bias=None if flat.bias is None else flat.bias[:1].expand(largest),
         token_shape=flat.token_shape,
     )
-    return backend.chunked(stand_in, cfg, "full").plan
+    return backend.chunked(stand_in, cfg, "full", training=training).plan
 
 
-def _single_rank(flat: FlatInputs, cfg: LCEConfig, candidates: Candidates, variant: str) -> torch.Tensor | LCEOutput:
+def _single_rank(flat: FlatInputs, cfg: LCEConfig, backend: Backend, variant: str) -> torch.Tensor | LCEOutput:
     """A group of one rank holds the whole vocabulary: exactly the unsharded path."""
     cfg = cfg.replace(process_group=None)
     # prepare_inputs skipped the range check because a group was set; the shard is the vocabulary here.
     checks.check_target_range(flat.target, flat.weight.shape[0], cfg.ignore_index)
-    if variant == "auto":
-        variant = "full" if cfg.needs_full else "plain"
-    return run_backend(choose_for_call(candidates, cfg, flat), flat, cfg, variant)
+    return run_backend(backend, flat, cfg, variant)

@@ -38,6 +38,18 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
     _registry[backend.name] = backend
 
 
+def backend_named(name: str) -> Backend:
+    """The registered backend called ``name`` (a name selection has already resolved)."""
+    return _registry[name]
+
+
+def registry_state() -> tuple[tuple[str, Backend], ...]:
+    """What is registered now, hashable: memoised selections are keyed by it, so registering or
+    replacing a backend is seen at once."""
+    _load_builtins()
+    return tuple(_registry.items())
+
+
 def registered_backends() -> list[Backend]:
     _load_builtins()
     return sorted(_registry.values(), key=lambda b: -b.priority)

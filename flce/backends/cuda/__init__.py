@@ -77,8 +77,21 @@ def _tuning_working_bytes(shape: TuneShape, params: dict) -> int:
     return min(rows, shape.tokens) * shape.vocab * shape.dtype.itemsize
 
 
+def _tuning_heuristic(shape: TuneShape) -> dict:
+    """The chunk, launch and forward-path knobs the planner picks with nothing cached (a training
+    call). The gradient schedule is left out: the planner picks it per call from the budget."""
+    from flce.backends.cuda.gemm_ops import default_gemm_config
+    from flce.backends.cuda.ops import launch_params, plan_chunks
+
+    plan = plan_chunks(shape.stand_in_inputs(), LCEConfig(), training=True)
+    launch = launch_params(shape.vocab)
+    return {"tokens_per_chunk": plan.tokens_per_chunk, "block_v": launch.block_v, "num_warps": launch.num_warps,
+            "forward_logits": "fused" if plan.fused_logits else "cublas",
+            **default_gemm_config(shape.device, shape.dtype).as_params()}
+
+
 # The default (plain, in-forward gradient) schedule never keeps logits, so the save limit is
 # not worth device time to tune.
 register_tuning_space(TuningSpace("cuda", candidates=_tuning_candidates, working_bytes=_tuning_working_bytes,
-                                  tunes_logits_save_limit=False,
+                                  tunes_logits_save_limit=False, heuristic=_tuning_heuristic,
                                   inference_overlays=({"forward_stats": "fused"}, {"forward_stats": "cublas"})))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flce.backends.reference import tuning  # noqa: F401  (registers the tuning space)
 from flce.backends.reference.function import reference_chunked_call, reference_linear_cross_entropy
 from flce.config import LCEConfig
 from flce.inputs import FlatInputs

@@ -1,0 +1,31 @@
+"""The reference backend's tuning space: token-chunk sizes, registered with flce.autotune."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from flce.autotune import TuneShape, TuningSpace, register_tuning_space
+from flce.autotune.schema import Scalar
+from flce.autotune.spaces import Params, chunk_candidates
+from flce.backends.reference.ops import plan_chunks, working_bytes_per_row
+from flce.config import LCEConfig
+
+
+def _candidates(shape: TuneShape, quick: bool) -> list[Params]:
+    return [{"tokens_per_chunk": n} for n in chunk_candidates(shape.tokens, quick)]
+
+
+def _working_bytes(shape: TuneShape, params: Mapping[str, Scalar]) -> int:
+    # The planner's own per-row figure (it depends on the device).
+    rows = min(int(params.get("tokens_per_chunk") or shape.tokens), shape.tokens)
+    return rows * working_bytes_per_row(shape.stand_in_inputs())
+
+
+def _heuristic(shape: TuneShape) -> Params:
+    # The chunk depends on the memory budget alone, not on the other options: default ones do.
+    plan = plan_chunks(shape.stand_in_inputs(), LCEConfig(), shape.variant)
+    return {"tokens_per_chunk": plan.tokens_per_chunk}
+
+
+register_tuning_space(TuningSpace("reference", candidates=_candidates, working_bytes=_working_bytes,
+                                  heuristic=_heuristic))
