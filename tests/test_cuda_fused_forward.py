@@ -77,14 +77,16 @@ def test_interpreter_inference(options, fused_calls):  # noqa: ANN001
 @interpreter_only
 @pytest.mark.parametrize("options", [OPTION_CASES[0], OPTION_CASES[4], OPTION_CASES[-1]],
                          ids=["plain", "logprobs-entropy", "everything"])
-def test_interpreter_deferred_schedule(options, fused_calls):  # noqa: ANN001
+@pytest.mark.parametrize("backward_grad", ["fused", "cublas"])
+def test_interpreter_deferred_schedule(options, backward_grad, fused_calls):  # noqa: ANN001
     """reduction="none": forward statistics from the fused GEMM (all rows, one launch, sliced per
-    chunk), backward recomputes each chunk's logits; gradients for any upstream gradient."""
+    chunk); backward recomputes each chunk's gradient with the gradient GEMM (fused) or a GEMM and
+    the row kernel (cublas); gradients for any upstream gradient."""
     n, h, v = 21, 24, 203
     options = _options(options, v, "cpu")
     x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
     # 8-row chunks and no saved logits: backward's chunks must line up with the sliced statistics.
-    knobs = dict(SMALL_TILES, tokens_per_chunk=8, grad_schedule="token_chunks")
+    knobs = dict(SMALL_TILES, tokens_per_chunk=8, grad_schedule="token_chunks", backward_grad=backward_grad)
     with override_params(knobs, logits_save_limit_bytes=0, backend="cuda"):
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction="none", **options)
     assert fused_calls == [torch.Size([n, h])]
@@ -258,7 +260,7 @@ def test_gpu_fused_deferred_matches_cublas_path(dtype, fused_calls):  # noqa: AN
 
 
 @interpreter_only
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-stats", "scanned-stats"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-gemms", "cublas-and-row-kernels"])
 @pytest.mark.parametrize(("options", "reduction"), [({}, "mean"), (OPTION_CASES[-1], "sum"),
                                                     (OPTION_CASES[4], "none"), (OPTION_CASES[6], "mean")],
                          ids=["plain-mean", "everything-sum", "rl-none", "weights-smoothing"])
@@ -269,7 +271,8 @@ def test_interpreter_vocab_block_gradients(options, reduction, fused, monkeypatc
     n, h, v = 21, 24, 203
     options = _options(options, v, "cpu")
     x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
-    knobs = dict(SMALL_TILES, forward_stats="fused" if fused else "cublas", grad_schedule="vocab_blocks",
+    path = "fused" if fused else "cublas"
+    knobs = dict(SMALL_TILES, forward_stats=path, backward_grad=path, grad_schedule="vocab_blocks",
                  grad_vocab_block=64)  # 4 blocks, the last one ragged
     from flce.backends.cuda.function import cuda_chunked_call
     from flce.config import LCEConfig

@@ -83,6 +83,14 @@ class ChunkKernels(Protocol):
         also writes the logits into ``logits_out`` when given and materialises nothing otherwise.
         Called only when the plan sets ``fused_stats``."""
 
+    def gemm_grad(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+        cfg: LCEConfig, vocab_offset: int, lse: torch.Tensor, coeffs: GradCoefficients,
+    ) -> torch.Tensor:
+        """d loss / d u of the logits hidden @ weight.T + bias from one GEMM whose epilogue applies
+        semantics.py's formula, so the logits never reach memory. Called only when the plan sets
+        ``fused_grad``."""
+
     def accumulate_fp32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """acc += a @ b with fp32 accumulation, for low-precision a and b, without a full-size temporary."""
 
@@ -111,6 +119,9 @@ class ChunkPlan:
     # written once, where token chunks would read-modify-write all of it once per chunk; the price
     # is one more GEMM (the logits are recomputed) and a read-modify-write of grad_hidden per block.
     grad_vocab_block: int | None = None
+    # Schedules that recompute logits in backward take d loss / d u from one GEMM with the gradient
+    # in its epilogue (kernels.gemm_grad) instead of a GEMM and a row kernel over the logits.
+    fused_grad: bool = False
 
 
 @dataclass
@@ -238,7 +249,7 @@ def run_forward(
         terms = row_terms(stats, target, cfg, vocab)
         loss, z_loss = reduce_terms(terms, cfg, denoms)
         g_ce, g_z = upstream_scales(cfg, denoms, one, slice(None), n_rows)
-        grads = vocab_block_gradients(kernels, flat, cfg, plan.grad_vocab_block, stats,
+        grads = vocab_block_gradients(kernels, flat, cfg, plan, stats,
                                       grad_coefficients(stats, target, cfg, vocab, g_ce, g_z, None, None),
                                       grads_in_forward)
         return ForwardState(loss=loss, z_loss=z_loss, extras=extras(stats, terms, target, cfg, denoms),
@@ -360,8 +371,8 @@ def _all_row_stats(kernels: ChunkKernels, flat: FlatInputs, cfg: LCEConfig, plan
 
 
 def vocab_block_gradients(
-    kernels: ChunkKernels, flat: FlatInputs, cfg: LCEConfig, block: int, stats: RowStats, coeffs: GradCoefficients,
-    wanted: GradTargets,
+    kernels: ChunkKernels, flat: FlatInputs, cfg: LCEConfig, plan: ChunkPlan, stats: RowStats,
+    coeffs: GradCoefficients, wanted: GradTargets,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of all rows by vocabulary blocks: each block's logits are recomputed by one GEMM
     and turned into d loss / d u in place; that block's rows of grad_weight (and grad_bias) are
@@ -376,13 +387,16 @@ def vocab_block_gradients(
         grad_weight = (torch.zeros if fp32_acc else torch.empty)(
             w.shape, dtype=torch.float32 if fp32_acc else w.dtype, device=w.device)
     grad_bias = torch.empty_like(flat.bias) if wanted.bias and flat.bias is not None else None
-    for start in range(0, w.shape[0], block):
-        cols = slice(start, start + block)
-        if flat.bias is None:
-            logits = torch.mm(x, w[cols].t())
+    assert plan.grad_vocab_block is not None
+    for start in range(0, w.shape[0], plan.grad_vocab_block):
+        cols = slice(start, start + plan.grad_vocab_block)
+        bias = None if flat.bias is None else flat.bias[cols]
+        if plan.fused_grad:
+            grad = kernels.gemm_grad(x, w[cols], bias, target, cfg, start, stats.lse, coeffs)
         else:
-            logits = torch.addmm(flat.bias[cols], x, w[cols].t())
-        grad = kernels.full_grad_(logits, target, cfg, start, stats.lse, coeffs)
+            logits = torch.mm(x, w[cols].t()) if bias is None else torch.addmm(bias, x, w[cols].t())
+            grad = kernels.full_grad_(logits, target, cfg, start, stats.lse, coeffs)
+            del logits
         if grad_hidden is not None:
             if fp32_acc:
                 kernels.accumulate_fp32_(grad_hidden, grad, w[cols])
@@ -395,7 +409,7 @@ def vocab_block_gradients(
                 torch.mm(grad.t(), x, out=grad_weight[cols])
         if grad_bias is not None:
             grad_bias[cols] = grad.sum(0, dtype=statistics_dtype(grad.dtype))
-        del logits, grad
+        del grad
     return (None if grad_hidden is None else grad_hidden.to(x.dtype),
             None if grad_weight is None else grad_weight.to(w.dtype), grad_bias)
 
@@ -436,26 +450,34 @@ def run_backward(
             stats, target, cfg, vocab, g_ce, g_z,
             None if grad_logprobs is None else grad_logprobs.reshape(-1),
             None if grad_entropy is None else grad_entropy.reshape(-1))
-        return vocab_block_gradients(kernels, flat, cfg, plan.grad_vocab_block, stats, coeffs, wanted)
+        return vocab_block_gradients(kernels, flat, cfg, plan, stats, coeffs, wanted)
     acc = _GradAccumulator(kernels, flat, cfg, wanted)
     # The saved logits are overwritten by the grad kernels: a second backward must recompute.
     state.saved_logits = None
     for k, rows in enumerate(chunk_bounds(target.shape[0], plan.tokens_per_chunk)):
-        logits = saved[k] if saved is not None else chunk_logits(flat, rows)
         t = target[rows]
         stats = state.stats[k]
         g_ce, g_z = upstream_scales(cfg, state.denoms, grad_loss, rows, t.shape[0])
-        if plain:
-            grad = kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, g_ce)
-        else:
+        coeffs = None
+        if not plain or (plan.fused_grad and saved is None):
             coeffs = grad_coefficients(
                 stats, t, cfg, vocab, g_ce, g_z,
                 None if grad_logprobs is None else grad_logprobs.reshape(-1)[rows],
                 None if grad_entropy is None else grad_entropy.reshape(-1)[rows],
             )
-            grad = kernels.full_grad_(logits, t, cfg, vocab_offset, stats.lse, coeffs)
+        if plan.fused_grad and saved is None:
+            assert coeffs is not None
+            grad = kernels.gemm_grad(flat.hidden[rows], flat.weight, flat.bias, t, cfg, vocab_offset, stats.lse,
+                                     coeffs)
+        else:
+            logits = saved[k] if saved is not None else chunk_logits(flat, rows)
+            if coeffs is None:
+                grad = kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, g_ce)
+            else:
+                grad = kernels.full_grad_(logits, t, cfg, vocab_offset, stats.lse, coeffs)
+            del logits
         acc.add(grad, rows)
-        del logits, grad
+        del grad
         if saved is not None:
             saved[k] = None  # type: ignore[call-overload]  # free each saved chunk once used
     return acc.result()

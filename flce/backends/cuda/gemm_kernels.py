@@ -1,8 +1,10 @@
 """Fused GEMM kernels of the CUDA backend (device code only).
 
 :func:`_gemm_grad_kernel` (end of the file) computes a logits tile and writes d loss / d u in its
-place, for the schedules that recompute logits in backward. :func:`_gemm_row_stats_kernel` computes logits tiles ``u = x @ W.T (+ b)`` with ``tl.dot`` (wgmma on
-Hopper) and reduces each tile in registers to row statistics, so a forward that needs only
+place, for the schedules that recompute logits in backward.
+
+:func:`_gemm_row_stats_kernel` computes logits tiles ``u = x @ W.T (+ b)`` with ``tl.dot`` (wgmma
+on Hopper) and reduces each tile in registers to row statistics, so a forward that needs only
 statistics never writes the ``[tokens, V]`` logits to memory. Each program owns one block of
 BLOCK_M token rows and one *split* of the vocabulary (a run of consecutive BLOCK_N tiles); it walks
 its tiles carrying running statistics, FlashAttention-style, and writes one partial result per

@@ -1,5 +1,5 @@
 """Launchers of the fused GEMM kernels (gemm_kernels.py): tile configuration, vocabulary splits,
-tensor descriptors, and the merge of per-split partial statistics.
+tensor descriptors, the merge of per-split partial statistics, and the gradient GEMM.
 
 The fused forward computes row statistics straight from ``x`` and ``W``: one GEMM's work, no logits
 in memory. Its working memory is the ``[splits, tokens]`` partials (a few MiB), so an inference
@@ -17,7 +17,7 @@ import triton.language as tl
 
 from flce.backends.cuda import gemm_kernels
 from flce.config import LCEConfig
-from flce.semantics import PartialRowStats, needs_argmax, needs_expected_z, needs_weighted_sum_z
+from flce.semantics import GradCoefficients, PartialRowStats, needs_argmax, needs_expected_z, needs_weighted_sum_z
 
 LN2 = math.log(2.0)
 # Programs per SM the split heuristic plans for: one [128, 128..256] tile program fills an SM's
@@ -136,14 +136,7 @@ def gemm_row_stats(
     if cfg.class_weight is not None:
         class_weight = cfg.class_weight[vocab_offset:vocab_offset + vocab].float().contiguous()
     block_k = min(config.block_k, max(16, triton.next_power_of_2(hidden)))
-    use_tma = config.tma and _uses_tma(x, w)
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        x_arg = TensorDescriptor.from_tensor(x, [config.block_m, block_k])
-        w_arg = TensorDescriptor.from_tensor(w, [config.block_n, block_k])
-    else:
-        x_arg, w_arg = x, w
+    x_arg, w_arg, use_tma = _operands(x, w, config, block_k)
     softcap = float(cfg.softcap or 1.0)
     grid = (triton.cdiv(n, config.block_m) * splits,)
     gemm_kernels._gemm_row_stats_kernel[grid](
@@ -185,3 +178,50 @@ def _merge_splits(stats: PartialRowStats, part_max, part_sum, part_sum_y, part_w
         # The first split that reaches the row maximum holds the first maximal index.
         first_split = (part_max == row_max).to(torch.int8).argmax(0, keepdim=True)
         stats.argmax.copy_(part_argmax.gather(0, first_split).squeeze(0))
+
+
+def gemm_grad(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, cfg: LCEConfig,
+    vocab_offset: int, lse: torch.Tensor, coeffs: GradCoefficients, config: GemmConfig,
+) -> torch.Tensor:
+    """d loss / d u [n, V] of the logits x @ w.T + bias, computed tile by tile from the row lse and
+    the per-row coefficients (semantics.grad_coefficients), in x's dtype; no logits in memory."""
+    n, hidden = x.shape
+    vocab = w.shape[0]
+    grad = torch.empty(n, vocab, dtype=x.dtype, device=x.device)
+    if n == 0 or vocab == 0:
+        return grad
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    class_weight = None
+    if cfg.class_weight is not None:
+        class_weight = cfg.class_weight[vocab_offset:vocab_offset + vocab].float().contiguous()
+    a, d = coeffs.a.float().contiguous(), coeffs.d.float().contiguous()
+    h = coeffs.h.float().contiguous() if coeffs.h is not None else a
+    e = coeffs.e.float().contiguous() if coeffs.e is not None else a
+    block_k = min(config.block_k, max(16, triton.next_power_of_2(hidden)))
+    x_arg, w_arg, use_tma = _operands(x, w, config, block_k)
+    grid = (triton.cdiv(n, config.block_m) * triton.cdiv(vocab, config.block_n),)
+    gemm_kernels._gemm_grad_kernel[grid](
+        x_arg, w_arg, bias if bias is not None else a, class_weight if class_weight is not None else a,
+        target, lse.float().contiguous(), a, h, d, e, grad, grad.stride(0),
+        n, vocab, hidden, x.stride(0), w.stride(0), vocab_offset, float(cfg.softcap or 1.0), 1.0 / cfg.temperature,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=cfg.softcap is not None, HAS_CLASS_WEIGHT=class_weight is not None,
+        HAS_H=coeffs.h is not None, HAS_E=coeffs.e is not None,
+        LOGITS_DTYPE=_TRITON_DTYPES[x.dtype], USE_TMA=use_tma, IEEE=x.dtype == torch.float32,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+    )
+    return grad
+
+
+def _operands(x: torch.Tensor, w: torch.Tensor, config: GemmConfig, block_k: int) -> tuple:
+    """(x, w) as the kernels take them: tensor descriptors where TMA applies, else the tensors."""
+    if not (config.tma and _uses_tma(x, w)):
+        return x, w, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor.from_tensor(x, [config.block_m, block_k]),
+            TensorDescriptor.from_tensor(w, [config.block_n, block_k]), True)

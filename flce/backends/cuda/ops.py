@@ -15,7 +15,7 @@ import triton
 from flce.autotune import tuned_params
 from flce.backends.chunk_driver import ChunkPlan, grads_in_forward_allowed, scan_vocab_blocks
 from flce.backends.cuda import kernels
-from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_row_stats
+from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_grad, gemm_row_stats
 from flce.backends.memory import MiB, default_logits_save_limit
 from flce.config import LCEConfig
 from flce.inputs import FlatInputs
@@ -64,6 +64,7 @@ class TunedKnobs:
     # no logits, forward_logits for the schedules that turn each chunk's logits into the gradient.
     forward_stats: str | None = None
     forward_logits: str | None = None
+    backward_grad: str | None = None  # "fused" (gemm_grad) or "cublas", where backward recomputes logits
     # "vocab_blocks" (ChunkPlan.grad_vocab_block) or "token_chunks", and the block's columns
     grad_schedule: str | None = None
     grad_vocab_block: int | None = None
@@ -94,6 +95,7 @@ def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
     return TunedKnobs(tokens_per_chunk=positive_int("tokens_per_chunk"), launch=launch,
                       logits_save_limit=limit if isinstance(limit, int) and limit >= 0 else None,
                       forward_stats=path("forward_stats"), forward_logits=path("forward_logits"),
+                      backward_grad=path("backward_grad"),
                       gemm=GemmConfig.from_params(params),
                       grad_schedule=params["grad_schedule"] if params.get("grad_schedule") in GRAD_SCHEDULES else None,
                       grad_vocab_block=positive_int("grad_vocab_block"))
@@ -158,7 +160,9 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
             grad_vocab_block = min(columns - columns % MIN_VOCAB_BLOCK, vocab)
     return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit, vocab_block=vocab_block,
                      fused_stats=fused_stats, fused_logits=tuned.forward_logits == "fused",
-                     grad_vocab_block=grad_vocab_block)
+                     grad_vocab_block=grad_vocab_block,
+                     fused_grad=(fused_forward_default(flat) if tuned.backward_grad is None
+                                 else tuned.backward_grad == "fused"))
 
 
 def _vocab_blocks_pay(cfg: LCEConfig, n_rows: int, vocab: int, chunk: int, logits_saved: bool) -> bool:
@@ -189,7 +193,7 @@ def _scale_stride(t: torch.Tensor) -> int:
 
 
 _log = logging.getLogger("flce")
-# (device, dtype, GemmConfig) whose fused kernel failed to compile or launch: served by the fallback.
+# (kernel, device, dtype, GemmConfig) whose fused kernel failed to compile: served by the fallback.
 _failed_gemm_configs: set[tuple] = set()
 
 
@@ -205,7 +209,7 @@ class TritonChunkKernels:
     def gemm_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,  # noqa: ANN001
                        logits_out=None) -> PartialRowStats:  # noqa: ANN001
         config = self.gemm or default_gemm_config(hidden.device, hidden.dtype)
-        key = (hidden.device, hidden.dtype, config)
+        key = ("stats", hidden.device, hidden.dtype, config)
         if key not in _failed_gemm_configs:
             try:
                 return gemm_row_stats(hidden, weight, bias, target, cfg, vocab_offset, config, logits_out)
@@ -224,6 +228,20 @@ class TritonChunkKernels:
         budget_columns = INFERENCE_CHUNK_BUDGET // max(1, target.shape[0] * hidden.element_size())
         block = max(MIN_VOCAB_BLOCK, budget_columns - budget_columns % MIN_VOCAB_BLOCK)
         return scan_vocab_blocks(self, hidden, weight, bias, target, cfg, vocab_offset, block)
+
+    def gemm_grad(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int, lse,  # noqa: ANN001, ANN201
+                  coeffs: GradCoefficients):
+        config = self.gemm or default_gemm_config(hidden.device, hidden.dtype)
+        key = ("grad", hidden.device, hidden.dtype, config)
+        if key not in _failed_gemm_configs:
+            try:
+                return gemm_grad(hidden, weight, bias, target, cfg, vocab_offset, lse, coeffs, config)
+            except (triton.CompilationError, triton.OutOfResources) as error:
+                _failed_gemm_configs.add(key)
+                _log.warning("flce: the fused gradient kernel failed on %s %s with %s (%s); using cuBLAS GEMMs "
+                             "and row kernels instead", hidden.device, hidden.dtype, config, error)
+        logits = torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
+        return self.full_grad_(logits, target, cfg, vocab_offset, lse, coeffs)
 
     def plain_loss(self, logits, target, ignore_index, grad_scale):  # noqa: ANN001, ANN201
         n, vocab = logits.shape
