@@ -74,10 +74,10 @@ def test_block_never_exceeds_the_ub_share(kernel, dtype):  # noqa: ANN001
 
 
 def test_footprint_counts_buffered_tiles_twice():
-    footprint = ops.TileFootprint(io_tiles=2, fp32_input_tiles=1, fp32_temporaries=3, index_tiles=1, mask_tiles=2)
-    # 2 x (2 tiles x 2 bytes + 1 tile x 4 bytes) + 3 x 4 + 1 x 4 + 2 x 1
-    assert footprint.bytes_per_element(2) == 16 + 12 + 4 + 2
-    assert footprint.bytes_per_element(4) == 24 + 12 + 4 + 2
+    footprint = ops.TileFootprint(io_tiles=2, fp32_input_tiles=1, broadcast_tiles=1, fp32_temporaries=3, mask_tiles=2)
+    # 2 x (2 tiles x 2 bytes + 1 tile x 4 bytes) + (1 + 3) x 4 + 2 x 1
+    assert footprint.bytes_per_element(2) == 16 + 16 + 2
+    assert footprint.bytes_per_element(4) == 24 + 16 + 2
 
 
 def test_blocks_on_a_910b_leave_the_margin():
