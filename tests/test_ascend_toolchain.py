@@ -137,3 +137,17 @@ def test_every_variant_lowers_and_fits_the_ub(tmp_path):  # noqa: ANN001
         assert needed in contexts, needed
     # The blocks the tiling picks differ between a 192 KiB and a 256 KiB UB, and all were compiled.
     assert len({r["block"] for r in results if r["kernel"] == "_full_grad_kernel"}) >= 2
+
+
+def test_info_in_the_triton_ascend_environment_says_why_unavailable():
+    """`python -m flce info` with triton-ascend installed but no torch_npu, NPU or CANN."""
+    if not ASCEND_PYTHON.exists():
+        pytest.skip(f"{ASCEND_PYTHON} is missing: build it with `make ascend-venv` (make test does)")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([str(ASCEND_PYTHON), "-m", "flce", "info"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = next(line for line in proc.stdout.splitlines() if line.lstrip().startswith("ascend"))
+    assert "no Ascend NPU: torch_npu is not installed" in row, row
+    assert "triton-ascend 3.2.0 is installed" in row and "bishengir-compile" in row, row

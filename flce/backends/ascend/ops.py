@@ -166,8 +166,8 @@ class TileFootprint:
 # loop uses (lse, target, scale, softcap, constants such as 1.0 and -2.0) and the column indices into
 # full tiles before the loop; they stay allocated through it unless BiSheng folds them later.
 FOOTPRINTS = {
-    # load; x in fp32, x - max, exp
-    "plain_loss": TileFootprint(io_tiles=1, fp32_input_tiles=0, broadcast_tiles=0, fp32_temporaries=3, mask_tiles=0),
+    # load; x in fp32, x - max, exp; the byte of "mask" covers the 0-d values (running max, sums)
+    "plain_loss": TileFootprint(io_tiles=1, fp32_input_tiles=0, broadcast_tiles=0, fp32_temporaries=3, mask_tiles=1),
     # load + store; lse, target, scale, 1.0, column indices; x, p, p - onehot; onehot
     "plain_grad": TileFootprint(io_tiles=2, fp32_input_tiles=0, broadcast_tiles=5, fp32_temporaries=3, mask_tiles=1),
     # load, class weights; softcap, constants, temperature, -inf, column indices, ...; five fp32
