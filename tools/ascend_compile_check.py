@@ -44,6 +44,8 @@ from pathlib import Path
 from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
+# With the interpreter on, @triton.jit makes interpreted functions, which cannot be compiled.
+os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 

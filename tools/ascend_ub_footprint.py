@@ -24,8 +24,7 @@ What it cannot see is what BiSheng does after this IR: fusing a broadcast scalar
 vector-scalar instruction or computing in place (both shrink the footprint), and its scratch for
 reductions and type conversions, alignment of each buffer to 32 bytes, and any buffers its own
 tiling adds (which grow it). The estimate is therefore a reading of the IR, not BiSheng's figure;
-on an NPU, ``TRITON_ASCEND_PRINT_UB_BITS``-style output of BiSheng (``UB size = N bits``) is
-the real one.
+with CANN, ``ENABLE_PRINT_UB_BITS=1`` makes triton-ascend print BiSheng's (``UB size = N bits``).
 
 Standard library only: it runs in the triton-ascend virtual environment and in the tests.
 """
