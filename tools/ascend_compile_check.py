@@ -218,7 +218,7 @@ def _footprint_name(kernel: str, constants: dict) -> str:
     return kernel.removeprefix("_").removesuffix("_kernel")
 
 
-def compile_variant(kernel: str, launch: Launch, arch: str) -> dict:
+def compile_variant(launch: Launch, arch: str) -> dict:
     """ttir and ttadapter of one launch in a fresh Triton cache; the IR's UB footprint."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -250,7 +250,7 @@ def compile_variant(kernel: str, launch: Launch, arch: str) -> dict:
             "ir_live_at_peak": [f"{b.value} {b.kind} {b.bytes}" for b in peak.live_at_peak] if peak else []}
 
 
-def _compile_job(job: tuple[str, Launch, str]) -> dict:
+def _compile_job(job: tuple[Launch, str]) -> dict:
     return compile_variant(*job)
 
 
@@ -279,7 +279,7 @@ def run(socs: tuple[str, ...], vocabs: tuple[int, ...], dtypes: tuple[str, ...],
         if ub < variant.ub_bytes:
             variant.ub_bytes, variant.ub_share_bytes = ub, int(ub * ops.UB_SAFETY_FRACTION)
     keys = list(variants)
-    jobs_list = [(firsts[k].kernel, firsts[k], firsts[k].context.split()[0]) for k in keys]
+    jobs_list = [(firsts[k], firsts[k].context.split()[0]) for k in keys]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         for key, outcome in zip(keys, pool.map(_compile_job, jobs_list, chunksize=4), strict=True):
             for name, value in outcome.items():
