@@ -74,10 +74,10 @@ def test_block_never_exceeds_the_ub_share(kernel, dtype):  # noqa: ANN001
 
 
 def test_footprint_counts_buffered_tiles_twice():
-    footprint = ops.TileFootprint(io_tiles=2, fp32_input_tiles=1, fp32_temporaries=3, index_tiles=1, mask_tiles=2)
-    # 2 x (2 tiles x 2 bytes + 1 tile x 4 bytes) + 3 x 4 + 1 x 4 + 2 x 1
-    assert footprint.bytes_per_element(2) == 16 + 12 + 4 + 2
-    assert footprint.bytes_per_element(4) == 24 + 12 + 4 + 2
+    footprint = ops.TileFootprint(io_tiles=2, fp32_input_tiles=1, broadcast_tiles=1, fp32_temporaries=3, mask_tiles=2)
+    # 2 x (2 tiles x 2 bytes + 1 tile x 4 bytes) + (1 + 3) x 4 + 2 x 1
+    assert footprint.bytes_per_element(2) == 16 + 16 + 2
+    assert footprint.bytes_per_element(4) == 24 + 16 + 2
 
 
 def test_blocks_on_a_910b_leave_the_margin():
@@ -237,6 +237,7 @@ def test_autotuned_chunk_and_limit_win():
 @pytest.fixture
 def triton_ascend_installed(monkeypatch):  # noqa: ANN001
     monkeypatch.setattr(ascend, "triton_has_ascend_backend", lambda: (True, "triton-ascend (faked)"))
+    monkeypatch.setattr(ascend, "bisheng_compiler_found", lambda: (True, "BiSheng (faked)"))
 
 
 def test_selected_for_npu_tensors_when_torch_npu_and_triton_ascend_work(triton_ascend_installed):  # noqa: ANN001
@@ -274,6 +275,26 @@ def test_npu_without_triton_or_with_upstream_triton_is_unavailable(monkeypatch):
     assert not found and "triton-ascend" in why
     ok, reason = ascend.BACKEND.is_available(HardwareProbe.fake(npu=True, triton=True))
     assert not ok and reason == why
+
+
+def test_without_an_npu_the_reason_lists_every_missing_piece(monkeypatch, tmp_path):  # noqa: ANN001
+    """What `python -m flce info` says on a machine with triton-ascend and no NPU or CANN."""
+    monkeypatch.setattr(ascend, "triton_has_ascend_backend", lambda: (True, "triton-ascend 3.2.0"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("TRITON_NPU_COMPILER_PATH", raising=False)
+    probe = HardwareProbe.fake(npu=False, triton=True)
+    ok, reason = ascend.BACKEND.is_available(probe)
+    assert not ok
+    assert reason.startswith(f"no Ascend NPU: {probe.npu[1]}")
+    assert "triton-ascend 3.2.0 is installed" in reason and "bishengir-compile" in reason
+    # An NPU and triton-ascend without CANN's compiler on PATH: unavailable, and that is the reason.
+    ok, reason = ascend.BACKEND.is_available(HardwareProbe.fake(npu=True, triton=True))
+    assert not ok and "bishengir-compile" in reason and "set_env.sh" in reason
+    compiler = tmp_path / "bishengir-compile"
+    compiler.write_text("#!/bin/sh\n")
+    compiler.chmod(0o755)
+    ok, reason = ascend.BACKEND.is_available(HardwareProbe.fake(npu=True, triton=True))
+    assert ok and str(compiler) in reason
 
 
 def test_interpreter_serves_cpu_tensors_only_when_named():

@@ -7,8 +7,10 @@ CPU tensors when asked for by name (``get_impl("cpu", backend="ascend")``).
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import shutil
 
 import torch
 
@@ -27,8 +29,28 @@ def triton_has_ascend_backend() -> tuple[bool, str]:
         return False, "triton-ascend is not installed (pip install flce[ascend])"
     for location in spec.submodule_search_locations or ():
         if os.path.isdir(os.path.join(location, "backends", "ascend")):
-            return True, "triton-ascend"
+            return True, f"triton-ascend {_distribution_version('triton-ascend')}"
     return False, "the installed triton has no Ascend backend (triton/backends/ascend): install triton-ascend"
+
+
+def bisheng_compiler_found() -> tuple[bool, str]:
+    """Whether triton-ascend will find CANN's BiSheng compiler, looked up as triton-ascend 3.2 does
+    (backends/ascend/utils.py, _get_npucompiler_path): bishengir-compile on PATH, else
+    TRITON_NPU_COMPILER_PATH. CANN's set_env.sh puts it on PATH."""
+    path = shutil.which("bishengir-compile")
+    if path:
+        return True, f"BiSheng at {path}"
+    if os.environ.get("TRITON_NPU_COMPILER_PATH"):
+        return True, f"BiSheng under TRITON_NPU_COMPILER_PATH={os.environ['TRITON_NPU_COMPILER_PATH']}"
+    return False, ("CANN's BiSheng compiler (bishengir-compile) is not on PATH: source "
+                   "<CANN>/ascend-toolkit/set_env.sh; triton-ascend compiles every kernel with it")
+
+
+def _distribution_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown: no package metadata)"
 
 
 def _is_available(probe: HardwareProbe) -> tuple[bool, str]:
@@ -38,10 +60,20 @@ def _is_available(probe: HardwareProbe) -> tuple[bool, str]:
         if not has_triton:
             return False, triton_reason
         ascend_triton, why = triton_has_ascend_backend()
-        return (True, f"{npu_reason} and {why}") if ascend_triton else (False, why)
+        if not ascend_triton:
+            return False, why
+        has_bisheng, bisheng = bisheng_compiler_found()
+        return (True, f"{npu_reason}, {why}, {bisheng}") if has_bisheng else (False, bisheng)
     if probe.triton_interpret[0] and probe.triton[0]:
         return True, f"{probe.triton_interpret[1]}: the kernels run on CPU tensors in the Triton interpreter"
-    return False, npu_reason
+    # No NPU: say so first, then what else a user would still miss, so one look at
+    # `python -m flce info` lists every step left.
+    missing = [f"no Ascend NPU: {npu_reason}"]
+    ascend_triton, why = triton_has_ascend_backend()
+    missing.append(f"{why} is installed" if ascend_triton else why)
+    if ascend_triton:
+        missing.append(bisheng_compiler_found()[1])
+    return False, "; ".join(missing)
 
 
 def _supports(cfg: LCEConfig, flat: FlatInputs) -> tuple[bool, str]:
