@@ -64,7 +64,10 @@ class TunedKnobs:
     # no logits, forward_logits for the schedules that turn each chunk's logits into the gradient.
     forward_stats: str | None = None
     forward_logits: str | None = None
-    backward_grad: str | None = None  # "fused" (gemm_grad) or "cublas", where backward recomputes logits
+    # "fused" (gemm_grad) or "cublas" where backward recomputes logits. Not the default: on the H200
+    # the gradient GEMM measured slower than cuBLAS and the row kernel (64 MiB budget at
+    # 16384x2048x151936: 1.50x against 1.42x the floor; docs/benchmarks.md).
+    backward_grad: str | None = None
     # "vocab_blocks" (ChunkPlan.grad_vocab_block) or "token_chunks", and the block's columns
     grad_schedule: str | None = None
     grad_vocab_block: int | None = None
@@ -161,8 +164,7 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
     return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit, vocab_block=vocab_block,
                      fused_stats=fused_stats, fused_logits=tuned.forward_logits == "fused",
                      grad_vocab_block=grad_vocab_block,
-                     fused_grad=(fused_forward_default(flat) if tuned.backward_grad is None
-                                 else tuned.backward_grad == "fused"))
+                     fused_grad=tuned.backward_grad == "fused")
 
 
 def _vocab_blocks_pay(cfg: LCEConfig, n_rows: int, vocab: int, chunk: int, logits_saved: bool) -> bool:
