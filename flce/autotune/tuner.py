@@ -241,8 +241,6 @@ class Tuner:
             limit, save_ms, recompute_ms = self._logits_save_limit(shape, inputs, best_params, best, budget, label,
                                                                    result)
         overlay, inference_ms = self._inference_overlay(shape, inputs, best_params, label, result)
-        if overlay:
-            best_params = {**(best_params or {}), **overlay}
         measured: dict[str, Scalar] = {
             "ms": _round(best.ms), "heuristic_ms": _round(baseline.ms), "floor_ms": _round(result.floor_ms),
             "speedup": _round(baseline.ms / best.ms), "peak_mib": _round(result.peak_mib),
@@ -259,7 +257,7 @@ class Tuner:
             device=self._device_name, backend=self.space.backend, variant=shape.variant,
             dtype=dtype_name(shape.dtype), hidden=shape.hidden, vocab=shape.vocab, tokens=shape.tokens,
             # A winning heuristic is stored as the knobs it chose, so the entry states what ran.
-            params=dict(best_params or result.heuristic_params or {}), logits_save_limit_bytes=limit,
+            params={**(best_params or result.heuristic_params or {}), **overlay}, logits_save_limit_bytes=limit,
             measured={k: v for k, v in measured.items() if v is not None},
         )
         return result
