@@ -114,10 +114,10 @@ def main() -> int:
             except (triton.CompilationError, triton.OutOfResources) as error:
                 print(f"{label} {config}: {type(error).__name__}", file=sys.stderr)
                 continue
-            kernel_rows.append(f"| {label} | {config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} "
-                               f"s{config.num_stages}{'' if config.tma else ' no-TMA'} | {ms:.3f} | "
-                               f"{flops / ms / 1e9:.0f} | {gemm_ms:.3f} | {flops / gemm_ms / 1e9:.0f} | "
-                               f"{ms / gemm_ms:.3f} |")
+            config_label = (f"{config.block_m}x{config.block_n}x{config.block_k} g{config.group_m} w{config.num_warps} "
+                            f"s{config.num_stages}{'' if config.tma else ' no-TMA'}")
+            kernel_rows.append(f"| {label} | {config_label} | {ms:.3f} | {flops / ms / 1e9:.0f} | {gemm_ms:.3f} | "
+                               f"{flops / gemm_ms / 1e9:.0f} | {ms / gemm_ms:.3f} |")
             if best is None or ms < best[1]:
                 best = (config, ms)
             print(kernel_rows[-1], flush=True)

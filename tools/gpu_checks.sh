@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: install carried peer wheels, run the cuda-marked tests, then the benchmark.
+# One device call: install carried peer wheels, run the cuda-marked, compile and CUDA-graph tests, then the benchmark.
 #   bash tools/gpu_checks.sh [bench args...]      (results under $OUT when set)
 set -uo pipefail
 OUT=${OUT:-/tmp/flce-out}
@@ -12,5 +12,6 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -p no:cacheprovider tests/test_cuda_backend.py -m cuda -q -x 2>&1 | tail -25 | tee "$OUT/tests.txt"
+python3 -m pytest -p no:cacheprovider tests -m cuda -q 2>&1 | tail -25 | tee "$OUT/tests.txt"
+python3 -m pytest -p no:cacheprovider tests/test_compile.py tests/test_cuda_graphs.py -q 2>&1 | tail -5 | tee -a "$OUT/tests.txt"
 python3 tools/bench.py --json "$OUT/bench.json" --markdown "$OUT/bench.md" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
