@@ -62,6 +62,25 @@ def _check_outputs(out, want, tol: float) -> None:  # noqa: ANN001
         assert torch.equal(got.predicted_tokens, want.predicted_tokens)
 
 
+def _check_against_oracle(out, x, w, b, t, options: dict) -> None:  # noqa: ANN001
+    """Outputs, then gradients for random upstream gradients of every differentiable output,
+    against the float64 oracle (fp32 inputs)."""
+    leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
+    want = reference_loss(*leaves[:2], t, leaves[2], **options)
+    _check_outputs(out, want, 1e-5)
+    got = out if isinstance(out, flce.LCEOutput) else flce.LCEOutput(loss=out)
+    outs, refs, ups = [], [], []
+    for name in ("loss", "logprobs", "entropy"):
+        if getattr(got, name) is not None:
+            outs.append(getattr(got, name))
+            refs.append(getattr(want, name))
+            ups.append(torch.randn(refs[-1].shape, dtype=torch.float64))
+    torch.autograd.backward(outs, [u.float() for u in ups])
+    torch.autograd.backward(refs, ups)
+    for name, a, r in zip(("hidden", "weight", "bias"), (x, w, b), leaves, strict=True):
+        torch.testing.assert_close(a.grad.double(), r.grad, rtol=5e-5, atol=5e-5, msg=f"grad {name}")
+
+
 @interpreter_only
 @pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: ",".join(o) or "plain")
 def test_interpreter_inference(options, fused_calls):  # noqa: ANN001
@@ -90,20 +109,7 @@ def test_interpreter_deferred_schedule(options, backward_grad, fused_calls):  # 
     with override_params(knobs, logits_save_limit_bytes=0, backend="cuda"):
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction="none", **options)
     assert fused_calls == [torch.Size([n, h])]
-    leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
-    want = reference_loss(*leaves[:2], t, leaves[2], reduction="none", **options)
-    _check_outputs(out, want, 1e-5)
-    got = out if isinstance(out, flce.LCEOutput) else flce.LCEOutput(loss=out)
-    outs, refs, ups = [], [], []
-    for name in ("loss", "logprobs", "entropy"):
-        if getattr(got, name) is not None:
-            outs.append(getattr(got, name))
-            refs.append(getattr(want, name))
-            ups.append(torch.randn(n, dtype=torch.float64))
-    torch.autograd.backward(outs, [u.float() for u in ups])
-    torch.autograd.backward(refs, ups)
-    for name, a, r in zip(("hidden", "weight", "bias"), (x, w, b), leaves, strict=True):
-        torch.testing.assert_close(a.grad.double(), r.grad, rtol=5e-5, atol=5e-5, msg=f"grad {name}")
+    _check_against_oracle(out, x, w, b, t, dict(options, reduction="none"))
 
 
 @interpreter_only
@@ -119,20 +125,7 @@ def test_interpreter_fused_logits_schedules(options, reduction, fused_calls):  #
     with override_params(knobs, logits_save_limit_bytes=1 << 30, backend="cuda"):
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction=reduction, **options)
     assert fused_calls == [torch.Size([8, h]), torch.Size([8, h]), torch.Size([5, h])]
-    leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
-    want = reference_loss(*leaves[:2], t, leaves[2], reduction=reduction, **options)
-    _check_outputs(out, want, 1e-5)
-    got = out if isinstance(out, flce.LCEOutput) else flce.LCEOutput(loss=out)
-    outs, refs, ups = [], [], []
-    for name in ("loss", "logprobs", "entropy"):
-        if getattr(got, name) is not None:
-            outs.append(getattr(got, name))
-            refs.append(getattr(want, name))
-            ups.append(torch.randn(refs[-1].shape, dtype=torch.float64))
-    torch.autograd.backward(outs, [u.float() for u in ups])
-    torch.autograd.backward(refs, ups)
-    for name, a, r in zip(("hidden", "weight", "bias"), (x, w, b), leaves, strict=True):
-        torch.testing.assert_close(a.grad.double(), r.grad, rtol=5e-5, atol=5e-5, msg=f"grad {name}")
+    _check_against_oracle(out, x, w, b, t, dict(options, reduction=reduction))
 
 
 @interpreter_only
@@ -282,20 +275,7 @@ def test_interpreter_vocab_block_gradients(options, reduction, fused, monkeypatc
         cfg = LCEConfig(reduction=reduction)
         assert cuda_chunked_call(prepare_inputs(x, w, t, b, cfg), cfg, "full", True).plan.grad_vocab_block == 64
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction=reduction, **options)
-        leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
-        want = reference_loss(*leaves[:2], t, leaves[2], reduction=reduction, **options)
-        _check_outputs(out, want, 1e-5)
-        got = out if isinstance(out, flce.LCEOutput) else flce.LCEOutput(loss=out)
-        outs, refs, ups = [], [], []
-        for name in ("loss", "logprobs", "entropy"):
-            if getattr(got, name) is not None:
-                outs.append(getattr(got, name))
-                refs.append(getattr(want, name))
-                ups.append(torch.randn(refs[-1].shape, dtype=torch.float64))
-        torch.autograd.backward(outs, [u.float() for u in ups])
-    torch.autograd.backward(refs, ups)
-    for name, a, r in zip(("hidden", "weight", "bias"), (x, w, b), leaves, strict=True):
-        torch.testing.assert_close(a.grad.double(), r.grad, rtol=5e-5, atol=5e-5, msg=f"grad {name}")
+        _check_against_oracle(out, x, w, b, t, dict(options, reduction=reduction))
 
 
 def test_small_budgets_plan_the_vocab_block_schedule():

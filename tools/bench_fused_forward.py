@@ -17,13 +17,13 @@ import sys
 
 import torch
 import triton
+from gpu_timing import median_ms, peak_mib_above
 
 import flce
 from flce.autotune import override_params
 from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_row_stats
 from flce.config import LCEConfig
 
-MiB = 1 << 20
 SHAPES = ("8192x4096x128256", "16384x2048x151936", "16384x4096x151936")
 CONFIGS = (
     GemmConfig(128, 256, 64, 8, 8, 3),
@@ -36,23 +36,6 @@ CONFIGS = (
 RL = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_entropy": True}
 
 
-def bench(fn) -> float:  # noqa: ANN001
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-
-
-def peak_above(fn) -> float:  # noqa: ANN001
-    """MiB allocated at the peak of fn() beyond what was allocated before and what fn returns."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    kept = torch.cuda.memory_allocated() - before
-    peak = torch.cuda.max_memory_allocated() - before
-    del out
-    return (peak - kept) / MiB
-
-
 def training_rows(label: str, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, tiles: dict) -> list[str]:
     x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
 
@@ -61,7 +44,7 @@ def training_rows(label: str, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor,
         logits @ w.detach()
         logits.t() @ x.detach()
 
-    floor_ms = bench(floor)
+    floor_ms = median_ms(floor)
     torch.cuda.empty_cache()
     rows = []
     advantages = torch.randn(t.shape[0], device=t.device)
@@ -75,8 +58,8 @@ def training_rows(label: str, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor,
                 return torch.autograd.grad(objective, (x, w))
 
             with override_params(dict(tiles, **{knob: path}), logits_save_limit_bytes=0, backend="cuda"):
-                ms = bench(step)
-                mib = peak_above(step)  # step returns the gradients: MiB above them
+                ms = median_ms(step)
+                mib = peak_mib_above(step)  # step returns the gradients: MiB above them
             cells.append(f"{ms / floor_ms:.3f}x / {mib:.0f}")
         rows.append(f"| {label} | {name} | {cells[0]} | {cells[1]} |")
         print(rows[-1], flush=True)
@@ -105,12 +88,12 @@ def main() -> int:
         t = torch.randint(0, v, (n,), device=dev, generator=g)
         t[::17] = -100
         flops = 2.0 * n * h * v
-        gemm_ms = bench(lambda x=x, w=w: x @ w.t())
+        gemm_ms = median_ms(lambda x=x, w=w: x @ w.t())
         best = None
         configs = [default_gemm_config(dev, x.dtype)] if args.quick else list(CONFIGS)
         for config in configs:
             try:
-                ms = bench(lambda x=x, w=w, t=t, c=config: gemm_row_stats(x, w, None, t, LCEConfig(), 0, c))
+                ms = median_ms(lambda x=x, w=w, t=t, c=config: gemm_row_stats(x, w, None, t, LCEConfig(), 0, c))
             except (triton.CompilationError, triton.OutOfResources) as error:
                 print(f"{label} {config}: {type(error).__name__}", file=sys.stderr)
                 continue
@@ -129,8 +112,8 @@ def main() -> int:
                 with override_params(dict(tiles, forward_stats=path), backend="cuda"), torch.no_grad():
                     def call(x=x, w=w, t=t, options=options):  # noqa: ANN001, ANN202
                         return flce.linear_cross_entropy(x, w, t, **options)
-                    ms = bench(call)
-                    mib = peak_above(call)
+                    ms = median_ms(call)
+                    mib = peak_mib_above(call)
                 cells.append(f"{ms / gemm_ms:.3f}x / {mib:.0f}")
             call_rows.append(f"| {label} | {name} | {cells[0]} | {cells[1]} |")
             print(call_rows[-1], flush=True)

@@ -16,11 +16,11 @@ import datetime
 
 import torch
 import triton
+from gpu_timing import MiB, median_ms, peak_mib_above
 
 import flce
 from flce.autotune import override_params
 
-MiB = 1 << 20
 CASES = (  # shape, call, budgets in MiB (None: the default)
     ("8192x4096x128256", "plain", (64, 128, 256, None)),
     ("16384x2048x151936", "plain", (64, 128, 256, None)),
@@ -28,22 +28,6 @@ CASES = (  # shape, call, budgets in MiB (None: the default)
     ("16384x4096x151936", "rl-keep", (6144,)),  # the logits (4.6 GiB) fit: forward keeps them for backward
 )
 RL = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_entropy": True}
-
-
-def bench(fn) -> float:  # noqa: ANN001
-    return triton.testing.do_bench(fn, warmup=100, rep=600, return_mode="median")
-
-
-def peak_above(fn) -> float:  # noqa: ANN001
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    kept = torch.cuda.memory_allocated() - before
-    peak = torch.cuda.max_memory_allocated() - before
-    del out
-    return (peak - kept) / MiB
 
 
 def main() -> int:
@@ -71,7 +55,7 @@ def main() -> int:
             logits @ w.detach()
             logits.t() @ x.detach()
 
-        floor_ms = bench(floor)
+        floor_ms = median_ms(floor, warmup_ms=100, rep_ms=600)
         for budget in budgets:
             cells = []
             keep = call == "rl-keep"
@@ -87,8 +71,8 @@ def main() -> int:
 
                 limit = budget * MiB if keep else 0
                 with override_params({"grad_schedule": schedule}, logits_save_limit_bytes=limit, backend="cuda"):
-                    ms = bench(step)
-                    mib = peak_above(step)
+                    ms = median_ms(step, warmup_ms=100, rep_ms=600)
+                    mib = peak_mib_above(step)
                 cells.append(f"{ms / floor_ms:.3f}x / {mib:.0f}")
             if keep:
                 cells.append("(logits kept)")
@@ -96,7 +80,8 @@ def main() -> int:
                 def liger_step(x=x, w=w, t=t):  # noqa: ANN001, ANN202
                     return torch.autograd.grad(liger(w, x, t), (x, w))
 
-                cells.append(f"{bench(liger_step) / floor_ms:.3f}x / {peak_above(liger_step):.0f}")
+                liger_ms = median_ms(liger_step, warmup_ms=100, rep_ms=600)
+                cells.append(f"{liger_ms / floor_ms:.3f}x / {peak_mib_above(liger_step):.0f}")
             else:
                 cells.append("")
             rows.append(f"| {label} | {call} | {'default' if budget is None else f'{budget} MiB'} | "
