@@ -41,6 +41,7 @@ import triton.language as tl
 from flce.backends.cuda.kernels import _capped_scaled
 
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -252,3 +253,49 @@ def _gemm_grad_kernel(
     grad = grad * inv_temperature
     tl.store(grad_ptr + rows.to(tl.int64)[:, None] * stride_gm + cols[None, :], grad.to(LOGITS_DTYPE),
              mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_max_ptr, part_sum_ptr, part_sum_y_ptr, part_weighted_y_ptr, part_argmax_ptr,
+    row_max_ptr, sum_exp_ptr, sum_exp_z_ptr, weighted_sum_z_ptr, argmax_ptr,
+    M, SPLITS,
+    NEED_SUM_EXP_Z: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Fold the [SPLITS, M] base-2 partials of _gemm_row_stats_kernel into [M] statistics in natural
+    units (semantics.PartialRowStats), splits in vocabulary order: one launch instead of a handful of
+    small torch ops, which at short GEMMs cost more than the merge's bytes."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < M
+    running_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+    running_sum = tl.zeros((BLOCK,), tl.float32)
+    running_sum_y = tl.zeros((BLOCK,), tl.float32)
+    weighted_y = tl.zeros((BLOCK,), tl.float32)
+    best_index = tl.zeros((BLOCK,), tl.int64)
+    offsets = rows.to(tl.int64)  # row's entry of the current split; the next split's is M further on
+    for _ in range(SPLITS):
+        split_max = tl.load(part_max_ptr + offsets, mask=ok, other=0.0)
+        new_max = tl.maximum(running_max, split_max)
+        scale_running = tl.exp2(running_max - new_max)
+        scale_split = tl.exp2(split_max - new_max)
+        running_sum = running_sum * scale_running + tl.load(part_sum_ptr + offsets, mask=ok, other=0.0) * scale_split
+        if NEED_SUM_EXP_Z:
+            split_sum_y = tl.load(part_sum_y_ptr + offsets, mask=ok, other=0.0)
+            running_sum_y = running_sum_y * scale_running + split_sum_y * scale_split
+        if NEED_WEIGHTED_SUM_Z:
+            weighted_y += tl.load(part_weighted_y_ptr + offsets, mask=ok, other=0.0)
+        if NEED_ARGMAX:
+            # Strictly greater: an earlier split keeps ties, so the first maximal index wins.
+            best_index = tl.where(split_max > running_max, tl.load(part_argmax_ptr + offsets, mask=ok, other=0),
+                                  best_index)
+        running_max = new_max
+        offsets += M
+    tl.store(row_max_ptr + rows, running_max * LN2, mask=ok)
+    tl.store(sum_exp_ptr + rows, running_sum, mask=ok)
+    if NEED_SUM_EXP_Z:
+        tl.store(sum_exp_z_ptr + rows, running_sum_y * LN2, mask=ok)
+    if NEED_WEIGHTED_SUM_Z:
+        tl.store(weighted_sum_z_ptr + rows, weighted_y * LN2, mask=ok)
+    if NEED_ARGMAX:
+        tl.store(argmax_ptr + rows, best_index, mask=ok)

@@ -8,7 +8,6 @@ call or the deferred schedule's forward runs over all rows in one launch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -19,11 +18,11 @@ from flce.backends.cuda import gemm_kernels
 from flce.config import LCEConfig
 from flce.semantics import GradCoefficients, PartialRowStats, needs_argmax, needs_expected_z, needs_weighted_sum_z
 
-LN2 = math.log(2.0)
 # Programs per SM the split heuristic plans for: one [128, 128..256] tile program fills an SM's
 # registers, and several waves amortise the last, partly empty one.
 _WAVES = 8
 _MAX_SPLITS = 256
+_MERGE_BLOCK = 256
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -164,20 +163,16 @@ def gemm_row_stats(
 
 def _merge_splits(stats: PartialRowStats, part_max, part_sum, part_sum_y, part_weighted, part_argmax) -> None:  # noqa: ANN001
     """Fold the [splits, n] base-2 partials into ``stats`` (natural-log units), in vocabulary order."""
-    row_max = part_max.amax(0)
-    scale = torch.exp2(part_max - row_max)
-    torch.mul(row_max, LN2, out=stats.row_max)
-    torch.sum(part_sum * scale, 0, out=stats.sum_exp)
-    if stats.sum_exp_z is not None:
-        torch.sum(part_sum_y * scale, 0, out=stats.sum_exp_z)
-        stats.sum_exp_z.mul_(LN2)
-    if stats.weighted_sum_z is not None:
-        torch.sum(part_weighted, 0, out=stats.weighted_sum_z)
-        stats.weighted_sum_z.mul_(LN2)
-    if stats.argmax is not None:
-        # The first split that reaches the row maximum holds the first maximal index.
-        first_split = (part_max == row_max).to(torch.int8).argmax(0, keepdim=True)
-        stats.argmax.copy_(part_argmax.gather(0, first_split).squeeze(0))
+    splits, n = part_max.shape
+    unused = stats.row_max
+    gemm_kernels._merge_splits_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
+        part_max, part_sum, part_sum_y, part_weighted, part_argmax,
+        stats.row_max, stats.sum_exp, stats.sum_exp_z if stats.sum_exp_z is not None else unused,
+        stats.weighted_sum_z if stats.weighted_sum_z is not None else unused,
+        stats.argmax if stats.argmax is not None else unused, n, splits,
+        NEED_SUM_EXP_Z=stats.sum_exp_z is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
+        NEED_ARGMAX=stats.argmax is not None, BLOCK=_MERGE_BLOCK, num_warps=4,
+    )
 
 
 def gemm_grad(
