@@ -105,10 +105,11 @@ def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
 
 
 FORWARD_PATHS = ("fused", "cublas")
-# Below this many tokens the fused forward has too few row blocks to hide its per-tile pipeline
-# ramp: at 4096 x 4096 x 32000 the H200 measured it at 1.85 ms against 1.54 ms for cuBLAS and the
-# row kernel, while every shipped shape of 8192+ tokens but three measured it faster.
-FUSED_FORWARD_MIN_ROWS = 8192
+# Below this many tokens the fused forward has few row blocks to spread over the SMs and its fixed
+# costs (target logits, split merge) weigh more; measured on the H200 at 4096 x 4096 x 32000 it is
+# still ahead (1.070x one GEMM against 1.096x for cuBLAS and the row kernel); smaller calls are
+# unmeasured and stay on cuBLAS.
+FUSED_FORWARD_MIN_ROWS = 4096
 GRAD_SCHEDULES = ("vocab_blocks", "token_chunks")
 # In-forward gradients: budgets that leave token chunks of fewer rows than this take the vocabulary-
 # block schedule, whose recomputed GEMM costs less than each small chunk's read-modify-write of the
