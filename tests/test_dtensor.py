@@ -209,11 +209,11 @@ def section_real_client(checker: Checker, rank: int, world_size: int) -> None:
 
 
 def section_compile(checker: Checker, rank: int, world_size: int) -> None:
-    """A compiled step over a replicated DTensor weight is one graph with flce's custom ops, and gives
-    the eager result. (A vocab-sharded weight runs the eager vocab-parallel path, with graph breaks:
-    docs/distributed.md lists them; not run here, its tracing alone takes half a minute on 2 cores.)"""
+    """A compiled step over a replicated or a vocab-sharded DTensor weight is one graph with flce's
+    custom ops (the sharded one carries the mesh's group into them by name), and gives the eager
+    result."""
     import torch._dynamo
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = _mesh()
     hidden, weight, _, target = _inputs("compile", 32)
@@ -222,16 +222,20 @@ def section_compile(checker: Checker, rank: int, world_size: int) -> None:
     def step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return loss_fn(h, w, t) * 2.0
 
-    with checker.case("weight Replicate()"):
-        torch._dynamo.reset()
-        w = torch.nn.Parameter(distribute_tensor(weight, mesh, [Replicate()]))
-        explained = torch._dynamo.explain(step)(hidden, w, target)
-        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained
-        ops = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}
-        assert "flce.chunked_forward" in ops, f"flce's custom op is not in the graph: {sorted(ops)}"
-        eager = step(hidden, w, target)
-        compiled = torch.compile(step, backend="eager", fullgraph=True)(hidden, w, target)
-        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    for placement in (Replicate(), Shard(0)):
+        with checker.case(f"weight {placement!r}"):
+            torch._dynamo.reset()
+            w = torch.nn.Parameter(distribute_tensor(weight, mesh, [placement]))
+            eager = step(hidden, w, target)
+            explained = torch._dynamo.explain(step)(hidden, w, target)
+            assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained
+            ops = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}
+            assert "flce.chunked_forward" in ops, f"flce's custom op is not in the graph: {sorted(ops)}"
+            compiled = torch.compile(step, backend="eager", fullgraph=True)(hidden, w, target)
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+            logits = (hidden @ weight.t()).flatten(0, -2)
+            torch.testing.assert_close(eager, 2.0 * torch.nn.functional.cross_entropy(logits, target.flatten()),
+                                       rtol=1e-5, atol=1e-5)
 
 
 def section_errors(checker: Checker, rank: int, world_size: int) -> None:
