@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import OPTION_CASES, reference_loss
+from helpers import OPTION_CASES, assert_same_argmax, reference_loss
 
 import flce
 from flce.autotune import override_params
@@ -51,7 +51,7 @@ def _options(options: dict, v: int, device: str) -> dict:
     return options
 
 
-def _check_outputs(out, want, tol: float) -> None:  # noqa: ANN001
+def _check_outputs(out, want, tol: float, inputs: tuple, options: dict) -> None:  # noqa: ANN001
     got = out if isinstance(out, flce.LCEOutput) else flce.LCEOutput(loss=out)
     for name in ("loss", "z_loss", "token_accuracy", "logprobs", "entropy"):
         value = getattr(got, name)
@@ -59,7 +59,7 @@ def _check_outputs(out, want, tol: float) -> None:  # noqa: ANN001
             torch.testing.assert_close(value.double(), getattr(want, name).detach().double(), rtol=tol, atol=tol,
                                        msg=name)
     if got.predicted_tokens is not None:
-        assert torch.equal(got.predicted_tokens, want.predicted_tokens)
+        assert_same_argmax(got.predicted_tokens, want.predicted_tokens, *inputs, options)
 
 
 def _check_against_oracle(out, x, w, b, t, options: dict) -> None:  # noqa: ANN001
@@ -67,7 +67,7 @@ def _check_against_oracle(out, x, w, b, t, options: dict) -> None:  # noqa: ANN0
     against the float64 oracle (fp32 inputs)."""
     leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
     want = reference_loss(*leaves[:2], t, leaves[2], **options)
-    _check_outputs(out, want, 1e-5)
+    _check_outputs(out, want, 1e-5, (x, w, b), options)
     got = out if isinstance(out, flce.LCEOutput) else flce.LCEOutput(loss=out)
     outs, refs, ups = [], [], []
     for name in ("loss", "logprobs", "entropy"):
@@ -90,7 +90,7 @@ def test_interpreter_inference(options, fused_calls):  # noqa: ANN001
     with override_params(SMALL_TILES, backend="cuda"), torch.no_grad():
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", **options)
     assert fused_calls == [torch.Size([n, h])]
-    _check_outputs(out, reference_loss(x.double(), w.double(), t, b.double(), **options), 1e-5)
+    _check_outputs(out, reference_loss(x.double(), w.double(), t, b.double(), **options), 1e-5, (x, w, b), options)
 
 
 @interpreter_only
@@ -146,11 +146,14 @@ def test_interpreter_extreme_logits_ties_and_ignored_rows(dtype, fused_calls):  
         ignored = flce.linear_cross_entropy(x, w, torch.full_like(t, -100), backend="cuda")
     logits = (x.double() @ w.double().t()).to(dtype).double()
     assert float(logits.abs().max()) > 5e3
+    # fp32 arithmetic on logits of this size resolves |z| * 2^-23; a few roundings (base-2 scaling,
+    # the max subtraction, lse) stay within |z| * 2^-20, about 1e-2 here.
+    atol = float(logits.abs().max()) * 2**-20
     logprobs = torch.log_softmax(logits, 1)
-    torch.testing.assert_close(out.loss.double(), torch.nn.functional.cross_entropy(logits, t), rtol=1e-5, atol=1e-3)
-    torch.testing.assert_close(out.logprobs.double(), logprobs.gather(1, t[:, None]).squeeze(1), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(out.loss.double(), torch.nn.functional.cross_entropy(logits, t), rtol=1e-5, atol=atol)
+    torch.testing.assert_close(out.logprobs.double(), logprobs.gather(1, t[:, None]).squeeze(1), rtol=1e-5, atol=atol)
     entropy = -(logprobs.exp() * logprobs).sum(1)
-    torch.testing.assert_close(out.entropy.double(), entropy, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(out.entropy.double(), entropy, rtol=1e-4, atol=atol)
     assert torch.equal(out.predicted_tokens, logits.argmax(1))
     assert float(ignored) == 0.0
     assert len(fused_calls) == 2
