@@ -327,3 +327,24 @@ def assert_same_argmax(got: torch.Tensor, want: torch.Tensor, hidden: torch.Tens
     assert bool(((best - picked) <= tol * best.abs().clamp_min(1.0)).all()), (
         f"rows {rows.tolist()}: predicted {got[rows].tolist()} but float64 argmax {want[rows].tolist()} "
         f"is larger by {(best - picked).flatten().tolist()}")
+
+
+def lm_head_inputs(n: int, h: int, v: int, dtype: torch.dtype, device: str | torch.device, with_bias: bool,
+                   ignore_some: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Fresh (hidden [n, h], weight [v, h], bias [v] or None, target [n]) leaves from the global RNG,
+    with about a fifth of the targets ignored (-100) unless ignore_some is False."""
+    x = torch.randn(n, h, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(v, h, device=device) / h**0.25).to(dtype).requires_grad_()
+    b = torch.randn(v, device=device, dtype=dtype, requires_grad=True) if with_bias else None
+    t = torch.randint(0, v, (n,), device=device)
+    if ignore_some:
+        t[torch.rand(n, device=device) < 0.2] = -100
+    return x, w, b, t
+
+
+def materialise_options(options: dict, v: int, device: str | torch.device) -> dict:
+    """OPTION_CASES entries with "random" class weights drawn for this vocabulary."""
+    options = dict(options)
+    if options.get("class_weight") == "random":
+        options["class_weight"] = torch.rand(v, device=device) + 0.5
+    return options

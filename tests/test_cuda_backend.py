@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import OPTION_CASES, assert_same_argmax, reference_loss
+from helpers import OPTION_CASES, assert_same_argmax, lm_head_inputs, materialise_options, reference_loss
 
 import flce
 
@@ -18,26 +18,9 @@ pytest.importorskip("triton")
 
 
 
-def _inputs(n, h, v, dtype, device, with_bias, seed_ignore=True):  # noqa: ANN001, ANN202
-    x = torch.randn(n, h, device=device, dtype=dtype, requires_grad=True)
-    w = (torch.randn(v, h, device=device) / h**0.25).to(dtype).requires_grad_()
-    b = torch.randn(v, device=device, dtype=dtype, requires_grad=True) if with_bias else None
-    t = torch.randint(0, v, (n,), device=device)
-    if seed_ignore:
-        t[torch.rand(n, device=device) < 0.2] = -100
-    return x, w, b, t
-
-
-def _materialise_options(options: dict, v: int, device: str) -> dict:
-    options = dict(options)
-    if options.get("class_weight") == "random":
-        options["class_weight"] = torch.rand(v, device=device) + 0.5
-    return options
-
-
 def _run_and_compare(n, h, v, dtype, device, options, reduction, with_bias, tol):  # noqa: ANN001
-    options = _materialise_options(options, v, device)
-    x, w, b, t = _inputs(n, h, v, dtype, device, with_bias)
+    options = materialise_options(options, v, device)
+    x, w, b, t = lm_head_inputs(n, h, v, dtype, device, with_bias)
     out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction=reduction, **options)
     xd, wd, bd = (a.detach().double().requires_grad_() if a is not None else None for a in (x, w, b))
     ref = reference_loss(xd, wd, t, bd, reduction=reduction, **options)
@@ -83,7 +66,7 @@ def test_interpreter_plain_fp16_and_chunks(monkeypatch):  # noqa: ANN001
         pytest.skip("interpreter test: runs where there is no GPU")
     monkeypatch.setattr("flce.backends.cuda.ops.MAX_BLOCK_V", 64)
     n, h, v = 20, 16, 150
-    x, w, b, t = _inputs(n, h, v, torch.float16, "cpu", with_bias=False)
+    x, w, b, t = lm_head_inputs(n, h, v, torch.float16, "cpu", with_bias=False)
     # Four-row chunks: the chunk loop and the in-forward gradient schedule cross chunk borders.
     loss = flce.linear_cross_entropy(x, w, t, backend="cuda", variant="plain", memory_budget=4 * v * 2)
     loss.backward()
@@ -116,7 +99,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_gpu_low_precision_within_eager_error(vocab, dtype):  # noqa: ANN001
     """bf16/fp16 gradients within 1.5x of what materialised eager PyTorch achieves on the same inputs."""
     n, h = 2048, 1024
-    x, w, _, t = _inputs(n, h, vocab, dtype, "cuda", with_bias=False)
+    x, w, _, t = lm_head_inputs(n, h, vocab, dtype, "cuda", with_bias=False)
     loss = flce.linear_cross_entropy(x, w, t)
     gx, gw = torch.autograd.grad(loss, (x, w))
     eager = torch.nn.functional.cross_entropy((x @ w.t()).float(), t)
@@ -132,7 +115,7 @@ def test_gpu_low_precision_within_eager_error(vocab, dtype):  # noqa: ANN001
 @pytest.mark.cuda
 def test_gpu_accum_fp32_and_budget_agree():
     n, h, v = 4096, 512, 50257
-    x, w, _, t = _inputs(n, h, v, torch.bfloat16, "cuda", with_bias=False)
+    x, w, _, t = lm_head_inputs(n, h, v, torch.bfloat16, "cuda", with_bias=False)
     grads = {}
     for label, options in {"default": {}, "fp32acc": {"accum_dtype": torch.float32},
                            "64MiB": {"memory_budget": 64 << 20}}.items():
@@ -177,8 +160,8 @@ def test_interpreter_inference_scans_vocab_blocks(options, monkeypatch):  # noqa
     monkeypatch.setattr("flce.backends.cuda.ops.MIN_VOCAB_BLOCK", 16)
     monkeypatch.setattr("flce.backends.cuda.ops.INFERENCE_CHUNK_BUDGET", 9 * 48 * 4)
     n, h, v = 9, 16, 203
-    options = _materialise_options(dict(options, return_predicted_tokens=True), v, "cpu")
-    x, w, b, t = _inputs(n, h, v, torch.float32, "cpu", with_bias=True)
+    options = materialise_options(dict(options, return_predicted_tokens=True), v, "cpu")
+    x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
     # A repeated maximal column in two different blocks: argmax must keep the first.
     w.data[150] = w.data[20]
     if b is not None:
@@ -205,7 +188,7 @@ def test_plan_follows_the_training_flag_not_grad_mode():
     from flce.config import LCEConfig
     from flce.inputs import prepare_inputs
 
-    x, w, _, t = _inputs(4096, 8, 32000, torch.float16, "cpu", with_bias=False)
+    x, w, _, t = lm_head_inputs(4096, 8, 32000, torch.float16, "cpu", with_bias=False)
     flat = prepare_inputs(x, w, t, None, LCEConfig())
     with torch.no_grad():
         training = cuda_chunked_call(flat, LCEConfig(), "plain", training=True).plan
@@ -219,7 +202,7 @@ def test_plan_follows_the_training_flag_not_grad_mode():
                          ids=["plain", "full-deferred"])
 def test_gpu_deterministic(options):  # noqa: ANN001
     """No atomics anywhere: the same inputs give bitwise the same loss and gradients."""
-    x, w, b, t = _inputs(3000, 512, 50257, torch.bfloat16, "cuda", with_bias=True)
+    x, w, b, t = lm_head_inputs(3000, 512, 50257, torch.bfloat16, "cuda", with_bias=True)
     runs = []
     for _ in range(2):
         out = flce.linear_cross_entropy(x, w, t, b, memory_budget=32 << 20, **options)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import OPTION_CASES, assert_same_argmax, reference_loss
+from helpers import OPTION_CASES, assert_same_argmax, lm_head_inputs, materialise_options, reference_loss
 
 import flce
 from flce.autotune import override_params
@@ -33,22 +33,6 @@ def fused_calls(monkeypatch):  # noqa: ANN001, ANN201
 
     monkeypatch.setattr(ops, "gemm_row_stats", counting)
     return calls
-
-
-def _inputs(n, h, v, dtype, device, with_bias=True):  # noqa: ANN001, ANN202
-    x = torch.randn(n, h, device=device, dtype=dtype, requires_grad=True)
-    w = (torch.randn(v, h, device=device) / h**0.25).to(dtype).requires_grad_()
-    b = torch.randn(v, device=device, dtype=dtype, requires_grad=True) if with_bias else None
-    t = torch.randint(0, v, (n,), device=device)
-    t[torch.rand(n, device=device) < 0.2] = -100
-    return x, w, b, t
-
-
-def _options(options: dict, v: int, device: str) -> dict:
-    options = dict(options)
-    if options.get("class_weight") == "random":
-        options["class_weight"] = torch.rand(v, device=device) + 0.5
-    return options
 
 
 def _check_outputs(out, want, tol: float, inputs: tuple, options: dict) -> None:  # noqa: ANN001
@@ -85,8 +69,8 @@ def _check_against_oracle(out, x, w, b, t, options: dict) -> None:  # noqa: ANN0
 @pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: ",".join(o) or "plain")
 def test_interpreter_inference(options, fused_calls):  # noqa: ANN001
     n, h, v = 21, 24, 203
-    options = _options(options, v, "cpu")
-    x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
+    options = materialise_options(options, v, "cpu")
+    x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
     with override_params(SMALL_TILES, backend="cuda"), torch.no_grad():
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", **options)
     assert fused_calls == [torch.Size([n, h])]
@@ -102,8 +86,8 @@ def test_interpreter_deferred_schedule(options, backward_grad, fused_calls):  # 
     chunk); backward recomputes each chunk's gradient with the gradient GEMM (fused) or a GEMM and
     the row kernel (cublas); gradients for any upstream gradient."""
     n, h, v = 21, 24, 203
-    options = _options(options, v, "cpu")
-    x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
+    options = materialise_options(options, v, "cpu")
+    x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
     # 8-row chunks and no saved logits: backward's chunks must line up with the sliced statistics.
     knobs = dict(SMALL_TILES, tokens_per_chunk=8, grad_schedule="token_chunks", backward_grad=backward_grad)
     with override_params(knobs, logits_save_limit_bytes=0, backend="cuda"):
@@ -119,8 +103,8 @@ def test_interpreter_fused_logits_schedules(options, reduction, fused_calls):  #
     """The schedules that need each chunk's logits (gradients in forward for "mean"; saved logits
     for "none") take statistics and logits from one fused GEMM per chunk."""
     n, h, v = 21, 24, 203
-    options = _options(options, v, "cpu")
-    x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
+    options = materialise_options(options, v, "cpu")
+    x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
     knobs = dict(SMALL_TILES, forward_logits="fused", tokens_per_chunk=8, grad_schedule="token_chunks")
     with override_params(knobs, logits_save_limit_bytes=1 << 30, backend="cuda"):
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction=reduction, **options)
@@ -170,7 +154,7 @@ def test_fallback_when_the_fused_kernel_fails(monkeypatch, caplog):  # noqa: ANN
     monkeypatch.setattr(ops, "gemm_row_stats", failing)
     monkeypatch.setattr(ops, "_failed_gemm_configs", set())
     n, h, v = 10, 16, 203
-    x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
+    x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
     want = reference_loss(x.double(), w.double(), t, b.double())
     with override_params(SMALL_TILES, backend="cuda"), torch.no_grad(), caplog.at_level("WARNING", logger="flce"):
         first = flce.linear_cross_entropy(x, w, t, b, backend="cuda")
@@ -186,7 +170,7 @@ def test_tuned_knobs_read_the_fused_forward_entries():
     from flce.config import LCEConfig
     from flce.inputs import prepare_inputs
 
-    x, w, _, t = _inputs(8, 16, 64, torch.float32, "cpu", with_bias=False)
+    x, w, _, t = lm_head_inputs(8, 16, 64, torch.float32, "cpu", with_bias=False)
     flat = prepare_inputs(x, w, t, None, LCEConfig())
     with override_params(SMALL_TILES, backend="cuda"):
         knobs = tuned_knobs(flat, "plain")
@@ -211,7 +195,7 @@ def test_gpu_fused_inference_bf16(vocab, fused_calls):  # noqa: ANN001
     """bf16 statistics from the fused GEMM at real vocabulary sizes (none a multiple of any tile), for
     every extra, within 1.5x of the error of materialised eager PyTorch on the same bf16 inputs."""
     n, h = 1000, 1024
-    x, w, b, t = _inputs(n, h, vocab, torch.bfloat16, "cuda")
+    x, w, b, t = lm_head_inputs(n, h, vocab, torch.bfloat16, "cuda", with_bias=True)
     softcap, temperature = 30.0, 0.7
     options = {"softcap": softcap, "temperature": temperature, "return_logprobs": True, "return_entropy": True,
                "return_predicted_tokens": True, "reduction": "none"}
@@ -238,7 +222,7 @@ def test_gpu_fused_inference_bf16(vocab, fused_calls):  # noqa: ANN001
 def test_gpu_fused_deferred_matches_cublas_path(dtype, fused_calls):  # noqa: ANN001
     """The RL schedule with the fused forward against the cuBLAS + row-kernel path and float64."""
     n, h, v = 3000, 512, 50257
-    x, w, b, t = _inputs(n, h, v, dtype, "cuda")
+    x, w, b, t = lm_head_inputs(n, h, v, dtype, "cuda", with_bias=True)
     options = {"temperature": 0.7, "return_logprobs": True, "return_entropy": True, "reduction": "none"}
     results = {}
     for path in ("fused", "cublas"):
@@ -266,8 +250,8 @@ def test_interpreter_vocab_block_gradients(options, reduction, fused, monkeypatc
     gradient write per block), for the in-forward and the deferred schedules, any upstream gradient."""
     monkeypatch.setattr("flce.backends.cuda.ops.MIN_VOCAB_BLOCK", 16)
     n, h, v = 21, 24, 203
-    options = _options(options, v, "cpu")
-    x, w, b, t = _inputs(n, h, v, torch.float32, "cpu")
+    options = materialise_options(options, v, "cpu")
+    x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
     path = "fused" if fused else "cublas"
     knobs = dict(SMALL_TILES, forward_stats=path, backward_grad=path, grad_schedule="vocab_blocks",
                  grad_vocab_block=64)  # 4 blocks, the last one ragged
@@ -287,7 +271,7 @@ def test_small_budgets_plan_the_vocab_block_schedule():
     from flce.config import LCEConfig
     from flce.inputs import prepare_inputs
 
-    x, w, _, t = _inputs(4096, 8, 32000, torch.float16, "cpu", with_bias=False)
+    x, w, _, t = lm_head_inputs(4096, 8, 32000, torch.float16, "cpu", with_bias=False)
     flat = prepare_inputs(x, w, t, None, LCEConfig())
     lean = plan_chunks(flat, LCEConfig(memory_budget=16 << 20), training=True)
     assert lean.grad_vocab_block == 1920  # (16 MiB - 64 bytes per row) / (4096 rows x 2 bytes), in 128s
@@ -300,7 +284,7 @@ def test_small_budgets_plan_the_vocab_block_schedule():
 def test_gpu_fused_paths_make_no_host_sync():
     """The fused forward, the gradient GEMM and the vocabulary-block schedule launch without waiting
     for the device (CUDA-graph capturable, no stalls between steps)."""
-    x, w, b, t = _inputs(2048, 512, 32000, torch.bfloat16, "cuda")
+    x, w, b, t = lm_head_inputs(2048, 512, 32000, torch.bfloat16, "cuda", with_bias=True)
     rl = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_entropy": True}
 
     def steps() -> None:
