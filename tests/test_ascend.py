@@ -184,17 +184,22 @@ def test_logits_save_limit_rule(total, limit):  # noqa: ANN001
 def test_logits_saved_exactly_when_they_fit_under_the_limit():
     # 16 GiB NPU: limit 2 GiB. bf16 logits of 8192 x 131072 are exactly 2 GiB; one token more is not.
     props = _props(total=16 * GiB)
-    assert ops.plan_chunks(_meta_inputs(8192, 1024, 131072), LCEConfig(), props, "full").save_logits
-    assert not ops.plan_chunks(_meta_inputs(8193, 1024, 131072), LCEConfig(), props, "full").save_logits
+    assert ops.plan_chunks(_meta_inputs(8192, 1024, 131072), LCEConfig(), props, "full").saved_rows == 8192
+    # One token more: the leading whole chunks that fit beside one recomputed chunk are kept.
+    plan = ops.plan_chunks(_meta_inputs(8193, 1024, 131072), LCEConfig(), props, "full")
+    chunk_bytes = plan.tokens_per_chunk * 256 * KiB
+    assert plan.saved_rows == (2 * GiB - chunk_bytes) // chunk_bytes * plan.tokens_per_chunk
+    assert 0 < plan.saved_rows < 8193 and plan.saved_rows * 256 * KiB + chunk_bytes <= 2 * GiB
     # A 64 GiB NPU keeps up to 4 GiB.
-    assert ops.plan_chunks(_meta_inputs(16384, 1024, 131072), LCEConfig(), _props(total=64 * GiB), "full").save_logits
+    assert ops.plan_chunks(_meta_inputs(16384, 1024, 131072), LCEConfig(), _props(total=64 * GiB),
+                           "full").saved_rows == 16384
 
 
 def test_logits_save_limit_from_the_environment(monkeypatch):  # noqa: ANN001
     monkeypatch.setenv(ops.ENV_TOTAL_MEMORY, str(8 * GiB))  # limit 1 GiB
     props = ops.device_properties(torch.device("cpu"))
-    assert ops.plan_chunks(_meta_inputs(4096, 512, 131072), LCEConfig(), props, "full").save_logits
-    assert not ops.plan_chunks(_meta_inputs(4097, 512, 131072), LCEConfig(), props, "full").save_logits
+    assert ops.plan_chunks(_meta_inputs(4096, 512, 131072), LCEConfig(), props, "full").saved_rows == 4096
+    assert ops.plan_chunks(_meta_inputs(4097, 512, 131072), LCEConfig(), props, "full").saved_rows < 4096
 
 
 def test_default_chunk_and_memory_budget():
@@ -203,11 +208,15 @@ def test_default_chunk_and_memory_budget():
     assert plan.tokens_per_chunk == ops.DEFAULT_CHUNK_BUDGET // (256 * KiB)
     # A budget bounds the chunk and what may be kept: 64 rows of logits leave nothing to save.
     plan = ops.plan_chunks(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=64 * 256 * KiB), _props(), "full")
-    assert (plan.tokens_per_chunk, plan.save_logits) == (64, False)
-    # A budget with room for all the logits besides the chunk keeps them.
-    budget = 2000 * 256 * KiB
+    assert (plan.tokens_per_chunk, plan.saved_rows) == (64, 0)
+    # A budget with room for all the logits keeps them (the kernels turn them into the gradient in place).
+    budget = 1000 * 256 * KiB
     plan = ops.plan_chunks(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=budget), _props(), "full")
-    assert plan.tokens_per_chunk == 1000 and plan.save_logits
+    assert (plan.tokens_per_chunk, plan.saved_rows) == (1000, 1000)
+    # A budget of 320 rows makes 320-row chunks: no room to keep any beside a recomputed one.
+    plan = ops.plan_chunks(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=320 * 256 * KiB), _props(),
+                           "full")
+    assert (plan.tokens_per_chunk, plan.saved_rows) == (320, 0)
     assert ops.plan_chunks(_meta_inputs(3, 8, 10), LCEConfig(), _props(), "plain").tokens_per_chunk == 3
 
 
@@ -218,11 +227,16 @@ def test_autotuned_chunk_and_limit_win():
     props = _props(total=16 * GiB)
     with override_params({"tokens_per_chunk": 777}, logits_save_limit_bytes=3 * GiB, backend="ascend"):
         plan = ops.plan_chunks(flat, LCEConfig(), props, "full")
-    assert (plan.tokens_per_chunk, plan.save_logits) == (777, True)
+    assert (plan.tokens_per_chunk, plan.saved_rows) == (777, 8192)
     with override_params({"tokens_per_chunk": 777}, logits_save_limit_bytes=GiB, backend="ascend"):
-        assert not ops.plan_chunks(flat, LCEConfig(), props, "full").save_logits
+        # 1 GiB holds 4096 rows: four whole 777-row chunks beside a fifth, recomputed one.
+        assert ops.plan_chunks(flat, LCEConfig(), props, "full").saved_rows == 4 * 777
         # The budget still bounds a tuned chunk.
         assert ops.plan_chunks(flat, LCEConfig(memory_budget=100 * 256 * KiB), props, "full").tokens_per_chunk == 100
+    # A tuned 64-row chunk within a budget of 320 rows: four kept chunks beside a recomputed one.
+    with override_params({"tokens_per_chunk": 64}, backend="ascend"):
+        plan = ops.plan_chunks(flat, LCEConfig(memory_budget=320 * 256 * KiB), props, "full")
+    assert (plan.tokens_per_chunk, plan.saved_rows) == (64, 256)
     # Knobs for another backend, or values the planner cannot use, fall back to the heuristic.
     heuristic = ops.plan_chunks(flat, LCEConfig(), props, "full")
     for params, backend in (({"tokens_per_chunk": 777}, "cuda"), ({"tokens_per_chunk": 0}, "ascend"),

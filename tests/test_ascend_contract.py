@@ -180,7 +180,7 @@ def test_several_chunks_with_saved_logits(monkeypatch):  # noqa: ANN001
     monkeypatch.setattr(ops, "DEFAULT_CHUNK_BUDGET", 7 * V * 4)
     flat = prepare_inputs(*(t.float() for t in make_inputs()[:2]), make_inputs()[3], None, LCEConfig())
     plan = ops.plan_chunks(flat, LCEConfig(), ops.device_properties(torch.device("cpu")), "full")
-    assert plan.tokens_per_chunk == 7 and plan.save_logits
+    assert plan.tokens_per_chunk == 7 and plan.saved_rows == flat.target.shape[0]
     got, want = run_both({"reduction": "none", "return_logprobs": True}, upstream=("loss", "logprobs"))
     assert_matches(got, want, 1e-5, 1e-4)
 

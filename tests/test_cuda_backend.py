@@ -197,6 +197,39 @@ def test_plan_follows_the_training_flag_not_grad_mode():
     assert inference.vocab_block is not None
 
 
+@pytest.mark.parametrize(("budget_mib", "limit_gib", "want"), [
+    (None, 4, (1536, 8 * 1536)),  # the default: eight 1536-row chunks kept beside a ninth
+    (None, 1, (1536, 1536)),
+    (512, None, (1536, 0)),  # the budget holds one chunk: all recomputed
+    (1024, None, (3328, 0)),  # keeping one 1536-row chunk would not pay for six more weight updates
+    (2048, None, (1536, 3 * 1536)),  # smaller chunks, so that the budget keeps three of them
+    (6144, None, (16384, 16384)),  # all logits (4.6 GiB) fit the budget
+    (6144, 4, (1536, 8 * 1536)),  # a tuned limit still applies
+])
+def test_deferred_plan_keeps_the_logits_that_fit(budget_mib, limit_gib, want):  # noqa: ANN001
+    """The RL shape of issue 11 (16384 x 4096 x 151936 bf16, 4.6 GiB of logits, reduction="none"):
+    tokens per chunk and the leading rows whose logits forward keeps for backward."""
+    from flce.backends.cuda.ops import TunedKnobs, plan_chunks
+    from flce.config import LCEConfig
+    from flce.inputs import FlatInputs
+
+    n, h, v = 16384, 4096, 151936
+    x = torch.empty(n, h, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(v, h, dtype=torch.bfloat16, device="meta")
+    t = torch.empty(n, dtype=torch.int64, device="meta")
+    flat = FlatInputs(hidden=x, weight=w, target=t, bias=None, token_shape=t.shape)
+    cfg = LCEConfig(reduction="none", return_logprobs=True,
+                    memory_budget=None if budget_mib is None else budget_mib << 20)
+    tuned = TunedKnobs(logits_save_limit=None if limit_gib is None else limit_gib << 30)
+    plan = plan_chunks(flat, cfg, True, tuned)
+    assert (plan.tokens_per_chunk, plan.saved_rows) == want
+    assert plan.grad_vocab_block is None or plan.saved_rows == 0, "vocabulary blocks only where nothing is kept"
+    if budget_mib is not None:
+        kept_bytes = plan.saved_rows * v * 2
+        working = 0 if plan.saved_rows == n else plan.tokens_per_chunk * v * 2
+        assert kept_bytes + working <= budget_mib << 20
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "return_entropy": True, "reduction": "none"}],
                          ids=["plain", "full-deferred"])

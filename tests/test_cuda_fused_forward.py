@@ -99,14 +99,25 @@ def test_interpreter_deferred_schedule(options, backward_grad, fused_calls):  # 
 @interpreter_only
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("options", [OPTION_CASES[0], OPTION_CASES[-1]], ids=["plain", "everything"])
-def test_interpreter_fused_logits_schedules(options, reduction, fused_calls):  # noqa: ANN001
+@pytest.mark.parametrize("kept", ["all", "one-chunk"])
+def test_interpreter_fused_logits_schedules(options, reduction, kept, fused_calls):  # noqa: ANN001
     """The schedules that need each chunk's logits (gradients in forward for "mean"; saved logits
-    for "none") take statistics and logits from one fused GEMM per chunk."""
+    for "none") take statistics and logits from one fused GEMM per chunk. With a save limit of two
+    chunks, "none" keeps the first (beside one recomputed chunk) and recomputes the others."""
     n, h, v = 21, 24, 203
     options = materialise_options(options, v, "cpu")
     x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
     knobs = dict(SMALL_TILES, forward_logits="fused", tokens_per_chunk=8, grad_schedule="token_chunks")
-    with override_params(knobs, logits_save_limit_bytes=1 << 30, backend="cuda"):
+    from flce.backends.cuda.ops import plan_chunks, tuned_knobs
+    from flce.config import LCEConfig
+    from flce.inputs import prepare_inputs
+
+    limit = 1 << 30 if kept == "all" else 2 * 8 * v * x.element_size()
+    with override_params(knobs, logits_save_limit_bytes=limit, backend="cuda"):
+        cfg = LCEConfig(reduction=reduction)
+        flat = prepare_inputs(x, w, t, b, cfg)
+        saved_rows = plan_chunks(flat, cfg, True, tuned_knobs(flat, "full")).saved_rows
+        assert saved_rows == (0 if reduction == "mean" else n if kept == "all" else 8)
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction=reduction, **options)
     assert fused_calls == [torch.Size([8, h]), torch.Size([8, h]), torch.Size([5, h])]
     _check_against_oracle(out, x, w, b, t, dict(options, reduction=reduction))

@@ -326,7 +326,7 @@ def test_plan_respects_memory_budget(generator: torch.Generator) -> None:
         assert 1 <= plan.tokens_per_chunk <= 100
         assert plan.tokens_per_chunk * per_row <= max(budget, per_row), (budget, plan)
     assert plan_chunks(flat, LCEConfig()).tokens_per_chunk == 100, "a tiny call fits in one chunk by default"
-    assert not plan_chunks(flat, LCEConfig(memory_budget=per_row)).save_logits, "no room left to save logits"
+    assert plan_chunks(flat, LCEConfig(memory_budget=per_row)).saved_rows == 0, "no room left to save logits"
 
 
 @pytest.mark.parametrize("case", ["defaults", "everything"])
@@ -340,20 +340,26 @@ def test_deferred_saved_logits_equal_recomputed(case: str, reduction: str, gener
     upstream = upstream_for(options, (30,), generator)
     cfg = LCEConfig(**options)
     results = []
-    for save in (True, False):
-        def run(h, w, t, bias, save=save):  # noqa: ANN001, ANN202
+    # All 30 rows kept; the first two 7-row chunks kept (16 rounds down to whole chunks), the rest
+    # recomputed; none kept.
+    for saved_rows in (30, 16, 0):
+        def run(h, w, t, bias, saved_rows=saved_rows):  # noqa: ANN001, ANN202
             flat = prepare_inputs(h, w, t, bias, cfg)
             call = reference_chunked_call(flat, cfg, "full" if cfg.needs_full else "plain")
-            return apply_chunked(flat, dataclasses.replace(call, plan=ChunkPlan(tokens_per_chunk=7, save_logits=save)))
+            plan = ChunkPlan(tokens_per_chunk=7, saved_rows=saved_rows)
+            return apply_chunked(flat, dataclasses.replace(call, plan=plan))
         results.append(flce_grads(run, hidden, weight, target, b, upstream))
-    (saved_out, saved_grads), (recomputed_out, recomputed_grads) = results
-    for name in ("loss", "logprobs"):
-        torch.testing.assert_close(getattr(saved_out, name), getattr(recomputed_out, name), rtol=0, atol=0)
-    for name in ("hidden", "weight", "bias"):
-        torch.testing.assert_close(getattr(saved_grads, name), getattr(recomputed_grads, name), rtol=1e-6, atol=1e-7)
+    recomputed_out, recomputed_grads = results[-1]
+    for saved_out, saved_grads in results[:-1]:
+        for name in ("loss", "logprobs"):
+            torch.testing.assert_close(getattr(saved_out, name), getattr(recomputed_out, name), rtol=0, atol=0)
+        for name in ("hidden", "weight", "bias"):
+            torch.testing.assert_close(getattr(saved_grads, name), getattr(recomputed_grads, name),
+                                       rtol=1e-6, atol=1e-7)
     ref, ref_grads = reference_grads(hidden, weight, target, b, upstream, **options)
-    compare_outputs(saved_out, ref, options, torch.float32)
-    compare_grads(saved_grads, ref_grads)
+    for saved_out, saved_grads in results:
+        compare_outputs(saved_out, ref, options, torch.float32)
+        compare_grads(saved_grads, ref_grads)
 
 
 def test_gradients_through_logprobs_and_entropy_only(generator: torch.Generator) -> None:

@@ -13,8 +13,8 @@ Two gradient schedules:
   computed during the forward scan and scaled by grad_output in backward. Three
   GEMMs in total, nothing saved but the gradients themselves.
 * **deferred** (reduction="none", logprobs or entropy): forward keeps per-row
-  statistics; backward reuses the logits when the plan allowed saving them and
-  recomputes each chunk's GEMM otherwise.
+  statistics; backward reuses the logits of the leading rows the plan allowed
+  saving (all of them where they fit) and recomputes the other chunks' GEMMs.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class ChunkKernels(Protocol):
         self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, lse: torch.Tensor,
         grad_scale: torch.Tensor,
     ) -> torch.Tensor:
-        """(softmax - onehot) * grad_scale given the row lse, over logits where the kernel can."""
+        """(softmax - onehot) * grad_scale given the row lse, written over logits (returned)."""
 
     def row_stats(
         self, logits: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, vocab_offset: int,
@@ -72,8 +72,8 @@ class ChunkKernels(Protocol):
         self, logits: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, vocab_offset: int,
         lse: torch.Tensor, coeffs: GradCoefficients,
     ) -> torch.Tensor:
-        """d loss / d u for raw logits u (semantics.py's formula, chained through cap and T), over
-        logits where the kernel can."""
+        """d loss / d u for raw logits u (semantics.py's formula, chained through cap and T),
+        written over logits (returned)."""
 
     def gemm_row_stats(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
@@ -103,7 +103,11 @@ class ChunkKernels(Protocol):
 @dataclass(frozen=True)
 class ChunkPlan:
     tokens_per_chunk: int
-    save_logits: bool  # deferred schedule only: keep forward's logits for backward
+    # Deferred schedule only: forward keeps the logits of this many leading rows (0, a multiple of
+    # tokens_per_chunk, or all rows) in one buffer; backward turns them into the gradient in place
+    # and runs the two gradient GEMMs over all of them at once (one write of the weight gradient
+    # instead of a read-modify-write per chunk), then recomputes the remaining chunks.
+    saved_rows: int = 0
     # Inference only (no backward follows): scan all rows at once, the vocabulary in blocks of this
     # many columns. Nothing accumulates across blocks but [tokens] statistics, so blocks can be small
     # while every GEMM keeps all rows (full speed where a few hundred token rows would not be).
@@ -146,7 +150,7 @@ class ForwardState:
     extras: dict
     denoms: Denominators
     stats: list[RowStats] = field(default_factory=list)  # deferred schedule, one per chunk
-    saved_logits: list[torch.Tensor] | None = None
+    saved_logits: torch.Tensor | None = None  # deferred schedule: [plan.saved_rows, V], leading rows
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None
 
 
@@ -218,11 +222,11 @@ class _GradAccumulator:
         return self.grad_hidden, grad_weight, grad_bias
 
 
-def chunk_logits(flat: FlatInputs, rows: slice) -> torch.Tensor:
+def chunk_logits(flat: FlatInputs, rows: slice, out: torch.Tensor | None = None) -> torch.Tensor:
     x_rows = flat.hidden[rows]
     if flat.bias is None:
-        return torch.mm(x_rows, flat.weight.t())
-    return torch.addmm(flat.bias, x_rows, flat.weight.t())
+        return torch.mm(x_rows, flat.weight.t(), out=out)
+    return torch.addmm(flat.bias, x_rows, flat.weight.t(), out=out)
 
 
 def run_forward(
@@ -256,8 +260,11 @@ def run_forward(
                             denoms=denoms, grads=grads)
 
     acc = _GradAccumulator(kernels, flat, cfg, grads_in_forward) if grads_in_forward else None
-    keep_logits = backward_follows and acc is None and plan.save_logits
-    saved: list[torch.Tensor] = []
+    kept_rows = min(plan.saved_rows, n_rows) if backward_follows and acc is None else 0
+    if kept_rows < n_rows:
+        kept_rows -= kept_rows % max(1, plan.tokens_per_chunk)  # whole chunks only
+    keep_logits = kept_rows > 0
+    saved = flat.hidden.new_empty(kept_rows, flat.weight.shape[0]) if keep_logits else None
     stats_per_chunk: list[RowStats] = []
     terms_per_chunk: list[RowTerms] = []
 
@@ -287,8 +294,10 @@ def run_forward(
         t = target[rows]
         n = t.shape[0]
         grad = None
+        # A kept chunk's logits are written straight into the saved buffer.
+        kept = saved[rows] if saved is not None and rows.stop <= kept_rows else None
         if plan.fused_logits:
-            logits = flat.hidden.new_empty(n, flat.weight.shape[0])
+            logits = kept if kept is not None else flat.hidden.new_empty(n, flat.weight.shape[0])
             partial = kernels.gemm_row_stats(flat.hidden[rows], flat.weight, flat.bias, t, cfg, vocab_offset, logits)
             if sharding:
                 partial = sharding.combine(partial)
@@ -298,13 +307,13 @@ def run_forward(
                 grad_scale = upstream_scales(cfg, denoms, one, rows, n)[0]
                 grad = kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, grad_scale)
         elif plain:
-            logits = chunk_logits(flat, rows)
+            logits = chunk_logits(flat, rows, out=kept)
             grad_scale = upstream_scales(cfg, denoms, one, rows, n)[0] if acc else None
             loss_rows, lse, grad = kernels.plain_loss(logits, t, cfg.ignore_index, grad_scale)
             stats = RowStats(lse=lse, target_z=lse - loss_rows)
             terms_per_chunk.append(RowTerms(loss_rows, torch.zeros_like(loss_rows), t != cfg.ignore_index))
         else:
-            logits = chunk_logits(flat, rows)
+            logits = chunk_logits(flat, rows, out=kept)
             partial = kernels.row_stats(logits, t, cfg, vocab_offset)
             if sharding:
                 partial = sharding.combine(partial)
@@ -316,11 +325,9 @@ def run_forward(
             grad = kernels.full_grad_(logits, t, cfg, vocab_offset, stats.lse, coeffs)
         if acc:
             acc.add(grad, rows)
-        elif keep_logits:
-            saved.append(logits)
         stats_per_chunk.append(stats)
         # Drop this chunk's logits before the next chunk's GEMM allocates its own.
-        del logits, grad
+        del logits, grad, kept
 
     terms = _concat_terms(terms_per_chunk, target)
     loss, z_loss = reduce_terms(terms, cfg, denoms)
@@ -331,7 +338,7 @@ def run_forward(
         extras=extras(all_stats, terms, target, cfg, denoms),
         denoms=denoms,
         stats=[] if acc else stats_per_chunk,
-        saved_logits=saved if keep_logits else None,
+        saved_logits=saved,
         grads=acc.result() if acc else None,
     )
 
@@ -454,32 +461,44 @@ def run_backward(
     acc = _GradAccumulator(kernels, flat, cfg, wanted)
     # The saved logits are overwritten by the grad kernels: a second backward must recompute.
     state.saved_logits = None
-    for k, rows in enumerate(chunk_bounds(target.shape[0], plan.tokens_per_chunk)):
+    kept_rows = 0 if saved is None else saved.shape[0]
+
+    def chunk_grad(k: int, rows: slice, logits: torch.Tensor | None) -> torch.Tensor:
+        """d loss / d u of one chunk, over its logits (recomputed where None)."""
         t = target[rows]
         stats = state.stats[k]
         g_ce, g_z = upstream_scales(cfg, state.denoms, grad_loss, rows, t.shape[0])
         coeffs = None
-        if not plain or (plan.fused_grad and saved is None):
+        if not plain or (plan.fused_grad and logits is None):
             coeffs = grad_coefficients(
                 stats, t, cfg, vocab, g_ce, g_z,
                 None if grad_logprobs is None else grad_logprobs.reshape(-1)[rows],
                 None if grad_entropy is None else grad_entropy.reshape(-1)[rows],
             )
-        if plan.fused_grad and saved is None:
+        if plan.fused_grad and logits is None:
             assert coeffs is not None
-            grad = kernels.gemm_grad(flat.hidden[rows], flat.weight, flat.bias, t, cfg, vocab_offset, stats.lse,
+            return kernels.gemm_grad(flat.hidden[rows], flat.weight, flat.bias, t, cfg, vocab_offset, stats.lse,
                                      coeffs)
-        else:
-            logits = saved[k] if saved is not None else chunk_logits(flat, rows)
-            if coeffs is None:
-                grad = kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, g_ce)
-            else:
-                grad = kernels.full_grad_(logits, t, cfg, vocab_offset, stats.lse, coeffs)
-            del logits
-        acc.add(grad, rows)
-        del grad
-        if saved is not None:
-            saved[k] = None  # type: ignore[call-overload]  # free each saved chunk once used
+        if logits is None:
+            logits = chunk_logits(flat, rows)
+        if coeffs is None:
+            return kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, g_ce)
+        return kernels.full_grad_(logits, t, cfg, vocab_offset, stats.lse, coeffs)
+
+    bounds = chunk_bounds(target.shape[0], plan.tokens_per_chunk)
+    if saved is not None:
+        # The kept rows: the row kernels chunk by chunk over the buffer (their temporaries stay
+        # chunk-sized), the two gradient GEMMs once over all of them.
+        for k, rows in enumerate(bounds):
+            if rows.stop <= kept_rows:
+                chunk_grad(k, rows, saved[rows])  # in place
+        acc.add(saved, slice(0, kept_rows))
+        del saved
+    for k, rows in enumerate(bounds):
+        if rows.stop > kept_rows:
+            grad = chunk_grad(k, rows, None)
+            acc.add(grad, rows)
+            del grad
     return acc.result()
 
 

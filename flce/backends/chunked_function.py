@@ -300,7 +300,7 @@ def chunked_forward(
     call = _backend_call(backend, flat, cfg, variant, group_name, wanted, training=wanted.any)
     cfg = call.cfg
     in_forward = wanted.any and grads_in_forward_allowed(cfg)
-    plan = replace(call.plan, save_logits=False)
+    plan = replace(call.plan, saved_rows=0)
     state = run_forward(call.kernels, flat, cfg, plan, call.plain, grads_in_forward=wanted if in_forward else None,
                         sharding=call.sharding, backward_follows=wanted.any)
 

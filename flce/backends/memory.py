@@ -27,3 +27,28 @@ def default_logits_save_limit(device: torch.device) -> int:
 def logits_save_limit_for(total_memory: int) -> int:
     """max(1 GiB, min(4 GiB, total memory / 8))."""
     return max(GiB, min(4 * GiB, total_memory // 8))
+
+
+def logits_save_limit(tuned_limit: int | None, memory_budget: int | None, default_limit: int) -> int:
+    """Bytes of logits a deferred backward may keep: the autotune cache's limit, bounded by an
+    explicit memory_budget; without a tuned limit, the budget itself (the user's statement of what
+    the call may use), else the device's default."""
+    if memory_budget is None:
+        return default_limit if tuned_limit is None else tuned_limit
+    return memory_budget if tuned_limit is None else min(tuned_limit, memory_budget)
+
+
+def saved_logits_rows(n_rows: int, tokens_per_chunk: int, logits_row_bytes: int, working_row_bytes: int,
+                      save_limit: int) -> int:
+    """Rows whose logits the deferred schedule keeps from forward for backward (ChunkPlan.saved_rows).
+
+    All rows when their logits fit ``save_limit`` beside one chunk's temporaries (working_row_bytes
+    counts a row's logits and temporaries; the kernels that overwrite logits in place have none).
+    Otherwise the most whole leading chunks that fit beside one recomputed chunk's working memory:
+    each kept chunk saves backward one GEMM, so a limit too small for all logits still buys speed.
+    """
+    temporaries = tokens_per_chunk * (working_row_bytes - logits_row_bytes)
+    if n_rows * logits_row_bytes + temporaries <= save_limit:
+        return n_rows
+    chunks = (save_limit - tokens_per_chunk * working_row_bytes) // max(1, tokens_per_chunk * logits_row_bytes)
+    return max(0, min(chunks * tokens_per_chunk, n_rows))

@@ -26,7 +26,7 @@ import torch
 
 from flce.autotune.lookup import tuned_params
 from flce.backends.chunk_driver import ChunkPlan
-from flce.backends.memory import GiB, MiB, total_memory_bytes
+from flce.backends.memory import GiB, MiB, logits_save_limit, saved_logits_rows, total_memory_bytes
 from flce.config import LCEConfig
 from flce.inputs import FlatInputs
 from flce.semantics import (
@@ -222,11 +222,12 @@ def logits_save_limit_bytes(total_memory: int) -> int:
 
 
 def plan_chunks(flat: FlatInputs, cfg: LCEConfig, props: AscendDeviceProperties, variant: str) -> ChunkPlan:
-    """Tokens per chunk and whether a deferred backward keeps forward's logits.
+    """Tokens per chunk and the rows whose logits a deferred backward keeps from forward.
 
     The autotune cache's ``tokens_per_chunk`` and logits-save limit win when it holds them for
     this device and shape; otherwise tokens come from the memory budget and the limit is
-    :func:`logits_save_limit_bytes`. A given memory_budget bounds both. The kernels overwrite
+    :func:`logits_save_limit_bytes`. A given memory_budget bounds both, and without a tuned limit
+    is the limit. The kernels overwrite
     the logits with their gradient, so a chunk needs its logits and nothing else of size [n, V].
     """
     n_rows = flat.target.shape[0]
@@ -243,10 +244,9 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, props: AscendDeviceProperties,
     else:
         tokens = budget // max(1, row_bytes)
     tokens = max(1, min(n_rows, tokens))
-    save_limit = tuned_limit if tuned_limit is not None else logits_save_limit_bytes(props.total_memory_bytes)
-    if cfg.memory_budget is not None:
-        save_limit = min(save_limit, cfg.memory_budget - tokens * row_bytes)
-    return ChunkPlan(tokens_per_chunk=tokens, save_logits=n_rows * row_bytes <= save_limit)
+    save_limit = logits_save_limit(tuned_limit, cfg.memory_budget, logits_save_limit_bytes(props.total_memory_bytes))
+    return ChunkPlan(tokens_per_chunk=tokens,
+                     saved_rows=saved_logits_rows(n_rows, tokens, row_bytes, row_bytes, save_limit))
 
 
 def _is_positive_int(value: object) -> bool:

@@ -16,7 +16,7 @@ from flce.autotune import tuned_params
 from flce.backends.chunk_driver import ChunkPlan, grads_in_forward_allowed, scan_vocab_blocks
 from flce.backends.cuda import kernels
 from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_grad, gemm_row_stats
-from flce.backends.memory import MiB, default_logits_save_limit
+from flce.backends.memory import MiB, default_logits_save_limit, logits_save_limit, saved_logits_rows
 from flce.config import LCEConfig
 from flce.inputs import FlatInputs
 from flce.semantics import GradCoefficients, PartialRowStats
@@ -156,33 +156,62 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
         columns = budget // (max(n_rows, 1) * flat.weight.element_size())
         if columns >= MIN_VOCAB_BLOCK:
             vocab_block = columns - columns % MIN_VOCAB_BLOCK
-    logits_bytes = n_rows * row_bytes
-    save_limit = tuned.logits_save_limit
-    if save_limit is None:
-        save_limit = default_logits_save_limit(flat.hidden.device)
-    if cfg.memory_budget is not None:
-        save_limit = min(save_limit, cfg.memory_budget - tokens * row_bytes)
+    save_limit = logits_save_limit(tuned.logits_save_limit, cfg.memory_budget,
+                                   default_logits_save_limit(flat.hidden.device))
+    saved_rows = 0
+    if training and not grads_in_forward_allowed(cfg):
+        tokens, saved_rows = _deferred_chunks(n_rows, row_bytes, tokens, save_limit,
+                                              tuned.tokens_per_chunk is None and cfg.memory_budget is not None)
     fused_stats = fused_forward_default(flat) if tuned.forward_stats is None else tuned.forward_stats == "fused"
     grad_vocab_block = None
     if training and n_rows:
         by_blocks = tuned.grad_schedule == "vocab_blocks" if tuned.grad_schedule else _vocab_blocks_pay(
-            cfg, n_rows, vocab, tokens, logits_bytes <= save_limit)
+            cfg, n_rows, vocab, tokens, saved_rows > 0)
         columns = (budget - n_rows * _STATS_BYTES_PER_ROW) // (n_rows * flat.weight.element_size())
         columns -= columns % GRAD_BLOCK_MULTIPLE
         if tuned.grad_vocab_block:  # a tuned block still honours an explicit memory_budget
             columns = tuned.grad_vocab_block if cfg.memory_budget is None else min(tuned.grad_vocab_block, columns)
         if by_blocks and columns >= MIN_VOCAB_BLOCK:
             grad_vocab_block = min(columns, vocab)
-    return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit, vocab_block=vocab_block,
+    return ChunkPlan(tokens_per_chunk=tokens, saved_rows=saved_rows, vocab_block=vocab_block,
                      fused_stats=fused_stats, fused_logits=tuned.forward_logits == "fused",
                      grad_vocab_block=grad_vocab_block,
                      fused_grad=tuned.backward_grad == "fused")
 
 
+def _deferred_chunks(n_rows: int, row_bytes: int, tokens: int, save_limit: int, may_shrink: bool) -> tuple[int, int]:
+    """(tokens_per_chunk, saved_rows) of the deferred schedule. A budget too small for all the logits
+    makes chunks of the whole budget, which leaves none of it for saved logits; with may_shrink (an
+    explicit budget and no tuned chunk) default-sized chunks that keep the rest of the budget's logits
+    are taken instead where the cost model says they are faster."""
+    saved = saved_logits_rows(n_rows, tokens, row_bytes, row_bytes, save_limit)
+    smaller = chunk_rows(n_rows, max(1, DEFAULT_CHUNK_BUDGET // row_bytes))
+    if not may_shrink or saved == n_rows or smaller >= tokens:
+        return tokens, saved
+    smaller_saved = saved_logits_rows(n_rows, smaller, row_bytes, row_bytes, save_limit)
+    if _deferred_cost(n_rows, smaller, smaller_saved) < _deferred_cost(n_rows, tokens, saved):
+        return smaller, smaller_saved
+    return tokens, saved
+
+
+# One read-modify-write of the V x H weight gradient (4VH bytes at HBM bandwidth) costs about as much
+# as recomputing this many rows of logits (2HV flops each at the tensor-core rate): 2 x 700 TFLOP/s
+# / 4.8 TB/s = 290 on the H200, 2 x 600 / 3.35 = 360 on the H100. Independent of H and V.
+_RMW_IN_RECOMPUTED_ROWS = 320
+
+
+def _deferred_cost(n_rows: int, tokens: int, saved_rows: int) -> int:
+    """Backward's extra work in recomputed rows: the rows not saved, and one weight-gradient
+    read-modify-write for the saved rows (one GEMM over all of them) and per recomputed chunk."""
+    recomputed = n_rows - saved_rows
+    updates = (saved_rows > 0) + -(-recomputed // max(1, tokens))
+    return recomputed + _RMW_IN_RECOMPUTED_ROWS * updates
+
+
 def _vocab_blocks_pay(cfg: LCEConfig, n_rows: int, vocab: int, chunk: int, logits_saved: bool) -> bool:
     """The heuristic choice of the vocabulary-block schedule. In forward it trades a fourth GEMM for
     the weight gradient's read-modify-writes, worth it for small chunks only. The deferred schedule
-    recomputes the logits either way (unless they are saved), so there blocks only trade a V x H
+    recomputes the logits either way (unless some are saved), so there blocks only trade a V x H
     read-modify-write per token chunk for an N x H one per block: fewer bytes when N < V."""
     if chunk >= n_rows:
         return False

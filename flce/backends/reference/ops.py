@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flce.autotune import tuned_params
 from flce.backends.chunk_driver import ChunkPlan
-from flce.backends.memory import MiB, default_logits_save_limit
+from flce.backends.memory import MiB, default_logits_save_limit, logits_save_limit, saved_logits_rows
 from flce.backends.reference.kernels import math_dtype
 from flce.config import LCEConfig
 from flce.inputs import FlatInputs
@@ -51,8 +51,7 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, variant: str | None = None) ->
         if cfg.memory_budget is not None:
             tokens = min(tokens, cfg.memory_budget // per_row)
         tokens = max(1, tokens)
-    logits_bytes = n_rows * flat.weight.shape[0] * flat.weight.element_size()
-    save_limit = cached_limit if cached_limit is not None else default_logits_save_limit(flat.hidden.device)
-    if cfg.memory_budget is not None:
-        save_limit = min(save_limit, cfg.memory_budget - tokens * per_row)
-    return ChunkPlan(tokens_per_chunk=tokens, save_logits=logits_bytes <= save_limit)
+    save_limit = logits_save_limit(cached_limit, cfg.memory_budget, default_logits_save_limit(flat.hidden.device))
+    logits_row_bytes = flat.weight.shape[0] * flat.weight.element_size()
+    return ChunkPlan(tokens_per_chunk=tokens,
+                     saved_rows=saved_logits_rows(n_rows, tokens, logits_row_bytes, per_row, save_limit))
