@@ -22,6 +22,7 @@ import torch._dynamo.testing  # noqa: E402
 from helpers import assert_close_per_design, backward_surrogate, random_upstream, reference_loss  # noqa: E402
 
 import flce  # noqa: E402
+from flce.backends import chunked_function  # noqa: E402
 from flce.backends.chunked_function import apply_chunked, apply_chunked_op  # noqa: E402
 from flce.backends.reference.function import reference_chunked_call  # noqa: E402
 from flce.config import LCEConfig, primitive_options  # noqa: E402
@@ -231,6 +232,45 @@ def test_inductor_compiled_step_matches_eager(case: str, generator: torch.Genera
         torch.testing.assert_close(_fields(out_c)[name], value, rtol=1e-5, atol=1e-6)
     for gc, ge in zip(grads_c, grads_e, strict=True):
         torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-6)
+
+
+def test_inductor_backward_scales_in_forward_gradients_over_their_own_buffers(
+        monkeypatch: pytest.MonkeyPatch, generator: torch.Generator) -> None:
+    """The in-forward schedule under Inductor: forward's op computes the unscaled gradients, and
+    the backward graph writes grad_output times them over those very buffers (AOTAutograd donates
+    them to it), so no V x H gradient is allocated a second time. Checked with grad_output 3 and
+    exactly 1, against eager flce and the float64 oracle."""
+    produced = []
+    real_run_forward = chunked_function.run_forward
+
+    def recording_run_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        state = real_run_forward(*args, **kwargs)
+        if state.grads is not None:
+            produced.append(state.grads)
+        return state
+
+    monkeypatch.setattr(chunked_function, "run_forward", recording_run_forward)
+    x, w, b, t = _inputs(generator)
+    loss_fn = flce.get_impl("cpu")(label_smoothing=0.1)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    for scale in (3.0, 1.0):
+        produced.clear()
+        grads_c = torch.autograd.grad(compiled(x, w, t, b), (x, w, b), torch.tensor(scale))
+        assert len(produced) == 1, "the compiled call should run the in-forward schedule once"
+        for name, got, buffer in zip(("hidden", "weight", "bias"), grads_c, produced[0], strict=True):
+            assert got.data_ptr() == buffer.data_ptr(), (
+                f"grad {name} (grad_output {scale}): the compiled backward wrote the scaled gradient into "
+                "a new buffer instead of over the one forward produced")
+
+        grads_e = torch.autograd.grad(loss_fn(x, w, t, b), (x, w, b), torch.tensor(scale))
+        xs, ws, bs = (a.detach().double().requires_grad_() for a in (x, w, b))
+        oracle = reference_loss(xs, ws, t, bs, label_smoothing=0.1).loss
+        grads_o = torch.autograd.grad(oracle, (xs, ws, bs), torch.tensor(scale, dtype=torch.float64))
+        for name, gc, ge, go in zip(("hidden", "weight", "bias"), grads_c, grads_e, grads_o, strict=True):
+            torch.testing.assert_close(gc, ge, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"grad {name}: {m}")
+            assert_close_per_design(gc, go, kind=f"grad_{'hidden' if name == 'hidden' else 'weight'}",
+                                    dtype=torch.float32, name=f"grad {name} (grad_output {scale})")
 
 
 @pytest.mark.parametrize("form", ["module", "functional"])

@@ -13,11 +13,18 @@ Two wrappers drive the same chunk loop:
 Why eager calls keep the Function: the deferred schedule can keep forward's logits chunks for
 backward (one GEMM fewer), and an op cannot return a list whose length depends on the token
 count, so under the op backward recomputes them; and the Function scales the in-forward
-gradients in place, which an op's backward may not do to the op's outputs. Under torch.compile
-that costs nothing: AOTAutograd donates the saved gradients to the backward graph and Inductor
-writes the scaled result over their buffers (no V x H copy; other compiler backends, e.g.
-aot_eager, allocate one). Vocab-parallel calls carry their process group into the ops by name
-(``group_name``, as torch's functional collectives do); inside, the op rebuilds the sharded call
+gradients in place with the backend's ``scale_`` kernel, which skips the pass over V x H when
+grad_output is exactly 1 (decided on the device). Under torch.compile AOTAutograd donates the
+saved gradients to the backward graph and Inductor writes the scaled result over their buffers:
+no V x H allocation (other compiler backends, e.g. aot_eager, allocate one), but one read and
+write of it whatever grad_output is. An in-place op would not save that pass: AOTAutograd
+functionalizes the mutation of a saved tensor (auto_functionalized), and Inductor's reinplacing
+leaves a backward-graph input mutated in place only when the graph copies the result back into
+it, which it never does for saved tensors; so it clones the buffer first (torch 2.13: a copy of
+the buffer over itself, then the op).
+
+Vocab-parallel calls carry their process group into the ops by name (``group_name``, as torch's
+functional collectives do); inside, the op rebuilds the sharded call
 (flce.distributed.function.sharded_call), so a compiled tensor-parallel step is one graph too.
 """
 
@@ -470,9 +477,10 @@ def _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy):  # noqa: ANN001,
     if not wanted.any:
         return None, None, None, None, None
     if ctx.in_forward:
-        # Out of place: the gradients are outputs of the op, which backward may not mutate. Inductor
-        # donates them to the backward graph and writes the product over their buffers, in one
-        # pass that multiplies in the scale's fp32 (grad_output is not rounded to bf16 first).
+        # Out of place: an in-place scale of these saved outputs is functionalized and Inductor
+        # would clone them before it (module docstring). Inductor donates them to the backward
+        # graph and writes the product over their buffers, in one pass that multiplies in the
+        # scale's fp32 (grad_output is not rounded to bf16 first).
         saved = ctx.saved_tensors
         if grad_loss is None:
             grad_loss = torch.zeros((), device=saved[0].device)
