@@ -10,11 +10,12 @@ Two wrappers drive the same chunk loop:
   direction and never breaks the graph; inside, the op rebuilds the config and asks the named
   backend for its kernels and plan, exactly as an eager call does.
 
-Why eager calls keep the Function: the deferred schedule can keep forward's logits chunks for
-backward (one GEMM fewer), and an op cannot return a list whose length depends on the token
-count, so under the op backward recomputes them; and the Function scales the in-forward
-gradients in place with the backend's ``scale_`` kernel, which skips the pass over V x H when
-grad_output is exactly 1 (decided on the device). Under torch.compile AOTAutograd donates the
+Why eager calls keep the Function: the deferred schedule can keep forward's logits for backward
+(one GEMM fewer for the kept rows), and how many rows it keeps is the plan's choice, made inside
+the op from the device and the autotune cache, where an op's output shapes must be known to the
+compiler beforehand (dynamic token counts included), so under the op backward recomputes them;
+and the Function scales the in-forward gradients in place with the backend's ``scale_`` kernel,
+which skips the pass over V x H when grad_output is exactly 1 (decided on the device). Under torch.compile AOTAutograd donates the
 saved gradients to the backward graph and Inductor writes the scaled result over their buffers:
 no V x H allocation (other compiler backends, e.g. aot_eager, allocate one), but one read and
 write of it whatever grad_output is. An in-place op would not save that pass: AOTAutograd
