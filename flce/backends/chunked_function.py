@@ -13,16 +13,16 @@ Two wrappers drive the same chunk loop:
 Why eager calls keep the Function: the deferred schedule can keep forward's logits for backward
 (one GEMM fewer for the kept rows), and how many rows it keeps is the plan's choice, made inside
 the op from the device and the autotune cache, where an op's output shapes must be known to the
-compiler beforehand (dynamic token counts included), so under the op backward recomputes them;
-and the Function scales the in-forward gradients in place with the backend's ``scale_`` kernel,
-which skips the pass over V x H when grad_output is exactly 1 (decided on the device). Under torch.compile AOTAutograd donates the
-saved gradients to the backward graph and Inductor writes the scaled result over their buffers:
-no V x H allocation (other compiler backends, e.g. aot_eager, allocate one), but one read and
-write of it whatever grad_output is. An in-place op would not save that pass: AOTAutograd
-functionalizes the mutation of a saved tensor (auto_functionalized), and Inductor's reinplacing
-leaves a backward-graph input mutated in place only when the graph copies the result back into
-it, which it never does for saved tensors; so it clones the buffer first (torch 2.13: a copy of
-the buffer over itself, then the op).
+compiler beforehand (dynamic token counts included), so under the op backward recomputes them; and
+the Function scales the in-forward gradients in place with the backend's ``scale_`` kernel, which
+skips the pass over V x H when grad_output is exactly 1 (decided on the device). Under
+torch.compile AOTAutograd donates the saved gradients to the backward graph and Inductor writes the
+scaled result over their buffers: no V x H allocation (other compiler backends, e.g. aot_eager,
+allocate one), but one read and write of it whatever grad_output is. An in-place op would not save
+that pass: AOTAutograd functionalizes the mutation of a saved tensor (auto_functionalized), and
+Inductor's reinplacing leaves a backward-graph input mutated in place only when the graph copies
+the result back into it, which it never does for saved tensors; so it clones the buffer first
+(torch 2.13: a copy of the buffer over itself, then the op).
 
 Vocab-parallel calls carry their process group into the ops by name (``group_name``, as torch's
 functional collectives do); inside, the op rebuilds the sharded call
