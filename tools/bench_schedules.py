@@ -6,7 +6,7 @@ block's logits recomputed and its weight-gradient rows written once), as ratios 
 with peak MiB above the gradients; Liger-Kernel's fused linear cross-entropy beside them when it is
 importable. Plain loss and the RL objective (log-probs and entropy at temperature 0.7).
 
-    python tools/bench_schedules.py --markdown out.md
+    python tools/bench_schedules.py --markdown out.md [--calls rl] [--knob forward_logits=fused ...]
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ RL = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--markdown", default=None)
+    parser.add_argument("--calls", default="plain,rl", help="which calls to run: plain, rl or both")
+    parser.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                        help="an autotune knob set in every run, e.g. forward_logits=fused")
     args = parser.parse_args()
+    extra = {name: int(value) if value.isdigit() else value
+             for name, value in (knob.split("=", 1) for knob in args.knob)}
     dev = torch.device("cuda")
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -43,7 +48,7 @@ def main() -> int:
         liger = None
     rows = ["| shape | call | budget | token chunks | vocabulary blocks | logits kept (planner) | Liger |",
             "|---|---|---|---|---|---|---|"]
-    for label, call, budgets in CASES:
+    for label, call, budgets in (case for case in CASES if case[1] in args.calls.split(",")):
         n, h, v = (int(p) for p in label.split("x"))
         g = torch.Generator(device=dev).manual_seed(n + h + v)
         x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -75,8 +80,8 @@ def main() -> int:
                     return torch.autograd.grad(objective, (x, w))
 
                 # The planner with the default budget: exactly what a user gets (shipped cache included).
-                as_shipped = schedule is None and limit is None
-                knobs = {} if schedule is None else {"grad_schedule": schedule}
+                as_shipped = schedule is None and limit is None and not extra
+                knobs = dict(extra, **({} if schedule is None else {"grad_schedule": schedule}))
                 with contextlib.nullcontext() if as_shipped else override_params(
                         knobs, logits_save_limit_bytes=limit, backend="cuda"):
                     ms = median_ms(step, warmup_ms=100, rep_ms=600)
@@ -98,7 +103,8 @@ def main() -> int:
         del x, w, t
         torch.cuda.empty_cache()
     text = "\n".join([f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-                      f"{datetime.date.today()}, `python tools/bench_schedules.py`", "",
+                      f"{datetime.date.today()}, `python tools/bench_schedules.py "
+                      f"--calls {args.calls}{''.join(' --knob ' + k for k in args.knob)}`", "",
                       "forward+backward, ratio to the 3-GEMM floor / peak MiB above the gradients "
                       "(logits kept only in the last RL column; RL: -(adv * logp).mean() - 0.01 * entropy.mean()):",
                       "", *rows])
