@@ -203,11 +203,6 @@ class GradCoefficients:
     d: torch.Tensor
     e: torch.Tensor | None  # None without label smoothing
 
-    def rows(self, rows: slice) -> GradCoefficients:
-        """The coefficients of these rows."""
-        return GradCoefficients(a=self.a[rows], h=None if self.h is None else self.h[rows], d=self.d[rows],
-                                e=None if self.e is None else self.e[rows])
-
 
 def upstream_scales(
     cfg: LCEConfig, denoms: Denominators, grad_loss: torch.Tensor, rows: slice, n_rows: int

@@ -256,29 +256,23 @@ def test_gpu_fused_deferred_matches_cublas_path(dtype, fused_calls):  # noqa: AN
 @pytest.mark.parametrize(("options", "reduction"), [({}, "mean"), (OPTION_CASES[-1], "sum"),
                                                     (OPTION_CASES[4], "none"), (OPTION_CASES[6], "mean")],
                          ids=["plain-mean", "everything-sum", "rl-none", "weights-smoothing"])
-@pytest.mark.parametrize("row_block", [None, 8], ids=["all-rows", "8-row-blocks"])
-def test_interpreter_vocab_block_gradients(options, reduction, fused, row_block, monkeypatch):  # noqa: ANN001
+def test_interpreter_vocab_block_gradients(options, reduction, fused, monkeypatch):  # noqa: ANN001
     """The lean schedule: statistics of all rows, then gradients by vocabulary blocks (one weight-
-    gradient write per block, or one per row block when the rows are split), for the in-forward and
-    the deferred schedules, any upstream gradient."""
+    gradient write per block), for the in-forward and the deferred schedules, any upstream gradient."""
     monkeypatch.setattr("flce.backends.cuda.ops.MIN_VOCAB_BLOCK", 16)
     n, h, v = 21, 24, 203
     options = materialise_options(options, v, "cpu")
     x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
     path = "fused" if fused else "cublas"
-    knobs = dict(SMALL_TILES, forward_stats=path, backward_grad=path, grad_schedule="vocab_blocks")
-    if row_block is None:
-        knobs["grad_vocab_block"] = 64  # 4 blocks, the last one ragged
-    else:  # 3 row blocks (the last one ragged) x 4 vocabulary blocks, as the planner would split them
-        monkeypatch.setattr("flce.backends.cuda.ops._gradient_blocks", lambda *_: (row_block, 64))
+    knobs = dict(SMALL_TILES, forward_stats=path, backward_grad=path, grad_schedule="vocab_blocks",
+                 grad_vocab_block=64)  # 4 blocks, the last one ragged
     from flce.backends.cuda.function import cuda_chunked_call
     from flce.config import LCEConfig
     from flce.inputs import prepare_inputs
 
     with override_params(knobs, logits_save_limit_bytes=0, backend="cuda"):
         cfg = LCEConfig(reduction=reduction)
-        plan = cuda_chunked_call(prepare_inputs(x, w, t, b, cfg), cfg, "full", True).plan
-        assert (plan.grad_vocab_block, plan.grad_row_block) == (64, row_block)
+        assert cuda_chunked_call(prepare_inputs(x, w, t, b, cfg), cfg, "full", True).plan.grad_vocab_block == 64
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction=reduction, **options)
         _check_against_oracle(out, x, w, b, t, dict(options, reduction=reduction))
 
@@ -295,30 +289,6 @@ def test_small_budgets_plan_the_vocab_block_schedule():
     roomy = plan_chunks(flat, LCEConfig(memory_budget=512 << 20), training=True)
     assert roomy.grad_vocab_block is None  # token chunks hold 1024+ rows: the weight gradient is cheap
     assert plan_chunks(flat, LCEConfig(memory_budget=16 << 20), training=False).grad_vocab_block is None
-    assert lean.grad_row_block is None  # splitting 4096 rows would save less than a tenth of the updates
-
-
-def test_lean_schedule_splits_rows_where_that_saves_updates():
-    """16384 x 2048 x 151936 bf16 at 64 MiB: 1920-column blocks of all rows would read-modify-write
-    grad_hidden 80 times; three row blocks of 5632 rows take 5760 columns (27 vocabulary blocks per
-    row block, two more weight-gradient updates), 43% fewer bytes. 8192 x 4096 x 128256 keeps all
-    rows (two row blocks would save 4%)."""
-    from flce.backends.cuda.ops import plan_chunks
-    from flce.config import LCEConfig
-    from flce.inputs import FlatInputs
-
-    def plan(n: int, h: int, v: int):  # noqa: ANN202
-        x = torch.empty(n, h, dtype=torch.bfloat16, device="meta")
-        w = torch.empty(v, h, dtype=torch.bfloat16, device="meta")
-        t = torch.empty(n, dtype=torch.int64, device="meta")
-        flat = FlatInputs(hidden=x, weight=w, target=t, bias=None, token_shape=t.shape)
-        return plan_chunks(flat, LCEConfig(memory_budget=64 << 20), training=True)
-
-    split = plan(16384, 2048, 151936)
-    assert (split.grad_row_block, split.grad_vocab_block) == (5632, 5760)
-    assert split.grad_row_block * split.grad_vocab_block * 2 + 16384 * 64 <= 64 << 20
-    whole = plan(8192, 4096, 128256)
-    assert (whole.grad_row_block, whole.grad_vocab_block) == (None, 3968)
 
 
 @pytest.mark.cuda

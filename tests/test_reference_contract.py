@@ -362,34 +362,6 @@ def test_deferred_saved_logits_equal_recomputed(case: str, reduction: str, gener
         compare_grads(saved_grads, ref_grads)
 
 
-@pytest.mark.parametrize("case", ["defaults", "everything"])
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("row_block", [None, 8, 7], ids=["all-rows", "8-rows", "7-rows"])
-def test_vocab_block_schedule_with_row_blocks(case: str, reduction: str, row_block: int | None,
-                                              generator: torch.Generator) -> None:
-    """The shared driver's vocabulary-block schedule (all rows' statistics first, then gradients
-    block by block) with the rows in one block or split (grad_weight and grad_bias then accumulate
-    over row blocks, the last one ragged), in-forward ("mean") and deferred ("none"), against the
-    float64 oracle."""
-    options = build_options(OPTION_CASES[case], VOCAB, generator, reduction=reduction,
-                            return_logprobs=reduction == "none")
-    hidden, weight, target, b = make_inputs((30,), HIDDEN, VOCAB, bias=True, generator=generator,
-                                            ignore_index=options.get("ignore_index", -100))
-    upstream = upstream_for(options, (30,), generator)
-    cfg = LCEConfig(**options)
-
-    def run(h, w, t, bias):  # noqa: ANN001, ANN202
-        flat = prepare_inputs(h, w, t, bias, cfg)
-        call = reference_chunked_call(flat, cfg, "full" if cfg.needs_full else "plain")
-        plan = ChunkPlan(tokens_per_chunk=30, grad_vocab_block=VOCAB // 3 + 1, grad_row_block=row_block)
-        return apply_chunked(flat, dataclasses.replace(call, plan=plan))
-
-    out, grads = flce_grads(run, hidden, weight, target, b, upstream)
-    ref, ref_grads = reference_grads(hidden, weight, target, b, upstream, **options)
-    compare_outputs(out, ref, options, torch.float32)
-    compare_grads(grads, ref_grads)
-
-
 def test_gradients_through_logprobs_and_entropy_only(generator: torch.Generator) -> None:
     """The loss unused: gradients come from logprobs and entropy alone (RL-style use)."""
     options = {"return_logprobs": True, "return_entropy": True, "temperature": 0.9}

@@ -123,10 +123,6 @@ class ChunkPlan:
     # written once, where token chunks would read-modify-write all of it once per chunk; the price
     # is one more GEMM (the logits are recomputed) and a read-modify-write of grad_hidden per block.
     grad_vocab_block: int | None = None
-    # The vocabulary-block schedule's rows per block (None: all rows). Fewer rows make wider vocabulary
-    # blocks in the same memory, so fewer read-modify-writes of grad_hidden, for one of the weight
-    # gradient per extra row block.
-    grad_row_block: int | None = None
     # Schedules that recompute logits in backward take d loss / d u from one GEMM with the gradient
     # in its epilogue (kernels.gemm_grad) instead of a GEMM and a row kernel over the logits.
     fused_grad: bool = False
@@ -385,54 +381,44 @@ def vocab_block_gradients(
     kernels: ChunkKernels, flat: FlatInputs, cfg: LCEConfig, plan: ChunkPlan, stats: RowStats,
     coeffs: GradCoefficients, wanted: GradTargets,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients by blocks of (rows, vocabulary columns): each block's logits are recomputed by one
-    GEMM and turned into d loss / d u in place; grad_hidden rows accumulate over the vocabulary
-    blocks, and grad_weight (and grad_bias) rows over the row blocks (in fp32 when accum_dtype
-    asks): with all rows in one block, each weight-gradient row is written once."""
+    """Gradients of all rows by vocabulary blocks: each block's logits are recomputed by one GEMM
+    and turned into d loss / d u in place; that block's rows of grad_weight (and grad_bias) are
+    written once, and grad_hidden accumulates over the blocks (in fp32 when accum_dtype asks)."""
     x, w, target = flat.hidden, flat.weight, flat.target
-    n_rows = x.shape[0]
     fp32_acc = cfg.accum_dtype == torch.float32 and w.dtype != torch.float32
     grad_hidden = None
     if wanted.hidden:
         grad_hidden = torch.zeros(x.shape, dtype=torch.float32 if fp32_acc else x.dtype, device=x.device)
     grad_weight = None
     if wanted.weight:
-        # Written by the first row block's GEMMs, which saves a V x H zero fill where nothing accumulates.
-        grad_weight = (torch.zeros if fp32_acc or n_rows == 0 else torch.empty)(
+        grad_weight = (torch.zeros if fp32_acc else torch.empty)(
             w.shape, dtype=torch.float32 if fp32_acc else w.dtype, device=w.device)
-    bias_acc = None
-    if wanted.bias and flat.bias is not None:
-        bias_acc = torch.zeros(w.shape[0], dtype=statistics_dtype(w.dtype), device=w.device)
+    grad_bias = torch.empty_like(flat.bias) if wanted.bias and flat.bias is not None else None
     assert plan.grad_vocab_block is not None
-    for row_block, rows in enumerate(chunk_bounds(n_rows, plan.grad_row_block or n_rows)):
-        x_rows, t_rows, lse_rows, coeffs_rows = x[rows], target[rows], stats.lse[rows], coeffs.rows(rows)
-        for start in range(0, w.shape[0], plan.grad_vocab_block):
-            cols = slice(start, start + plan.grad_vocab_block)
-            bias = None if flat.bias is None else flat.bias[cols]
-            if plan.fused_grad:
-                grad = kernels.gemm_grad(x_rows, w[cols], bias, t_rows, cfg, start, lse_rows, coeffs_rows)
+    for start in range(0, w.shape[0], plan.grad_vocab_block):
+        cols = slice(start, start + plan.grad_vocab_block)
+        bias = None if flat.bias is None else flat.bias[cols]
+        if plan.fused_grad:
+            grad = kernels.gemm_grad(x, w[cols], bias, target, cfg, start, stats.lse, coeffs)
+        else:
+            logits = torch.mm(x, w[cols].t()) if bias is None else torch.addmm(bias, x, w[cols].t())
+            grad = kernels.full_grad_(logits, target, cfg, start, stats.lse, coeffs)
+            del logits
+        if grad_hidden is not None:
+            if fp32_acc:
+                kernels.accumulate_fp32_(grad_hidden, grad, w[cols])
             else:
-                logits = torch.mm(x_rows, w[cols].t()) if bias is None else torch.addmm(bias, x_rows, w[cols].t())
-                grad = kernels.full_grad_(logits, t_rows, cfg, start, lse_rows, coeffs_rows)
-                del logits
-            if grad_hidden is not None:
-                if fp32_acc:
-                    kernels.accumulate_fp32_(grad_hidden[rows], grad, w[cols])
-                else:
-                    grad_hidden[rows].addmm_(grad, w[cols])
-            if grad_weight is not None:
-                if fp32_acc:
-                    kernels.accumulate_fp32_(grad_weight[cols], grad.t(), x_rows)
-                elif row_block:
-                    grad_weight[cols].addmm_(grad.t(), x_rows)
-                else:
-                    torch.mm(grad.t(), x_rows, out=grad_weight[cols])
-            if bias_acc is not None:
-                bias_acc[cols] += grad.sum(0, dtype=bias_acc.dtype)
-            del grad
+                grad_hidden.addmm_(grad, w[cols])
+        if grad_weight is not None:
+            if fp32_acc:
+                kernels.accumulate_fp32_(grad_weight[cols], grad.t(), x)
+            else:
+                torch.mm(grad.t(), x, out=grad_weight[cols])
+        if grad_bias is not None:
+            grad_bias[cols] = grad.sum(0, dtype=statistics_dtype(grad.dtype))
+        del grad
     return (None if grad_hidden is None else grad_hidden.to(x.dtype),
-            None if grad_weight is None else grad_weight.to(w.dtype),
-            None if bias_acc is None or flat.bias is None else bias_acc.to(flat.bias.dtype))
+            None if grad_weight is None else grad_weight.to(w.dtype), grad_bias)
 
 
 def _slice_stats(stats: RowStats, rows: slice) -> RowStats:

@@ -163,53 +163,20 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
         tokens, saved_rows = _deferred_chunks(n_rows, row_bytes, tokens, save_limit,
                                               tuned.tokens_per_chunk is None and cfg.memory_budget is not None)
     fused_stats = fused_forward_default(flat) if tuned.forward_stats is None else tuned.forward_stats == "fused"
-    grad_vocab_block = grad_row_block = None
+    grad_vocab_block = None
     if training and n_rows:
         by_blocks = tuned.grad_schedule == "vocab_blocks" if tuned.grad_schedule else _vocab_blocks_pay(
             cfg, n_rows, vocab, tokens, saved_rows > 0)
-        element = flat.weight.element_size()
-        if tuned.grad_vocab_block:  # a tuned block (all rows) still honours an explicit memory_budget
-            columns = _block_columns(budget, n_rows, n_rows, element)
+        columns = (budget - n_rows * _STATS_BYTES_PER_ROW) // (n_rows * flat.weight.element_size())
+        columns -= columns % GRAD_BLOCK_MULTIPLE
+        if tuned.grad_vocab_block:  # a tuned block still honours an explicit memory_budget
             columns = tuned.grad_vocab_block if cfg.memory_budget is None else min(tuned.grad_vocab_block, columns)
-            rows = n_rows
-        else:
-            rows, columns = _gradient_blocks(budget, n_rows, vocab, element)
         if by_blocks and columns >= MIN_VOCAB_BLOCK:
             grad_vocab_block = min(columns, vocab)
-            grad_row_block = rows if rows < n_rows else None
     return ChunkPlan(tokens_per_chunk=tokens, saved_rows=saved_rows, vocab_block=vocab_block,
                      fused_stats=fused_stats, fused_logits=tuned.forward_logits == "fused",
-                     grad_vocab_block=grad_vocab_block, grad_row_block=grad_row_block,
+                     grad_vocab_block=grad_vocab_block,
                      fused_grad=tuned.backward_grad == "fused")
-
-
-def _block_columns(budget: int, n_rows: int, block_rows: int, element: int) -> int:
-    """Vocabulary columns of a gradient block of block_rows rows that fit the budget beside every
-    row's statistics, in whole GRAD_BLOCK_MULTIPLEs."""
-    columns = (budget - n_rows * _STATS_BYTES_PER_ROW) // (max(1, block_rows) * element)
-    return columns - columns % GRAD_BLOCK_MULTIPLE
-
-
-def _gradient_blocks(budget: int, n_rows: int, vocab: int, element: int) -> tuple[int, int]:
-    """(rows, columns) of the vocabulary-block schedule's blocks. Each vocabulary block
-    read-modify-writes the rows' grad_hidden (N x H over all row blocks) and each row block after
-    the first the weight gradient (V x H): splitting the rows in k widens the blocks k-fold. The
-    split with the fewest of those bytes wins, if it saves a tenth of all rows' at once (each split
-    also costs GEMM launches and shorter GEMMs)."""
-    def update_bytes(rows: int) -> float:  # in units of H x element x 2
-        columns = _block_columns(budget, n_rows, rows, element)
-        if columns < MIN_VOCAB_BLOCK:
-            return float("inf")
-        return -(-vocab // columns) * n_rows + (-(-n_rows // rows) - 1) * vocab
-
-    whole = update_bytes(n_rows)
-    best = n_rows
-    for parts in range(2, 9):
-        rows = -(-n_rows // parts)
-        rows += -rows % ROW_MULTIPLE
-        if rows < n_rows and update_bytes(rows) < min(0.9 * whole, update_bytes(best)):
-            best = rows
-    return best, _block_columns(budget, n_rows, best, element)
 
 
 def _deferred_chunks(n_rows: int, row_bytes: int, tokens: int, save_limit: int, may_shrink: bool) -> tuple[int, int]:
