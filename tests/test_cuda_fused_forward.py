@@ -230,14 +230,18 @@ def test_gpu_fused_inference_bf16(vocab, fused_calls):  # noqa: ANN001
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_fused_deferred_matches_cublas_path(dtype, fused_calls):  # noqa: ANN001
-    """The RL schedule with the fused forward against the cuBLAS + row-kernel path and float64."""
-    n, h, v = 3000, 512, 50257
+@pytest.mark.parametrize("v", [50257, 50304], ids=["odd-vocab", "tma-store-vocab"])
+def test_gpu_fused_deferred_matches_cublas_path(dtype, v, fused_calls):  # noqa: ANN001
+    """The RL schedule with the fused forward and the gradient GEMM against the cuBLAS + row-kernel
+    path and float64. At V = 50304 (16-byte rows) Hopper takes the persistent gradient kernel with
+    TMA stores; at 50257 the 2-D grid with plain stores."""
+    n, h = 3000, 512
     x, w, b, t = lm_head_inputs(n, h, v, dtype, "cuda", with_bias=True)
     options = {"temperature": 0.7, "return_logprobs": True, "return_entropy": True, "reduction": "none"}
     results = {}
     for path in ("fused", "cublas"):
-        with override_params({"forward_stats": path}, logits_save_limit_bytes=0, backend="cuda"):
+        with override_params({"forward_stats": path, "backward_grad": path}, logits_save_limit_bytes=0,
+                             backend="cuda"):
             out = flce.linear_cross_entropy(x, w, t, b, **options)
         objective = (out.logprobs * torch.linspace(-1, 1, n, device="cuda")).sum() - 0.01 * out.entropy.sum()
         results[path] = (out.logprobs.detach(), out.entropy.detach(), *torch.autograd.grad(objective, (x, w, b)))

@@ -4,7 +4,8 @@ For each vocabulary block of the lean schedules (the blocks the planner makes at
 and the RL case's at 512 MiB): cuBLAS ``x @ W_block.T`` followed by the full-gradient row kernel,
 against ``_gemm_grad_kernel`` (logits tile in registers, d loss / d u written once) for several
 tile configurations, with each compiled kernel's registers and spills. Plain coefficients (a, d)
-and RL ones (a, h, d at temperature 0.7). Medians of triton.testing.do_bench.
+and RL ones (a, h, d at temperature 0.7). Medians of triton.testing.do_bench. Each block's gradients
+are checked against the reference path's first (bf16 rounding apart).
 
     python tools/bench_gemm_grad.py --markdown out.md
 """
@@ -29,20 +30,21 @@ BLOCKS = (  # tokens x hidden x block columns
     "16384x2048x1920",  # 64 MiB at 16384x2048x151936
     "16384x4096x15872",  # RL, 512 MiB at 16384x4096x151936
 )
-CONFIGS = (
+CONFIGS = (  # the 2-D grid (persistent=False) and the persistent kernel with TMA stores
+    GemmConfig(128, 256, 64, 8, 8, 3, persistent=False),
+    GemmConfig(256, 128, 64, 8, 8, 3, persistent=False),
     GemmConfig(128, 256, 64, 8, 8, 3),
+    GemmConfig(128, 256, 64, 8, 8, 4),
+    GemmConfig(256, 128, 64, 8, 8, 3),
     GemmConfig(128, 128, 64, 8, 8, 4),
     GemmConfig(128, 128, 64, 8, 4, 4),
-    GemmConfig(128, 128, 128, 8, 8, 3),
-    GemmConfig(256, 128, 64, 8, 8, 3),
-    GemmConfig(64, 256, 64, 8, 4, 4),
 )
 
 
 def _compiled_kernels() -> dict[int, object]:
     """The gradient kernel's compiled variants so far, by identity."""
-    caches = gemm_kernels._gemm_grad_kernel.device_caches
-    return {id(k): k for cache in caches.values() for k in cache[0].values()}
+    kernels = (gemm_kernels._gemm_grad_kernel, gemm_kernels._gemm_grad_persistent_kernel)
+    return {id(k): k for kernel in kernels for cache in kernel.device_caches.values() for k in cache[0].values()}
 
 
 def _registers(kernels: list) -> str:
@@ -56,7 +58,8 @@ def main() -> int:
     args = parser.parse_args()
     dev = torch.device("cuda")
     rows = ["| block | coefficients | cuBLAS + row kernel | " + " | ".join(
-        f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}" for c in CONFIGS) + " |",
+        f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}{' persistent' * c.persistent}"
+        for c in CONFIGS) + " |",
         "|---|---|---|" + "---|" * len(CONFIGS)]
     for label in BLOCKS:
         n, h, v = (int(p) for p in label.split("x"))
@@ -77,16 +80,18 @@ def main() -> int:
                 kernels.full_grad_(torch.mm(x, w.t()), t, cfg, 0, lse, coeffs)
 
             cells = [f"{median_ms(reference):.3f} ms"]
+            want = kernels.full_grad_(torch.mm(x, w.t()), t, cfg, 0, lse, coeffs).float()
             for config in CONFIGS:
-                def fused(cfg=cfg, coeffs=coeffs, config=config, x=x, w=w, t=t, lse=lse) -> None:  # noqa: ANN001
-                    gemm_grad(x, w, None, t, cfg, 0, lse, coeffs, config)
+                def fused(cfg=cfg, coeffs=coeffs, config=config, x=x, w=w, t=t, lse=lse):  # noqa: ANN001, ANN202
+                    return gemm_grad(x, w, None, t, cfg, 0, lse, coeffs, config)
 
                 try:
                     before = _compiled_kernels()
-                    fused()
+                    error = float((fused().float() - want).abs().max() / want.abs().max())
                     new = [k for key, k in _compiled_kernels().items() if key not in before]
                     ms = median_ms(fused)
-                    cells.append(f"{ms:.3f} ms ({_registers(new)})")
+                    wrong = f", WRONG: max error {error:.1e} of the largest" if error > 2e-2 else ""
+                    cells.append(f"{ms:.3f} ms ({_registers(new)}{wrong})")
                 except (triton.CompilationError, triton.OutOfResources) as error:
                     cells.append(f"failed: {type(error).__name__}")
             rows.append(f"| {label} | {kind} | " + " | ".join(cells) + " |")

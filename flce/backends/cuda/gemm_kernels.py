@@ -1,7 +1,8 @@
 """Fused GEMM kernels of the CUDA backend (device code only).
 
-:func:`_gemm_grad_kernel` (end of the file) computes a logits tile and writes d loss / d u in its
-place, for the schedules that recompute logits in backward.
+:func:`_gemm_grad_kernel` and, on Hopper, :func:`_gemm_grad_persistent_kernel` (end of the file)
+compute a logits tile and write d loss / d u in its place, for the schedules that recompute logits
+in backward.
 
 :func:`_gemm_row_stats_kernel` computes logits tiles ``u = x @ W.T (+ b)`` with ``tl.dot`` (wgmma
 on Hopper) and reduces each tile in registers to row statistics, so a forward that needs only
@@ -195,34 +196,26 @@ def _target_logit_kernel(
 
 
 @triton.jit
-def _gemm_grad_kernel(
-    x, w, bias_ptr, class_weight_ptr, target_ptr, lse_ptr, a_ptr, h_ptr, d_ptr, e_ptr, grad_ptr, stride_gm,
-    M, V, K, stride_xm, stride_wv, vocab_offset, softcap, inv_temperature,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
-    HAS_H: tl.constexpr, HAS_E: tl.constexpr,
-    LOGITS_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
-    """grad [M, V] = d loss / d u, straight from a logits tile in registers: the tile is computed,
-    rounded as cuBLAS would write it, and turned into semantics.py's gradient
-    ``grad_z = p (a - h z) - [c == y] d - e w[c]`` chained through cap and T, so no logits pass
-    through memory. lse, a, h, d, e: [M] fp32 per-row values (h, e read when HAS_H / HAS_E);
-    grad_ptr row stride stride_gm, unit column stride. Grid: one program per output tile, grouped
-    GROUP_M row blocks at a time for L2 reuse of the weight tiles."""
-    pid = tl.program_id(0)
+def _grouped_tile(tile, M, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block) of output tile number ``tile``, GROUP_M row blocks at a time so the
+    programs working at once share their weight tiles in L2."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(V, BLOCK_N)
-    group_size = GROUP_M * num_pid_n
-    first_m = (pid // group_size) * GROUP_M
+    group_size = GROUP_M * tl.cdiv(V, BLOCK_N)
+    first_m = (tile // group_size) * GROUP_M
     group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % group_m
-    pid_n = (pid % group_size) // group_m
-    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
-    u = _logits_tile(x, w, off_m, off_n, M, V, K, stride_xm, stride_wv,
-                     USE_TMA, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
-    rows = off_m + tl.arange(0, BLOCK_M)
-    cols = off_n + tl.arange(0, BLOCK_N)
+    return first_m + (tile % group_size) % group_m, (tile % group_size) // group_m
+
+
+@triton.jit
+def _grad_of_logits(
+    u, rows, cols, M, V, bias_ptr, class_weight_ptr, target_ptr, lse_ptr, a_ptr, h_ptr, d_ptr, e_ptr,
+    vocab_offset, softcap, inv_temperature,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
+    HAS_H: tl.constexpr, HAS_E: tl.constexpr, LOGITS_DTYPE: tl.constexpr,
+):
+    """d loss / d u (fp32) of the fp32 logits tile u at (rows, cols): rounded as cuBLAS would write
+    it, then semantics.py's ``grad_z = p (a - h z) - [c == y] d - e w[c]`` chained through cap and T.
+    lse, a, h, d, e: [M] fp32 per-row values (h, e read when HAS_H / HAS_E)."""
     row_ok = rows < M
     col_ok = cols < V
     if HAS_BIAS:
@@ -250,9 +243,76 @@ def _gemm_grad_kernel(
     if HAS_SOFTCAP:
         t = z / (softcap * inv_temperature)  # tanh(u / softcap)
         grad = grad * (1.0 - t * t)
-    grad = grad * inv_temperature
+    return grad * inv_temperature
+
+
+@triton.jit
+def _gemm_grad_kernel(
+    x, w, bias_ptr, class_weight_ptr, target_ptr, lse_ptr, a_ptr, h_ptr, d_ptr, e_ptr, grad_ptr, stride_gm,
+    M, V, K, stride_xm, stride_wv, vocab_offset, softcap, inv_temperature,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
+    HAS_H: tl.constexpr, HAS_E: tl.constexpr,
+    LOGITS_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """grad [M, V] = d loss / d u, straight from a logits tile in registers (_grad_of_logits), so no
+    logits pass through memory; grad_ptr row stride stride_gm, unit column stride. Grid: one program
+    per output tile (the pointer path; Hopper takes _gemm_grad_persistent_kernel)."""
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, V, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+    u = _logits_tile(x, w, off_m, off_n, M, V, K, stride_xm, stride_wv,
+                     USE_TMA, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    grad = _grad_of_logits(u, rows, cols, M, V, bias_ptr, class_weight_ptr, target_ptr, lse_ptr,
+                           a_ptr, h_ptr, d_ptr, e_ptr, vocab_offset, softcap, inv_temperature,
+                           HAS_BIAS, HAS_SOFTCAP, HAS_CLASS_WEIGHT, HAS_H, HAS_E, LOGITS_DTYPE)
     tl.store(grad_ptr + rows.to(tl.int64)[:, None] * stride_gm + cols[None, :], grad.to(LOGITS_DTYPE),
-             mask=row_ok[:, None] & col_ok[None, :])
+             mask=(rows < M)[:, None] & (cols < V)[None, :])
+
+
+@triton.jit
+def _gemm_grad_persistent_kernel(
+    x_desc, w_desc, grad_desc, bias_ptr, class_weight_ptr, target_ptr, lse_ptr, a_ptr, h_ptr, d_ptr, e_ptr,
+    M, V, K, vocab_offset, softcap, inv_temperature,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
+    HAS_H: tl.constexpr, HAS_E: tl.constexpr, LOGITS_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS, SUBTILES: tl.constexpr,
+):
+    """_gemm_grad_kernel for Hopper: PROGRAMS programs (one per SM) walk the output tiles, the tile
+    loop flattened into the K loop so the next tile's TMA loads are in flight while this tile's
+    epilogue runs; the gradient leaves through TMA stores (grad_desc, block [BLOCK_M, BLOCK_N /
+    SUBTILES]), which clip the ragged edges. SUBTILES = 2 turns the tile into the gradient half by
+    half, so fewer fp32 temporaries are live at once (the 128 x 256 tile spills otherwise)."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(V, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+        pid_m, pid_n = _grouped_tile(tile, M, V, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            acc = _dot(x_desc.load([off_m, ki * BLOCK_K]), w_desc.load([off_n, ki * BLOCK_K]), acc, IEEE)
+        rows = off_m + tl.arange(0, BLOCK_M)
+        if SUBTILES == 2:
+            left, right = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
+            cols = off_n + tl.arange(0, BLOCK_N // 2)
+            grad = _grad_of_logits(left, rows, cols, M, V, bias_ptr, class_weight_ptr, target_ptr, lse_ptr,
+                                   a_ptr, h_ptr, d_ptr, e_ptr, vocab_offset, softcap, inv_temperature,
+                                   HAS_BIAS, HAS_SOFTCAP, HAS_CLASS_WEIGHT, HAS_H, HAS_E, LOGITS_DTYPE)
+            grad_desc.store([off_m, off_n], grad.to(LOGITS_DTYPE))
+            grad = _grad_of_logits(right, rows, cols + BLOCK_N // 2, M, V, bias_ptr, class_weight_ptr,
+                                   target_ptr, lse_ptr, a_ptr, h_ptr, d_ptr, e_ptr, vocab_offset, softcap,
+                                   inv_temperature, HAS_BIAS, HAS_SOFTCAP, HAS_CLASS_WEIGHT, HAS_H, HAS_E,
+                                   LOGITS_DTYPE)
+            grad_desc.store([off_m, off_n + BLOCK_N // 2], grad.to(LOGITS_DTYPE))
+        else:
+            grad = _grad_of_logits(acc, rows, off_n + tl.arange(0, BLOCK_N), M, V, bias_ptr, class_weight_ptr,
+                                   target_ptr, lse_ptr, a_ptr, h_ptr, d_ptr, e_ptr, vocab_offset, softcap,
+                                   inv_temperature, HAS_BIAS, HAS_SOFTCAP, HAS_CLASS_WEIGHT, HAS_H, HAS_E,
+                                   LOGITS_DTYPE)
+            grad_desc.store([off_m, off_n], grad.to(LOGITS_DTYPE))
 
 
 @triton.jit

@@ -38,6 +38,8 @@ class GemmConfig:
     num_stages: int = 3
     splits: int | None = None  # None: chosen per call from the SM count (split_count)
     tma: bool = True  # tensor-descriptor loads where the GPU and the strides allow them
+    # The gradient GEMM only: one program per SM walking the tiles, with TMA stores (where tma applies).
+    persistent: bool = True
 
     @staticmethod
     def from_params(params: dict) -> GemmConfig | None:
@@ -56,7 +58,8 @@ class GemmConfig:
         splits = params.get("gemm_splits")
         if not (isinstance(splits, int) and not isinstance(splits, bool) and 1 <= splits <= _MAX_SPLITS):
             splits = None
-        return GemmConfig(*values, splits=splits, tma=params.get("gemm_tma") is not False)  # type: ignore[arg-type]
+        return GemmConfig(*values, splits=splits, tma=params.get("gemm_tma") is not False,  # type: ignore[arg-type]
+                          persistent=params.get("gemm_persistent") is not False)
 
     def as_params(self) -> dict:
         params = {"gemm_block_m": self.block_m, "gemm_block_n": self.block_n, "gemm_block_k": self.block_k,
@@ -65,6 +68,8 @@ class GemmConfig:
             params["gemm_splits"] = self.splits
         if not self.tma:
             params["gemm_tma"] = False
+        if not self.persistent:
+            params["gemm_persistent"] = False
         return params
 
 
@@ -99,8 +104,11 @@ def _uses_tma(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Tensor descriptors need Hopper (sm_90+), unit column strides and 16-byte aligned rows."""
     if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
-    return all(t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in (x, w))
+    return _tma_aligned(x) and _tma_aligned(w)
+
+
+def _tma_aligned(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def gemm_row_stats(
@@ -198,16 +206,31 @@ def gemm_grad(
     e = coeffs.e.float().contiguous() if coeffs.e is not None else a
     block_k = min(config.block_k, max(16, triton.next_power_of_2(hidden)))
     x_arg, w_arg, use_tma = _operands(x, w, config, block_k)
-    grid = (triton.cdiv(n, config.block_m) * triton.cdiv(vocab, config.block_n),)
-    gemm_kernels._gemm_grad_kernel[grid](
+    shared = dict(HAS_BIAS=bias is not None, HAS_SOFTCAP=cfg.softcap is not None,
+                  HAS_CLASS_WEIGHT=class_weight is not None, HAS_H=coeffs.h is not None, HAS_E=coeffs.e is not None,
+                  LOGITS_DTYPE=_TRITON_DTYPES[x.dtype], IEEE=x.dtype == torch.float32, BLOCK_M=config.block_m,
+                  BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m, num_warps=config.num_warps)
+    rows = (target, lse.float().contiguous(), a, h, d, e)
+    tiles = triton.cdiv(n, config.block_m) * triton.cdiv(vocab, config.block_n)
+    if use_tma and config.persistent and _tma_aligned(grad):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # Two half-tile stores for the large tiles: the epilogue's fp32 temporaries of a whole
+        # 128 x 256 tile do not fit the registers beside the accumulator.
+        subtiles = 2 if config.block_m * config.block_n >= 128 * 256 else 1
+        grad_desc = TensorDescriptor.from_tensor(grad, [config.block_m, config.block_n // subtiles])
+        programs = min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
+        gemm_kernels._gemm_grad_persistent_kernel[(programs,)](
+            x_arg, w_arg, grad_desc, bias if bias is not None else a, class_weight if class_weight is not None else a,
+            *rows, n, vocab, hidden, vocab_offset, float(cfg.softcap or 1.0), 1.0 / cfg.temperature,
+            programs, SUBTILES=subtiles, num_stages=config.num_stages, **shared,
+        )
+        return grad
+    gemm_kernels._gemm_grad_kernel[(tiles,)](
         x_arg, w_arg, bias if bias is not None else a, class_weight if class_weight is not None else a,
-        target, lse.float().contiguous(), a, h, d, e, grad, grad.stride(0),
+        *rows, grad, grad.stride(0),
         n, vocab, hidden, x.stride(0), w.stride(0), vocab_offset, float(cfg.softcap or 1.0), 1.0 / cfg.temperature,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=cfg.softcap is not None, HAS_CLASS_WEIGHT=class_weight is not None,
-        HAS_H=coeffs.h is not None, HAS_E=coeffs.e is not None,
-        LOGITS_DTYPE=_TRITON_DTYPES[x.dtype], USE_TMA=use_tma, IEEE=x.dtype == torch.float32,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        USE_TMA=use_tma, NUM_STAGES=config.num_stages, **shared,
     )
     return grad
 
