@@ -223,7 +223,7 @@ def gemm_grad(
         gemm_kernels._gemm_grad_persistent_kernel[(programs,)](
             x_arg, w_arg, grad_desc, bias if bias is not None else a, class_weight if class_weight is not None else a,
             *rows, n, vocab, hidden, vocab_offset, float(cfg.softcap or 1.0), 1.0 / cfg.temperature,
-            programs, SUBTILES=subtiles, num_stages=config.num_stages, **shared,
+            PROGRAMS=programs, SUBTILES=subtiles, num_stages=config.num_stages, **shared,
         )
         return grad
     gemm_kernels._gemm_grad_kernel[(tiles,)](
