@@ -64,9 +64,8 @@ class TunedKnobs:
     # no logits, forward_logits for the schedules that turn each chunk's logits into the gradient.
     forward_stats: str | None = None
     forward_logits: str | None = None
-    # "fused" (gemm_grad) or "cublas" where backward recomputes logits. Not the default: on the H200
-    # the gradient GEMM measured slower than cuBLAS and the row kernel (64 MiB budget at
-    # 16384x2048x151936: 1.50x against 1.42x the floor; docs/benchmarks.md).
+    # "fused" (gemm_grad) or "cublas" where logits are recomputed for the gradient; default:
+    # fused_grad_default.
     backward_grad: str | None = None
     # "vocab_blocks" (ChunkPlan.grad_vocab_block) or "token_chunks", and the block's columns
     grad_schedule: str | None = None
@@ -135,6 +134,17 @@ def fused_forward_default(flat: FlatInputs) -> bool:
             and flat.target.shape[0] >= FUSED_FORWARD_MIN_ROWS and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
+def fused_grad_default(flat: FlatInputs) -> bool:
+    """Where the cache says nothing: the gradient GEMM where it runs as the persistent Hopper kernel
+    with TMA stores (sm_90+, 16-bit, H and V multiples of 8 so that every operand and gradient row
+    is 16-byte aligned), which measured 1-3% faster per block than cuBLAS + the row kernel on the
+    H200 (tools/bench_gemm_grad.py). Elsewhere its 2-D grid with plain stores measured 7-20%
+    slower, and cuBLAS stays."""
+    x, w = flat.hidden, flat.weight
+    return (x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and w.shape[0] % 8 == 0
+            and w.shape[1] % 8 == 0 and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
 def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKnobs = TunedKnobs()) -> ChunkPlan:
     """training: gradients follow (large chunks: fewer weight-gradient updates); else inference
     (small chunks, or vocabulary blocks of all rows)."""
@@ -163,6 +173,7 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
         tokens, saved_rows = _deferred_chunks(n_rows, row_bytes, tokens, save_limit,
                                               tuned.tokens_per_chunk is None and cfg.memory_budget is not None)
     fused_stats = fused_forward_default(flat) if tuned.forward_stats is None else tuned.forward_stats == "fused"
+    fused_grad = fused_grad_default(flat) if tuned.backward_grad is None else tuned.backward_grad == "fused"
     grad_vocab_block = None
     if training and n_rows:
         by_blocks = tuned.grad_schedule == "vocab_blocks" if tuned.grad_schedule else _vocab_blocks_pay(
@@ -176,7 +187,7 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
     return ChunkPlan(tokens_per_chunk=tokens, saved_rows=saved_rows, vocab_block=vocab_block,
                      fused_stats=fused_stats, fused_logits=tuned.forward_logits == "fused",
                      grad_vocab_block=grad_vocab_block,
-                     fused_grad=tuned.backward_grad == "fused")
+                     fused_grad=fused_grad)
 
 
 def _deferred_chunks(n_rows: int, row_bytes: int, tokens: int, save_limit: int, may_shrink: bool) -> tuple[int, int]:
