@@ -317,3 +317,45 @@ def test_gpu_fused_paths_make_no_host_sync():
         steps()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+_COMPILE_FOR_HOPPER = """
+import inspect, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flce.backends.cuda.gemm_kernels import _gemm_grad_persistent_kernel as kernel
+
+has_h = sys.argv[1] == "rl"
+names = list(inspect.signature(kernel.fn).parameters)
+constants = {"HAS_BIAS": True, "HAS_SOFTCAP": True, "HAS_CLASS_WEIGHT": False, "HAS_H": has_h, "HAS_E": has_h,
+             "LOGITS_DTYPE": tl.bfloat16, "IEEE": False, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64,
+             "GROUP_M": 8, "SUBTILES": 2}
+types = {"x_desc": "tensordesc<bf16[128,64]>", "w_desc": "tensordesc<bf16[256,64]>",
+         "grad_desc": "tensordesc<bf16[128,128]>", "target_ptr": "*i64", "M": "i32", "V": "i32", "K": "i32",
+         "vocab_offset": "i32", "softcap": "fp32", "inv_temperature": "fp32", "PROGRAMS": "i32"}
+signature = {name: "constexpr" if name in constants else types.get(name, "*fp32") for name in names}
+source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()})
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+sys.stdout.write(compiled.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("coefficients", ["plain", "rl"])
+def test_persistent_gradient_kernel_compiles_for_hopper(coefficients):  # noqa: ANN001
+    """The persistent gradient GEMM runs only on Hopper (TMA descriptors), never under the
+    interpreter: compiling it for sm_90 here (in a process without TRITON_INTERPRET) lowers it
+    through Triton's NVIDIA backend to PTX, so a change that breaks it fails CI without a GPU. The
+    PTX must hold wgmma and TMA loads and stores."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER, coefficients], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = done.stdout
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx  # TMA loads
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx  # TMA stores
