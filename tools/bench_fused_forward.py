@@ -17,7 +17,7 @@ import sys
 
 import torch
 import triton
-from gpu_timing import median_ms, peak_mib_above
+from gpu_timing import median_ms, peak_mib_above, publish
 
 import flce
 from flce.autotune import override_params
@@ -127,10 +127,7 @@ def main() -> int:
               "statistics and logits of each chunk from the fused GEMM (forward_logits) or cuBLAS; RL: "
               "statistics from the fused GEMM (forward_stats), logits recomputed in backward:", "", *train_rows]
     text = "\n".join(lines)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    publish(text, args.markdown)
     return 0
 
 

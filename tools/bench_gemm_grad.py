@@ -17,7 +17,7 @@ import datetime
 
 import torch
 import triton
-from gpu_timing import median_ms
+from gpu_timing import median_ms, publish
 
 from flce.backends.cuda import gemm_kernels
 from flce.backends.cuda.gemm_ops import GemmConfig, gemm_grad
@@ -98,10 +98,7 @@ def main() -> int:
             print(rows[-1], flush=True)
     text = "\n".join([f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
                       f"{datetime.date.today()}, `python tools/bench_gemm_grad.py`", "", *rows])
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    publish(text, args.markdown)
     return 0
 
 

@@ -17,7 +17,7 @@ import datetime
 
 import torch
 import triton
-from gpu_timing import MiB, median_ms, peak_mib_above
+from gpu_timing import MiB, median_ms, peak_mib_above, publish
 
 import flce
 from flce.autotune import override_params
@@ -108,10 +108,7 @@ def main() -> int:
                       "forward+backward, ratio to the 3-GEMM floor / peak MiB above the gradients "
                       "(logits kept only in the last RL column; RL: -(adv * logp).mean() - 0.01 * entropy.mean()):",
                       "", *rows])
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    publish(text, args.markdown)
     return 0
 
 

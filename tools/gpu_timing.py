@@ -27,3 +27,11 @@ def peak_mib_above(fn: Callable[[], object]) -> float:
     peak = torch.cuda.max_memory_allocated() - before
     del out
     return (peak - kept) / MiB
+
+
+def publish(text: str, markdown: str | None) -> None:
+    """Print a report and, with a path, write it there as markdown."""
+    print(text)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(text + "\n")
