@@ -295,6 +295,86 @@ def test_small_budgets_plan_the_vocab_block_schedule():
     assert plan_chunks(flat, LCEConfig(memory_budget=16 << 20), training=False).grad_vocab_block is None
 
 
+def _meta_inputs(n: int, h: int, v: int):  # noqa: ANN202
+    from flce.inputs import FlatInputs
+
+    t = torch.empty(n, dtype=torch.int64, device="meta")
+    return FlatInputs(hidden=torch.empty(n, h, dtype=torch.bfloat16, device="meta"),
+                      weight=torch.empty(v, h, dtype=torch.bfloat16, device="meta"), target=t, bias=None,
+                      token_shape=t.shape)
+
+
+def test_tuning_under_a_budget_times_both_exact_schedules_at_its_size():
+    """flce-autotune --memory-budget 64MiB at issue 11's shape: the largest token chunk and the widest
+    vocabulary block that fit (gradient from the fused GEMM and from cuBLAS) are candidates, their
+    estimates fit, and the planner runs each as stated when the cache holds it."""
+    from flce.autotune import spaces
+    from flce.backends.cuda.ops import TunedKnobs, plan_chunks
+    from flce.config import LCEConfig
+
+    space = spaces.tuning_space("cuda")
+    shape = spaces.TuneShape(torch.device("cpu"), torch.bfloat16, hidden=2048, vocab=151936, tokens=16384,
+                             variant="plain")
+    budget = 64 << 20
+    candidates = space.budget_candidates(shape, budget)
+    assert candidates == [
+        {"tokens_per_chunk": 220, "grad_schedule": "token_chunks"},  # 220 rows x 151936 x 2 bytes <= 64 MiB
+        {"grad_schedule": "vocab_blocks", "grad_vocab_block": 1920, "backward_grad": "fused"},
+        {"grad_schedule": "vocab_blocks", "grad_vocab_block": 1920, "backward_grad": "cublas"},
+    ]
+    assert all(0 < space.working_bytes(shape, c) <= budget for c in candidates)
+    assert not any(space.working_bytes(shape, c) <= budget for c in space.candidates(shape, True)), \
+        "the regular ladder has nothing within 64 MiB here: without these the tuner would store no entry"
+    flat = _meta_inputs(16384, 2048, 151936)
+    for knobs in candidates:
+        tuned = TunedKnobs(tokens_per_chunk=knobs.get("tokens_per_chunk"), grad_schedule=knobs["grad_schedule"],
+                           grad_vocab_block=knobs.get("grad_vocab_block"), backward_grad=knobs.get("backward_grad"))
+        plan = plan_chunks(flat, LCEConfig(), True, tuned)  # a call without a budget runs what was tuned
+        assert plan.grad_vocab_block == knobs.get("grad_vocab_block")
+        assert plan.grad_vocab_block is not None or plan.tokens_per_chunk == 220
+        if "backward_grad" in knobs:
+            assert plan.fused_grad == (knobs["backward_grad"] == "fused")
+    # 1 MiB: three-row chunks still fit, a block of 16384 rows x 512 columns does not
+    assert space.budget_candidates(shape, 1 << 20) == [{"tokens_per_chunk": 3, "grad_schedule": "token_chunks"}]
+
+
+def test_tuned_vocab_blocks_yield_to_kept_logits():
+    """A tuned lean schedule was measured with nothing kept: an RL call whose budget keeps logits
+    keeps them (and recomputes by token chunks); one whose budget keeps none takes the tuned blocks."""
+    from flce.backends.cuda.ops import TunedKnobs, plan_chunks
+    from flce.config import LCEConfig
+
+    flat = _meta_inputs(16384, 4096, 151936)
+    tuned = TunedKnobs(grad_schedule="vocab_blocks", grad_vocab_block=1920)
+    rl = {"reduction": "none", "return_logprobs": True}
+    kept = plan_chunks(flat, LCEConfig(memory_budget=6 << 30, **rl), True, tuned)
+    assert kept.saved_rows == 16384 and kept.grad_vocab_block is None
+    lean = plan_chunks(flat, LCEConfig(memory_budget=512 << 20, **rl), True, tuned)
+    assert lean.saved_rows == 0 and lean.grad_vocab_block == 1920
+
+
+@interpreter_only
+def test_interpreter_tuner_stores_the_faster_schedule_within_the_budget(monkeypatch):  # noqa: ANN001
+    """flce-autotune with the CUDA backend under the interpreter and a budget below one chunk of all
+    rows: the regular candidates are skipped as over budget, the budget-sized ones run, agree with
+    the heuristic, and the entry holds the one that measured fastest."""
+    from flce.autotune.tuner import Tuner, TuneRequest
+
+    monkeypatch.setattr("flce.backends.cuda.ops.MIN_VOCAB_BLOCK", 128)
+    budget = 160 << 10  # 40 of the 64 rows' fp32 logits; vocabulary blocks of 512 columns
+    request = TuneRequest(device=torch.device("cpu"), dtypes=[torch.float32], hiddens=[16], vocabs=[1024],
+                          tokens=[64], variants=["plain"], backend="cuda", memory_budget=budget, quick=True,
+                          repeats=1)
+    (result,) = Tuner(request).run()
+    assert result.entry is not None, result.first_error
+    assert result.skipped["over budget"] >= 1 and "wrong result" not in result.skipped
+    sized = [{"tokens_per_chunk": 40, "grad_schedule": "token_chunks"}] + [
+        {"grad_schedule": "vocab_blocks", "grad_vocab_block": 512, "backward_grad": p} for p in ("fused", "cublas")]
+    stored = {k: v for k, v in result.entry.params.items() if k != "forward_stats"}
+    assert stored in sized
+    assert result.entry.measured["peak_mib"] * (1 << 20) <= budget
+
+
 @pytest.mark.cuda
 def test_gpu_fused_paths_make_no_host_sync():
     """The fused forward, the gradient GEMM and the vocabulary-block schedule launch without waiting

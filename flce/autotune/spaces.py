@@ -6,7 +6,8 @@ A backend makes itself tunable with one call at import time (its ``__init__.py``
     register_tuning_space(TuningSpace("cuda", candidates=my_candidates, working_bytes=my_working_bytes))
 
 ``candidates(shape, quick)`` lists params mappings (the knobs its planner reads back through
-:func:`flce.autotune.tuned_params`); ``working_bytes(shape, params)`` estimates the memory a
+:func:`flce.autotune.tuned_params`), and ``budget_candidates(shape, budget)`` those sized to an
+explicit memory budget; ``working_bytes(shape, params)`` estimates the memory a
 candidate uses beyond inputs and gradients, so ``--memory-budget`` skips candidates before running
 them and CPU runs can report a peak; ``heuristic(shape)`` says which knob values the planner picks
 with nothing cached, so an entry where the heuristic measured best still states the configuration
@@ -64,6 +65,9 @@ class TuningSpace:
     # The knobs the planner picks with nothing cached (the tuner calls it under
     # override_params(None)); None: the entry of a winning heuristic holds empty params.
     heuristic: Callable[[TuneShape], Params] | None = None
+    # Candidates sized to an explicit --memory-budget (bytes): schedules that only a small budget
+    # makes worth timing, e.g. the largest blocks or chunks that fit it. Called only with a budget.
+    budget_candidates: Callable[[TuneShape, int], list[Params]] | None = None
 
 
 _spaces: dict[str, TuningSpace] = {}

@@ -4,7 +4,8 @@ For every (dtype, H, V, tokens, variant) it measures, with fresh random inputs:
 
 * the floor: the three GEMMs of a forward+backward (``x @ W.T``, ``G @ W``, ``G.T @ x``);
 * the heuristic: the backend's planner with nothing cached (the baseline);
-* every candidate the backend's :class:`~flce.autotune.spaces.TuningSpace` lists, skipping (and
+* every candidate the backend's :class:`~flce.autotune.spaces.TuningSpace` lists (with
+  ``--memory-budget``, also those it sizes to the budget), skipping (and
   counting) those over the memory budget, those that fail or run out of memory, and those whose
   loss or hidden gradient disagree with the heuristic's;
 * with the winner, the deferred schedule with the logits kept versus recomputed, which sets the
@@ -169,7 +170,7 @@ class Tuner:
                 for dtype in r.dtypes for h in r.hiddens for v in r.vocabs for t in r.tokens for variant in r.variants]
 
     def run(self) -> list[ShapeResult]:
-        plans = [(shape, self.space.candidates(shape, self.request.quick)) for shape in self.shapes()]
+        plans = [(shape, self._candidates(shape)) for shape in self.shapes()]
         # floor, heuristic, keep/recompute, forward-only overlays
         extra = 2 + (2 if self.space.tunes_logits_save_limit else 0) + len(self.space.inference_overlays)
         self.progress.start(sum(len(c) + extra for _, c in plans))
@@ -183,6 +184,15 @@ class Tuner:
         finally:
             self.progress.close()
         return self.results
+
+    def _candidates(self, shape: TuneShape) -> list[Params]:
+        """The space's candidates, and with --memory-budget those it sizes to the budget (in order,
+        without repeats)."""
+        candidates = list(self.space.candidates(shape, self.request.quick))
+        budget = self.request.memory_budget
+        if budget is not None and self.space.budget_candidates is not None:
+            candidates += [p for p in self.space.budget_candidates(shape, budget) if p not in candidates]
+        return candidates
 
     # One shape -------------------------------------------------------------------------------
 

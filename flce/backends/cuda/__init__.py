@@ -72,7 +72,31 @@ def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
             + [{"tokens_per_chunk": n, "forward_logits": "fused", **t.as_params()} for n in rows for t in tiles])
 
 
+def _tuning_budget_candidates(shape: TuneShape, budget: int) -> list[dict]:
+    """Under an explicit budget, the two exact schedules at the largest size that fits it, so the
+    cache records which is faster by measurement: token chunks (each read-modify-writes the V x H
+    weight gradient; below 512 rows the ladder of _tuning_candidates has none) and vocabulary
+    blocks of all rows (statistics first, each block's logits recomputed; the gradient from the
+    fused GEMM or from cuBLAS + the row kernel)."""
+    from flce.backends.cuda.ops import MIN_VOCAB_BLOCK, chunk_rows, vocab_block_columns
+
+    itemsize = shape.dtype.itemsize
+    candidates = []
+    rows = chunk_rows(shape.tokens, budget // (shape.vocab * itemsize))
+    if 0 < rows < shape.tokens:
+        candidates.append({"tokens_per_chunk": rows, "grad_schedule": "token_chunks"})
+    columns = vocab_block_columns(shape.tokens, itemsize, budget)
+    if MIN_VOCAB_BLOCK <= columns < shape.vocab:
+        candidates += [{"grad_schedule": "vocab_blocks", "grad_vocab_block": columns, "backward_grad": path}
+                       for path in ("fused", "cublas")]
+    return candidates
+
+
 def _tuning_working_bytes(shape: TuneShape, params: dict) -> int:
+    if params.get("grad_schedule") == "vocab_blocks" and params.get("grad_vocab_block"):
+        from flce.backends.cuda.ops import STATS_BYTES_PER_ROW
+
+        return shape.tokens * (int(params["grad_vocab_block"]) * shape.dtype.itemsize + STATS_BYTES_PER_ROW)
     rows = int(params.get("tokens_per_chunk") or shape.tokens)
     return min(rows, shape.tokens) * shape.vocab * shape.dtype.itemsize
 
@@ -94,4 +118,5 @@ def _tuning_heuristic(shape: TuneShape) -> dict:
 # not worth device time to tune.
 register_tuning_space(TuningSpace("cuda", candidates=_tuning_candidates, working_bytes=_tuning_working_bytes,
                                   tunes_logits_save_limit=False, heuristic=_tuning_heuristic,
+                                  budget_candidates=_tuning_budget_candidates,
                                   inference_overlays=({"forward_stats": "fused"}, {"forward_stats": "cublas"})))

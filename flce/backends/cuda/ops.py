@@ -121,7 +121,7 @@ VOCAB_BLOCK_SCHEDULE_BELOW_ROWS = 512
 GRAD_BLOCK_MULTIPLE = 128
 # Working memory the vocabulary-block schedule keeps per row besides the logits block (statistics,
 # per-row coefficients, the fused forward's partials).
-_STATS_BYTES_PER_ROW = 64
+STATS_BYTES_PER_ROW = 64
 
 
 def fused_forward_default(flat: FlatInputs) -> bool:
@@ -176,10 +176,10 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
     fused_grad = fused_grad_default(flat) if tuned.backward_grad is None else tuned.backward_grad == "fused"
     grad_vocab_block = None
     if training and n_rows:
-        by_blocks = tuned.grad_schedule == "vocab_blocks" if tuned.grad_schedule else _vocab_blocks_pay(
-            cfg, n_rows, vocab, tokens, saved_rows > 0)
-        columns = (budget - n_rows * _STATS_BYTES_PER_ROW) // (n_rows * flat.weight.element_size())
-        columns -= columns % GRAD_BLOCK_MULTIPLE
+        # A tuned schedule was measured without kept logits; where some are kept they decide.
+        by_blocks = (tuned.grad_schedule == "vocab_blocks" and not saved_rows) if tuned.grad_schedule else (
+            _vocab_blocks_pay(cfg, n_rows, vocab, tokens, saved_rows > 0))
+        columns = vocab_block_columns(n_rows, flat.weight.element_size(), budget)
         if tuned.grad_vocab_block:  # a tuned block still honours an explicit memory_budget
             columns = tuned.grad_vocab_block if cfg.memory_budget is None else min(tuned.grad_vocab_block, columns)
         if by_blocks and columns >= MIN_VOCAB_BLOCK:
@@ -188,6 +188,13 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, training: bool, tuned: TunedKn
                      fused_stats=fused_stats, fused_logits=tuned.forward_logits == "fused",
                      grad_vocab_block=grad_vocab_block,
                      fused_grad=fused_grad)
+
+
+def vocab_block_columns(n_rows: int, element_size: int, budget: int) -> int:
+    """Columns of the widest vocabulary block of all n_rows that fits ``budget`` bytes beside the
+    rows' statistics, in whole GEMM tiles (may be 0 or exceed the vocabulary)."""
+    columns = (budget - n_rows * STATS_BYTES_PER_ROW) // (max(n_rows, 1) * element_size)
+    return max(0, columns - columns % GRAD_BLOCK_MULTIPLE)
 
 
 def _deferred_chunks(n_rows: int, row_bytes: int, tokens: int, save_limit: int, may_shrink: bool) -> tuple[int, int]:
