@@ -1,0 +1,118 @@
+"""What bounds flce's schedules: their cuBLAS GEMMs alone, beside flce, as ratios to the 3-GEMM floor.
+
+For each shape, in one process (bf16, one GPU):
+
+* the default (in-forward) schedule at the planner's chunk size: the chunk GEMMs alone (logits,
+  G @ W, G.T @ x adding into the weight gradient), the same with the row kernel between them (what
+  flce runs), and flce's call;
+* the lean schedule at 64 MiB (vocabulary blocks of all rows): its four GEMMs' work alone (a
+  statistics pass, then per block the recomputed logits and the two gradient GEMMs), and flce's call.
+
+Any schedule built on these GEMMs takes at least the "GEMMs alone" time; the floor is measured as
+the benchmark tools do (one function running the three full-size GEMMs back to back).
+
+    python tools/bench_bounds.py [--shapes 16384x2048x151936,8192x4096x128256] [--markdown out.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+import triton
+from gpu_timing import median_ms, publish
+
+import flce
+from flce.autotune import tuned_params
+from flce.backends.cuda.ops import DEFAULT_CHUNK_BUDGET, TritonChunkKernels, chunk_rows, vocab_block_columns
+
+LEAN_BUDGET = 64 << 20
+
+
+def bounds_rows(label: str) -> list[str]:
+    """The two table rows of one shape."""
+    dev = torch.device("cuda")
+    n, h, v = (int(p) for p in label.split("x"))
+    g = torch.Generator(device=dev).manual_seed(n + h + v)
+    x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(v, h, device=dev, generator=g) / h**0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device=dev, generator=g)
+    t[::17] = -100
+    xd, wd = x.detach(), w.detach()
+
+    def floor() -> None:
+        logits = xd @ wd.t()
+        logits @ wd
+        logits.t() @ xd
+
+    floor_ms = median_ms(floor, warmup_ms=100, rep_ms=600)
+
+    def ratio(fn) -> str:  # noqa: ANN001
+        return f"{median_ms(fn, warmup_ms=100, rep_ms=600) / floor_ms:.3f}x"
+
+    def flce_step(budget: int | None = None):  # noqa: ANN202
+        return torch.autograd.grad(flce.linear_cross_entropy(x, w, t, memory_budget=budget), (x, w))
+
+    shipped, _ = tuned_params(dev, "cuda", "plain", torch.bfloat16, h, v, n)
+    chunk = (shipped or {}).get("tokens_per_chunk") or chunk_rows(n, DEFAULT_CHUNK_BUDGET // (v * 2))
+    chunks = [slice(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+    logits = torch.empty(chunk, v, device=dev, dtype=torch.bfloat16)
+    gx, gw = torch.empty_like(xd), torch.empty_like(wd)
+    kernels, scale = TritonChunkKernels(), torch.tensor(1.0 / n, device=dev)
+
+    def in_forward(row_kernel: bool) -> None:
+        for i, r in enumerate(chunks):
+            b = logits[: r.stop - r.start]
+            torch.mm(xd[r], wd.t(), out=b)
+            if row_kernel:
+                kernels.plain_loss(b, t[r], -100, scale)
+            torch.mm(b, wd, out=gx[r])
+            if i == 0:
+                torch.mm(b.t(), xd[r], out=gw)
+            else:
+                gw.addmm_(b.t(), xd[r])
+
+    rows = [f"| {label} | default: {len(chunks)} chunks of {chunk} rows | {ratio(lambda: in_forward(False))} "
+            f"| {ratio(lambda: in_forward(True))} | {ratio(flce_step)} |"]
+    print(rows[-1], flush=True)
+    cols = vocab_block_columns(n, 2, LEAN_BUDGET)
+    blocks = [slice(s, min(s + cols, v)) for s in range(0, v, cols)]
+    block = torch.empty(n, cols, device=dev, dtype=torch.bfloat16)
+
+    def lean() -> None:
+        for c in blocks:  # the statistics pass: one GEMM's work
+            torch.mm(xd, wd[c].t(), out=block[:, : c.stop - c.start])
+        for i, c in enumerate(blocks):  # recomputed logits, then the two gradient GEMMs
+            b = block[:, : c.stop - c.start]
+            torch.mm(xd, wd[c].t(), out=b)
+            if i == 0:
+                torch.mm(b, wd[c], out=gx)
+            else:
+                gx.addmm_(b, wd[c])
+            torch.mm(b.t(), xd, out=gw[c])
+
+    rows.append(f"| {label} | 64 MiB: {len(blocks)} blocks of {cols} columns | {ratio(lean)} | | "
+                f"{ratio(lambda: flce_step(LEAN_BUDGET))} |")
+    print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="16384x2048x151936,8192x4096x128256")
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args()
+    rows = ["| shape | schedule | cuBLAS GEMMs alone | GEMMs + row kernel | flce |", "|---|---|---|---|---|"]
+    for label in args.shapes.split(","):
+        rows += bounds_rows(label)
+        torch.cuda.empty_cache()
+    text = "\n".join([f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+                      f"{datetime.date.today()}, `python tools/bench_bounds.py`", "",
+                      "forward+backward, ratio to the 3-GEMM floor:", "", *rows])
+    publish(text, args.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
