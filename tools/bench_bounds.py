@@ -6,12 +6,15 @@ For each shape, in one process (bf16, one GPU):
   G @ W, G.T @ x adding into the weight gradient), the same with the row kernel between them (what
   flce runs), and flce's call;
 * the lean schedule at 64 MiB (vocabulary blocks of all rows): its four GEMMs' work alone (a
-  statistics pass, then per block the recomputed logits and the two gradient GEMMs), and flce's call.
+  statistics pass, then per block the recomputed logits and the two gradient GEMMs), and flce's call;
+* for the RL shapes, the deferred schedule at 512 MiB (RL objective, nothing kept: vocabulary blocks
+  as in the lean schedule) the same way.
 
 Any schedule built on these GEMMs takes at least the "GEMMs alone" time; the floor is measured as
 the benchmark tools do (one function running the three full-size GEMMs back to back).
 
-    python tools/bench_bounds.py [--shapes 16384x2048x151936,8192x4096x128256] [--markdown out.md]
+    python tools/bench_bounds.py [--shapes 16384x2048x151936,8192x4096x128256] [--rl-shapes 16384x4096x151936]
+                                 [--markdown out.md]
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from flce.autotune import tuned_params
 from flce.backends.cuda.ops import DEFAULT_CHUNK_BUDGET, TritonChunkKernels, chunk_rows, vocab_block_columns
 
 LEAN_BUDGET = 64 << 20
+RL_BUDGET = 512 << 20
+RL = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_entropy": True}
 
 
-def bounds_rows(label: str) -> list[str]:
-    """The two table rows of one shape."""
+def bounds_rows(label: str, rl: bool) -> list[str]:
+    """The table rows of one shape: default and 64 MiB, or (rl) the RL call at 512 MiB."""
     dev = torch.device("cuda")
     n, h, v = (int(p) for p in label.split("x"))
     g = torch.Generator(device=dev).manual_seed(n + h + v)
@@ -51,14 +56,44 @@ def bounds_rows(label: str) -> list[str]:
     def ratio(fn) -> str:  # noqa: ANN001
         return f"{median_ms(fn, warmup_ms=100, rep_ms=600) / floor_ms:.3f}x"
 
+    advantages = torch.randn(n, device=dev, generator=g)
+
     def flce_step(budget: int | None = None):  # noqa: ANN202
-        return torch.autograd.grad(flce.linear_cross_entropy(x, w, t, memory_budget=budget), (x, w))
+        if not rl:
+            return torch.autograd.grad(flce.linear_cross_entropy(x, w, t, memory_budget=budget), (x, w))
+        out = flce.linear_cross_entropy(x, w, t, memory_budget=budget, **RL)
+        return torch.autograd.grad(-(advantages * out.logprobs).mean() - 0.01 * out.entropy.mean(), (x, w))
+
+    def blocks_row(budget: int, name: str) -> str:
+        cols = vocab_block_columns(n, 2, budget)
+        blocks = [slice(s, min(s + cols, v)) for s in range(0, v, cols)]
+        block = torch.empty(n, cols, device=dev, dtype=torch.bfloat16)
+
+        def gemms() -> None:
+            for c in blocks:  # the statistics pass: one GEMM's work
+                torch.mm(xd, wd[c].t(), out=block[:, : c.stop - c.start])
+            for i, c in enumerate(blocks):  # recomputed logits, then the two gradient GEMMs
+                b = block[:, : c.stop - c.start]
+                torch.mm(xd, wd[c].t(), out=b)
+                if i == 0:
+                    torch.mm(b, wd[c], out=gx)
+                else:
+                    gx.addmm_(b, wd[c])
+                torch.mm(b.t(), xd, out=gw[c])
+
+        row = (f"| {label} | {name}: {len(blocks)} blocks of {cols} columns | {ratio(gemms)} | | "
+               f"{ratio(lambda: flce_step(budget))} |")
+        print(row, flush=True)
+        return row
+
+    gx, gw = torch.empty_like(xd), torch.empty_like(wd)
+    if rl:
+        return [blocks_row(RL_BUDGET, "RL, 512 MiB")]
 
     shipped, _ = tuned_params(dev, "cuda", "plain", torch.bfloat16, h, v, n)
     chunk = (shipped or {}).get("tokens_per_chunk") or chunk_rows(n, DEFAULT_CHUNK_BUDGET // (v * 2))
     chunks = [slice(s, min(s + chunk, n)) for s in range(0, n, chunk)]
     logits = torch.empty(chunk, v, device=dev, dtype=torch.bfloat16)
-    gx, gw = torch.empty_like(xd), torch.empty_like(wd)
     kernels, scale = TritonChunkKernels(), torch.tensor(1.0 / n, device=dev)
 
     def in_forward(row_kernel: bool) -> None:
@@ -76,37 +111,21 @@ def bounds_rows(label: str) -> list[str]:
     rows = [f"| {label} | default: {len(chunks)} chunks of {chunk} rows | {ratio(lambda: in_forward(False))} "
             f"| {ratio(lambda: in_forward(True))} | {ratio(flce_step)} |"]
     print(rows[-1], flush=True)
-    cols = vocab_block_columns(n, 2, LEAN_BUDGET)
-    blocks = [slice(s, min(s + cols, v)) for s in range(0, v, cols)]
-    block = torch.empty(n, cols, device=dev, dtype=torch.bfloat16)
-
-    def lean() -> None:
-        for c in blocks:  # the statistics pass: one GEMM's work
-            torch.mm(xd, wd[c].t(), out=block[:, : c.stop - c.start])
-        for i, c in enumerate(blocks):  # recomputed logits, then the two gradient GEMMs
-            b = block[:, : c.stop - c.start]
-            torch.mm(xd, wd[c].t(), out=b)
-            if i == 0:
-                torch.mm(b, wd[c], out=gx)
-            else:
-                gx.addmm_(b, wd[c])
-            torch.mm(b.t(), xd, out=gw[c])
-
-    rows.append(f"| {label} | 64 MiB: {len(blocks)} blocks of {cols} columns | {ratio(lean)} | | "
-                f"{ratio(lambda: flce_step(LEAN_BUDGET))} |")
-    print(rows[-1], flush=True)
+    rows.append(blocks_row(LEAN_BUDGET, "64 MiB"))
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="16384x2048x151936,8192x4096x128256")
+    parser.add_argument("--rl-shapes", default="16384x4096x151936")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
     rows = ["| shape | schedule | cuBLAS GEMMs alone | GEMMs + row kernel | flce |", "|---|---|---|---|---|"]
-    for label in args.shapes.split(","):
-        rows += bounds_rows(label)
-        torch.cuda.empty_cache()
+    for labels, rl in ((args.shapes, False), (args.rl_shapes, True)):
+        for label in filter(None, labels.split(",")):
+            rows += bounds_rows(label, rl)
+            torch.cuda.empty_cache()
     text = "\n".join([f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
                       f"{datetime.date.today()}, `python tools/bench_bounds.py`", "",
                       "forward+backward, ratio to the 3-GEMM floor:", "", *rows])
