@@ -24,7 +24,7 @@ import datetime
 
 import torch
 import triton
-from gpu_timing import median_ms, publish
+from gpu_timing import median_ms, publish, shape_inputs
 
 import flce
 from flce.autotune import tuned_params
@@ -38,12 +38,8 @@ RL = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_
 def bounds_rows(label: str, rl: bool) -> list[str]:
     """The table rows of one shape: default and 64 MiB, or (rl) the RL call at 512 MiB."""
     dev = torch.device("cuda")
-    n, h, v = (int(p) for p in label.split("x"))
-    g = torch.Generator(device=dev).manual_seed(n + h + v)
-    x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
-    w = (torch.randn(v, h, device=dev, generator=g) / h**0.5).to(torch.bfloat16).requires_grad_()
-    t = torch.randint(0, v, (n,), device=dev, generator=g)
-    t[::17] = -100
+    x, w, t, g = shape_inputs(label, dev)
+    (n, h), v = x.shape, w.shape[0]
     xd, wd = x.detach(), w.detach()
 
     def floor() -> None:

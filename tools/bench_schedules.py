@@ -17,7 +17,7 @@ import datetime
 
 import torch
 import triton
-from gpu_timing import MiB, median_ms, peak_mib_above, publish
+from gpu_timing import MiB, median_ms, peak_mib_above, publish, shape_inputs
 
 import flce
 from flce.autotune import override_params
@@ -49,13 +49,8 @@ def main() -> int:
     rows = ["| shape | call | budget | token chunks | vocabulary blocks | logits kept (planner) | Liger |",
             "|---|---|---|---|---|---|---|"]
     for label, call, budgets in (case for case in CASES if case[1] in args.calls.split(",")):
-        n, h, v = (int(p) for p in label.split("x"))
-        g = torch.Generator(device=dev).manual_seed(n + h + v)
-        x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
-        w = (torch.randn(v, h, device=dev, generator=g) / h**0.5).to(torch.bfloat16).requires_grad_()
-        t = torch.randint(0, v, (n,), device=dev, generator=g)
-        t[::17] = -100
-        advantages = torch.randn(n, device=dev, generator=g)
+        x, w, t, g = shape_inputs(label, dev)
+        advantages = torch.randn(x.shape[0], device=dev, generator=g)
 
         def floor(x=x, w=w) -> None:  # noqa: ANN001
             logits = x.detach() @ w.detach().t()

@@ -10,6 +10,19 @@ import triton
 MiB = 1 << 20
 
 
+def shape_inputs(label: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                            torch.Generator]:
+    """For a shape "NxHxV": bf16 hidden [N, H] and weight [V, H] (logits O(1)) that require grad,
+    targets with every 17th ignored, and the generator (seeded by the shape) that drew them."""
+    n, h, v = (int(p) for p in label.split("x"))
+    g = torch.Generator(device=device).manual_seed(n + h + v)
+    x = torch.randn(n, h, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(v, h, device=device, generator=g) / h**0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device=device, generator=g)
+    t[::17] = -100
+    return x, w, t, g
+
+
 def median_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) -> float:
     """Median milliseconds of fn() from device events (triton.testing.do_bench)."""
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
