@@ -12,7 +12,7 @@ VOCAB, HIDDEN, BATCH, RESPONSE = 1000, 64, 8, 16
 TEMPERATURE, CLIP, ENTROPY_COEF = 0.7, 0.2, 1e-2
 
 
-def ppo_loss(logprobs, entropy, old_logprobs, advantages, mask):  # noqa: ANN001, ANN201
+def ppo_loss(logprobs, entropy, old_logprobs, advantages, mask):
     """Clipped surrogate objective minus an entropy bonus, averaged over response tokens."""
     ratio = torch.exp(logprobs - old_logprobs)
     clipped = torch.clamp(ratio, 1 - CLIP, 1 + CLIP)

@@ -16,7 +16,6 @@ import torch
 
 import flce
 from flce.config import LCEConfig
-from flce.inputs import prepare_inputs
 from flce.registry import available_backends, candidates_for, choose_for_call, resolve_device
 
 
@@ -60,14 +59,9 @@ def selection_lines(device: torch.device) -> list[str]:
         lines.append(f"  passed over {name}: {reason}")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     try:
-        hidden = torch.zeros(4, 64, dtype=dtype, device=device)
-        weight = torch.zeros(128, 64, dtype=dtype, device=device)
-        target = torch.zeros(4, dtype=torch.long, device=device)
-        cfg = LCEConfig()
-        flat = prepare_inputs(hidden, weight, target, None, cfg)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the passed-over reasons are printed above
-            chosen = choose_for_call(cands, cfg, flat)
+            chosen = choose_for_call(cands, LCEConfig(), dtype, 64, 128)
         lines.append(f"selected for a default-options {str(dtype).removeprefix('torch.')} call: {chosen.name} "
                      f"(variant plain; full when a full-feature option is set)")
     except Exception as exc:  # the device may be named but unusable here: report the order alone

@@ -147,30 +147,42 @@ def config_from_keywords(caller: str, options: dict[str, Any]) -> LCEConfig:
 
 
 # The options as primitives (bool, int, float, str, None), for schemas and cache keys that cannot
-# hold tensors or dtypes: class_weight and process_group travel separately, accum_dtype as a flag.
+# hold tensors or objects: class_weight travels as a tensor argument, process_group by its name,
+# accum_dtype as the flag fp32_accumulation. Derived from LCEConfig's fields, so a new option needs
+# no other list: the custom ops' signatures (flce.engine.custom_ops) are generated from this one.
+_TRAVEL_SEPARATELY = ("class_weight", "process_group")
+_SCHEMA_TYPE_OF_ANNOTATION = {"int": "int", "float": "float", "bool": "bool", "str": "str",
+                              "float | None": "float?", "int | None": "int?"}
 Primitive = bool | int | float | str | None
 
 
+def _primitive_option_types() -> dict[str, str]:
+    types = {}
+    for f in fields(LCEConfig):
+        if f.name in _TRAVEL_SEPARATELY:
+            continue
+        if f.name == "accum_dtype":
+            types["fp32_accumulation"] = "bool"
+        else:
+            types[f.name] = _SCHEMA_TYPE_OF_ANNOTATION[f.type]
+    return types
+
+
+# name -> type in a torch.library schema ("float?" may be None).
+PRIMITIVE_OPTION_TYPES: dict[str, str] = _primitive_option_types()
+PRIMITIVE_OPTION_NAMES = tuple(PRIMITIVE_OPTION_TYPES)
+_CASTS = {"int": int, "float": float, "bool": bool, "str": str}
+
+
 def primitive_options(cfg: LCEConfig) -> dict[str, Primitive]:
-    return {
-        "ignore_index": int(cfg.ignore_index),
-        "reduction": cfg.reduction,
-        "label_smoothing": float(cfg.label_smoothing),
-        "lse_square_scale": float(cfg.lse_square_scale),
-        "softcap": None if cfg.softcap is None else float(cfg.softcap),
-        "temperature": float(cfg.temperature),
-        "token_scaling": cfg.token_scaling,
-        "fp32_accumulation": cfg.accum_dtype == torch.float32,
-        "memory_budget": cfg.memory_budget,
-        "return_z_loss": cfg.return_z_loss,
-        "return_token_accuracy": cfg.return_token_accuracy,
-        "return_predicted_tokens": cfg.return_predicted_tokens,
-        "return_logprobs": cfg.return_logprobs,
-        "return_entropy": cfg.return_entropy,
-    }
-
-
-PRIMITIVE_OPTION_NAMES = tuple(primitive_options(LCEConfig()))
+    values: dict[str, Primitive] = {}
+    for name, kind in PRIMITIVE_OPTION_TYPES.items():
+        if name == "fp32_accumulation":
+            values[name] = cfg.accum_dtype == torch.float32
+        else:
+            value = getattr(cfg, name)
+            values[name] = None if value is None else _CASTS[kind.rstrip("?")](value)
+    return values
 
 
 def config_from_primitives(options: dict[str, Any], class_weight: torch.Tensor | None = None,
@@ -180,4 +192,3 @@ def config_from_primitives(options: dict[str, Any], class_weight: torch.Tensor |
     fp32 = values.pop("fp32_accumulation")
     return LCEConfig(class_weight=class_weight, process_group=process_group,
                      accum_dtype=torch.float32 if fp32 else None, **values)
-

@@ -7,9 +7,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from flce.backends.chunked_function import run_backend
 from flce.config import LCEConfig, config_from_keywords, primitive_options
 from flce.distributed.dtensor import localize_inputs
+from flce.engine.run import run_backend
 from flce.inputs import prepare_inputs
 from flce.outputs import LCEOutput
 from flce.registry import VARIANTS, HardwareProbe, candidates_for, dispatch, registered_backends, resolve_device

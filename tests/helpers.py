@@ -1,9 +1,7 @@
-"""Shared test helpers: the float64 materialised oracle and DESIGN.md's tolerances.
+"""Shared test helpers: DESIGN.md's tolerances, upstream gradients, and the float64 oracle
+(flce.testing.reference_loss, re-exported here).
 
-``reference_loss`` implements every option of DESIGN.md's table the obvious way: it
-materialises the [tokens, vocab] logits in float64 and calls torch's own
-``cross_entropy`` for the cross-entropy part, so any backend can be checked against it.
-Import it from other test files as ``from helpers import reference_loss``: tests/ has no
+Import them from other test files as ``from helpers import reference_loss``: tests/ has no
 ``__init__.py``, so pytest puts it on ``sys.path``.
 """
 
@@ -13,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from flce import LCEOutput
+from flce.testing import reference_loss
 
 # DESIGN.md "Correctness tolerances (vs float64 reference)": (rtol, atol) per case.
 DESIGN_TOLERANCES: dict[str, tuple[float, float]] = {
@@ -31,15 +29,6 @@ DESIGN_TOLERANCES: dict[str, tuple[float, float]] = {
     "grad_weight_large_float32": (1e-4, 5e-4),
     "grad_float64": (1e-7, 1e-7),
 }
-
-# Options that change the math; the rest (memory_budget, accum_dtype, return_*, ...) only
-# change how or what is computed, so the oracle accepts and ignores them.
-_MATH_OPTIONS = ("ignore_index", "reduction", "label_smoothing", "lse_square_scale", "softcap",
-                 "class_weight", "temperature", "token_scaling")
-_IGNORED_OPTIONS = ("accum_dtype", "memory_budget", "process_group", "return_z_loss",
-                    "return_token_accuracy", "return_predicted_tokens", "return_logprobs",
-                    "return_entropy")
-
 
 def tolerance(kind: str, dtype: torch.dtype) -> tuple[float, float]:
     """(rtol, atol) from DESIGN.md for ``kind`` in {"forward", "temperature", "grad_hidden",
@@ -84,88 +73,6 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if scale == 0:
         return float(diff)
     return float(diff / scale)
-
-
-def reference_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    **options: Any,
-) -> LCEOutput:
-    """DESIGN.md's contract, materialised in float64.
-
-    Returns an LCEOutput with every field filled whatever the ``return_*`` options say:
-    loss (reduced), z_loss (reduced like the loss), token_accuracy (reduced like the loss),
-    predicted_tokens, logprobs and entropy (per token, target's shape). loss, logprobs and
-    entropy are differentiable with respect to the inputs (which are upcast to float64
-    inside, so float64 leaves give float64 gradients).
-    """
-    unknown = set(options) - set(_MATH_OPTIONS) - set(_IGNORED_OPTIONS)
-    if unknown:
-        raise TypeError(f"reference_loss: unknown options {sorted(unknown)}")
-    ignore_index = options.get("ignore_index", -100)
-    reduction = options.get("reduction", "mean")
-    label_smoothing = options.get("label_smoothing", 0.0)
-    lse_square_scale = options.get("lse_square_scale", 0.0)
-    softcap = options.get("softcap")
-    class_weight = options.get("class_weight")
-    temperature = options.get("temperature", 1.0)
-    token_scaling = options.get("token_scaling", False)
-
-    vocab, hidden_size = weight.shape
-    x = hidden.double().reshape(-1, hidden_size)
-    t = target.reshape(-1).long()
-    u = x @ weight.double().T
-    if bias is not None:
-        u = u + bias.double()
-    z = softcap * torch.tanh(u / softcap) if softcap is not None else u
-    z = z / temperature
-    cw = None if class_weight is None else class_weight.double()
-
-    valid = t != ignore_index
-    safe_t = torch.where(valid, t, 0)
-    lse = torch.logsumexp(z, dim=-1) if z.shape[0] else z.new_zeros(0)
-    target_z = z.gather(1, safe_t.unsqueeze(1)).squeeze(1)
-    ce = F.cross_entropy(z, t, weight=cw, ignore_index=ignore_index, reduction="none",
-                         label_smoothing=label_smoothing)
-    if token_scaling:
-        ce = ce * torch.exp(target_z - lse).detach()
-    ce = torch.where(valid, ce, 0.0)
-    zl = torch.where(valid, lse_square_scale * lse.square(), 0.0)
-
-    count = valid.sum().double()
-    ce_denominator = count if cw is None else (cw[safe_t] * valid).sum()
-    if reduction == "none":
-        loss, z_loss = ce + zl, zl
-    elif reduction == "sum":
-        loss, z_loss = ce.sum() + zl.sum(), zl.sum()
-    elif reduction == "mean":
-        z_loss = _mean(zl.sum(), count)
-        loss = _mean(ce.sum(), ce_denominator) + z_loss
-    else:
-        raise ValueError(f"reduction={reduction!r}")
-
-    argmax = z.argmax(dim=-1) if z.shape[0] else t.new_zeros(0)
-    correct = ((argmax == t) & valid).double()
-    accuracy = {"none": correct, "sum": correct.sum(), "mean": _mean(correct.sum(), count)}[reduction]
-    log_p = z - lse.unsqueeze(1)
-    entropy = -(log_p.exp() * log_p).sum(-1)
-    shape = target.shape
-    per_token = reduction == "none"
-    return LCEOutput(
-        loss=loss.reshape(shape) if per_token else loss,
-        z_loss=(z_loss.reshape(shape) if per_token else z_loss).detach(),
-        token_accuracy=accuracy.reshape(shape) if per_token else accuracy,
-        predicted_tokens=torch.where(valid, argmax, -1).reshape(shape),
-        logprobs=torch.where(valid, target_z - lse, 0.0).reshape(shape),
-        entropy=torch.where(valid, entropy, 0.0).reshape(shape),
-    )
-
-
-def _mean(total: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """total / denominator, and 0 (with zero gradient) when nothing was counted."""
-    return torch.where(denominator > 0, total / denominator.clamp_min(1e-300), 0.0)
 
 
 @dataclass

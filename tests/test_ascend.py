@@ -20,7 +20,8 @@ import torch
 
 import flce
 from flce.backends import ascend
-from flce.backends.ascend import function, ops
+from flce.backends.ascend import ops
+from flce.backends.ascend import plan as ascend_plan
 from flce.config import LCEConfig
 from flce.inputs import FlatInputs
 from flce.registry import HardwareProbe, candidates_for
@@ -34,7 +35,7 @@ UB_SIZES = (192 * KiB, 256 * KiB, 64 * KiB, 12 * KiB, 4 * KiB)
 
 
 @pytest.fixture(autouse=True)
-def no_ascend_env(monkeypatch):  # noqa: ANN001
+def no_ascend_env(monkeypatch):
     for name in (ops.ENV_VECTOR_CORES, ops.ENV_UB_BYTES, ops.ENV_TOTAL_MEMORY):
         monkeypatch.delenv(name, raising=False)
 
@@ -58,7 +59,7 @@ def _props(*, cores: int = 40, ub: int = 192 * KiB, total: int = 64 * GiB) -> op
 
 @pytest.mark.parametrize("kernel", sorted(ops.FOOTPRINTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_block_never_exceeds_the_ub_share(kernel, dtype):  # noqa: ANN001
+def test_block_never_exceeds_the_ub_share(kernel, dtype):
     per_element = ops.FOOTPRINTS[kernel].bytes_per_element(dtype.itemsize)
     for ub in UB_SIZES:
         usable = int(ub * ops.UB_SAFETY_FRACTION)
@@ -123,7 +124,7 @@ def test_defaults_off_the_npu_are_a_910b():
     assert "910B default" in props.source
 
 
-def test_environment_overrides(monkeypatch):  # noqa: ANN001
+def test_environment_overrides(monkeypatch):
     monkeypatch.setenv(ops.ENV_VECTOR_CORES, "48")
     monkeypatch.setenv(ops.ENV_UB_BYTES, "0x40000")
     monkeypatch.setenv(ops.ENV_TOTAL_MEMORY, str(32 * GiB))
@@ -133,7 +134,7 @@ def test_environment_overrides(monkeypatch):  # noqa: ANN001
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "many", "1.5"])
-def test_bad_override_names_the_variable_and_value(monkeypatch, value):  # noqa: ANN001
+def test_bad_override_names_the_variable_and_value(monkeypatch, value):
     monkeypatch.setenv(ops.ENV_VECTOR_CORES, value)
     with pytest.raises(ValueError, match=f"{ops.ENV_VECTOR_CORES}='{value}'"):
         ops.device_properties(torch.device("cpu"))
@@ -142,11 +143,11 @@ def test_bad_override_names_the_variable_and_value(monkeypatch, value):  # noqa:
 @pytest.mark.parametrize(("arch", "ub"), [("Ascend910B3", 192 * KiB), ("Ascend910B4-1", 192 * KiB),
                                           ("Ascend910_9391", 192 * KiB), ("Ascend910_9599", 256 * KiB),
                                           ("Ascend310P3", None)])
-def test_ub_by_soc_name(arch, ub):  # noqa: ANN001
+def test_ub_by_soc_name(arch, ub):
     assert ops.ub_bytes_for_arch(arch) == ub
 
 
-def test_driver_properties_from_a_faked_torch_npu_and_triton_ascend(monkeypatch):  # noqa: ANN001
+def test_driver_properties_from_a_faked_torch_npu_and_triton_ascend(monkeypatch):
     """On an NPU the figures come from triton-ascend's driver and torch_npu; faked here."""
     fake_npu = types.SimpleNamespace(
         current_device=lambda: 0,
@@ -177,47 +178,48 @@ def test_driver_properties_from_a_faked_torch_npu_and_triton_ascend(monkeypatch)
 
 @pytest.mark.parametrize(("total", "limit"), [(4 * GiB, GiB), (8 * GiB, GiB), (16 * GiB, 2 * GiB),
                                               (32 * GiB, 4 * GiB), (64 * GiB, 4 * GiB), (96 * GiB, 4 * GiB)])
-def test_logits_save_limit_rule(total, limit):  # noqa: ANN001
-    assert ops.logits_save_limit_bytes(total) == limit
+def test_logits_save_limit_rule(total, limit):
+    assert ascend_plan.logits_save_limit_bytes(total) == limit
 
 
 def test_logits_saved_exactly_when_they_fit_under_the_limit():
     # 16 GiB NPU: limit 2 GiB. bf16 logits of 8192 x 131072 are exactly 2 GiB; one token more is not.
     props = _props(total=16 * GiB)
-    assert ops.plan_chunks(_meta_inputs(8192, 1024, 131072), LCEConfig(), props, "full").saved_rows == 8192
+    assert ascend_plan.plan_chunks(_meta_inputs(8192, 1024, 131072), LCEConfig(), props, "full").saved_rows == 8192
     # One token more: the leading whole chunks that fit beside one recomputed chunk are kept.
-    plan = ops.plan_chunks(_meta_inputs(8193, 1024, 131072), LCEConfig(), props, "full")
+    plan = ascend_plan.plan_chunks(_meta_inputs(8193, 1024, 131072), LCEConfig(), props, "full")
     chunk_bytes = plan.tokens_per_chunk * 256 * KiB
     assert plan.saved_rows == (2 * GiB - chunk_bytes) // chunk_bytes * plan.tokens_per_chunk
     assert 0 < plan.saved_rows < 8193 and plan.saved_rows * 256 * KiB + chunk_bytes <= 2 * GiB
     # A 64 GiB NPU keeps up to 4 GiB.
-    assert ops.plan_chunks(_meta_inputs(16384, 1024, 131072), LCEConfig(), _props(total=64 * GiB),
+    assert ascend_plan.plan_chunks(_meta_inputs(16384, 1024, 131072), LCEConfig(), _props(total=64 * GiB),
                            "full").saved_rows == 16384
 
 
-def test_logits_save_limit_from_the_environment(monkeypatch):  # noqa: ANN001
+def test_logits_save_limit_from_the_environment(monkeypatch):
     monkeypatch.setenv(ops.ENV_TOTAL_MEMORY, str(8 * GiB))  # limit 1 GiB
     props = ops.device_properties(torch.device("cpu"))
-    assert ops.plan_chunks(_meta_inputs(4096, 512, 131072), LCEConfig(), props, "full").saved_rows == 4096
-    assert ops.plan_chunks(_meta_inputs(4097, 512, 131072), LCEConfig(), props, "full").saved_rows < 4096
+    assert ascend_plan.plan_chunks(_meta_inputs(4096, 512, 131072), LCEConfig(), props, "full").saved_rows == 4096
+    assert ascend_plan.plan_chunks(_meta_inputs(4097, 512, 131072), LCEConfig(), props, "full").saved_rows < 4096
 
 
 def test_default_chunk_and_memory_budget():
     flat = _meta_inputs(100000, 1024, 131072)  # 256 KiB of bf16 logits per row
-    plan = ops.plan_chunks(flat, LCEConfig(), _props(), "plain")
-    assert plan.tokens_per_chunk == ops.DEFAULT_CHUNK_BUDGET // (256 * KiB)
+    plan = ascend_plan.plan_chunks(flat, LCEConfig(), _props(), "plain")
+    assert plan.tokens_per_chunk == ascend_plan.DEFAULT_CHUNK_BUDGET // (256 * KiB)
     # A budget bounds the chunk and what may be kept: 64 rows of logits leave nothing to save.
-    plan = ops.plan_chunks(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=64 * 256 * KiB), _props(), "full")
+    plan = ascend_plan.plan_chunks(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=64 * 256 * KiB),
+                                   _props(), "full")
     assert (plan.tokens_per_chunk, plan.saved_rows) == (64, 0)
     # A budget with room for all the logits keeps them (the kernels turn them into the gradient in place).
     budget = 1000 * 256 * KiB
-    plan = ops.plan_chunks(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=budget), _props(), "full")
+    plan = ascend_plan.plan_chunks(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=budget), _props(), "full")
     assert (plan.tokens_per_chunk, plan.saved_rows) == (1000, 1000)
     # A budget of 320 rows makes 320-row chunks: no room to keep any beside a recomputed one.
-    plan = ops.plan_chunks(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=320 * 256 * KiB), _props(),
+    plan = ascend_plan.plan_chunks(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=320 * 256 * KiB), _props(),
                            "full")
     assert (plan.tokens_per_chunk, plan.saved_rows) == (320, 0)
-    assert ops.plan_chunks(_meta_inputs(3, 8, 10), LCEConfig(), _props(), "plain").tokens_per_chunk == 3
+    assert ascend_plan.plan_chunks(_meta_inputs(3, 8, 10), LCEConfig(), _props(), "plain").tokens_per_chunk == 3
 
 
 def test_autotuned_chunk_and_limit_win():
@@ -226,35 +228,36 @@ def test_autotuned_chunk_and_limit_win():
     flat = _meta_inputs(8192, 1024, 131072)  # 2 GiB of logits, over a 16 GiB NPU's limit
     props = _props(total=16 * GiB)
     with override_params({"tokens_per_chunk": 777}, logits_save_limit_bytes=3 * GiB, backend="ascend"):
-        plan = ops.plan_chunks(flat, LCEConfig(), props, "full")
+        plan = ascend_plan.plan_chunks(flat, LCEConfig(), props, "full")
     assert (plan.tokens_per_chunk, plan.saved_rows) == (777, 8192)
     with override_params({"tokens_per_chunk": 777}, logits_save_limit_bytes=GiB, backend="ascend"):
         # 1 GiB holds 4096 rows: four whole 777-row chunks beside a fifth, recomputed one.
-        assert ops.plan_chunks(flat, LCEConfig(), props, "full").saved_rows == 4 * 777
+        assert ascend_plan.plan_chunks(flat, LCEConfig(), props, "full").saved_rows == 4 * 777
         # The budget still bounds a tuned chunk.
-        assert ops.plan_chunks(flat, LCEConfig(memory_budget=100 * 256 * KiB), props, "full").tokens_per_chunk == 100
+        budget_plan = ascend_plan.plan_chunks(flat, LCEConfig(memory_budget=100 * 256 * KiB), props, "full")
+        assert budget_plan.tokens_per_chunk == 100
     # A tuned 64-row chunk within a budget of 320 rows: four kept chunks beside a recomputed one.
     with override_params({"tokens_per_chunk": 64}, backend="ascend"):
-        plan = ops.plan_chunks(flat, LCEConfig(memory_budget=320 * 256 * KiB), props, "full")
+        plan = ascend_plan.plan_chunks(flat, LCEConfig(memory_budget=320 * 256 * KiB), props, "full")
     assert (plan.tokens_per_chunk, plan.saved_rows) == (64, 256)
     # Knobs for another backend, or values the planner cannot use, fall back to the heuristic.
-    heuristic = ops.plan_chunks(flat, LCEConfig(), props, "full")
+    heuristic = ascend_plan.plan_chunks(flat, LCEConfig(), props, "full")
     for params, backend in (({"tokens_per_chunk": 777}, "cuda"), ({"tokens_per_chunk": 0}, "ascend"),
                             ({"tokens_per_chunk": "777"}, "ascend"), ({"tokens_per_chunk": True}, "ascend")):
         with override_params(params, backend=backend):
-            assert ops.plan_chunks(flat, LCEConfig(), props, "full") == heuristic, (params, backend)
+            assert ascend_plan.plan_chunks(flat, LCEConfig(), props, "full") == heuristic, (params, backend)
 
 
 # ----------------------------------------------------------------------------- registry
 
 
 @pytest.fixture
-def triton_ascend_installed(monkeypatch):  # noqa: ANN001
+def triton_ascend_installed(monkeypatch):
     monkeypatch.setattr(ascend, "triton_has_ascend_backend", lambda: (True, "triton-ascend (faked)"))
     monkeypatch.setattr(ascend, "bisheng_compiler_found", lambda: (True, "BiSheng (faked)"))
 
 
-def test_selected_for_npu_tensors_when_torch_npu_and_triton_ascend_work(triton_ascend_installed):  # noqa: ANN001
+def test_selected_for_npu_tensors_when_torch_npu_and_triton_ascend_work(triton_ascend_installed):
     probe = HardwareProbe.fake(npu=True, triton=True)
     cands = candidates_for("npu", probe=probe)
     assert cands.backends[0].name == "ascend"
@@ -262,7 +265,7 @@ def test_selected_for_npu_tensors_when_torch_npu_and_triton_ascend_work(triton_a
     assert candidates_for("npu", "ascend", probe=probe).backends[0] is ascend.BACKEND
 
 
-def test_not_selected_for_cpu_or_cuda_tensors(triton_ascend_installed):  # noqa: ANN001
+def test_not_selected_for_cpu_or_cuda_tensors(triton_ascend_installed):
     probe = HardwareProbe.fake(npu=True, triton=True, cuda=True)
     assert "ascend" not in [b.name for b in candidates_for("cpu", probe=probe).backends]
     assert "ascend" not in [b.name for b in candidates_for("cuda", probe=probe).backends]
@@ -281,7 +284,7 @@ def test_without_torch_npu_the_reason_is_given():
         candidates_for("npu", "ascend", probe=probe)
 
 
-def test_npu_without_triton_or_with_upstream_triton_is_unavailable(monkeypatch):  # noqa: ANN001
+def test_npu_without_triton_or_with_upstream_triton_is_unavailable(monkeypatch):
     ok, reason = ascend.BACKEND.is_available(HardwareProbe.fake(npu=True))
     assert not ok and "triton" in reason
     # This machine's triton is upstream (CUDA/HIP backends only): the check finds that on disk.
@@ -291,7 +294,7 @@ def test_npu_without_triton_or_with_upstream_triton_is_unavailable(monkeypatch):
     assert not ok and reason == why
 
 
-def test_without_an_npu_the_reason_lists_every_missing_piece(monkeypatch, tmp_path):  # noqa: ANN001
+def test_without_an_npu_the_reason_lists_every_missing_piece(monkeypatch, tmp_path):
     """What `python -m flce info` says on a machine with triton-ascend and no NPU or CANN."""
     monkeypatch.setattr(ascend, "triton_has_ascend_backend", lambda: (True, "triton-ascend 3.2.0"))
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -324,14 +327,14 @@ def test_interpreter_serves_cpu_tensors_only_when_named():
 
 def test_supports_the_kernel_dtypes_only():
     for dtype in DTYPES:
-        assert ascend.BACKEND.supports(LCEConfig(), _meta_inputs(4, 8, 16, dtype))[0]
-    ok, reason = ascend.BACKEND.supports(LCEConfig(), _meta_inputs(4, 8, 16, torch.float64))
+        assert ascend.BACKEND.supports(LCEConfig(), dtype, 8, 16)[0]
+    ok, reason = ascend.BACKEND.supports(LCEConfig(), torch.float64, 8, 16)
     assert not ok and "float64" in reason
 
 
 def test_importing_the_backend_imports_neither_torch_npu_nor_its_kernels():
     # triton itself is this backend's to import only through kernels.py, on the first launch.
-    code = ("import sys, flce, flce.backends.ascend.ops, flce.backends.ascend.function;"
+    code = ("import sys, flce, flce.backends.ascend.ops, flce.backends.ascend.plan;"
             "flce.get_impl('cpu'); flce.available_backends();"
             "print(sorted(m for m in ('torch_npu', 'flce.backends.ascend.kernels') if m in sys.modules))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -342,16 +345,16 @@ def test_importing_the_backend_imports_neither_torch_npu_nor_its_kernels():
 # ----------------------------------------------------------------------------- misuse
 
 
-def test_logits_passed_as_hidden_warn_once(monkeypatch):  # noqa: ANN001
-    monkeypatch.setattr(function, "_warned_logits_like", False)
+def test_logits_passed_as_hidden_warn_once(monkeypatch):
+    monkeypatch.setattr(ascend_plan, "_warned_logits_like", False)
     logits_like = _meta_inputs(8, 32000, 32000)
     with pytest.warns(RuntimeWarning, match="cross_entropy"):
-        assert function.warn_if_logits_like(logits_like)
+        assert ascend_plan.warn_if_logits_like(logits_like)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert function.warn_if_logits_like(logits_like)  # recognised again, not repeated
-        assert not function.warn_if_logits_like(_meta_inputs(8, 4096, 32000))
-        assert not function.warn_if_logits_like(_meta_inputs(8, 64, 64))  # toy models are square too
+        assert ascend_plan.warn_if_logits_like(logits_like)  # recognised again, not repeated
+        assert not ascend_plan.warn_if_logits_like(_meta_inputs(8, 4096, 32000))
+        assert not ascend_plan.warn_if_logits_like(_meta_inputs(8, 64, 64))  # toy models are square too
 
 
 # ----------------------------------------------------------------------------- the kernels

@@ -37,8 +37,10 @@ from helpers import OPTION_CASES, reference_loss  # noqa: E402
 import flce  # noqa: E402
 from flce.backends import ascend  # noqa: E402
 from flce.backends.ascend import ops  # noqa: E402
-from flce.backends.chunked_function import apply_chunked  # noqa: E402
+from flce.backends.ascend import plan as ascend_plan  # noqa: E402
 from flce.config import LCEConfig  # noqa: E402
+from flce.engine.function import apply_eager  # noqa: E402
+from flce.engine.plans import PlanRequest  # noqa: E402
 from flce.inputs import prepare_inputs  # noqa: E402
 from flce.semantics import GradCoefficients  # noqa: E402
 
@@ -48,26 +50,26 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 N, H, V = 12, 16, 300
 
 
-def ascend_loss_fn(**options):  # noqa: ANN003, ANN201
+def ascend_loss_fn(**options):
     """The Ascend backend for DEVICE: through the registry on the CPU (interpreter) and the NPU;
     on CUDA, which the registry never routes to it, through its descriptor directly."""
     if DEVICE != "cuda":
         return flce.get_impl(DEVICE, backend="ascend")(**options)
     cfg = LCEConfig(**options)
 
-    def call(hidden, weight, target, bias=None):  # noqa: ANN001, ANN202
+    def call(hidden, weight, target, bias=None):
         flat = prepare_inputs(hidden, weight, target, bias, cfg)
         return ascend.BACKEND.run(flat, cfg, "full" if cfg.needs_full else "plain")
 
     return call
 
 
-def oracle(hidden, weight, target, bias=None, **options):  # noqa: ANN001, ANN003, ANN201
+def oracle(hidden, weight, target, bias=None, **options):
     """helpers.reference_loss (float64, materialised) as a dict of every output."""
     return reference_loss(hidden, weight, target, bias, **options)._asdict()
 
 
-def make_inputs(dtype=torch.float32, *, with_bias=False, ignore=(3, 11), seed=0):  # noqa: ANN001, ANN201
+def make_inputs(dtype=torch.float32, *, with_bias=False, ignore=(3, 11), seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, H, generator=g, dtype=torch.float64)
     weight = torch.randn(V, H, generator=g, dtype=torch.float64) / H**0.5 * 2
@@ -78,7 +80,7 @@ def make_inputs(dtype=torch.float32, *, with_bias=False, ignore=(3, 11), seed=0)
     return hidden, weight, bias, target, class_weight
 
 
-def run_both(options, dtype=torch.float32, *, with_bias=False, ignore=(3, 11), upstream=("loss",), seed=0):  # noqa: ANN001, ANN201
+def run_both(options, dtype=torch.float32, *, with_bias=False, ignore=(3, 11), upstream=("loss",), seed=0):
     """Forward and backward through the backend (in dtype, on DEVICE) and the float64 oracle with
     the same random upstream gradients; returns (backend results, oracle results) as dicts."""
     hidden, weight, bias, target, class_weight = make_inputs(dtype, with_bias=with_bias, ignore=ignore, seed=seed)
@@ -113,7 +115,7 @@ def run_both(options, dtype=torch.float32, *, with_bias=False, ignore=(3, 11), u
     return out, ref
 
 
-def assert_matches(got, want, fwd_tol, bwd_tol):  # noqa: ANN001
+def assert_matches(got, want, fwd_tol, bwd_tol):
     for name, value in got.items():
         expected = want[name]
         value = value.cpu()
@@ -131,7 +133,7 @@ def assert_matches(got, want, fwd_tol, bwd_tol):  # noqa: ANN001
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: "+".join(o) or "plain")
-def test_every_option_and_reduction_fp32(options, reduction):  # noqa: ANN001
+def test_every_option_and_reduction_fp32(options, reduction):
     with_bias = len(options) % 2 == 1  # half of the cases carry a bias
     got, want = run_both({**options, "reduction": reduction}, with_bias=with_bias)
     assert_matches(got, want, 1e-5, 1e-4)
@@ -159,7 +161,7 @@ def test_ignore_index_inside_the_vocabulary():
 
 
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "return_logprobs": True}])
-def test_all_ignored_gives_zero_loss_and_zero_gradients(options):  # noqa: ANN001
+def test_all_ignored_gives_zero_loss_and_zero_gradients(options):
     got, _ = run_both(options, ignore=tuple(range(N)), with_bias=True)
     assert got["loss"].item() == 0.0
     for name in ("grad_hidden", "grad_weight", "grad_bias"):
@@ -168,18 +170,18 @@ def test_all_ignored_gives_zero_loss_and_zero_gradients(options):  # noqa: ANN00
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "return_entropy": True}])
-def test_several_chunks_recomputed(options, reduction):  # noqa: ANN001
+def test_several_chunks_recomputed(options, reduction):
     # A budget of 5 rows of logits: 3 chunks, and no room left to keep the logits for backward.
     budget = 5 * V * 4
     got, want = run_both({**options, "reduction": reduction, "memory_budget": budget}, with_bias=True)
     assert_matches(got, want, 1e-5, 1e-4)
 
 
-def test_several_chunks_with_saved_logits(monkeypatch):  # noqa: ANN001
+def test_several_chunks_with_saved_logits(monkeypatch):
     # The deferred schedule reusing forward's logits, chunk by chunk.
-    monkeypatch.setattr(ops, "DEFAULT_CHUNK_BUDGET", 7 * V * 4)
+    monkeypatch.setattr(ascend_plan, "DEFAULT_CHUNK_BUDGET", 7 * V * 4)
     flat = prepare_inputs(*(t.float() for t in make_inputs()[:2]), make_inputs()[3], None, LCEConfig())
-    plan = ops.plan_chunks(flat, LCEConfig(), ops.device_properties(torch.device("cpu")), "full")
+    plan = ascend_plan.plan_chunks(flat, LCEConfig(), ops.device_properties(torch.device("cpu")), "full")
     assert plan.tokens_per_chunk == 7 and plan.saved_rows == flat.target.shape[0]
     got, want = run_both({"reduction": "none", "return_logprobs": True}, upstream=("loss", "logprobs"))
     assert_matches(got, want, 1e-5, 1e-4)
@@ -187,7 +189,7 @@ def test_several_chunks_with_saved_logits(monkeypatch):  # noqa: ANN001
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("options", [{}, {"softcap": 3.0, "label_smoothing": 0.1, "accum_dtype": torch.float32}])
-def test_half_precision(dtype, options):  # noqa: ANN001
+def test_half_precision(dtype, options):
     got, want = run_both(options, dtype, with_bias=True)
     fwd_tol = 1e-2 if dtype == torch.float16 else 2e-2
     torch.testing.assert_close(got["loss"].double().cpu(), want["loss"], rtol=fwd_tol, atol=fwd_tol)
@@ -197,7 +199,7 @@ def test_half_precision(dtype, options):  # noqa: ANN001
         assert error < (5e-3 if dtype == torch.float16 else 2e-2), (name, error.item())
 
 
-def test_wide_row_offsets_give_the_same_result(monkeypatch):  # noqa: ANN001
+def test_wide_row_offsets_give_the_same_result(monkeypatch):
     # Chunks of 2**31 elements do not fit here: force the kernels' int64 row offsets instead.
     monkeypatch.setattr(ops, "needs_wide_offsets", lambda logits: True)
     options = {"label_smoothing": 0.1, "return_predicted_tokens": True, "reduction": "none"}
@@ -207,7 +209,7 @@ def test_wide_row_offsets_give_the_same_result(monkeypatch):  # noqa: ANN001
     assert_matches(got, want, 1e-5, 1e-4)
 
 
-def _combine(parts):  # noqa: ANN001, ANN202
+def _combine(parts):
     """Shard statistics combined as a vocab-parallel wrapper does (first shard wins argmax ties)."""
     row_max = torch.stack([p.row_max for p in parts]).max(0).values
     sum_exp = sum(p.sum_exp * torch.exp(p.row_max - row_max) for p in parts)
@@ -273,15 +275,15 @@ def test_zero_rows_launch_nothing():
     assert out.shape == (0,)
 
 
-def test_apply_chunked_uses_the_ascend_kernels():
+def test_engine_runs_the_ascend_kernels():
     # Guards against a silent fallback: the call's kernels are this backend's.
     hidden, weight, _, target, _ = make_inputs()
     cfg = LCEConfig()
     flat = prepare_inputs(hidden.float().to(DEVICE), weight.float().to(DEVICE), target.to(DEVICE), None, cfg)
-    call = ascend.BACKEND.chunked(flat, cfg, "plain")
+    call = ascend.BACKEND.plan_call(flat, cfg, "plain", PlanRequest(training=True))
     assert isinstance(call.kernels, ops.AscendChunkKernels)
     assert call.kernels.props.vector_cores == int(os.environ["FLCE_ASCEND_VECTOR_CORES"])
-    loss = apply_chunked(flat, call)
+    loss = apply_eager(flat, call)
     torch.testing.assert_close(loss.double().cpu(), oracle(hidden, weight, target)["loss"], rtol=1e-5, atol=1e-5)
 
 

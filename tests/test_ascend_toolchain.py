@@ -115,7 +115,7 @@ def _run_check(tmp_path: Path) -> list[dict]:
     return json.loads(out.read_text())
 
 
-def test_every_variant_lowers_and_fits_the_ub(tmp_path):  # noqa: ANN001
+def test_every_variant_lowers_and_fits_the_ub(tmp_path):
     results = _run_check(tmp_path)
     assert results, "the compile check produced no variants"
     for r in results:

@@ -18,8 +18,9 @@ import flce.autotune as autotune
 from flce.autotune import cache as cache_files
 from flce.autotune import locations
 from flce.autotune.schema import HEADER, Entry, SchemaError, entry_from_dict, merge, parse_document
-from flce.backends.reference.ops import DEFAULT_CHUNK_BUDGET, plan_chunks, working_bytes_per_row
+from flce.backends.reference.plan import DEFAULT_CHUNK_BUDGET, plan_chunks, working_bytes_per_row
 from flce.config import LCEConfig
+from flce.engine.plans import TokenChunks
 from flce.inputs import prepare_inputs
 
 CPU = torch.device("cpu")
@@ -401,9 +402,9 @@ def test_reference_planner_uses_cached_chunk_and_limit_and_stays_correct(
         entry(variant="full", tokens=64, params={"tokens_per_chunk": 7}, logits_save_limit_bytes=1 << 30),
     ])
     flat = prepare_inputs(hidden, weight, target, None, LCEConfig())
-    assert plan_chunks(flat, LCEConfig()) == flce.backends.chunk_driver.ChunkPlan(5)
+    assert plan_chunks(flat, LCEConfig()) == TokenChunks(5)
     full_cfg = LCEConfig(label_smoothing=0.1)
-    assert plan_chunks(flat, full_cfg) == flce.backends.chunk_driver.ChunkPlan(7, saved_rows=n)
+    assert plan_chunks(flat, full_cfg) == TokenChunks(7, saved_rows=n)
     assert plan_chunks(flat, LCEConfig(), variant="full").tokens_per_chunk == 7
     # An explicit memory budget still bounds the cached chunk.
     budget = 3 * working_bytes_per_row(flat)

@@ -20,8 +20,9 @@ from flce.autotune import locations, progress, spaces
 from flce.autotune.cli import main, parse_bytes
 from flce.autotune.lookup import override_params
 from flce.autotune.tuner import Tuner, TuneRequest, resolve_backend
-from flce.backends.reference.function import reference_linear_cross_entropy
-from flce.backends.reference.ops import working_bytes_per_row
+from flce.backends.reference.plan import plan_call, working_bytes_per_row
+from flce.engine.function import apply_eager, needs_autograd
+from flce.engine.plans import PlanRequest
 from flce.inputs import FlatInputs
 from flce.registry import Backend, register_backend
 
@@ -206,7 +207,7 @@ def _flaky_run(flat: FlatInputs, cfg: flce.config.LCEConfig, variant: str) -> to
         raise torch.OutOfMemoryError("out of memory (simulated)")
     if mode == "slow":
         time.sleep(0.05)
-    loss = reference_linear_cross_entropy(flat, cfg, variant)
+    loss = apply_eager(flat, plan_call(flat, cfg, variant, PlanRequest(training=needs_autograd(flat))))
     return loss * 1.5 if mode == "wrong" else loss
 
 
@@ -215,7 +216,7 @@ def test_tuner_skips_failures_oom_wrong_results_and_over_budget(
 ) -> None:
     register_backend(Backend(name="flaky", device_types=("cpu",), priority=-10,
                              is_available=lambda probe: (True, "test backend"),
-                             supports=lambda cfg, flat: (True, "everything"), run=_flaky_run))
+                             supports=lambda cfg, dtype, h, v: (True, "everything"), run=_flaky_run))
     with pytest.raises(ValueError, match="backend='flaky' has no tuning space registered"):
         resolve_backend(torch.device("cpu"), "flaky")
     modes = ["fail", "oom", "wrong", "huge", "slow", "same"]
@@ -245,7 +246,7 @@ def test_winning_heuristic_is_stored_as_the_knobs_it_chose(
     its space's heuristic reports), not empty params that would mean whatever a later flce picks."""
     register_backend(Backend(name="flaky", device_types=("cpu",), priority=-10,
                              is_available=lambda probe: (True, "test backend"),
-                             supports=lambda cfg, flat: (True, "everything"), run=_flaky_run))
+                             supports=lambda cfg, dtype, h, v: (True, "everything"), run=_flaky_run))
     # Candidates that cannot win whatever the timings: the heuristic is kept.
     space = spaces.TuningSpace("flaky", candidates=lambda shape, quick: [{"mode": "fail"}, {"mode": "wrong"}],
                                tunes_logits_save_limit=False, heuristic=lambda shape: {"mode": f"h{shape.tokens}"})
@@ -260,7 +261,7 @@ def test_winning_heuristic_is_stored_as_the_knobs_it_chose(
 @pytest.mark.parametrize("variant", ["plain", "full"])
 def test_reference_space_reports_the_planners_chunk(variant: str) -> None:
     """The reference space's heuristic is what the planner does with nothing cached."""
-    from flce.backends.reference.ops import plan_chunks
+    from flce.backends.reference.plan import plan_chunks
     from flce.config import LCEConfig
 
     shape = spaces.TuneShape(torch.device("cpu"), torch.float32, hidden=64, vocab=1 << 20, tokens=4096,
@@ -279,7 +280,7 @@ def test_tuner_times_forward_only_overlays_and_stores_the_fastest(
     call; a failing overlay is skipped and counted, a faster one replaces the baseline."""
     register_backend(Backend(name="flaky", device_types=("cpu",), priority=-10,
                              is_available=lambda probe: (True, "test backend"),
-                             supports=lambda cfg, flat: (True, "everything"), run=_flaky_run))
+                             supports=lambda cfg, dtype, h, v: (True, "everything"), run=_flaky_run))
     space = spaces.TuningSpace("flaky", candidates=lambda shape, quick: [], tunes_logits_save_limit=False,
                                inference_overlays=({"mode": "slow"}, {"mode": "fail"}, {"mode": "same"}))
     monkeypatch.setitem(spaces._spaces, "flaky", space)

@@ -18,17 +18,19 @@ if not torch.cuda.is_available():
     # (torch._dynamo.testing imports it).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch._dynamo.testing  # noqa: E402
-from helpers import assert_close_per_design, backward_surrogate, random_upstream, reference_loss  # noqa: E402
+import torch._dynamo.testing
+from helpers import assert_close_per_design, backward_surrogate, random_upstream, reference_loss
 
-import flce  # noqa: E402
-from flce.backends import chunked_function  # noqa: E402
-from flce.backends.chunked_function import apply_chunked, apply_chunked_op  # noqa: E402
-from flce.backends.reference.function import reference_chunked_call  # noqa: E402
-from flce.config import LCEConfig, primitive_options  # noqa: E402
-from flce.inputs import prepare_inputs  # noqa: E402
-from flce.registry import Backend, HardwareProbe, register_backend  # noqa: E402
-from flce.registry import probes as probe_module  # noqa: E402
+import flce
+from flce.backends.reference.plan import plan_call
+from flce.config import LCEConfig, primitive_options
+from flce.engine import custom_ops
+from flce.engine.custom_ops import apply_op
+from flce.engine.function import apply_eager
+from flce.engine.plans import PlanRequest
+from flce.inputs import prepare_inputs
+from flce.registry import Backend, HardwareProbe, register_backend
+from flce.registry import probes as probe_module
 
 N, H, V = 13, 8, 24
 # Small enough that the reference plan splits 13 rows into chunks of 3 (multi-chunk paths).
@@ -139,7 +141,7 @@ def machine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         torch._dynamo.graph_break()
         return True, "tripwire"
 
-    def tripwire_supports(_cfg: LCEConfig, _flat: object) -> tuple[bool, str]:
+    def tripwire_supports(_cfg: LCEConfig, _dtype: torch.dtype, _hidden: int, _vocab: int) -> tuple[bool, str]:
         torch._dynamo.graph_break()
         return False, "the tripwire backend declines every call"
 
@@ -154,19 +156,19 @@ def machine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return request.param
 
 
-def _make_step(form: str, options: dict):  # noqa: ANN202
+def _make_step(form: str, options: dict):
     if form == "module":
         loss_fn = flce.get_impl("cpu")(**options)
 
-        def step(x, w, t, b):  # noqa: ANN001, ANN202
+        def step(x, w, t, b):
             return loss_fn(x, w, t, b)
     else:
-        def step(x, w, t, b):  # noqa: ANN001, ANN202
+        def step(x, w, t, b):
             return flce.linear_cross_entropy(x, w, t, b, **options)
     return step
 
 
-def _run(step, inputs, upstream_seed: int):  # noqa: ANN001, ANN202
+def _run(step, inputs, upstream_seed: int):
     """Outputs and the gradients of x, w, b under random upstream gradients."""
     x, w, b, t = (None if a is None else a.detach().requires_grad_(a.requires_grad) for a in inputs)
     out = step(x, w, t, b)
@@ -179,7 +181,7 @@ def _run(step, inputs, upstream_seed: int):  # noqa: ANN001, ANN202
     return out, (x.grad, w.grad, None if b is None else b.grad)
 
 
-def _fields(out) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def _fields(out) -> dict[str, torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return {"loss": out}
     return {name: value for name, value in out._asdict().items() if value is not None}
@@ -241,15 +243,15 @@ def test_inductor_backward_scales_in_forward_gradients_over_their_own_buffers(
     them to it), so no V x H gradient is allocated a second time. Checked with grad_output 3 and
     exactly 1, against eager flce and the float64 oracle."""
     produced = []
-    real_run_forward = chunked_function.run_forward
+    real_run_forward = custom_ops.run_forward
 
-    def recording_run_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def recording_run_forward(*args, **kwargs):
         state = real_run_forward(*args, **kwargs)
         if state.grads is not None:
             produced.append(state.grads)
         return state
 
-    monkeypatch.setattr(chunked_function, "run_forward", recording_run_forward)
+    monkeypatch.setattr(custom_ops, "run_forward", recording_run_forward)
     x, w, b, t = _inputs(generator)
     loss_fn = flce.get_impl("cpu")(label_smoothing=0.1)
     torch._dynamo.reset()
@@ -278,7 +280,7 @@ def test_explain_shows_one_graph(form: str, machine: str, generator: torch.Gener
     step = _make_step(form, {"label_smoothing": 0.1, "return_logprobs": True})
     x, w, b, t = _inputs(generator)
 
-    def train_step(x, w, t, b):  # noqa: ANN001, ANN202
+    def train_step(x, w, t, b):
         out = step(x, w, t, b)
         return out.loss + 0.1 * out.logprobs.sum()
 
@@ -341,7 +343,7 @@ def test_autocast_region_compiles(generator: torch.Generator) -> None:
     x, w, _, t = _inputs(generator, bias=False)
     loss_fn = flce.get_impl("cpu")(reduction="none", return_logprobs=True)
 
-    def step(x, w, t):  # noqa: ANN001, ANN202
+    def step(x, w, t):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = loss_fn(x, w, t)
         return 2 * out.loss.sum() + out.logprobs.sum()
@@ -390,9 +392,9 @@ def test_op_path_equals_function_path_in_eager(generator: torch.Generator) -> No
     for use_op in (False, True):
         xs, ws, bs = (a.detach().requires_grad_() for a in (x, w, b))
         flat = prepare_inputs(xs, ws, t, bs, cfg)
-        call = reference_chunked_call(flat, cfg, "full")
+        call = plan_call(flat, cfg, "full", PlanRequest(training=True))
         assert call.plan.saved_rows == t.numel(), "the Function should keep the logits at this size"
-        out = apply_chunked_op("reference", flat, cfg, "full") if use_op else apply_chunked(flat, call)
+        out = apply_op("reference", flat, cfg, "full") if use_op else apply_eager(flat, call)
         upstream = random_upstream(out.loss.shape, t.shape, logprobs=True, entropy=True,
                                    generator=torch.Generator().manual_seed(5))
         backward_surrogate(out, upstream).backward()
@@ -405,7 +407,7 @@ def test_op_rejects_unknown_backend(generator: torch.Generator) -> None:
     x, w, b, t = _inputs(generator, grads=(False, False, False))
     kwargs = _op_kwargs("plain", LCEConfig(), b, (False, False, False))
     kwargs["backend"] = "no-such-backend"
-    with pytest.raises(ValueError, match="backend='no-such-backend': expected a registered chunk-loop backend"):
+    with pytest.raises(ValueError, match="backend='no-such-backend': expected a registered engine backend"):
         torch.ops.flce.chunked_forward(x, w, b, t, None, **kwargs)
 
 

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 
 
-def _run_and_compare(n, h, v, dtype, device, options, reduction, with_bias, tol):  # noqa: ANN001
+def _run_and_compare(n, h, v, dtype, device, options, reduction, with_bias, tol):
     options = materialise_options(options, v, device)
     x, w, b, t = lm_head_inputs(n, h, v, dtype, device, with_bias)
     out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction=reduction, **options)
@@ -52,7 +52,7 @@ def _run_and_compare(n, h, v, dtype, device, options, reduction, with_bias, tol)
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: ",".join(o) or "plain")
-def test_interpreter_contract_fp32(options, reduction, monkeypatch):  # noqa: ANN001
+def test_interpreter_contract_fp32(options, reduction, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("interpreter test: runs where there is no GPU")
     # Small blocks so every row spans several blocks and a ragged tail, as at a real vocabulary.
@@ -61,7 +61,7 @@ def test_interpreter_contract_fp32(options, reduction, monkeypatch):  # noqa: AN
     _run_and_compare(n, h, v, torch.float32, "cpu", options, reduction, with_bias=True, tol=1e-5)
 
 
-def test_interpreter_plain_fp16_and_chunks(monkeypatch):  # noqa: ANN001
+def test_interpreter_plain_fp16_and_chunks(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("interpreter test: runs where there is no GPU")
     monkeypatch.setattr("flce.backends.cuda.ops.MAX_BLOCK_V", 64)
@@ -84,7 +84,7 @@ def test_interpreter_plain_fp16_and_chunks(monkeypatch):  # noqa: ANN001
 @pytest.mark.cuda
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: ",".join(o) or "plain")
-def test_gpu_contract_fp32(options, reduction):  # noqa: ANN001
+def test_gpu_contract_fp32(options, reduction):
     # V = 32001: not a multiple of any block size.
     _run_and_compare(257, 128, 32001, torch.float32, "cuda", options, reduction, with_bias=True, tol=1e-5)
 
@@ -96,7 +96,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.cuda
 @pytest.mark.parametrize("vocab", [32000, 129920, 151936])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_low_precision_within_eager_error(vocab, dtype):  # noqa: ANN001
+def test_gpu_low_precision_within_eager_error(vocab, dtype):
     """bf16/fp16 gradients within 1.5x of what materialised eager PyTorch achieves on the same inputs."""
     n, h = 2048, 1024
     x, w, _, t = lm_head_inputs(n, h, vocab, dtype, "cuda", with_bias=False)
@@ -151,14 +151,14 @@ def test_gpu_no_host_sync_and_autocast():
 
 @pytest.mark.parametrize("options", [OPTION_CASES[0], OPTION_CASES[-1], OPTION_CASES[-2]],
                          ids=["plain", "everything", "metrics"])
-def test_interpreter_inference_scans_vocab_blocks(options, monkeypatch):  # noqa: ANN001
+def test_interpreter_inference_scans_vocab_blocks(options, monkeypatch):
     """Without gradients the plan scans vocabulary blocks of all rows; the in-kernel merge of
     block statistics must equal the one-pass result, ties and tails included."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test: runs where there is no GPU")
     monkeypatch.setattr("flce.backends.cuda.ops.MAX_BLOCK_V", 32)
-    monkeypatch.setattr("flce.backends.cuda.ops.MIN_VOCAB_BLOCK", 16)
-    monkeypatch.setattr("flce.backends.cuda.ops.INFERENCE_CHUNK_BUDGET", 9 * 48 * 4)
+    monkeypatch.setattr("flce.backends.cuda.plan.MIN_VOCAB_BLOCK", 16)
+    monkeypatch.setattr("flce.backends.cuda.plan.INFERENCE_CHUNK_BUDGET", 9 * 48 * 4)
     n, h, v = 9, 16, 203
     options = materialise_options(dict(options, return_predicted_tokens=True), v, "cpu")
     x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
@@ -166,13 +166,14 @@ def test_interpreter_inference_scans_vocab_blocks(options, monkeypatch):  # noqa
     w.data[150] = w.data[20]
     if b is not None:
         b.data[150] = b.data[20]
-    from flce.backends.cuda.ops import plan_chunks
+    from flce.backends.cuda.plan import plan_chunks
     from flce.config import LCEConfig
+    from flce.engine.plans import AllRows, PlanRequest
     from flce.inputs import prepare_inputs
 
     with torch.no_grad():
-        plan = plan_chunks(prepare_inputs(x, w, t, b, LCEConfig()), LCEConfig(), training=False)
-        assert plan.vocab_block == 48
+        plan = plan_chunks(prepare_inputs(x, w, t, b, LCEConfig()), LCEConfig(), PlanRequest(training=False))
+        assert plan == AllRows(forward_stats="cublas", scan_block=48)
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", **options)
     want = reference_loss(x.double(), w.double(), t, b.double(), **options)
     for name in ("loss", "z_loss", "token_accuracy", "logprobs", "entropy"):
@@ -184,33 +185,36 @@ def test_interpreter_inference_scans_vocab_blocks(options, monkeypatch):  # noqa
 
 def test_plan_follows_the_training_flag_not_grad_mode():
     """Inside an autograd or custom op grad mode is off: the caller's flag decides the plan."""
-    from flce.backends.cuda.function import cuda_chunked_call
+    from flce.backends.cuda import BACKEND
     from flce.config import LCEConfig
+    from flce.engine.plans import AllRows, PlanRequest, TokenChunks
     from flce.inputs import prepare_inputs
 
     x, w, _, t = lm_head_inputs(4096, 8, 32000, torch.float16, "cpu", with_bias=False)
     flat = prepare_inputs(x, w, t, None, LCEConfig())
     with torch.no_grad():
-        training = cuda_chunked_call(flat, LCEConfig(), "plain", training=True).plan
-        inference = cuda_chunked_call(flat, LCEConfig(), "plain", training=False).plan
-    assert training.vocab_block is None and training.tokens_per_chunk == 4096
-    assert inference.vocab_block is not None
+        training = BACKEND.plan_call(flat, LCEConfig(), "plain", PlanRequest(training=True)).plan
+        inference = BACKEND.plan_call(flat, LCEConfig(), "plain", PlanRequest(training=False)).plan
+    assert isinstance(training, TokenChunks) and training.tokens_per_chunk == 4096
+    assert isinstance(inference, AllRows)
 
 
 @pytest.mark.parametrize(("budget_mib", "limit_gib", "want"), [
     (None, 4, (1536, 8 * 1536)),  # the default: eight 1536-row chunks kept beside a ninth
     (None, 1, (1536, 1536)),
-    (512, None, (1536, 0)),  # the budget holds one chunk: all recomputed
-    (1024, None, (3328, 0)),  # keeping one 1536-row chunk would not pay for six more weight updates
+    (512, None, "blocks"),  # the budget holds one chunk and keeps nothing: vocabulary blocks
+    (1024, None, "blocks"),  # keeping one 1536-row chunk would not pay for six more weight updates
     (2048, None, (1536, 3 * 1536)),  # smaller chunks, so that the budget keeps three of them
     (6144, None, (16384, 16384)),  # all logits (4.6 GiB) fit the budget
     (6144, 4, (1536, 8 * 1536)),  # a tuned limit still applies
 ])
-def test_deferred_plan_keeps_the_logits_that_fit(budget_mib, limit_gib, want):  # noqa: ANN001
+def test_deferred_plan_keeps_the_logits_that_fit(budget_mib, limit_gib, want):
     """The RL shape of issue 11 (16384 x 4096 x 151936 bf16, 4.6 GiB of logits, reduction="none"):
-    tokens per chunk and the leading rows whose logits forward keeps for backward."""
-    from flce.backends.cuda.ops import TunedKnobs, plan_chunks
+    tokens per chunk and the leading rows whose logits forward keeps for backward; where nothing
+    is kept, vocabulary blocks of all rows within the budget."""
+    from flce.backends.cuda.plan import STATS_BYTES_PER_ROW, TunedKnobs, plan_chunks
     from flce.config import LCEConfig
+    from flce.engine.plans import PlanRequest, TokenChunks, VocabBlocks
     from flce.inputs import FlatInputs
 
     n, h, v = 16384, 4096, 151936
@@ -221,9 +225,13 @@ def test_deferred_plan_keeps_the_logits_that_fit(budget_mib, limit_gib, want):  
     cfg = LCEConfig(reduction="none", return_logprobs=True,
                     memory_budget=None if budget_mib is None else budget_mib << 20)
     tuned = TunedKnobs(logits_save_limit=None if limit_gib is None else limit_gib << 30)
-    plan = plan_chunks(flat, cfg, True, tuned)
+    plan = plan_chunks(flat, cfg, PlanRequest(training=True), tuned)
+    if want == "blocks":
+        assert isinstance(plan, VocabBlocks)
+        assert plan.grad_vocab_block * n * 2 + n * STATS_BYTES_PER_ROW <= budget_mib << 20
+        return
+    assert isinstance(plan, TokenChunks)
     assert (plan.tokens_per_chunk, plan.saved_rows) == want
-    assert plan.grad_vocab_block is None or plan.saved_rows == 0, "vocabulary blocks only where nothing is kept"
     if budget_mib is not None:
         kept_bytes = plan.saved_rows * v * 2
         working = 0 if plan.saved_rows == n else plan.tokens_per_chunk * v * 2
@@ -233,7 +241,7 @@ def test_deferred_plan_keeps_the_logits_that_fit(budget_mib, limit_gib, want):  
 @pytest.mark.cuda
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "return_entropy": True, "reduction": "none"}],
                          ids=["plain", "full-deferred"])
-def test_gpu_deterministic(options):  # noqa: ANN001
+def test_gpu_deterministic(options):
     """No atomics anywhere: the same inputs give bitwise the same loss and gradients."""
     x, w, b, t = lm_head_inputs(3000, 512, 50257, torch.bfloat16, "cuda", with_bias=True)
     runs = []

@@ -20,14 +20,14 @@ interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpr
 
 
 @pytest.fixture
-def fused_calls(monkeypatch):  # noqa: ANN001, ANN201
+def fused_calls(monkeypatch):
     """Counts launches of the fused path, so a test fails if the call silently took another."""
     from flce.backends.cuda import ops
 
     calls = []
     real = ops.gemm_row_stats
 
-    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def counting(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
@@ -35,7 +35,7 @@ def fused_calls(monkeypatch):  # noqa: ANN001, ANN201
     return calls
 
 
-def _check_outputs(out, want, tol: float, inputs: tuple, options: dict) -> None:  # noqa: ANN001
+def _check_outputs(out, want, tol: float, inputs: tuple, options: dict) -> None:
     got = out if isinstance(out, flce.LCEOutput) else flce.LCEOutput(loss=out)
     for name in ("loss", "z_loss", "token_accuracy", "logprobs", "entropy"):
         value = getattr(got, name)
@@ -46,7 +46,7 @@ def _check_outputs(out, want, tol: float, inputs: tuple, options: dict) -> None:
         assert_same_argmax(got.predicted_tokens, want.predicted_tokens, *inputs, options)
 
 
-def _check_against_oracle(out, x, w, b, t, options: dict) -> None:  # noqa: ANN001
+def _check_against_oracle(out, x, w, b, t, options: dict) -> None:
     """Outputs, then gradients for random upstream gradients of every differentiable output,
     against the float64 oracle (fp32 inputs)."""
     leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
@@ -67,7 +67,7 @@ def _check_against_oracle(out, x, w, b, t, options: dict) -> None:  # noqa: ANN0
 
 @interpreter_only
 @pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: ",".join(o) or "plain")
-def test_interpreter_inference(options, fused_calls):  # noqa: ANN001
+def test_interpreter_inference(options, fused_calls):
     n, h, v = 21, 24, 203
     options = materialise_options(options, v, "cpu")
     x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
@@ -81,7 +81,7 @@ def test_interpreter_inference(options, fused_calls):  # noqa: ANN001
 @pytest.mark.parametrize("options", [OPTION_CASES[0], OPTION_CASES[4], OPTION_CASES[-1]],
                          ids=["plain", "logprobs-entropy", "everything"])
 @pytest.mark.parametrize("backward_grad", ["fused", "cublas"])
-def test_interpreter_deferred_schedule(options, backward_grad, fused_calls):  # noqa: ANN001
+def test_interpreter_deferred_schedule(options, backward_grad, fused_calls):
     """reduction="none": forward statistics from the fused GEMM (all rows, one launch, sliced per
     chunk); backward recomputes each chunk's gradient with the gradient GEMM (fused) or a GEMM and
     the row kernel (cublas); gradients for any upstream gradient."""
@@ -100,7 +100,7 @@ def test_interpreter_deferred_schedule(options, backward_grad, fused_calls):  # 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("options", [OPTION_CASES[0], OPTION_CASES[-1]], ids=["plain", "everything"])
 @pytest.mark.parametrize("kept", ["all", "one-chunk"])
-def test_interpreter_fused_logits_schedules(options, reduction, kept, fused_calls):  # noqa: ANN001
+def test_interpreter_fused_logits_schedules(options, reduction, kept, fused_calls):
     """The schedules that need each chunk's logits (gradients in forward for "mean"; saved logits
     for "none") take statistics and logits from one fused GEMM per chunk. With a save limit of two
     chunks, "none" keeps the first (beside one recomputed chunk) and recomputes the others."""
@@ -108,15 +108,16 @@ def test_interpreter_fused_logits_schedules(options, reduction, kept, fused_call
     options = materialise_options(options, v, "cpu")
     x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
     knobs = dict(SMALL_TILES, forward_logits="fused", tokens_per_chunk=8, grad_schedule="token_chunks")
-    from flce.backends.cuda.ops import plan_chunks, tuned_knobs
+    from flce.backends.cuda.plan import plan_chunks, tuned_knobs
     from flce.config import LCEConfig
+    from flce.engine.plans import PlanRequest
     from flce.inputs import prepare_inputs
 
     limit = 1 << 30 if kept == "all" else 2 * 8 * v * x.element_size()
     with override_params(knobs, logits_save_limit_bytes=limit, backend="cuda"):
         cfg = LCEConfig(reduction=reduction)
         flat = prepare_inputs(x, w, t, b, cfg)
-        saved_rows = plan_chunks(flat, cfg, True, tuned_knobs(flat, "full")).saved_rows
+        saved_rows = plan_chunks(flat, cfg, PlanRequest(training=True), tuned_knobs(flat, "full")).saved_rows
         assert saved_rows == (0 if reduction == "mean" else n if kept == "all" else 8)
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction=reduction, **options)
     assert fused_calls == [torch.Size([8, h]), torch.Size([8, h]), torch.Size([5, h])]
@@ -125,7 +126,7 @@ def test_interpreter_fused_logits_schedules(options, reduction, kept, fused_call
 
 @interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_interpreter_extreme_logits_ties_and_ignored_rows(dtype, fused_calls):  # noqa: ANN001
+def test_interpreter_extreme_logits_ties_and_ignored_rows(dtype, fused_calls):
     """Logits of +-1e4, a maximal column repeated in two splits (argmax keeps the first), and a
     batch whose every target is ignored (mean gives 0, as documented). fp16 statistics are those of
     the fp16-rounded logits, as PyTorch materialises them."""
@@ -155,11 +156,11 @@ def test_interpreter_extreme_logits_ties_and_ignored_rows(dtype, fused_calls):  
 
 
 @interpreter_only
-def test_fallback_when_the_fused_kernel_fails(monkeypatch, caplog):  # noqa: ANN001
+def test_fallback_when_the_fused_kernel_fails(monkeypatch, caplog):
     """A kernel that does not compile here falls back to the row-kernel path with one log line."""
     from flce.backends.cuda import ops
 
-    def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def failing(*args, **kwargs):
         raise triton.OutOfResources(300000, 232448, "shared memory")
 
     monkeypatch.setattr(ops, "gemm_row_stats", failing)
@@ -177,7 +178,7 @@ def test_fallback_when_the_fused_kernel_fails(monkeypatch, caplog):  # noqa: ANN
 
 def test_tuned_knobs_read_the_fused_forward_entries():
     from flce.backends.cuda.gemm_ops import GemmConfig
-    from flce.backends.cuda.ops import tuned_knobs
+    from flce.backends.cuda.plan import tuned_knobs
     from flce.config import LCEConfig
     from flce.inputs import prepare_inputs
 
@@ -202,7 +203,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("vocab", [32001, 129920, 151936])
-def test_gpu_fused_inference_bf16(vocab, fused_calls):  # noqa: ANN001
+def test_gpu_fused_inference_bf16(vocab, fused_calls):
     """bf16 statistics from the fused GEMM at real vocabulary sizes (none a multiple of any tile), for
     every extra, within 1.5x of the error of materialised eager PyTorch on the same bf16 inputs."""
     n, h = 1000, 1024
@@ -231,7 +232,7 @@ def test_gpu_fused_inference_bf16(vocab, fused_calls):  # noqa: ANN001
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v", [50257, 50304], ids=["odd-vocab", "tma-store-vocab"])
-def test_gpu_fused_deferred_matches_cublas_path(dtype, v, fused_calls):  # noqa: ANN001
+def test_gpu_fused_deferred_matches_cublas_path(dtype, v, fused_calls):
     """The RL schedule with the fused forward and the gradient GEMM against the cuBLAS + row-kernel
     path and float64. At V = 50304 (16-byte rows) Hopper takes the persistent gradient kernel with
     TMA stores; at 50257 the 2-D grid with plain stores."""
@@ -260,42 +261,50 @@ def test_gpu_fused_deferred_matches_cublas_path(dtype, v, fused_calls):  # noqa:
 @pytest.mark.parametrize(("options", "reduction"), [({}, "mean"), (OPTION_CASES[-1], "sum"),
                                                     (OPTION_CASES[4], "none"), (OPTION_CASES[6], "mean")],
                          ids=["plain-mean", "everything-sum", "rl-none", "weights-smoothing"])
-def test_interpreter_vocab_block_gradients(options, reduction, fused, monkeypatch):  # noqa: ANN001
+def test_interpreter_vocab_block_gradients(options, reduction, fused, monkeypatch):
     """The lean schedule: statistics of all rows, then gradients by vocabulary blocks (one weight-
     gradient write per block), for the in-forward and the deferred schedules, any upstream gradient."""
-    monkeypatch.setattr("flce.backends.cuda.ops.MIN_VOCAB_BLOCK", 16)
+    monkeypatch.setattr("flce.backends.cuda.plan.MIN_VOCAB_BLOCK", 16)
     n, h, v = 21, 24, 203
     options = materialise_options(options, v, "cpu")
     x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
     path = "fused" if fused else "cublas"
     knobs = dict(SMALL_TILES, forward_stats=path, backward_grad=path, grad_schedule="vocab_blocks",
                  grad_vocab_block=64)  # 4 blocks, the last one ragged
-    from flce.backends.cuda.function import cuda_chunked_call
+    from flce.backends import cuda
     from flce.config import LCEConfig
+    from flce.engine.plans import AllRows, PlanRequest, VocabBlocks
     from flce.inputs import prepare_inputs
 
     with override_params(knobs, logits_save_limit_bytes=0, backend="cuda"):
         cfg = LCEConfig(reduction=reduction)
-        assert cuda_chunked_call(prepare_inputs(x, w, t, b, cfg), cfg, "full", True).plan.grad_vocab_block == 64
+        plan = cuda.BACKEND.plan_call(prepare_inputs(x, w, t, b, cfg), cfg, "full", PlanRequest(training=True)).plan
+        stats = AllRows(forward_stats=path, scan_block=None if fused else 64)
+        assert plan == VocabBlocks(grad_vocab_block=64, stats=stats, backward_grad=path)
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction=reduction, **options)
         _check_against_oracle(out, x, w, b, t, dict(options, reduction=reduction))
 
 
 def test_small_budgets_plan_the_vocab_block_schedule():
-    from flce.backends.cuda.ops import plan_chunks
+    from flce.backends.cuda.plan import plan_chunks
     from flce.config import LCEConfig
+    from flce.engine.plans import AllRows, PlanRequest, TokenChunks, VocabBlocks
     from flce.inputs import prepare_inputs
 
     x, w, _, t = lm_head_inputs(4096, 8, 32000, torch.float16, "cpu", with_bias=False)
     flat = prepare_inputs(x, w, t, None, LCEConfig())
-    lean = plan_chunks(flat, LCEConfig(memory_budget=16 << 20), training=True)
+    training, inference = PlanRequest(training=True), PlanRequest(training=False)
+    lean = plan_chunks(flat, LCEConfig(memory_budget=16 << 20), training)
+    assert isinstance(lean, VocabBlocks)
     assert lean.grad_vocab_block == 1920  # (16 MiB - 64 bytes per row) / (4096 rows x 2 bytes), in 128s
-    roomy = plan_chunks(flat, LCEConfig(memory_budget=512 << 20), training=True)
-    assert roomy.grad_vocab_block is None  # token chunks hold 1024+ rows: the weight gradient is cheap
-    assert plan_chunks(flat, LCEConfig(memory_budget=16 << 20), training=False).grad_vocab_block is None
+    roomy = plan_chunks(flat, LCEConfig(memory_budget=512 << 20), training)
+    assert isinstance(roomy, TokenChunks)  # token chunks hold 1024+ rows: the weight gradient is cheap
+    assert isinstance(plan_chunks(flat, LCEConfig(memory_budget=16 << 20), inference), AllRows)
+    sharded = plan_chunks(flat, LCEConfig(memory_budget=16 << 20), PlanRequest(training=True, sharded=True))
+    assert isinstance(sharded, TokenChunks), "a vocabulary shard cannot be scanned by blocks of all rows"
 
 
-def _meta_inputs(n: int, h: int, v: int):  # noqa: ANN202
+def _meta_inputs(n: int, h: int, v: int):
     from flce.inputs import FlatInputs
 
     t = torch.empty(n, dtype=torch.int64, device="meta")
@@ -309,8 +318,9 @@ def test_tuning_under_a_budget_times_both_exact_schedules_at_its_size():
     vocabulary block that fit (gradient from the fused GEMM and from cuBLAS) are candidates, their
     estimates fit, and the planner runs each as stated when the cache holds it."""
     from flce.autotune import spaces
-    from flce.backends.cuda.ops import TunedKnobs, plan_chunks
+    from flce.backends.cuda.plan import TunedKnobs, plan_chunks
     from flce.config import LCEConfig
+    from flce.engine.plans import PlanRequest, TokenChunks, VocabBlocks
 
     space = spaces.tuning_space("cuda")
     shape = spaces.TuneShape(torch.device("cpu"), torch.bfloat16, hidden=2048, vocab=151936, tokens=16384,
@@ -329,11 +339,13 @@ def test_tuning_under_a_budget_times_both_exact_schedules_at_its_size():
     for knobs in candidates:
         tuned = TunedKnobs(tokens_per_chunk=knobs.get("tokens_per_chunk"), grad_schedule=knobs["grad_schedule"],
                            grad_vocab_block=knobs.get("grad_vocab_block"), backward_grad=knobs.get("backward_grad"))
-        plan = plan_chunks(flat, LCEConfig(), True, tuned)  # a call without a budget runs what was tuned
-        assert plan.grad_vocab_block == knobs.get("grad_vocab_block")
-        assert plan.grad_vocab_block is not None or plan.tokens_per_chunk == 220
-        if "backward_grad" in knobs:
-            assert plan.fused_grad == (knobs["backward_grad"] == "fused")
+        # A call without a budget runs what was tuned.
+        plan = plan_chunks(flat, LCEConfig(), PlanRequest(training=True), tuned)
+        if knobs["grad_schedule"] == "vocab_blocks":
+            assert isinstance(plan, VocabBlocks)
+            assert (plan.grad_vocab_block, plan.backward_grad) == (knobs["grad_vocab_block"], knobs["backward_grad"])
+        else:
+            assert isinstance(plan, TokenChunks) and plan.tokens_per_chunk == 220
     # 1 MiB: three-row chunks still fit, a block of 16384 rows x 512 columns does not
     assert space.budget_candidates(shape, 1 << 20) == [{"tokens_per_chunk": 3, "grad_schedule": "token_chunks"}]
 
@@ -341,26 +353,27 @@ def test_tuning_under_a_budget_times_both_exact_schedules_at_its_size():
 def test_tuned_vocab_blocks_yield_to_kept_logits():
     """A tuned lean schedule was measured with nothing kept: an RL call whose budget keeps logits
     keeps them (and recomputes by token chunks); one whose budget keeps none takes the tuned blocks."""
-    from flce.backends.cuda.ops import TunedKnobs, plan_chunks
+    from flce.backends.cuda.plan import TunedKnobs, plan_chunks
     from flce.config import LCEConfig
+    from flce.engine.plans import PlanRequest, TokenChunks, VocabBlocks
 
     flat = _meta_inputs(16384, 4096, 151936)
     tuned = TunedKnobs(grad_schedule="vocab_blocks", grad_vocab_block=1920)
     rl = {"reduction": "none", "return_logprobs": True}
-    kept = plan_chunks(flat, LCEConfig(memory_budget=6 << 30, **rl), True, tuned)
-    assert kept.saved_rows == 16384 and kept.grad_vocab_block is None
-    lean = plan_chunks(flat, LCEConfig(memory_budget=512 << 20, **rl), True, tuned)
-    assert lean.saved_rows == 0 and lean.grad_vocab_block == 1920
+    kept = plan_chunks(flat, LCEConfig(memory_budget=6 << 30, **rl), PlanRequest(training=True), tuned)
+    assert isinstance(kept, TokenChunks) and kept.saved_rows == 16384
+    lean = plan_chunks(flat, LCEConfig(memory_budget=512 << 20, **rl), PlanRequest(training=True), tuned)
+    assert isinstance(lean, VocabBlocks) and lean.grad_vocab_block == 1920
 
 
 @interpreter_only
-def test_interpreter_tuner_stores_the_faster_schedule_within_the_budget(monkeypatch):  # noqa: ANN001
+def test_interpreter_tuner_stores_the_faster_schedule_within_the_budget(monkeypatch):
     """flce-autotune with the CUDA backend under the interpreter and a budget below one chunk of all
     rows: the regular candidates are skipped as over budget, the budget-sized ones run, agree with
     the heuristic, and the entry holds the one that measured fastest."""
     from flce.autotune.tuner import Tuner, TuneRequest
 
-    monkeypatch.setattr("flce.backends.cuda.ops.MIN_VOCAB_BLOCK", 128)
+    monkeypatch.setattr("flce.backends.cuda.plan.MIN_VOCAB_BLOCK", 128)
     budget = 160 << 10  # 40 of the 64 rows' fp32 logits; vocabulary blocks of 512 columns
     request = TuneRequest(device=torch.device("cpu"), dtypes=[torch.float32], hiddens=[16], vocabs=[1024],
                           tokens=[64], variants=["plain"], backend="cuda", memory_budget=budget, quick=True,
@@ -422,7 +435,7 @@ sys.stdout.write(compiled.asm["ptx"])
 
 
 @pytest.mark.parametrize("coefficients", ["plain", "rl"])
-def test_persistent_gradient_kernel_compiles_for_hopper(coefficients):  # noqa: ANN001
+def test_persistent_gradient_kernel_compiles_for_hopper(coefficients):
     """The persistent gradient GEMM runs only on Hopper (TMA descriptors), never under the
     interpreter: compiling it for sm_90 here (in a process without TRITON_INTERPRET) lowers it
     through Triton's NVIDIA backend to PTX, so a change that breaks it fails CI without a GPU. The

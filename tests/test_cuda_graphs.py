@@ -44,7 +44,7 @@ def _outputs(out: torch.Tensor | flce.LCEOutput) -> dict[str, torch.Tensor]:
     return {name: value for name, value in out._asdict().items() if value is not None}
 
 
-def _eager(loss_fn, x, w, t, upstream):  # noqa: ANN001, ANN202
+def _eager(loss_fn, x, w, t, upstream):
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
     out = loss_fn(x, w, t)
     backward_surrogate(out, upstream).backward()

@@ -521,7 +521,7 @@ def section_compiled(checker: Checker, rank: int, world_size: int) -> None:
             if form == "module":
                 loss_fn = flce.get_impl("cpu")(process_group=group, **options)
             else:
-                def loss_fn(h, w, t, b, options=options):  # noqa: ANN001, ANN202
+                def loss_fn(h, w, t, b, options=options):
                     return flce.linear_cross_entropy(h, w, t, b, process_group=group, **options)
             torch._dynamo.reset()
             compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
@@ -541,7 +541,7 @@ def section_compiled(checker: Checker, rank: int, world_size: int) -> None:
                         torch.testing.assert_close(mine, same_path, rtol=1e-5, atol=1e-6)
                         torch.testing.assert_close(mine, full, rtol=1e-4, atol=1e-5)
     with checker.case("explain: one graph, no break"):
-        def step(h, w, t, b):  # noqa: ANN001, ANN202
+        def step(h, w, t, b):
             out = flce.linear_cross_entropy(h, w, t, b, process_group=group, return_logprobs=True)
             return out.loss + out.logprobs.sum()
 

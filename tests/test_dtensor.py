@@ -52,13 +52,13 @@ def _client() -> ModuleType:
     return module
 
 
-def _mesh(name: str = "tp"):  # noqa: ANN202
+def _mesh(name: str = "tp"):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=(name,))
 
 
-def _inputs(name: str, vocab: int, tokens: tuple[int, ...] = (4, 6), hidden_size: int = 16):  # noqa: ANN202
+def _inputs(name: str, vocab: int, tokens: tuple[int, ...] = (4, 6), hidden_size: int = 16):
     gen = seed_of(name)
     hidden = torch.randn(*tokens, hidden_size, generator=gen)
     weight = torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5
@@ -69,7 +69,7 @@ def _inputs(name: str, vocab: int, tokens: tuple[int, ...] = (4, 6), hidden_size
 
 
 def _reference(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-               **options) -> tuple[torch.Tensor, list[torch.Tensor]]:  # noqa: ANN003
+               **options) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Materialised logits and torch's cross-entropy: the loss and the grads of (hidden, weight, bias)."""
     leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight) + ((bias,) if bias is not None else ())]
     logits = leaves[0] @ leaves[1].T + (leaves[2] if bias is not None else 0)

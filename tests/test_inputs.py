@@ -13,7 +13,7 @@ import torch
 from helpers import make_inputs
 
 import flce
-import flce.backends.reference.function as reference_function
+import flce.engine.run as engine_run
 
 H, V = 8, 11
 
@@ -24,10 +24,10 @@ def no_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     launched: list[str] = []
 
     def refuse(*_args: Any, **_kwargs: Any) -> None:
-        launched.append("apply_chunked")
+        launched.append("apply_eager")
         raise AssertionError("a kernel ran before the bad input was reported")
 
-    monkeypatch.setattr(reference_function, "apply_chunked", refuse)
+    monkeypatch.setattr(engine_run, "apply_eager", refuse)
     yield launched
     assert not launched
 
@@ -38,11 +38,11 @@ def inputs(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torc
     return hidden, weight, target
 
 
-def call(hidden, weight, target, bias=None, **options):  # noqa: ANN001, ANN201
+def call(hidden, weight, target, bias=None, **options):
     return flce.linear_cross_entropy(hidden, weight, target, bias, **options)
 
 
-def raises(error: type[Exception], *fragments: str):  # noqa: ANN201
+def raises(error: type[Exception], *fragments: str):
     """pytest.raises that requires every fragment (a literal) somewhere in the message."""
     pattern = "".join(f"(?=[\\s\\S]*{re.escape(f)})" for f in fragments)
     return pytest.raises(error, match=pattern)
@@ -51,27 +51,27 @@ def raises(error: type[Exception], *fragments: str):  # noqa: ANN201
 # --- tensors -------------------------------------------------------------------------------------
 
 
-def test_mismatched_hidden_size(inputs, no_kernel) -> None:  # noqa: ANN001
+def test_mismatched_hidden_size(inputs, no_kernel) -> None:
     hidden, weight, target = inputs
     with raises(ValueError, "hidden", f"{H + 1}", f"H={H}"):
         call(torch.randn(6, H + 1), weight, target)
 
 
-def test_mismatched_token_count(inputs, no_kernel) -> None:  # noqa: ANN001
+def test_mismatched_token_count(inputs, no_kernel) -> None:
     hidden, weight, target = inputs
     with raises(ValueError, "target", "5 elements", "6 tokens"):
         call(hidden, weight, target[:5])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.complex64])
-def test_non_integer_target(inputs, no_kernel, dtype: torch.dtype) -> None:  # noqa: ANN001
+def test_non_integer_target(inputs, no_kernel, dtype: torch.dtype) -> None:
     hidden, weight, target = inputs
     with raises(TypeError, "target", str(dtype)):
         call(hidden, weight, target.clamp(0).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
-def test_narrow_integer_target_is_accepted(inputs, dtype: torch.dtype) -> None:  # noqa: ANN001
+def test_narrow_integer_target_is_accepted(inputs, dtype: torch.dtype) -> None:
     hidden, weight, target = inputs
     target = target.clamp(0)
     expected = call(hidden, weight, target)
@@ -79,7 +79,7 @@ def test_narrow_integer_target_is_accepted(inputs, dtype: torch.dtype) -> None: 
 
 
 @pytest.mark.parametrize("bad", [V, V + 7, -1, -101])
-def test_target_out_of_range(inputs, no_kernel, bad: int) -> None:  # noqa: ANN001
+def test_target_out_of_range(inputs, no_kernel, bad: int) -> None:
     hidden, weight, target = inputs
     target = target.clone()
     target[3] = bad
@@ -87,46 +87,46 @@ def test_target_out_of_range(inputs, no_kernel, bad: int) -> None:  # noqa: ANN0
         call(hidden, weight, target)
 
 
-def test_custom_ignore_index_outside_vocab_is_accepted(inputs) -> None:  # noqa: ANN001
+def test_custom_ignore_index_outside_vocab_is_accepted(inputs) -> None:
     hidden, weight, target = inputs
     shifted = torch.where(target == -100, V + 5, target)
     torch.testing.assert_close(call(hidden, weight, shifted, ignore_index=V + 5), call(hidden, weight, target))
 
 
-def test_dtype_mismatch_outside_autocast(inputs, no_kernel) -> None:  # noqa: ANN001
+def test_dtype_mismatch_outside_autocast(inputs, no_kernel) -> None:
     hidden, weight, target = inputs
     with raises(TypeError, "hidden", "torch.bfloat16", "weight", "torch.float32", "autocast"):
         call(hidden.to(torch.bfloat16), weight, target)
 
 
-def test_bias_dtype_mismatch(inputs, no_kernel) -> None:  # noqa: ANN001
+def test_bias_dtype_mismatch(inputs, no_kernel) -> None:
     hidden, weight, target = inputs
     with raises(TypeError, "bias", "torch.float64", "torch.float32"):
         call(hidden, weight, target, torch.zeros(V, dtype=torch.float64) + 0.1)
 
 
 @pytest.mark.parametrize("shape", [(V + 1,), (1, V), ()])
-def test_bias_wrong_shape(inputs, no_kernel, shape) -> None:  # noqa: ANN001
+def test_bias_wrong_shape(inputs, no_kernel, shape) -> None:
     hidden, weight, target = inputs
     with raises(ValueError, "bias", f"[V={V}]", str(tuple(shape))):
         call(hidden, weight, target, torch.rand(shape) + 0.1)
 
 
-def test_integer_hidden(inputs, no_kernel) -> None:  # noqa: ANN001
+def test_integer_hidden(inputs, no_kernel) -> None:
     hidden, weight, target = inputs
     with raises(ValueError, "hidden", "floating-point", "torch.int64"):
         call(hidden.long(), weight, target)
 
 
 @pytest.mark.parametrize("weight_shape", [(V,), (V, H, 1)])
-def test_weight_not_2d(inputs, no_kernel, weight_shape) -> None:  # noqa: ANN001
+def test_weight_not_2d(inputs, no_kernel, weight_shape) -> None:
     hidden, _, target = inputs
     with raises(ValueError, "weight", "[V, H]", str(weight_shape)):
         call(hidden, torch.rand(weight_shape) + 0.1, target)
 
 
 @pytest.mark.parametrize("position", ["hidden", "weight", "target", "bias"])
-def test_not_a_tensor(inputs, no_kernel, position: str) -> None:  # noqa: ANN001
+def test_not_a_tensor(inputs, no_kernel, position: str) -> None:
     hidden, weight, target = inputs
     args = {"hidden": hidden, "weight": weight, "target": target, "bias": None}
     args[position] = [1.0, 2.0]
@@ -134,7 +134,7 @@ def test_not_a_tensor(inputs, no_kernel, position: str) -> None:  # noqa: ANN001
         call(**args)
 
 
-def test_different_devices(inputs, no_kernel) -> None:  # noqa: ANN001
+def test_different_devices(inputs, no_kernel) -> None:
     """The meta device stands in for an accelerator: the check is about devices, not hardware."""
     hidden, weight, target = inputs
     with raises(ValueError, "weight", "meta", "hidden", "cpu", "one device"):
@@ -143,7 +143,7 @@ def test_different_devices(inputs, no_kernel) -> None:  # noqa: ANN001
         call(hidden, weight, target.to("meta"))
 
 
-def test_class_weight_on_another_device(inputs, no_kernel) -> None:  # noqa: ANN001
+def test_class_weight_on_another_device(inputs, no_kernel) -> None:
     hidden, weight, target = inputs
     with raises(ValueError, "class_weight", "meta", "cpu"):
         call(hidden, weight, target, class_weight=torch.ones(V, device="meta"))
@@ -182,7 +182,7 @@ def test_class_weight_on_another_device(inputs, no_kernel) -> None:  # noqa: ANN
     ],
     ids=lambda v: None if isinstance(v, (dict, type, tuple)) else str(v),
 )
-def test_bad_option(inputs, no_kernel, options: dict, error: type[Exception], fragments: tuple) -> None:  # noqa: ANN001
+def test_bad_option(inputs, no_kernel, options: dict, error: type[Exception], fragments: tuple) -> None:
     hidden, weight, target = inputs
     with raises(error, *fragments):
         flce.get_impl("cpu")(**options)
@@ -190,7 +190,7 @@ def test_bad_option(inputs, no_kernel, options: dict, error: type[Exception], fr
         call(hidden, weight, target, **options)
 
 
-def test_unknown_option_names_the_function_and_the_closest_option(inputs, no_kernel) -> None:  # noqa: ANN001
+def test_unknown_option_names_the_function_and_the_closest_option(inputs, no_kernel) -> None:
     hidden, weight, target = inputs
     with raises(TypeError, "linear_cross_entropy()", "'reductoin'", "did you mean 'reduction'?"):
         flce.linear_cross_entropy(hidden, weight, target, reductoin="sum")
@@ -201,7 +201,7 @@ def test_unknown_option_names_the_function_and_the_closest_option(inputs, no_ker
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])  # the in-forward and the deferred schedule
-def test_double_backward_is_refused_with_a_clear_error(inputs, reduction: str) -> None:  # noqa: ANN001
+def test_double_backward_is_refused_with_a_clear_error(inputs, reduction: str) -> None:
     """create_graph=True works (first-order gradients, as without it); differentiating them raises."""
     hidden, weight, target = inputs
     hidden = hidden.detach().requires_grad_()
@@ -213,13 +213,13 @@ def test_double_backward_is_refused_with_a_clear_error(inputs, reduction: str) -
         grad.pow(2).sum().backward()
 
 
-def test_class_weight_wrong_length(inputs, no_kernel) -> None:  # noqa: ANN001
+def test_class_weight_wrong_length(inputs, no_kernel) -> None:
     hidden, weight, target = inputs
     with raises(ValueError, "class_weight", f"[V={V}]", f"({V + 3},)"):
         call(hidden, weight, target, class_weight=torch.ones(V + 3))
 
 
-def test_bad_variant_and_device(no_kernel) -> None:  # noqa: ANN001
+def test_bad_variant_and_device(no_kernel) -> None:
     with raises(ValueError, "variant", "'fast'", "'auto'"):
         flce.get_impl("cpu", variant="fast")
     with raises(ValueError, "device", "'not-a-device'"):
@@ -236,7 +236,7 @@ def test_empty_input_is_valid() -> None:
     assert loss.shape == () and float(loss) == 0.0
 
 
-def test_zero_dim_target_with_single_token(inputs) -> None:  # noqa: ANN001
+def test_zero_dim_target_with_single_token(inputs) -> None:
     """hidden [H] (one token) with a 0-d target: a [..., H] input with no leading dimensions."""
     hidden, weight, target = inputs
     target = target.clamp(0)

@@ -200,7 +200,7 @@ def test_info_command_reports_passed_over_backends(capsys: pytest.CaptureFixture
     from flce.registry import Backend, register_backend
 
     register_backend(Backend(name="fakegpu", device_types=("cuda",), priority=999,
-                             is_available=lambda probe: probe.cuda, supports=lambda cfg, flat: (True, ""),
+                             is_available=lambda probe: probe.cuda, supports=lambda cfg, dtype, h, v: (True, ""),
                              run=lambda flat, cfg, variant: torch.zeros(())))
     monkeypatch.setenv("FLCE_PROBE_OVERRIDE", "cuda=0")
     monkeypatch.setitem(sys.modules, "flce.autotune", types.SimpleNamespace())

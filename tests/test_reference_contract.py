@@ -28,11 +28,10 @@ from helpers import (
 
 import flce
 from flce import LCEOutput
-from flce.backends.chunk_driver import ChunkPlan
-from flce.backends.chunked_function import apply_chunked
-from flce.backends.reference.function import reference_chunked_call
-from flce.backends.reference.ops import plan_chunks, working_bytes_per_row
+from flce.backends.reference.plan import plan_call, plan_chunks, working_bytes_per_row
 from flce.config import LCEConfig
+from flce.engine.function import apply_eager
+from flce.engine.plans import PlanRequest, TokenChunks
 from flce.inputs import prepare_inputs
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -97,7 +96,7 @@ def compare_outputs(out: torch.Tensor | LCEOutput, ref: LCEOutput, options: dict
             assert_close_per_design(got, getattr(ref, name), kind=kind, dtype=dtype, name=name)
 
 
-def compare_grads(grads, ref_grads, *, large: bool = False) -> None:  # noqa: ANN001
+def compare_grads(grads, ref_grads, *, large: bool = False) -> None:
     assert_close_per_design(grads.hidden, ref_grads.hidden, kind="grad_hidden", dtype=torch.float32,
                             name="grad hidden")
     weight_kind = "grad_weight_large" if large else "grad_weight"
@@ -107,7 +106,7 @@ def compare_grads(grads, ref_grads, *, large: bool = False) -> None:  # noqa: AN
         assert_close_per_design(grads.bias, ref_grads.bias, kind=weight_kind, dtype=torch.float32, name="grad bias")
 
 
-def run_case(options: dict[str, Any], generator: torch.Generator, *, bias: bool, token_shape=TOKENS,  # noqa: ANN001
+def run_case(options: dict[str, Any], generator: torch.Generator, *, bias: bool, token_shape=TOKENS,
              vocab: int = VOCAB, variant: str = "auto") -> None:
     hidden, weight, target, b = make_inputs(token_shape, HIDDEN, vocab, bias=bias, generator=generator,
                                             ignore_index=options.get("ignore_index", -100))
@@ -159,7 +158,7 @@ def test_bf16_gradients_within_eager_error(generator: torch.Generator) -> None:
     _, grads = flce_grads(flce.get_impl("cpu")(), hidden, weight, target, None, upstream)
     _, ref = reference_grads(hidden, weight, target, None, upstream)
 
-    def eager(h, w, t, b):  # noqa: ANN001, ANN202
+    def eager(h, w, t, b):
         return F.cross_entropy(h @ w.T, t)
 
     _, eager_grads = flce_grads(eager, hidden, weight, target, None, upstream)
@@ -174,7 +173,7 @@ def test_autocast_cpu_bf16(generator: torch.Generator) -> None:
     hidden, weight, target, b = make_inputs(TOKENS, HIDDEN, VOCAB, bias=True, generator=generator)
     upstream = Upstream(loss=torch.tensor(0.7, dtype=torch.float64))
 
-    def under_autocast(h, w, t, bias):  # noqa: ANN001, ANN202
+    def under_autocast(h, w, t, bias):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return flce.linear_cross_entropy(h, w, t, bias)
 
@@ -343,11 +342,11 @@ def test_deferred_saved_logits_equal_recomputed(case: str, reduction: str, gener
     # All 30 rows kept; the first two 7-row chunks kept (16 rounds down to whole chunks), the rest
     # recomputed; none kept.
     for saved_rows in (30, 16, 0):
-        def run(h, w, t, bias, saved_rows=saved_rows):  # noqa: ANN001, ANN202
+        def run(h, w, t, bias, saved_rows=saved_rows):
             flat = prepare_inputs(h, w, t, bias, cfg)
-            call = reference_chunked_call(flat, cfg, "full" if cfg.needs_full else "plain")
-            plan = ChunkPlan(tokens_per_chunk=7, saved_rows=saved_rows)
-            return apply_chunked(flat, dataclasses.replace(call, plan=plan))
+            call = plan_call(flat, cfg, "full" if cfg.needs_full else "plain", PlanRequest(training=True))
+            plan = TokenChunks(tokens_per_chunk=7, saved_rows=saved_rows)
+            return apply_eager(flat, dataclasses.replace(call, plan=plan))
         results.append(flce_grads(run, hidden, weight, target, b, upstream))
     recomputed_out, recomputed_grads = results[-1]
     for saved_out, saved_grads in results[:-1]:

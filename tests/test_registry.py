@@ -15,7 +15,7 @@ from helpers import make_inputs
 
 import flce
 from flce.config import LCEConfig
-from flce.inputs import FlatInputs, prepare_inputs
+from flce.inputs import FlatInputs
 from flce.registry import (
     BACKEND_ENV,
     Backend,
@@ -46,7 +46,7 @@ def _only_reference_and_fakes(isolated_registry: None, monkeypatch: pytest.Monke
 
 
 def fake_backend(name: str, device_types: tuple[str, ...], priority: int, *, needs: str | None = None,
-                 supports: Callable[[LCEConfig, FlatInputs], tuple[bool, str]] | None = None,
+                 supports: Callable[[LCEConfig, torch.dtype, int, int], tuple[bool, str]] | None = None,
                  calls: list | None = None) -> Backend:
     """A backend available when probe field ``needs`` is present; its run records the call and
     returns a recognisable loss (its priority)."""
@@ -62,15 +62,15 @@ def fake_backend(name: str, device_types: tuple[str, ...], priority: int, *, nee
         return torch.tensor(float(priority))
 
     backend = Backend(name=name, device_types=device_types, priority=priority, is_available=is_available,
-                      supports=supports or (lambda cfg, flat: (True, "everything")), run=run)
+                      supports=supports or (lambda cfg, dtype, h, v: (True, "everything")), run=run)
     register_backend(backend)
     return backend
 
 
-def small_call(generator: torch.Generator, **options: object) -> tuple[LCEConfig, FlatInputs]:
-    hidden, weight, target, _ = make_inputs((4,), 8, 13, generator=generator)
-    cfg = LCEConfig(**options)
-    return cfg, prepare_inputs(hidden, weight, target, None, cfg)
+def small_call(generator: torch.Generator, **options: object) -> tuple[LCEConfig, torch.dtype, int, int]:
+    """What choose_for_call takes for a small call: its config, dtype, H and V."""
+    _, weight, _, _ = make_inputs((4,), 8, 13, generator=generator)
+    return LCEConfig(**options), weight.dtype, weight.shape[1], weight.shape[0]
 
 
 def names(backends: tuple[Backend, ...]) -> list[str]:
@@ -101,7 +101,7 @@ def test_register_twice_needs_replace() -> None:
     with pytest.raises(ValueError, match="'dup' is already registered.*replace=True"):
         fake_backend("dup", ("cpu",), 2)
     replacement = Backend(name="dup", device_types=("cpu",), priority=3, is_available=lambda p: (True, ""),
-                          supports=lambda c, f: (True, ""), run=lambda f, c, v: torch.tensor(3.0))
+                          supports=lambda c, d, h, v: (True, ""), run=lambda f, c, v: torch.tensor(3.0))
     register_backend(replacement, replace=True)
     assert [b.priority for b in candidates_for("cpu", probe=CPU_MACHINE).backends if b.name == "dup"] == [3]
 
@@ -139,16 +139,16 @@ def test_unavailable_better_backend_warns_once(generator: torch.Generator) -> No
                            triton_interpret=(False, ""))
     cands = candidates_for("cuda", probe=no_gpu)
     assert cands.passed_over == (("fakegpu", "driver too old"),)
-    cfg, flat = small_call(generator)
+    call = small_call(generator)
     with pytest.warns(RuntimeWarning, match="'reference'.*fakegpu: driver too old"):
-        assert choose_for_call(cands, cfg, flat).name == "reference"
+        assert choose_for_call(cands, *call).name == "reference"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert choose_for_call(cands, cfg, flat).name == "reference", "the warning comes once"
+        assert choose_for_call(cands, *call).name == "reference", "the warning comes once"
 
 
 def test_unsupported_call_falls_back_with_reason(generator: torch.Generator) -> None:
-    def no_softcap(cfg: LCEConfig, flat: FlatInputs) -> tuple[bool, str]:
+    def no_softcap(cfg: LCEConfig, dtype: torch.dtype, hidden: int, vocab: int) -> tuple[bool, str]:
         return (cfg.softcap is None, "softcap is not implemented here")
 
     fake_backend("fakegpu", ("cuda",), 50, needs="cuda", supports=no_softcap)
@@ -208,7 +208,7 @@ def test_explicit_backend_for_a_device_it_does_not_serve() -> None:
 
 
 def test_explicit_backend_that_cannot_serve_the_call(generator: torch.Generator) -> None:
-    fake_backend("fakegpu", ("cuda",), 50, needs="cuda", supports=lambda cfg, flat: (False, "H must be >= 64"))
+    fake_backend("fakegpu", ("cuda",), 50, needs="cuda", supports=lambda cfg, dtype, h, v: (False, "H must be >= 64"))
     cands = candidates_for("cuda", "fakegpu", probe=CUDA_MACHINE)
     with pytest.raises(ValueError, match="backend 'fakegpu' does not support this call: H must be >= 64"):
         choose_for_call(cands, *small_call(generator))

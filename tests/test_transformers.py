@@ -22,7 +22,7 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidde
                num_key_value_heads=2, initializer_range=0.5, max_position_embeddings=64)
 
 
-def _config(family: str):  # noqa: ANN202
+def _config(family: str):
     if family == "llama":
         config = transformers.LlamaConfig(**_COMMON)
     elif family == "qwen2":
@@ -37,7 +37,7 @@ def _config(family: str):  # noqa: ANN202
     return config
 
 
-def _models(family: str, seed: int):  # noqa: ANN202
+def _models(family: str, seed: int):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(_config(family)).float()
     model.train()
@@ -55,7 +55,7 @@ def _batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torc
     return input_ids, attention_mask, labels
 
 
-def _loss_and_grads(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # noqa: ANN003
+def _loss_and_grads(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     out = model(**inputs)
     loss = out.loss if not isinstance(out, tuple) else out[0]
@@ -63,7 +63,7 @@ def _loss_and_grads(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, dic
     return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _assert_same(model, patched, **inputs) -> None:  # noqa: ANN001, ANN003
+def _assert_same(model, patched, **inputs) -> None:
     loss, grads = _loss_and_grads(model, **inputs)
     loss_p, grads_p = _loss_and_grads(patched, **inputs)
     torch.testing.assert_close(loss_p, loss, rtol=1e-5, atol=1e-6)
@@ -151,7 +151,7 @@ def test_a_forward_set_on_the_instance_is_kept(generator: torch.Generator) -> No
     calls = []
     class_forward = model.forward
 
-    def hooked_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def hooked_forward(*args, **kwargs):
         calls.append(kwargs.get("labels") is not None)
         return class_forward(*args, **kwargs)
 

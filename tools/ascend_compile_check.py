@@ -53,6 +53,7 @@ import torch  # noqa: E402
 from ascend_ub_footprint import loop_footprints  # noqa: E402
 
 from flce.backends.ascend import ops  # noqa: E402
+from flce.backends.ascend import plan as ascend_plan  # noqa: E402
 from flce.config import LCEConfig  # noqa: E402
 from flce.semantics import GradCoefficients  # noqa: E402
 
@@ -82,11 +83,11 @@ class _Recorder:
     def __init__(self, context: str, sink: list[Launch]):
         self.context, self.sink = context, sink
 
-    def __getattr__(self, kernel: str):  # noqa: ANN204
+    def __getattr__(self, kernel: str):
         recorder = self
 
         class _Grid:
-            def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            def __getitem__(self, grid):
                 def launch(*args, **kwargs) -> None:
                     recorder.sink.append(Launch(kernel, args, kwargs, recorder.context))
                 return launch
@@ -118,7 +119,7 @@ def record_launches(soc: str, vocab: int, dtype_name: str) -> list[Launch]:
     props = ops.AscendDeviceProperties(vector_cores=ops.DEFAULT_VECTOR_CORES, ub_bytes=ub_bytes,
                                        total_memory_bytes=64 << 30, source=soc)
     kernels = ops.AscendChunkKernels(props)
-    chunk_rows = max(1, ops.DEFAULT_CHUNK_BUDGET // (vocab * dtype.itemsize))
+    chunk_rows = max(1, ascend_plan.DEFAULT_CHUNK_BUDGET // (vocab * dtype.itemsize))
     wide_rows = -(-ops.INT32_LIMIT // vocab)  # the smallest chunk that needs int64 offsets
     launches: list[Launch] = []
 
@@ -156,7 +157,7 @@ def _kernel_functions() -> dict:
     return {name: getattr(kernels, name) for name in dir(kernels) if name.endswith("_kernel")}
 
 
-def _ast_source(launch: Launch):  # noqa: ANN202
+def _ast_source(launch: Launch):
     """The ASTSource triton-ascend's JITFunction.run builds for this launch (its binder, its
     AttrsDescriptor), with the same signature, constants and specialisation."""
     from triton.backends.compiler import GPUTarget
@@ -235,7 +236,7 @@ def compile_variant(launch: Launch, arch: str) -> dict:
                 stopped_at = f"npubin: BiSheng not installed ({BISHENG_MISSING})"
             else:
                 error = f"{exc.stage_name}: {exc}"
-        except Exception as exc:  # noqa: BLE001  (the frontend raises CompilationError and others)
+        except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         produced = {Path(p).suffix[1:]: Path(p).read_text() for p in glob.glob(os.path.join(cache, "*", "*"))}
     stages = [s for s in ("ttir", "ttadapter", "npubin") if s in produced]

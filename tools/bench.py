@@ -54,14 +54,14 @@ def make_inputs(case: Case, device: str, seed: int) -> tuple[torch.Tensor, torch
 
 
 # Each method: (x, w, t) -> loss, differentiable w.r.t. x and w.
-def torch_eager(x, w, t):  # noqa: ANN001, ANN201
+def torch_eager(x, w, t):
     return F.cross_entropy((x @ w.t()).float(), t, ignore_index=-100)
 
 
 _compiled_eager = None
 
 
-def torch_compile(x, w, t):  # noqa: ANN001, ANN201
+def torch_compile(x, w, t):
     global _compiled_eager
     if _compiled_eager is None:
         _compiled_eager = torch.compile(torch_eager)
@@ -75,9 +75,9 @@ class _ChunkedGradAndValue(torch.autograd.Function):
     compiled = None
 
     @staticmethod
-    def forward(ctx, x, w, t, chunk):  # noqa: ANN001, ANN205
+    def forward(ctx, x, w, t, chunk):
         if _ChunkedGradAndValue.compiled is None:
-            def chunk_loss(xc, wt, tc, denom):  # noqa: ANN001, ANN202
+            def chunk_loss(xc, wt, tc, denom):
                 return F.cross_entropy((xc @ wt.t()).float(), tc, ignore_index=-100, reduction="sum") / denom
             _ChunkedGradAndValue.compiled = torch.compile(torch.func.grad_and_value(chunk_loss, argnums=(0, 1)))
         denom = (t != -100).sum().clamp_min(1).float()
@@ -93,20 +93,20 @@ class _ChunkedGradAndValue(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         gx, gw = ctx.saved_tensors
         return gx * grad, gw * grad, None, None
 
 
-def torch_chunked_compile(x, w, t):  # noqa: ANN001, ANN201
+def torch_chunked_compile(x, w, t):
     return _ChunkedGradAndValue.apply(x, w, t, 1024)
 
 
-def flce_default(x, w, t):  # noqa: ANN001, ANN201
+def flce_default(x, w, t):
     return flce.linear_cross_entropy(x, w, t)
 
 
-def flce_64mib(x, w, t):  # noqa: ANN001, ANN201
+def flce_64mib(x, w, t):
     return flce.linear_cross_entropy(x, w, t, memory_budget=64 * MiB)
 
 
@@ -117,13 +117,13 @@ def peer_methods() -> dict[str, Callable]:
 
         liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
         methods["liger"] = lambda x, w, t: liger(w, x, t)
-    except Exception as exc:  # noqa: BLE001 - report any import failure and go on
+    except Exception as exc:
         print(f"liger unavailable: {exc}", file=sys.stderr)
     try:
         from cut_cross_entropy import linear_cross_entropy as cce
 
         methods["cce"] = lambda x, w, t: cce(x, w, t, ignore_index=-100)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         print(f"cut-cross-entropy unavailable: {exc}", file=sys.stderr)
     if hasattr(F, "linear_cross_entropy"):
         methods["torch_native_chunked"] = lambda x, w, t: F.linear_cross_entropy(x, w, t, ignore_index=-100)
@@ -176,7 +176,7 @@ def measure(case: Case, name: str, method: Callable, device: str) -> dict:
         torch.cuda.synchronize()
         row["fwd_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / MiB
         row["fwd_ms"] = bench_ms(fwd_only)
-    except Exception as exc:  # noqa: BLE001 - an OOM or a peer failure is a row, not a crash
+    except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     gc.collect()
     torch.cuda.empty_cache()

@@ -28,7 +28,8 @@ from gpu_timing import median_ms, publish, shape_inputs
 
 import flce
 from flce.autotune import tuned_params
-from flce.backends.cuda.ops import DEFAULT_CHUNK_BUDGET, TritonChunkKernels, chunk_rows, vocab_block_columns
+from flce.backends.cuda.ops import TritonChunkKernels
+from flce.backends.cuda.plan import DEFAULT_CHUNK_BUDGET, chunk_rows, vocab_block_columns
 
 LEAN_BUDGET = 64 << 20
 RL_BUDGET = 512 << 20
@@ -49,12 +50,12 @@ def bounds_rows(label: str, rl: bool) -> list[str]:
 
     floor_ms = median_ms(floor, warmup_ms=100, rep_ms=600)
 
-    def ratio(fn) -> str:  # noqa: ANN001
+    def ratio(fn) -> str:
         return f"{median_ms(fn, warmup_ms=100, rep_ms=600) / floor_ms:.3f}x"
 
     advantages = torch.randn(n, device=dev, generator=g)
 
-    def flce_step(budget: int | None = None):  # noqa: ANN202
+    def flce_step(budget: int | None = None):
         if not rl:
             return torch.autograd.grad(flce.linear_cross_entropy(x, w, t, memory_budget=budget), (x, w))
         out = flce.linear_cross_entropy(x, w, t, memory_budget=budget, **RL)

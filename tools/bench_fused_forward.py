@@ -51,7 +51,7 @@ def training_rows(label: str, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor,
     for name, options, knob in (("plain loss", {}, "forward_logits"), ("RL log-probs + entropy", RL, "forward_stats")):
         cells = []
         for path in ("fused", "cublas"):
-            def step(options=options):  # noqa: ANN001, ANN202
+            def step(options=options):
                 out = flce.linear_cross_entropy(x, w, t, **options)
                 objective = out if isinstance(out, torch.Tensor) else (
                     -(advantages * out.logprobs).mean() - 0.01 * out.entropy.mean())
@@ -110,7 +110,7 @@ def main() -> int:
             cells = []
             for path in ("fused", "cublas"):
                 with override_params(dict(tiles, forward_stats=path), backend="cuda"), torch.no_grad():
-                    def call(x=x, w=w, t=t, options=options):  # noqa: ANN001, ANN202
+                    def call(x=x, w=w, t=t, options=options):
                         return flce.linear_cross_entropy(x, w, t, **options)
                     ms = median_ms(call)
                     mib = peak_mib_above(call)

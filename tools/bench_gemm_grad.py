@@ -76,13 +76,13 @@ def main() -> int:
         ):
             kernels = TritonChunkKernels()
 
-            def reference(cfg=cfg, coeffs=coeffs, kernels=kernels, x=x, w=w, t=t, lse=lse) -> None:  # noqa: ANN001
+            def reference(cfg=cfg, coeffs=coeffs, kernels=kernels, x=x, w=w, t=t, lse=lse) -> None:
                 kernels.full_grad_(torch.mm(x, w.t()), t, cfg, 0, lse, coeffs)
 
             cells = [f"{median_ms(reference):.3f} ms"]
             want = kernels.full_grad_(torch.mm(x, w.t()), t, cfg, 0, lse, coeffs).float()
             for config in CONFIGS:
-                def fused(cfg=cfg, coeffs=coeffs, config=config, x=x, w=w, t=t, lse=lse):  # noqa: ANN001, ANN202
+                def fused(cfg=cfg, coeffs=coeffs, config=config, x=x, w=w, t=t, lse=lse):
                     return gemm_grad(x, w, None, t, cfg, 0, lse, coeffs, config)
 
                 try:

@@ -52,7 +52,7 @@ def main() -> int:
         x, w, t, g = shape_inputs(label, dev)
         advantages = torch.randn(x.shape[0], device=dev, generator=g)
 
-        def floor(x=x, w=w) -> None:  # noqa: ANN001
+        def floor(x=x, w=w) -> None:
             logits = x.detach() @ w.detach().t()
             logits @ w.detach()
             logits.t() @ x.detach()
@@ -68,7 +68,7 @@ def main() -> int:
             for schedule, limit in runs:
                 options = dict(RL if call == "rl" else {}, memory_budget=None if budget is None else budget * MiB)
 
-                def step(x=x, w=w, t=t, options=options, advantages=advantages):  # noqa: ANN001, ANN202
+                def step(x=x, w=w, t=t, options=options, advantages=advantages):
                     out = flce.linear_cross_entropy(x, w, t, **options)
                     objective = out if isinstance(out, torch.Tensor) else (
                         -(advantages * out.logprobs).mean() - 0.01 * out.entropy.mean())
@@ -85,7 +85,7 @@ def main() -> int:
             if call != "rl":
                 cells.append("")
             if liger is not None and call == "plain" and budget == 64:
-                def liger_step(x=x, w=w, t=t):  # noqa: ANN001, ANN202
+                def liger_step(x=x, w=w, t=t):
                     return torch.autograd.grad(liger(w, x, t), (x, w))
 
                 liger_ms = median_ms(liger_step, warmup_ms=100, rep_ms=600)

@@ -50,7 +50,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def _run_backend(name: str, hidden, weight, target, options: dict, upstream: dict):  # noqa: ANN001, ANN202
+def _run_backend(name: str, hidden, weight, target, options: dict, upstream: dict):
     """Loss, extras and grads through a backend's descriptor (the registry never sends CUDA
     tensors to the Ascend backend), with the given upstream gradients."""
     from flce.config import LCEConfig
@@ -68,7 +68,7 @@ def _run_backend(name: str, hidden, weight, target, options: dict, upstream: dic
     return {k: v.detach() for k, v in outs.items()}, grad_x, grad_w
 
 
-def _materialised(hidden, weight, target, options: dict, upstream: dict):  # noqa: ANN001, ANN202
+def _materialised(hidden, weight, target, options: dict, upstream: dict):
     """float32 torch on the full logits: the independent check at sizes float64 cannot hold."""
     x, w = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
     u = x @ w.t()

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 import flce
 from flce.__main__ import device_description
 from flce.config import LCEConfig
-from flce.inputs import prepare_inputs
 from flce.registry import candidates_for, choose_for_call, resolve_device
 
 MiB = 1 << 20
@@ -67,7 +66,7 @@ def make_inputs(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device
     return x.to(device, dtype), w.to(device, dtype), t.to(device)
 
 
-def loss_fn(method: str, device: torch.device):  # noqa: ANN201
+def loss_fn(method: str, device: torch.device):
     if method == "flce":
         return flce.get_impl(device)()
     if method == "torch":
@@ -75,7 +74,7 @@ def loss_fn(method: str, device: torch.device):  # noqa: ANN201
     raise ValueError(f"method={method!r}: expected 'flce' or 'torch'")
 
 
-def forward_backward(fn, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor):  # noqa: ANN001, ANN201
+def forward_backward(fn, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor):
     xx, ww = x.detach().requires_grad_(), w.detach().requires_grad_()
     loss = fn(xx, ww, t)
     loss.backward()
@@ -172,7 +171,7 @@ def main() -> int:
 
     x, w, t = make_inputs(args.tokens, args.hidden, args.vocab, dtype, device)
     cfg = LCEConfig()
-    backend = choose_for_call(candidates_for(device.type), cfg, prepare_inputs(x, w, t, None, cfg)).name
+    backend = choose_for_call(candidates_for(device.type), cfg, w.dtype, w.shape[1], w.shape[0]).name
     print(f"device:  {device_description(device)}")
     print(f"backend: {backend} (flce.get_impl({str(device)!r}) picks it; `python -m flce info` shows why)")
     print(f"shape:   {args.tokens} tokens x H {args.hidden} x V {args.vocab}, {args.dtype}, forward + backward, "

@@ -80,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from flce.autotune.tuner import Tuner, TuneRequest, save_progressively
+    from flce.autotune.requests import TuneRequest, save_progressively
+    from flce.autotune.tuner import Tuner
 
     device = _device(args.device)
     default_dtype = "float32" if device.type == "cpu" else "bfloat16"
@@ -284,13 +285,13 @@ def _device(text: str | None) -> torch.device:
     return device
 
 
-def _path(text: str):  # noqa: ANN202 - pathlib.Path
+def _path(text: str):
     from pathlib import Path
 
     return Path(text).expanduser()
 
 
-def _shape_label(shape) -> str:  # noqa: ANN001 - TuneShape
+def _shape_label(shape) -> str:
     return f"{dtype_name(shape.dtype)} {shape.tokens}x{shape.hidden}x{shape.vocab} {shape.variant}"
 
 

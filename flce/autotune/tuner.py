@@ -26,80 +26,26 @@ larger, so a tuned entry never needs much more memory than the heuristic unless 
 from __future__ import annotations
 
 import datetime
-import gc
 import math
-import statistics
-import time
-from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from flce.autotune import cache as cache_files
 from flce.autotune.devices import device_name, dtype_name
 from flce.autotune.lookup import override_params
 from flce.autotune.progress import Progress
+from flce.autotune.requests import Params, ShapeResult, TuneRequest
 from flce.autotune.schema import Entry, Scalar
 from flce.autotune.spaces import TuneShape, TuningSpace, tunable_backends, tuning_space
-from flce.backends.memory import MiB, default_logits_save_limit, total_memory_bytes
+from flce.autotune.workload import Workload, WorkloadInputs, make_inputs, release_memory, time_call
+from flce.engine.memory import MiB, default_logits_save_limit, total_memory_bytes
 
-Params = dict[str, Scalar]
 # A candidate must beat the heuristic by this fraction to replace it; same for keeping logits.
 NOISE_MARGIN = 0.02
 # Relative tolerance of a candidate's loss / hidden gradient against the heuristic's, per dtype.
 _AGREEMENT_RTOL = {torch.float32: 1e-4, torch.float64: 1e-8}
 _LOW_PRECISION_RTOL = 3e-2
-
-
-@dataclass
-class TuneRequest:
-    device: torch.device
-    dtypes: list[torch.dtype]
-    hiddens: list[int]
-    vocabs: list[int]
-    tokens: list[int]
-    variants: list[str] = field(default_factory=lambda: ["plain", "full"])
-    backend: str | None = None  # None: the backend dispatch would pick for this device
-    memory_budget: int | None = None  # bytes of working memory a chosen configuration may use
-    quick: bool = False
-    repeats: int | None = None
-    warmup: int | None = None
-    seed: int = 0
-
-    def timing(self) -> tuple[int, int]:
-        """(warmup, repeats) after the untimed first call: few on the CPU and in quick mode, more
-        where timings are cheap."""
-        if self.quick:
-            warmup, repeats = 0, 3
-        elif self.device.type == "cpu":
-            warmup, repeats = 1, 5
-        else:
-            warmup, repeats = 3, 20
-        return (self.warmup if self.warmup is not None else warmup,
-                self.repeats if self.repeats is not None else repeats)
-
-
-@dataclass
-class ShapeResult:
-    shape: TuneShape
-    backend: str
-    entry: Entry | None = None
-    heuristic_params: Params | None = None  # what the planner chose without the cache, when it says
-    heuristic_ms: float | None = None
-    best_ms: float | None = None
-    floor_ms: float | None = None
-    peak_mib: float | None = None
-    peak_kind: str = "unknown"  # "measured" (allocator statistics), "estimated" (the space's figure)
-    tried: int = 0
-    skipped: Counter = field(default_factory=Counter)  # reason -> count
-    first_error: str | None = None
-
-    @property
-    def speedup(self) -> float | None:
-        if self.heuristic_ms and self.best_ms:
-            return self.heuristic_ms / self.best_ms
-        return None
 
 
 @dataclass
@@ -201,7 +147,7 @@ class Tuner:
         label = f"{dtype_name(shape.dtype)} H={shape.hidden} V={shape.vocab} T={shape.tokens} {shape.variant}"
         generator = torch.Generator(device=shape.device).manual_seed(
             self.request.seed + 7919 * shape.tokens + 104729 * shape.hidden + shape.vocab)
-        inputs = _make_inputs(shape, generator)
+        inputs = make_inputs(shape, generator)
 
         self.progress.step(f"{label}: floor")
         result.floor_ms = self._floor_ms(shape, inputs)
@@ -279,7 +225,7 @@ class Tuner:
         return max(default_logits_save_limit(shape.device), heuristic.working_bytes or 0)
 
     def _logits_save_limit(
-        self, shape: TuneShape, inputs: _Inputs, params: Params | None, chosen: _Run, budget: int, label: str,
+        self, shape: TuneShape, inputs: WorkloadInputs, params: Params | None, chosen: _Run, budget: int, label: str,
         result: ShapeResult,
     ) -> tuple[int | None, float | None, float | None]:
         """Time the deferred schedule keeping forward's logits and recomputing them. Keeping wins
@@ -309,7 +255,7 @@ class Tuner:
         return min(max(default_logits_save_limit(shape.device), logits_bytes), budget - working), keep.ms, recompute.ms
 
     def _inference_overlay(
-        self, shape: TuneShape, inputs: _Inputs, params: Params | None, label: str, result: ShapeResult,
+        self, shape: TuneShape, inputs: WorkloadInputs, params: Params | None, label: str, result: ShapeResult,
     ) -> tuple[Params, list[tuple[Params, float]]]:
         """Time a forward-only call (no gradient) with each of the space's inference overlays on top
         of the chosen params; the fastest overlay (the first unless beaten by the noise margin)."""
@@ -317,11 +263,11 @@ class Tuner:
         for overlay in self.space.inference_overlays:
             self.progress.step(f"{label}: forward only {_params_text(overlay)}")
             try:
-                workload = _Workload(shape, inputs, self.space.backend, deferred=True)
+                workload = Workload(shape, inputs, self.space.backend, deferred=True)
                 with override_params({**(params or {}), **overlay}, backend=self.space.backend), torch.no_grad():
-                    ms, _ = _time(workload.forward, shape.device, self.warmup, self.repeats)
+                    ms, _ = time_call(workload.forward, shape.device, self.warmup, self.repeats)
             except Exception as exc:  # a path that fails to compile here is skipped, as candidates are
-                _release(shape.device)
+                release_memory(shape.device)
                 result.skipped["forward only failed"] += 1
                 result.first_error = result.first_error or f"forward only {_params_text(overlay)}: {exc}"[:300]
                 continue
@@ -336,7 +282,7 @@ class Tuner:
 
     # Measurements ----------------------------------------------------------------------------
 
-    def _floor_ms(self, shape: TuneShape, inputs: _Inputs) -> float | None:
+    def _floor_ms(self, shape: TuneShape, inputs: WorkloadInputs) -> float | None:
         """The three GEMMs of forward+backward at full size; skipped when the [tokens, V] logits and
         their gradient would take more than a quarter of the device's memory."""
         logits_bytes = shape.tokens * shape.vocab * _element_size(shape.dtype)
@@ -351,13 +297,13 @@ class Tuner:
                 torch.mm(grad_logits, w)
                 torch.mm(grad_logits.t(), x)
 
-            ms, _ = _time(gemms, shape.device, self.warmup, self.repeats)
+            ms, _ = time_call(gemms, shape.device, self.warmup, self.repeats)
         except torch.OutOfMemoryError:
-            _release(shape.device)
+            release_memory(shape.device)
             return None
         return ms
 
-    def _run(self, shape: TuneShape, inputs: _Inputs, params: Params | None, *, deferred: bool,
+    def _run(self, shape: TuneShape, inputs: WorkloadInputs, params: Params | None, *, deferred: bool,
              budget: int | None, limit: int | None = None, reference: _Run | None = None) -> _Run:
         """Time one configuration; raises _Skip (with the reason) instead of failing. ``budget``
         skips it when its estimated or measured working memory is larger."""
@@ -367,15 +313,15 @@ class Tuner:
             if budget is not None and estimate > budget:
                 raise _Skip("over budget")
         try:
-            workload = _Workload(shape, inputs, self.space.backend, deferred)
+            workload = Workload(shape, inputs, self.space.backend, deferred)
             with override_params(params, limit, backend=self.space.backend):
                 loss, grad_hidden = workload.values()  # also the first (compiling) call
-                ms, peak = _time(workload, shape.device, self.warmup, self.repeats, reset=inputs.clear_grads)
+                ms, peak = time_call(workload, shape.device, self.warmup, self.repeats, reset=inputs.clear_grads)
         except torch.OutOfMemoryError:
-            _release(shape.device)
+            release_memory(shape.device)
             raise _Skip("out of memory") from None
         except Exception as exc:  # a candidate that fails to compile or launch is skipped, not fatal
-            _release(shape.device)
+            release_memory(shape.device)
             first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
             raise _Skip("failed", f"{type(exc).__name__}: {first_line}") from None
         working, kind = estimate, "estimated" if estimate is not None else "unknown"
@@ -396,121 +342,6 @@ class Tuner:
             return dict(self.space.heuristic(shape))
 
 
-# Inputs and workloads ------------------------------------------------------------------------
-
-
-@dataclass
-class _Inputs:
-    hidden: torch.Tensor
-    weight: torch.Tensor
-    target: torch.Tensor
-
-    def clear_grads(self) -> None:
-        self.hidden.grad = self.weight.grad = None
-
-    @property
-    def grad_bytes(self) -> int:
-        return (self.hidden.numel() + self.weight.numel()) * self.hidden.element_size()
-
-    def flat(self):  # noqa: ANN201 - FlatInputs, imported lazily
-        from flce.inputs import FlatInputs
-
-        return FlatInputs(hidden=self.hidden, weight=self.weight, target=self.target, bias=None,
-                          token_shape=self.target.shape)
-
-
-def _make_inputs(shape: TuneShape, generator: torch.Generator) -> _Inputs:
-    """Random hidden states and weights scaled so logits are O(1), targets with 5% ignored; drawn
-    on the device (a CPU detour would cost seconds at V = 128k)."""
-    def randn(*size: int, scale: float) -> torch.Tensor:
-        values = torch.randn(*size, generator=generator, dtype=shape.dtype, device=shape.device)
-        return values.mul_(scale).requires_grad_(True)
-
-    hidden = randn(shape.tokens, shape.hidden, scale=1.0)
-    weight = randn(shape.vocab, shape.hidden, scale=1.0 / math.sqrt(shape.hidden))
-    target = torch.randint(0, shape.vocab, (shape.tokens,), generator=generator, device=shape.device)
-    ignored = torch.rand(shape.tokens, generator=generator, device=shape.device) < 0.05
-    return _Inputs(hidden, weight, target.masked_fill_(ignored, -100))
-
-
-def _workload_config(variant: str, *, deferred: bool) -> dict:
-    """Representative options per variant. In-forward: the plain loss; for the full variant,
-    label smoothing and z-loss. Deferred (where the logits-save limit matters): per-token losses
-    for plain, per-token log-probs for full."""
-    cfg: dict = {}
-    if variant == "full":
-        cfg.update(return_logprobs=True) if deferred else cfg.update(label_smoothing=0.1, lse_square_scale=1e-4)
-    elif deferred:
-        cfg["reduction"] = "none"
-    return cfg
-
-
-class _Workload:
-    """One forward+backward of the backend on the shape's inputs, with the variant's options."""
-
-    def __init__(self, shape: TuneShape, inputs: _Inputs, backend: str, deferred: bool):
-        import flce
-
-        options = _workload_config(shape.variant, deferred=deferred)
-        self.module = flce.get_impl(shape.device, backend=backend, variant=shape.variant)(**options)
-        self.inputs = inputs
-
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.inputs.clear_grads()
-        out = self.module(self.inputs.hidden, self.inputs.weight, self.inputs.target)
-        if isinstance(out, tuple):  # an LCEOutput: the loss and the mean log-prob are both differentiated
-            objective = out.loss + out.logprobs.float().mean()
-        else:
-            objective = out.sum() if out.dim() else out
-        objective.backward()
-        return objective.detach(), self.inputs.hidden.grad
-
-    def forward(self) -> object:
-        """The call alone (under no_grad: what evaluation and RL log-prob passes run)."""
-        return self.module(self.inputs.hidden, self.inputs.weight, self.inputs.target)
-
-    def values(self) -> tuple[float, torch.Tensor | None]:
-        """The objective (one host sync, outside the timed calls) and the hidden gradient."""
-        objective, grad_hidden = self()
-        return float(objective), grad_hidden
-
-
-def _time(fn: Callable, device: torch.device, warmup: int, repeats: int,
-          reset: Callable[[], None] | None = None) -> tuple[float, int | None]:
-    """Median milliseconds of ``fn`` and, on accelerators with allocator statistics, the peak
-    allocated bytes above what was allocated before the first timed call (after ``reset``, which
-    frees what the previous call left behind, such as gradients)."""
-    module = None if device.type == "cpu" else torch.get_device_module(device.type)
-    for _ in range(warmup):
-        fn()
-    if module is None:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times), None
-    if reset is not None:
-        reset()
-    module.synchronize()
-    gc.collect()
-    base = None
-    if hasattr(module, "reset_peak_memory_stats"):
-        module.reset_peak_memory_stats(device)
-        base = module.memory_allocated(device)
-    events = []
-    for _ in range(repeats):
-        start, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    module.synchronize()
-    times = [start.elapsed_time(end) for start, end in events]
-    peak = None if base is None else module.max_memory_allocated(device) - base
-    return statistics.median(times), peak
-
-
 def _check_agreement(dtype: torch.dtype, reference: _Run, loss: float, grad_hidden: torch.Tensor | None) -> None:
     """A candidate must compute what the heuristic computes: chunking may only reorder sums."""
     rtol = _AGREEMENT_RTOL.get(dtype, _LOW_PRECISION_RTOL)
@@ -521,14 +352,6 @@ def _check_agreement(dtype: torch.dtype, reference: _Run, loss: float, grad_hidd
         error = float((grad_hidden.double() - ref).norm() / ref.norm().clamp_min(1e-30))
         if not error <= rtol:
             raise _Skip("wrong result", f"hidden gradient relative error {error:.2e} > {rtol:.0e}")
-
-
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type != "cpu":
-        module = torch.get_device_module(device.type)
-        if hasattr(module, "empty_cache"):
-            module.empty_cache()
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -552,22 +375,3 @@ def _params_text(params: Mapping[str, Scalar] | None) -> str:
     if not params:
         return "heuristic"
     return " ".join(f"{k}={v}" for k, v in params.items())
-
-
-def save_progressively(cache: str | None, log: Callable[[str], None]) -> Callable[[ShapeResult], None]:
-    """An on_result hook that merges each new entry into the cache as soon as it exists; after
-    the first write it keeps using the location that worked (no repeated fallback messages)."""
-    state: dict = {"cache": cache, "fixed": False}
-
-    def save(result: ShapeResult) -> None:
-        if result.entry is None:
-            return
-        if state["fixed"]:
-            update = cache_files.update_file(state["cache"], [result.entry])
-        else:
-            update = cache_files.save_entries([result.entry], state["cache"], log)
-            state["cache"], state["fixed"] = update.path, True
-        state["path"] = update.path
-
-    save.state = state
-    return save

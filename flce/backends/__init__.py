@@ -1,2 +1,2 @@
-"""Backends: one folder each (kernels.py, ops.py, function.py, __init__.py), plus the chunk
-loop and autograd.Function they share."""
+"""Backends only: one folder each, the same shape in each (kernels.py, ops.py, plan.py, tuning.py,
+__init__.py with the descriptor); what they share is flce.engine."""

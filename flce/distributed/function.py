@@ -1,4 +1,4 @@
-"""Vocab-parallel calls: the shared chunk loop and autograd function with a Sharding that
+"""Vocab-parallel calls: the shared engine's schedules and autograd paths with a Sharding that
 all-reduces row statistics, and one all-reduce of grad_hidden in backward.
 
 Every rank holds the full ``hidden`` and ``target`` and its own contiguous vocabulary shard of
@@ -17,11 +17,15 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from flce.backends.chunk_driver import ChunkPlan, Sharding
-from flce.backends.chunked_function import ChunkedCall, apply_chunked, apply_chunked_op, needs_autograd, run_backend
 from flce.config import LCEConfig
 from flce.distributed import checks, collectives
 from flce.distributed.shards import VocabShard, group_size, vocab_shard
+from flce.engine.call import EngineCall, Sharding
+from flce.engine.custom_ops import apply_op, register_sharded_call
+from flce.engine.function import apply_eager, needs_autograd
+from flce.engine.plans import Plan, PlanRequest
+from flce.engine.run import run_backend
+from flce.engine.schedule import planned_call
 from flce.inputs import FlatInputs
 from flce.outputs import LCEOutput
 from flce.registry import Backend
@@ -34,7 +38,7 @@ def vocab_parallel_linear_cross_entropy(
 
     ``flat.weight``/``flat.bias`` are this rank's contiguous shard (shards in group-rank order,
     sizes may differ); ``flat.target`` holds global ids; ``cfg.class_weight``, when given, is the
-    global ``[V]`` vector, the same on every rank. ``backend`` is a chunk-loop backend
+    global ``[V]`` vector, the same on every rank. ``backend`` is an engine backend
     (flce.registry.dispatch chose it); ``variant`` ("plain" or "full") only matters for a group
     of one rank, which runs exactly the unsharded path. Under torch.compile the call is the
     custom op, which carries the group by name and runs :func:`sharded_call` inside.
@@ -44,13 +48,13 @@ def vocab_parallel_linear_cross_entropy(
         return _single_rank(flat, cfg, backend, variant)
     if torch.compiler.is_compiling():
         # The shard's scan is the "full" variant's: only it produces combinable statistics.
-        return apply_chunked_op(backend.name, flat, cfg, "full")
+        return apply_op(backend.name, flat, cfg, "full")
     training = needs_autograd(flat)
-    return apply_chunked(flat, sharded_call(flat, cfg, backend, training, training and flat.hidden.requires_grad))
+    return apply_eager(flat, sharded_call(flat, cfg, backend, training, training and flat.hidden.requires_grad))
 
 
 def sharded_call(flat: FlatInputs, cfg: LCEConfig, backend: Backend, training: bool,
-                 needs_grad_hidden: bool) -> ChunkedCall:
+                 needs_grad_hidden: bool) -> EngineCall:
     """The backend's kernels and a plan every rank shares, with the Sharding that combines row
     statistics and completes grad_hidden: for the eager Function and inside the custom op."""
     group = cfg.process_group
@@ -60,10 +64,11 @@ def sharded_call(flat: FlatInputs, cfg: LCEConfig, backend: Backend, training: b
     shard = vocab_shard(group, flat.weight)
     checks.check_target_range(flat.target, shard.global_vocab, cfg.ignore_index)
     checks.check_class_weight(cfg, shard.global_vocab)
-    chunked = backend.chunked(flat, cfg, "full", training=training)
-    plan = _agreed_plan(backend, chunked.plan, flat, cfg, shard, training)
+    request = PlanRequest(training=training, sharded=True)
+    own = planned_call(backend, flat, cfg, "full", request)
+    plan = _agreed_plan(backend, own.plan, flat, cfg, shard, request)
     # The shard-local scan is the "full" variant's: only it produces combinable statistics.
-    return replace(chunked, plan=plan, plain=False, sharding=Sharding(
+    return replace(own, plan=plan, plain=False, sharding=Sharding(
         vocab_offset=shard.offset,
         global_vocab=shard.global_vocab,
         combine=functools.partial(collectives.combine_row_stats, group=group),
@@ -73,9 +78,9 @@ def sharded_call(flat: FlatInputs, cfg: LCEConfig, backend: Backend, training: b
     ))
 
 
-def _agreed_plan(backend: Backend, own: ChunkPlan, flat: FlatInputs, cfg: LCEConfig, shard: VocabShard,
-                 training: bool) -> ChunkPlan:
-    """A chunk plan every rank computes identically.
+def _agreed_plan(backend: Backend, own: Plan, flat: FlatInputs, cfg: LCEConfig, shard: VocabShard,
+                 request: PlanRequest) -> Plan:
+    """A plan every rank computes identically.
 
     Each chunk issues the combine collectives, so all ranks must cut the tokens the same way;
     a plan made from this rank's shard size would differ between uneven shards. Every rank
@@ -93,7 +98,7 @@ def _agreed_plan(backend: Backend, own: ChunkPlan, flat: FlatInputs, cfg: LCECon
         bias=None if flat.bias is None else flat.bias[:1].expand(largest),
         token_shape=flat.token_shape,
     )
-    return backend.chunked(stand_in, cfg, "full", training=training).plan
+    return planned_call(backend, stand_in, cfg, "full", request).plan
 
 
 def _single_rank(flat: FlatInputs, cfg: LCEConfig, backend: Backend, variant: str) -> torch.Tensor | LCEOutput:
@@ -102,3 +107,7 @@ def _single_rank(flat: FlatInputs, cfg: LCEConfig, backend: Backend, variant: st
     # prepare_inputs skipped the range check because a group was set; the shard is the vocabulary here.
     checks.check_target_range(flat.target, flat.weight.shape[0], cfg.ignore_index)
     return run_backend(backend, flat, cfg, variant)
+
+
+# The compile path's ops rebuild a vocab-parallel call from its group name through this.
+register_sharded_call(sharded_call)

@@ -134,7 +134,7 @@ class _GatherSequenceShards(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, group: Any) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, shard: torch.Tensor, group: Any) -> torch.Tensor:
         parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group=group))]
         dist.all_gather(parts, shard.contiguous(), group=group)
         start = dist.get_rank(group=group) * shard.shape[0]
@@ -142,7 +142,7 @@ class _GatherSequenceShards(torch.autograd.Function):
         return torch.cat(parts, dim=0)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad[ctx.rows].contiguous(), None
 
 

@@ -15,30 +15,38 @@ from flce.registry.probes import HardwareProbe
 
 VARIANTS = ("plain", "full")
 
-# run(flat_inputs, config, variant) -> loss or LCEOutput
+# run(flat_inputs, config, variant) -> loss or LCEOutput: a backend's own entry point.
 RunFn = Callable[[FlatInputs, LCEConfig, str], "torch.Tensor | LCEOutput"]
-# chunked(flat_inputs, config, variant, training=None) -> flce.backends.chunked_function.ChunkedCall:
-# the backend's kernels and plan, for callers that drive the chunk loop themselves (vocab-parallel,
-# custom ops). training says whether gradients follow; None infers it from grad mode and the inputs,
-# which a caller already inside an autograd op (grad mode off) must not rely on.
-ChunkedFn = Callable[[FlatInputs, LCEConfig, str], Any]
+# plan_call(flat_inputs, config, variant, request: flce.engine.plans.PlanRequest) -> flce.engine.call.EngineCall:
+# the backend's kernels and the named plan the shared engine runs (request.training says whether
+# gradients follow: a caller inside an autograd op, where grad mode is off, must say so).
+PlanCallFn = Callable[[FlatInputs, LCEConfig, str, Any], Any]
+# supports(config, dtype, hidden_size, vocab) -> (ok, reason): decided once per call signature.
+SupportsFn = Callable[[LCEConfig, torch.dtype, int, int], tuple[bool, str]]
 
 
 @dataclass(frozen=True)
 class Backend:
     """name: what users pass as backend=; device_types: torch device types it serves;
-    priority: higher wins among available backends; is_available(probe) and
-    supports(config, flat_inputs) answer (ok, reason); run computes a call; chunked, for
-    backends built on the shared chunk loop, exposes their kernels and plan."""
+    priority: higher wins among available backends; is_available(probe) and supports(config,
+    dtype, hidden_size, vocab) answer (ok, reason). A backend built on the shared engine gives
+    ``plan_call`` and the kernel ``capabilities`` it offers (flce.engine.kernels); ``run`` replaces
+    the engine for a backend with an entry point of its own (None: the engine runs ``plan_call``'s
+    plan)."""
 
     name: str
     device_types: tuple[str, ...]
     priority: int
     is_available: Callable[[HardwareProbe], tuple[bool, str]]
-    supports: Callable[[LCEConfig, FlatInputs], tuple[bool, str]]
-    run: RunFn
-    chunked: ChunkedFn | None = None
+    supports: SupportsFn
+    plan_call: PlanCallFn | None = None
+    run: RunFn | None = None
+    capabilities: frozenset[str] = frozenset()
     variants: tuple[str, ...] = VARIANTS
+
+    def __post_init__(self) -> None:
+        if self.plan_call is None and self.run is None:
+            raise ValueError(f"backend {self.name!r}: give plan_call (the shared engine runs it) or run")
 
     def serves(self, device_type: str) -> bool:
         """True for its own device types (every type for "any")."""

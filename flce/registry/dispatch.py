@@ -9,9 +9,8 @@ and is marked as a constant-result function: Dynamo calls it once per compiled g
 the trace, and inlines its answer. Eager calls use the same function, memoised, so both paths
 always pick the same backend.
 
-Backends' ``supports`` run here on meta-device stand-ins with the call's options, dtype and
-[V, H] shape (and no token rows): what DESIGN.md's contract gives them, ``supports(config,
-shapes, dtype)``, decided once per distinct call signature rather than once per call.
+Backends' ``supports(config, dtype, hidden_size, vocab)`` runs here, once per distinct call
+signature rather than once per call.
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ def resolve_call(
 
     ``options`` are :func:`flce.config.primitive_options` as (name, value) pairs, floats encoded
     by :func:`_constant`; ``class_weight`` is its (length, dtype) or None; ``sharded``: a process
-    group shards the vocabulary, so only backends built on the shared chunk loop qualify.
+    group shards the vocabulary, so only backends built on the shared engine qualify.
     """
     key = (device_type, backend, variant, options, dtype, hidden_size, vocab, bias_dtype, class_weight, sharded,
            probe, tuple(os.environ.get(name) for name in _SELECTION_ENV), registry_state())
@@ -87,31 +86,25 @@ def _resolve(
 ) -> tuple[str, str]:
     candidates = candidates_for(device_type, backend, probe)
     if sharded:
-        candidates = chunk_loop_candidates(candidates)
-    meta = torch.device("meta")
+        candidates = engine_candidates(candidates)
+    # class_weight is a tensor option: a meta stand-in of its length and dtype lets the config validate.
     stand_in_weight = None if class_weight is None else torch.empty(class_weight[0], dtype=class_weight[1],
-                                                                    device=meta)
+                                                                    device="meta")
     cfg = config_from_primitives(options, class_weight=stand_in_weight)
-    flat = FlatInputs(
-        hidden=torch.empty(0, hidden_size, dtype=dtype, device=meta),
-        weight=torch.empty(vocab, hidden_size, dtype=dtype, device=meta),
-        target=torch.empty(0, dtype=torch.int64, device=meta),
-        bias=None if bias_dtype is None else torch.empty(vocab, dtype=bias_dtype, device=meta),
-        token_shape=torch.Size([0]),
-    )
-    chosen = choose_for_call(candidates, cfg, flat)
+    chosen = choose_for_call(candidates, cfg, dtype, hidden_size, vocab)
     if variant == "auto":
         variant = "full" if cfg.needs_full else "plain"
     return chosen.name, variant
 
 
-def chunk_loop_candidates(candidates: Candidates) -> Candidates:
-    """Only backends built on the shared chunk loop can scan one vocabulary shard."""
-    usable = tuple(b for b in candidates.backends if b.chunked is not None)
-    skipped = tuple((b.name, "does not expose a chunked call, so it cannot scan a vocabulary shard")
-                    for b in candidates.backends if b.chunked is None)
+def engine_candidates(candidates: Candidates) -> Candidates:
+    """Only backends built on the shared engine can scan one vocabulary shard."""
+    usable = tuple(b for b in candidates.backends if b.plan_call is not None)
+    skipped = tuple((b.name, "does not plan for the shared engine, so it cannot scan a vocabulary shard")
+                    for b in candidates.backends if b.plan_call is None)
     if candidates.explicit and skipped:
-        raise ValueError(f"backend {skipped[0][0]!r} cannot serve process_group: it does not expose a chunked call")
+        raise ValueError(f"backend {skipped[0][0]!r} cannot serve process_group: it does not plan for the shared "
+                         "engine (no plan_call)")
     return Candidates(usable, candidates.explicit, candidates.passed_over + skipped)
 
 

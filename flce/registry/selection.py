@@ -16,12 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from flce.config import LCEConfig
-from flce.inputs import FlatInputs
 from flce.registry.backend import Backend
 from flce.registry.probes import HardwareProbe, system_probe
 
 BACKEND_ENV = "FLCE_BACKEND"
-REFERENCE = "reference"
 # Modules that register the built-in backends when imported. Each imports its
 # heavy dependencies (triton, torch_npu) only when a kernel first runs.
 _BUILTIN_MODULES = ("flce.backends.reference", "flce.backends.cuda", "flce.backends.ascend")
@@ -122,11 +120,11 @@ def candidates_for(device_type: str, backend: str | None = None,
     return Candidates(tuple(usable), explicit=False, passed_over=tuple(passed_over))
 
 
-def choose_for_call(cands: Candidates, cfg: LCEConfig, flat: FlatInputs) -> Backend:
+def choose_for_call(cands: Candidates, cfg: LCEConfig, dtype: torch.dtype, hidden_size: int, vocab: int) -> Backend:
     """The first candidate that supports this call; warns once when a better one is skipped."""
     reasons = list(cands.passed_over)
     for b in cands.backends:
-        ok, reason = b.supports(cfg, flat)
+        ok, reason = b.supports(cfg, dtype, hidden_size, vocab)
         if ok:
             if reasons:
                 _warn_once(b.name, reasons)

@@ -15,8 +15,9 @@ import shutil
 import torch
 
 from flce.config import LCEConfig
+from flce.engine.call import EngineCall
+from flce.engine.plans import PlanRequest
 from flce.inputs import FlatInputs
-from flce.outputs import LCEOutput
 from flce.registry import Backend, HardwareProbe, register_backend
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -76,23 +77,16 @@ def _is_available(probe: HardwareProbe) -> tuple[bool, str]:
     return False, "; ".join(missing)
 
 
-def _supports(cfg: LCEConfig, flat: FlatInputs) -> tuple[bool, str]:
-    if flat.weight.dtype not in _SUPPORTED_DTYPES:
-        return False, f"dtype {flat.weight.dtype} (the kernels take float32, float16, bfloat16)"
+def _supports(cfg: LCEConfig, dtype: torch.dtype, hidden_size: int, vocab: int) -> tuple[bool, str]:
+    if dtype not in _SUPPORTED_DTYPES:
+        return False, f"dtype {dtype} (the kernels take float32, float16, bfloat16)"
     return True, "supported"
 
 
-def _run(flat: FlatInputs, cfg: LCEConfig, variant: str) -> torch.Tensor | LCEOutput:
-    from flce.backends.ascend.function import ascend_linear_cross_entropy
+def _plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequest) -> EngineCall:
+    from flce.backends.ascend.plan import plan_call
 
-    return ascend_linear_cross_entropy(flat, cfg, variant)
-
-
-def _chunked(flat: FlatInputs, cfg: LCEConfig, variant: str, training: bool | None = None):  # noqa: ANN202
-    """training is accepted for the descriptor's signature: the Ascend plan is the same either way."""
-    from flce.backends.ascend.function import ascend_chunked_call
-
-    return ascend_chunked_call(flat, cfg, variant)
+    return plan_call(flat, cfg, variant, request)
 
 
 BACKEND = Backend(
@@ -101,7 +95,6 @@ BACKEND = Backend(
     priority=100,
     is_available=_is_available,
     supports=_supports,
-    run=_run,
-    chunked=_chunked,
+    plan_call=_plan_call,
 )
 register_backend(BACKEND)

@@ -1,8 +1,8 @@
-"""Launchers for the Ascend kernels: device properties, UB tiling, grids, and the chunk plan.
+"""Launchers for the Ascend kernels: device properties, UB tiling, grids.
 
-:class:`AscendChunkKernels` implements flce.backends.chunk_driver.ChunkKernels; the GEMMs around
+:class:`AscendChunkKernels` implements flce.engine.kernels.RowKernels (no capabilities); the GEMMs around
 it stay in torch (torch_npu runs them on the cube units). Triton is imported on the first launch,
-never at import, so the planning and tiling here work (and are tested) without it.
+never at import, so the tiling here (and the planner in plan.py) work (and are tested) without it.
 
 Device properties come from the driver on an NPU, from environment variables when set (tests, or
 a chip the tables below do not know), and from 910B defaults otherwise:
@@ -24,11 +24,8 @@ from types import ModuleType
 
 import torch
 
-from flce.autotune.lookup import tuned_params
-from flce.backends.chunk_driver import ChunkPlan
-from flce.backends.memory import GiB, MiB, logits_save_limit, saved_logits_rows, total_memory_bytes
 from flce.config import LCEConfig
-from flce.inputs import FlatInputs
+from flce.engine.memory import total_memory_bytes
 from flce.semantics import (
     GradCoefficients,
     PartialRowStats,
@@ -59,8 +56,6 @@ MIN_BLOCK_V = 16
 # Beyond this a larger block saves no measurable loop overhead and only raises UB pressure.
 MAX_BLOCK_V = 8192
 
-# Without a memory budget one chunk's logits may use this much (as the other backends).
-DEFAULT_CHUNK_BUDGET = 256 * MiB
 # Rows of an fp32 gradient accumulator updated per GEMM: bounds the temporary.
 FP32_ACCUMULATE_ROWS = 8192
 # int32 offsets address this many elements; larger chunks switch the kernels to int64 row offsets.
@@ -212,48 +207,6 @@ def grid_for(n_rows: int, props: AscendDeviceProperties) -> tuple[int]:
     return (max(1, min(n_rows, props.vector_cores)),)
 
 
-# ----------------------------------------------------------------------------- chunk plan
-
-
-def logits_save_limit_bytes(total_memory: int) -> int:
-    """max(1 GiB, min(4 GiB, total memory / 8)): flce.backends.memory.default_logits_save_limit's
-    rule, applied to the (possibly overridden) device memory."""
-    return max(GiB, min(4 * GiB, total_memory // 8))
-
-
-def plan_chunks(flat: FlatInputs, cfg: LCEConfig, props: AscendDeviceProperties, variant: str) -> ChunkPlan:
-    """Tokens per chunk and the rows whose logits a deferred backward keeps from forward.
-
-    The autotune cache's ``tokens_per_chunk`` and logits-save limit win when it holds them for
-    this device and shape; otherwise tokens come from the memory budget and the limit is
-    :func:`logits_save_limit_bytes`. A given memory_budget bounds both, and without a tuned limit
-    is the limit. The kernels overwrite
-    the logits with their gradient, so a chunk needs its logits and nothing else of size [n, V].
-    """
-    n_rows = flat.target.shape[0]
-    hidden_size = flat.weight.shape[1]
-    row_bytes = flat.weight.shape[0] * flat.weight.element_size()
-    params, tuned_limit = tuned_params(flat.hidden.device, "ascend", variant, flat.weight.dtype, hidden_size,
-                                       flat.weight.shape[0], n_rows)
-    tuned_tokens = (params or {}).get("tokens_per_chunk")
-    budget = cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET
-    if _is_positive_int(tuned_tokens):
-        tokens = tuned_tokens
-        if cfg.memory_budget is not None:
-            tokens = min(tokens, cfg.memory_budget // max(1, row_bytes))
-    else:
-        tokens = budget // max(1, row_bytes)
-    tokens = max(1, min(n_rows, tokens))
-    save_limit = logits_save_limit(tuned_limit, cfg.memory_budget, logits_save_limit_bytes(props.total_memory_bytes))
-    return ChunkPlan(tokens_per_chunk=tokens,
-                     saved_rows=saved_logits_rows(n_rows, tokens, row_bytes, row_bytes, save_limit))
-
-
-def _is_positive_int(value: object) -> bool:
-    """A cached knob is used only if it is a value the planner can use (files outlive versions)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 # ----------------------------------------------------------------------------- launchers
 
 
@@ -294,7 +247,7 @@ class AscendChunkKernels:
     def _block(self, kernel: str, logits: torch.Tensor) -> int:
         return block_size(kernel, logits.dtype, logits.shape[1], self.props.ub_bytes)
 
-    def plain_loss(self, logits, target, ignore_index, grad_scale):  # noqa: ANN001, ANN201
+    def plain_loss(self, logits, target, ignore_index, grad_scale):
         logits = _unit_column_stride(logits)
         n, vocab = logits.shape
         loss = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -309,7 +262,7 @@ class AscendChunkKernels:
             )
         return loss, lse, logits if write_grad else None
 
-    def plain_grad_(self, logits, target, ignore_index, lse, grad_scale):  # noqa: ANN001, ANN201
+    def plain_grad_(self, logits, target, ignore_index, lse, grad_scale):
         logits = _unit_column_stride(logits)
         n, vocab = logits.shape
         if n:
@@ -320,11 +273,11 @@ class AscendChunkKernels:
             )
         return logits
 
-    def row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int, into=None) -> PartialRowStats:  # noqa: ANN001
+    def row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int, into=None) -> PartialRowStats:
         stats = self._block_row_stats(logits, target, cfg, vocab_offset)
         return stats if into is None else merge_partial_stats(into, stats)
 
-    def _block_row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:  # noqa: ANN001
+    def _block_row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:
         logits = _unit_column_stride(logits)
         n, vocab = logits.shape
         stats = PartialRowStats.allocate(n, cfg, logits.device)
@@ -346,7 +299,7 @@ class AscendChunkKernels:
         )
         return stats
 
-    def full_grad_(self, logits, target, cfg: LCEConfig, vocab_offset: int, lse, coeffs: GradCoefficients):  # noqa: ANN001, ANN201
+    def full_grad_(self, logits, target, cfg: LCEConfig, vocab_offset: int, lse, coeffs: GradCoefficients):
         logits = _unit_column_stride(logits)
         n, vocab = logits.shape
         if n == 0:
@@ -366,7 +319,7 @@ class AscendChunkKernels:
         )
         return logits
 
-    def scale_(self, tensor, scale):  # noqa: ANN001, ANN201
+    def scale_(self, tensor, scale):
         if tensor.numel() == 0:
             return tensor
         if not tensor.is_contiguous():
@@ -380,7 +333,7 @@ class AscendChunkKernels:
         )
         return tensor
 
-    def accumulate_fp32_(self, acc, a, b) -> None:  # noqa: ANN001
+    def accumulate_fp32_(self, acc, a, b) -> None:
         # Each block's GEMM runs in the operands' dtype on the cube units (fp32 sums inside) and is
         # added into the fp32 accumulator: the temporary stays at FP32_ACCUMULATE_ROWS x H.
         for start in range(0, acc.shape[0], FP32_ACCUMULATE_ROWS):

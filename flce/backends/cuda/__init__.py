@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from flce.autotune import TuningSpace, register_tuning_space
-from flce.autotune.spaces import TuneShape, chunk_candidates
+from flce.backends.cuda import tuning  # noqa: F401  (registers the tuning space)
 from flce.config import LCEConfig
+from flce.engine.call import EngineCall
+from flce.engine.kernels import FUSED_GRAD_GEMM, FUSED_STATS_GEMM
+from flce.engine.plans import PlanRequest
 from flce.inputs import FlatInputs
-from flce.outputs import LCEOutput
 from flce.registry import Backend, HardwareProbe, register_backend
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -27,22 +28,29 @@ def _is_available(probe: HardwareProbe) -> tuple[bool, str]:
     return False, probe.cuda[1]
 
 
-def _supports(cfg: LCEConfig, flat: FlatInputs) -> tuple[bool, str]:
-    if flat.weight.dtype not in _SUPPORTED_DTYPES:
-        return False, f"dtype {flat.weight.dtype} (the kernels take float32, float16, bfloat16)"
+def _supports(cfg: LCEConfig, dtype: torch.dtype, hidden_size: int, vocab: int) -> tuple[bool, str]:
+    if dtype not in _SUPPORTED_DTYPES:
+        return False, f"dtype {dtype} (the kernels take float32, float16, bfloat16)"
     return True, "supported"
 
 
-def _run(flat: FlatInputs, cfg: LCEConfig, variant: str) -> torch.Tensor | LCEOutput:
-    from flce.backends.cuda.function import cuda_linear_cross_entropy
-
-    return cuda_linear_cross_entropy(flat, cfg, variant)
+_default_kernels = None
 
 
-def _chunked(flat: FlatInputs, cfg: LCEConfig, variant: str, training: bool | None = None):  # noqa: ANN202
-    from flce.backends.cuda.function import cuda_chunked_call
+def _plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequest) -> EngineCall:
+    """The kernels (with the cache's tuned launches and tiles) and the plan for one call."""
+    from flce.backends.cuda.ops import TritonChunkKernels
+    from flce.backends.cuda.plan import plan_chunks, tuned_knobs
 
-    return cuda_chunked_call(flat, cfg, variant, training)
+    global _default_kernels
+    tuned = tuned_knobs(flat, variant)
+    if tuned.launch is None and tuned.gemm is None:
+        _default_kernels = _default_kernels or TritonChunkKernels()
+        kernels = _default_kernels
+    else:
+        kernels = TritonChunkKernels(tuned.launch, tuned.gemm)
+    return EngineCall(kernels=kernels, cfg=cfg, plan=plan_chunks(flat, cfg, request, tuned),
+                      plain=variant == "plain", token_shape=flat.token_shape)
 
 
 BACKEND = Backend(
@@ -51,72 +59,9 @@ BACKEND = Backend(
     priority=100,
     is_available=_is_available,
     supports=_supports,
-    run=_run,
-    chunked=_chunked,
+    plan_call=_plan_call,
+    capabilities=frozenset({FUSED_STATS_GEMM, FUSED_GRAD_GEMM}),
 )
 register_backend(BACKEND)
 
 
-def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
-    """Chunk rows x row-kernel launches on the cuBLAS forward, and chunk rows x fused-GEMM tiles with
-    the chunk's statistics and logits from the fused forward (forward_logits)."""
-    from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config
-
-    launches = [(4096, 8)] if quick else [(4096, 8), (4096, 16), (2048, 8)]
-    tiles = [default_gemm_config(shape.device, shape.dtype)]
-    if not quick:
-        tiles += [GemmConfig(128, 256, 64, 16, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4)]
-    rows = chunk_candidates(shape.tokens, quick, smallest=512)
-    return ([{"tokens_per_chunk": n, "block_v": block_v, "num_warps": warps}
-             for n in rows for block_v, warps in launches]
-            + [{"tokens_per_chunk": n, "forward_logits": "fused", **t.as_params()} for n in rows for t in tiles])
-
-
-def _tuning_budget_candidates(shape: TuneShape, budget: int) -> list[dict]:
-    """Under an explicit budget, the two exact schedules at the largest size that fits it, so the
-    cache records which is faster by measurement: token chunks (each read-modify-writes the V x H
-    weight gradient; below 512 rows the ladder of _tuning_candidates has none) and vocabulary
-    blocks of all rows (statistics first, each block's logits recomputed; the gradient from the
-    fused GEMM or from cuBLAS + the row kernel)."""
-    from flce.backends.cuda.ops import MIN_VOCAB_BLOCK, chunk_rows, vocab_block_columns
-
-    itemsize = shape.dtype.itemsize
-    candidates = []
-    rows = chunk_rows(shape.tokens, budget // (shape.vocab * itemsize))
-    if 0 < rows < shape.tokens:
-        candidates.append({"tokens_per_chunk": rows, "grad_schedule": "token_chunks"})
-    columns = vocab_block_columns(shape.tokens, itemsize, budget)
-    if MIN_VOCAB_BLOCK <= columns < shape.vocab:
-        candidates += [{"grad_schedule": "vocab_blocks", "grad_vocab_block": columns, "backward_grad": path}
-                       for path in ("fused", "cublas")]
-    return candidates
-
-
-def _tuning_working_bytes(shape: TuneShape, params: dict) -> int:
-    if params.get("grad_schedule") == "vocab_blocks" and params.get("grad_vocab_block"):
-        from flce.backends.cuda.ops import STATS_BYTES_PER_ROW
-
-        return shape.tokens * (int(params["grad_vocab_block"]) * shape.dtype.itemsize + STATS_BYTES_PER_ROW)
-    rows = int(params.get("tokens_per_chunk") or shape.tokens)
-    return min(rows, shape.tokens) * shape.vocab * shape.dtype.itemsize
-
-
-def _tuning_heuristic(shape: TuneShape) -> dict:
-    """The chunk, launch and forward-path knobs the planner picks with nothing cached (a training
-    call). The gradient schedule is left out: the planner picks it per call from the budget."""
-    from flce.backends.cuda.gemm_ops import default_gemm_config
-    from flce.backends.cuda.ops import launch_params, plan_chunks
-
-    plan = plan_chunks(shape.stand_in_inputs(), LCEConfig(), training=True)
-    launch = launch_params(shape.vocab)
-    return {"tokens_per_chunk": plan.tokens_per_chunk, "block_v": launch.block_v, "num_warps": launch.num_warps,
-            "forward_logits": "fused" if plan.fused_logits else "cublas",
-            **default_gemm_config(shape.device, shape.dtype).as_params()}
-
-
-# The default (plain, in-forward gradient) schedule never keeps logits, so the save limit is
-# not worth device time to tune.
-register_tuning_space(TuningSpace("cuda", candidates=_tuning_candidates, working_bytes=_tuning_working_bytes,
-                                  tunes_logits_save_limit=False, heuristic=_tuning_heuristic,
-                                  budget_candidates=_tuning_budget_candidates,
-                                  inference_overlays=({"forward_stats": "fused"}, {"forward_stats": "cublas"})))

@@ -169,7 +169,7 @@ def gemm_row_stats(
     return stats
 
 
-def _merge_splits(stats: PartialRowStats, part_max, part_sum, part_sum_y, part_weighted, part_argmax) -> None:  # noqa: ANN001
+def _merge_splits(stats: PartialRowStats, part_max, part_sum, part_sum_y, part_weighted, part_argmax) -> None:
     """Fold the [splits, n] base-2 partials into ``stats`` (natural-log units), in vocabulary order."""
     splits, n = part_max.shape
     unused = stats.row_max

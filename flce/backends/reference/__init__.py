@@ -1,11 +1,13 @@
-"""Pure-PyTorch backend: runs on any device; the ground truth and the CPU path."""
+"""Pure-PyTorch backend: runs on any device; the CPU path. Its kernels are torch calls, so it has no
+launchers (no ops.py); the float64 oracle the tests check every backend against is flce.testing."""
 
 from __future__ import annotations
 
+import torch
+
 from flce.backends.reference import tuning  # noqa: F401  (registers the tuning space)
-from flce.backends.reference.function import reference_chunked_call, reference_linear_cross_entropy
+from flce.backends.reference.plan import plan_call
 from flce.config import LCEConfig
-from flce.inputs import FlatInputs
 from flce.registry import Backend, HardwareProbe, register_backend
 
 
@@ -13,7 +15,7 @@ def _always_available(_probe: HardwareProbe) -> tuple[bool, str]:
     return True, "pure PyTorch, runs anywhere"
 
 
-def _supports_everything(_cfg: LCEConfig, _flat: FlatInputs) -> tuple[bool, str]:
+def _supports_everything(_cfg: LCEConfig, _dtype: torch.dtype, _hidden_size: int, _vocab: int) -> tuple[bool, str]:
     return True, "every option"
 
 
@@ -23,7 +25,6 @@ BACKEND = Backend(
     priority=0,
     is_available=_always_available,
     supports=_supports_everything,
-    run=reference_linear_cross_entropy,
-    chunked=reference_chunked_call,
+    plan_call=plan_call,
 )
 register_backend(BACKEND)

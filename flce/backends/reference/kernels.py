@@ -54,9 +54,9 @@ def row_blocks(logits: torch.Tensor) -> Iterator[slice]:
 
 
 class ReferenceKernels:
-    """Implements flce.backends.chunk_driver.ChunkKernels with torch ops."""
+    """Implements flce.engine.kernels.RowKernels with torch ops (no capabilities)."""
 
-    def plain_loss(self, logits, target, ignore_index, grad_scale):  # noqa: ANN001, ANN201
+    def plain_loss(self, logits, target, ignore_index, grad_scale):
         math = math_dtype(logits.dtype)
         valid = target != ignore_index
         index = _target_onehot_index(target, valid)
@@ -83,7 +83,7 @@ class ReferenceKernels:
         loss = torch.where(valid, lse - target_logit, 0.0)
         return loss, lse, grad
 
-    def plain_grad_(self, logits, target, ignore_index, lse, grad_scale):  # noqa: ANN001, ANN201
+    def plain_grad_(self, logits, target, ignore_index, lse, grad_scale):
         math = math_dtype(logits.dtype)
         valid = target != ignore_index
         index = _target_onehot_index(target, valid)
@@ -98,11 +98,11 @@ class ReferenceKernels:
                 block.copy_(z)
         return logits
 
-    def row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int, into=None) -> PartialRowStats:  # noqa: ANN001
+    def row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int, into=None) -> PartialRowStats:
         stats = self._block_row_stats(logits, target, cfg, vocab_offset)
         return stats if into is None else merge_partial_stats(into, stats)
 
-    def _block_row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:  # noqa: ANN001
+    def _block_row_stats(self, logits, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:
         math = math_dtype(logits.dtype)
         n_rows, vocab = logits.shape
         local = target - vocab_offset
@@ -138,7 +138,7 @@ class ReferenceKernels:
                 stats.argmax[rows] = argmax + vocab_offset
         return stats
 
-    def full_grad_(self, logits, target, cfg: LCEConfig, vocab_offset: int, lse, coeffs: GradCoefficients):  # noqa: ANN001, ANN201
+    def full_grad_(self, logits, target, cfg: LCEConfig, vocab_offset: int, lse, coeffs: GradCoefficients):
         math = math_dtype(logits.dtype)
         vocab = logits.shape[1]
         local = target - vocab_offset
@@ -169,14 +169,14 @@ class ReferenceKernels:
             block.copy_(chain_through_cap(grad, z, cfg))
         return logits
 
-    def scale_(self, tensor, scale):  # noqa: ANN001, ANN201
+    def scale_(self, tensor, scale):
         # On the CPU reading the scale costs nothing, and loss.backward()'s scale of exactly 1
         # then saves a pass over the V x H gradient.
         if tensor.device.type == "cpu" and bool(scale == 1):
             return tensor
         return tensor.mul_(scale)  # scale stays fp32: no rounding of grad_output to bf16
 
-    def accumulate_fp32_(self, acc, a, b) -> None:  # noqa: ANN001
+    def accumulate_fp32_(self, acc, a, b) -> None:
         for start in range(0, acc.shape[0], _FP32_ACCUMULATE_ROWS):
             rows = slice(start, start + _FP32_ACCUMULATE_ROWS)
             acc[rows] += (a[rows] @ b).float()

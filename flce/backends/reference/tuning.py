@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from flce.autotune import TuneShape, TuningSpace, register_tuning_space
 from flce.autotune.schema import Scalar
-from flce.autotune.spaces import Params, chunk_candidates
-from flce.backends.reference.ops import plan_chunks, working_bytes_per_row
+from flce.autotune.spaces import Params, TuneShape, TuningSpace, chunk_candidates, register_tuning_space
+from flce.backends.reference.plan import plan_chunks, working_bytes_per_row
 from flce.config import LCEConfig
 
 

@@ -1,13 +1,14 @@
-"""Planning for the reference backend: chunk size from the memory budget, and whether the
-deferred schedule keeps forward's logits for backward."""
+"""The reference backend's planner: always TokenChunks, the chunk size from the memory budget (or the
+autotune cache), and how many rows a deferred backward keeps the logits of."""
 
 from __future__ import annotations
 
-from flce.autotune import tuned_params
-from flce.backends.chunk_driver import ChunkPlan
-from flce.backends.memory import MiB, default_logits_save_limit, logits_save_limit, saved_logits_rows
-from flce.backends.reference.kernels import math_dtype
+from flce.autotune.lookup import tuned_params
+from flce.backends.reference.kernels import ReferenceKernels, math_dtype
 from flce.config import LCEConfig
+from flce.engine.call import EngineCall
+from flce.engine.memory import MiB, default_logits_save_limit, logits_save_limit, saved_logits_rows
+from flce.engine.plans import PlanRequest, TokenChunks
 from flce.inputs import FlatInputs
 
 # Without a budget a chunk may use this much: large enough for full-speed CPU GEMMs
@@ -33,7 +34,7 @@ def working_bytes_per_row(flat: FlatInputs) -> int:
     return vocab * (compute + _TEMPORARIES * math_dtype(flat.weight.dtype).itemsize)
 
 
-def plan_chunks(flat: FlatInputs, cfg: LCEConfig, variant: str | None = None) -> ChunkPlan:
+def plan_chunks(flat: FlatInputs, cfg: LCEConfig, variant: str | None = None) -> TokenChunks:
     """The autotune cache's tokens_per_chunk and logits_save_limit_bytes for this shape replace the
     heuristic's; an explicit memory_budget still bounds them. variant None: the one "auto" picks."""
     n_rows = flat.target.shape[0]
@@ -53,5 +54,15 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, variant: str | None = None) ->
         tokens = max(1, tokens)
     save_limit = logits_save_limit(cached_limit, cfg.memory_budget, default_logits_save_limit(flat.hidden.device))
     logits_row_bytes = flat.weight.shape[0] * flat.weight.element_size()
-    return ChunkPlan(tokens_per_chunk=tokens,
+    return TokenChunks(tokens_per_chunk=tokens,
                      saved_rows=saved_logits_rows(n_rows, tokens, logits_row_bytes, per_row, save_limit))
+
+
+_KERNELS = ReferenceKernels()
+
+
+def plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequest) -> EngineCall:
+    """The same plan whether gradients follow or not (inference keeps no logits whatever saved_rows
+    says); the cache entry is the one of the variant the options need."""
+    return EngineCall(kernels=_KERNELS, cfg=cfg, plan=plan_chunks(flat, cfg), plain=variant == "plain",
+                      token_shape=flat.token_shape)

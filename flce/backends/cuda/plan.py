@@ -1,0 +1,254 @@
+"""The CUDA backend's planner: which named plan (flce.engine.plans) and sizes serve a call.
+
+The autotune cache's knobs for the shape (:func:`tuned_knobs`, the one place they are parsed) win
+where it holds them; the heuristics below fill in the rest. Every figure a heuristic rests on was
+measured (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flce.autotune.lookup import tuned_params
+from flce.backends.cuda.gemm_ops import GemmConfig
+from flce.config import LCEConfig
+from flce.engine.call import grads_in_forward_allowed
+from flce.engine.memory import MiB, default_logits_save_limit, logits_save_limit, saved_logits_rows
+from flce.engine.plans import CUBLAS, FUSED, GEMM_PATHS, AllRows, Plan, PlanRequest, TokenChunks, VocabBlocks
+from flce.inputs import FlatInputs
+
+# Default working memory of one chunk's logits when gradients are computed. Larger chunks mean fewer
+# read-modify-writes of the V x H weight gradient (one per chunk); this keeps the default call
+# under 512 MiB above the gradients (2048-row chunks at V = 128256, the largest that fit).
+DEFAULT_CHUNK_BUDGET = 504 * MiB
+# Without gradients nothing is accumulated across vocabulary blocks: statistics of all rows are
+# scanned in blocks of at least MIN_VOCAB_BLOCK columns (GEMMs [tokens, H] x [H, block] run at full
+# speed) within this much memory. Also the width of the fused forward's fallback scan.
+INFERENCE_CHUNK_BUDGET = 64 * MiB
+MIN_VOCAB_BLOCK = 512
+# Chunk rows are rounded down to this multiple: cuBLAS's 256-row GEMM tiles stay full.
+ROW_MULTIPLE = 256
+# Widest row-kernel block a tuned launch may ask for.
+MAX_BLOCK_V = 4096
+
+
+@dataclass(frozen=True)
+class LaunchParams:
+    """A row kernel's launch: columns per block and warps per program (tuned, or launch_params)."""
+
+    block_v: int
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class TunedKnobs:
+    """What the autotune cache holds for this shape, each None where it holds nothing usable."""
+
+    tokens_per_chunk: int | None = None
+    launch: LaunchParams | None = None
+    logits_save_limit: int | None = None
+    # "fused" (the capability's GEMM) or "cublas" (GEMM + row kernels): forward_stats where all rows'
+    # statistics are taken at once (AllRows), forward_logits for each token chunk's logits, and
+    # backward_grad where logits are recomputed for the gradient (default: fused_grad_default).
+    forward_stats: str | None = None
+    forward_logits: str | None = None
+    backward_grad: str | None = None
+    # "vocab_blocks" (the VocabBlocks plan) or "token_chunks", and the block's columns
+    grad_schedule: str | None = None
+    grad_vocab_block: int | None = None
+    gemm: GemmConfig | None = None
+
+
+def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
+    """The cached knobs for (device, "cuda", variant, dtype, H, V, tokens), validated: a file from
+    another flce version may hold values this one cannot use, and those fall back to the heuristic."""
+    vocab, hidden = flat.weight.shape
+    params, limit = tuned_params(flat.hidden.device, "cuda", variant, flat.weight.dtype, hidden, vocab,
+                                 flat.target.shape[0])
+    params = params or {}
+
+    def positive_int(name: str) -> int | None:
+        value = params.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    block_v, num_warps = positive_int("block_v"), positive_int("num_warps")
+    launch = None
+    if block_v and num_warps and block_v & (block_v - 1) == 0 and block_v <= MAX_BLOCK_V and num_warps in (
+            1, 2, 4, 8, 16, 32):
+        launch = LaunchParams(block_v=block_v, num_warps=num_warps)
+
+    def path(name: str) -> str | None:
+        value = params.get(name)
+        return value if value in GEMM_PATHS else None
+
+    return TunedKnobs(tokens_per_chunk=positive_int("tokens_per_chunk"), launch=launch,
+                      logits_save_limit=limit if isinstance(limit, int) and limit >= 0 else None,
+                      forward_stats=path("forward_stats"), forward_logits=path("forward_logits"),
+                      backward_grad=path("backward_grad"),
+                      gemm=GemmConfig.from_params(params),
+                      grad_schedule=params["grad_schedule"] if params.get("grad_schedule") in GRAD_SCHEDULES else None,
+                      grad_vocab_block=positive_int("grad_vocab_block"))
+
+
+# Below this many tokens the fused forward has few row blocks to spread over the SMs and its fixed
+# costs (target logits, split merge) weigh more; measured on the H200 at 4096 x 4096 x 32000 it is
+# still ahead (1.070x one GEMM against 1.096x for cuBLAS and the row kernel); smaller calls are
+# unmeasured and stay on cuBLAS.
+FUSED_FORWARD_MIN_ROWS = 4096
+GRAD_SCHEDULES = ("vocab_blocks", "token_chunks")
+# In-forward gradients: budgets that leave token chunks of fewer rows than this take the vocabulary-
+# block schedule, whose recomputed GEMM costs less than each small chunk's read-modify-write of the
+# V x H weight gradient. Measured on the H200 (docs/benchmarks.md): 256-row chunks 1.47x / 1.71x the
+# floor against 1.42x by blocks, 512-row chunks 1.23x against 1.44x.
+VOCAB_BLOCK_SCHEDULE_BELOW_ROWS = 512
+# Vocabulary blocks of the gradient schedule are multiples of this many columns (whole GEMM tiles;
+# coarser rounding wastes budget: 1536 instead of 1920 columns at 64 MiB and 16384 tokens measured
+# 1.51x instead of 1.42x the floor on the H200).
+GRAD_BLOCK_MULTIPLE = 128
+# Working memory the vocabulary-block schedule keeps per row besides the logits block (statistics,
+# per-row coefficients, the fused forward's partials).
+STATS_BYTES_PER_ROW = 64
+
+
+def fused_forward_default(flat: FlatInputs) -> bool:
+    """Where the cache says nothing: the fused forward on GPUs with bf16/fp16 tensor cores (sm_80+) for
+    16-bit inputs of at least FUSED_FORWARD_MIN_ROWS tokens. fp32 stays on cuBLAS (its fp32 GEMM is
+    exact where a Triton dot would need its slow IEEE mode), and the interpreter on the row kernels
+    (tests ask for the fused path by name)."""
+    x = flat.hidden
+    return (x.is_cuda and flat.weight.dtype in (torch.bfloat16, torch.float16)
+            and flat.target.shape[0] >= FUSED_FORWARD_MIN_ROWS and torch.cuda.get_device_capability(x.device)[0] >= 8)
+
+
+def fused_grad_default(flat: FlatInputs) -> bool:
+    """Where the cache says nothing: the gradient GEMM where it runs as the persistent Hopper kernel
+    with TMA stores (sm_90, 16-bit, H and V multiples of 8 so that every operand and gradient row is
+    16-byte aligned), which measured 1-3% faster per block than cuBLAS + the row kernel on the H200
+    and 3-6% on the H100 (tools/bench_gemm_grad.py). Its 2-D grid with plain stores (other GPUs,
+    unaligned rows) measured 7-20% slower, and newer GPUs are unmeasured: cuBLAS stays there."""
+    x, w = flat.hidden, flat.weight
+    return (x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and w.shape[0] % 8 == 0
+            and w.shape[1] % 8 == 0 and torch.cuda.get_device_capability(x.device)[0] == 9)
+
+
+def fallback_scan_block(n_rows: int, element_size: int) -> int:
+    """Columns per block of the row-kernel scan that stands in for a fused statistics GEMM that
+    failed to compile: the inference budget's blocks, never narrower than MIN_VOCAB_BLOCK."""
+    columns = INFERENCE_CHUNK_BUDGET // max(1, n_rows * element_size)
+    return max(MIN_VOCAB_BLOCK, columns - columns % MIN_VOCAB_BLOCK)
+
+
+def fused_path(fused: bool) -> str:
+    return FUSED if fused else CUBLAS
+
+
+def plan_chunks(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest, tuned: TunedKnobs = TunedKnobs()) -> Plan:
+    """Training (gradients follow): large token chunks (fewer weight-gradient updates), or vocabulary
+    blocks where the budget leaves only small chunks; inference: all rows' statistics at once (the
+    fused GEMM, or vocabulary blocks of all rows) where they fit, else small token chunks."""
+    n_rows = flat.target.shape[0]
+    vocab = flat.weight.shape[0]
+    row_bytes = vocab * flat.weight.element_size()
+    if cfg.memory_budget is not None:
+        budget = cfg.memory_budget
+    else:
+        budget = DEFAULT_CHUNK_BUDGET if request.training else INFERENCE_CHUNK_BUDGET
+    max_rows = max(1, budget // row_bytes)
+    if request.training and tuned.tokens_per_chunk is not None:
+        # A tuned chunk still honours an explicit memory_budget.
+        tokens = tuned.tokens_per_chunk if cfg.memory_budget is None else min(tuned.tokens_per_chunk, max_rows)
+    else:
+        tokens = chunk_rows(n_rows, max_rows)
+    fused_stats = fused_forward_default(flat) if tuned.forward_stats is None else tuned.forward_stats == FUSED
+    forward_logits = tuned.forward_logits if tuned.forward_logits is not None else CUBLAS
+    if not request.training:
+        if fused_stats:
+            return AllRows(forward_stats=FUSED)
+        if n_rows * row_bytes > budget and not request.sharded:
+            columns = budget // (n_rows * flat.weight.element_size())
+            if columns >= MIN_VOCAB_BLOCK:
+                return AllRows(forward_stats=CUBLAS, scan_block=columns - columns % MIN_VOCAB_BLOCK)
+        return TokenChunks(tokens_per_chunk=tokens, forward_logits=forward_logits)
+
+    save_limit = logits_save_limit(tuned.logits_save_limit, cfg.memory_budget,
+                                   default_logits_save_limit(flat.hidden.device))
+    saved_rows = 0
+    if not grads_in_forward_allowed(cfg):
+        tokens, saved_rows = _deferred_chunks(n_rows, row_bytes, tokens, save_limit,
+                                              tuned.tokens_per_chunk is None and cfg.memory_budget is not None)
+    backward_grad = fused_path(fused_grad_default(flat) if tuned.backward_grad is None
+                               else tuned.backward_grad == FUSED)
+    if n_rows and not request.sharded:
+        # A tuned schedule was measured without kept logits; where some are kept they decide.
+        by_blocks = (tuned.grad_schedule == "vocab_blocks" and not saved_rows) if tuned.grad_schedule else (
+            _vocab_blocks_pay(cfg, n_rows, vocab, tokens, saved_rows > 0))
+        columns = vocab_block_columns(n_rows, flat.weight.element_size(), budget)
+        if tuned.grad_vocab_block:  # a tuned block still honours an explicit memory_budget
+            columns = tuned.grad_vocab_block if cfg.memory_budget is None else min(tuned.grad_vocab_block, columns)
+        if by_blocks and columns >= MIN_VOCAB_BLOCK:
+            block = min(columns, vocab)
+            stats = AllRows(forward_stats=FUSED) if fused_stats else AllRows(forward_stats=CUBLAS, scan_block=block)
+            return VocabBlocks(grad_vocab_block=block, stats=stats, backward_grad=backward_grad)
+    return TokenChunks(tokens_per_chunk=tokens, saved_rows=saved_rows, forward_logits=forward_logits,
+                       backward_grad=backward_grad, stats_first=AllRows(forward_stats=FUSED) if fused_stats else None)
+
+
+def vocab_block_columns(n_rows: int, element_size: int, budget: int) -> int:
+    """Columns of the widest vocabulary block of all n_rows that fits ``budget`` bytes beside the
+    rows' statistics, in whole GEMM tiles (may be 0 or exceed the vocabulary)."""
+    columns = (budget - n_rows * STATS_BYTES_PER_ROW) // (max(n_rows, 1) * element_size)
+    return max(0, columns - columns % GRAD_BLOCK_MULTIPLE)
+
+
+def _deferred_chunks(n_rows: int, row_bytes: int, tokens: int, save_limit: int, may_shrink: bool) -> tuple[int, int]:
+    """(tokens_per_chunk, saved_rows) of the deferred schedule. A budget too small for all the logits
+    makes chunks of the whole budget, which leaves none of it for saved logits; with may_shrink (an
+    explicit budget and no tuned chunk) default-sized chunks that keep the rest of the budget's logits
+    are taken instead where the cost model says they are faster."""
+    saved = saved_logits_rows(n_rows, tokens, row_bytes, row_bytes, save_limit)
+    smaller = chunk_rows(n_rows, max(1, DEFAULT_CHUNK_BUDGET // row_bytes))
+    if not may_shrink or saved == n_rows or smaller >= tokens:
+        return tokens, saved
+    smaller_saved = saved_logits_rows(n_rows, smaller, row_bytes, row_bytes, save_limit)
+    if _deferred_cost(n_rows, smaller, smaller_saved) < _deferred_cost(n_rows, tokens, saved):
+        return smaller, smaller_saved
+    return tokens, saved
+
+
+# One read-modify-write of the V x H weight gradient (4VH bytes at HBM bandwidth) costs about as much
+# as recomputing this many rows of logits (2HV flops each at the tensor-core rate): 2 x 700 TFLOP/s
+# / 4.8 TB/s = 290 on the H200, 2 x 600 / 3.35 = 360 on the H100. Independent of H and V.
+_RMW_IN_RECOMPUTED_ROWS = 320
+
+
+def _deferred_cost(n_rows: int, tokens: int, saved_rows: int) -> int:
+    """Backward's extra work in recomputed rows: the rows not saved, and one weight-gradient
+    read-modify-write for the saved rows (one GEMM over all of them) and per recomputed chunk."""
+    recomputed = n_rows - saved_rows
+    updates = (saved_rows > 0) + -(-recomputed // max(1, tokens))
+    return recomputed + _RMW_IN_RECOMPUTED_ROWS * updates
+
+
+def _vocab_blocks_pay(cfg: LCEConfig, n_rows: int, vocab: int, chunk: int, logits_saved: bool) -> bool:
+    """The heuristic choice of the vocabulary-block schedule. In forward it trades a fourth GEMM for
+    the weight gradient's read-modify-writes, worth it for small chunks only. The deferred schedule
+    recomputes the logits either way (unless some are saved), so there blocks only trade a V x H
+    read-modify-write per token chunk for an N x H one per block: fewer bytes when N < V."""
+    if chunk >= n_rows:
+        return False
+    if grads_in_forward_allowed(cfg):
+        return chunk < VOCAB_BLOCK_SCHEDULE_BELOW_ROWS
+    return not logits_saved and n_rows < vocab
+
+
+def chunk_rows(n_rows: int, max_rows: int) -> int:
+    """Rows per chunk: all rows if they fit, else the largest multiple of ROW_MULTIPLE that fits
+    (the tail chunk takes the rest). Measured on the H200 at 16384x2048x151936: 1536-row chunks
+    49.4 ms, evenly balanced 1664-row chunks 51.4 ms (half a 256-row GEMM tile wasted per chunk)."""
+    if n_rows <= max_rows:
+        return max(1, n_rows)
+    if max_rows >= ROW_MULTIPLE:
+        return max_rows - max_rows % ROW_MULTIPLE
+    return max_rows

@@ -1,0 +1,88 @@
+"""One call as the engine runs it: the backend's kernels and plan, what to differentiate, and the
+state forward leaves for backward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flce.config import LCEConfig
+from flce.engine.plans import Plan
+from flce.semantics import Denominators, PartialRowStats, RowStats
+
+StatsCombiner = Callable[[PartialRowStats], PartialRowStats]
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Vocabulary sharding of a tensor-parallel call: this rank's slice, the combine step, and
+    the reduction that completes grad_hidden (each rank's covers its shard only), which the
+    autograd paths apply once, in backward."""
+
+    vocab_offset: int
+    global_vocab: int
+    combine: StatsCombiner
+    reduce_grad_hidden: Callable[[torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """Everything about a call that is not a tensor autograd must track. ``kernels`` implement
+    flce.engine.kernels.RowKernels and the capabilities the plan requires."""
+
+    kernels: object
+    cfg: LCEConfig
+    plan: Plan
+    plain: bool
+    token_shape: torch.Size
+    sharding: Sharding | None = None
+
+    @property
+    def vocab_offset(self) -> int:
+        return self.sharding.vocab_offset if self.sharding else 0
+
+    def vocab(self, local_vocab: int) -> int:
+        """The vocabulary size the loss is defined over (the global one when sharded)."""
+        return self.sharding.global_vocab if self.sharding else local_vocab
+
+    def combined(self, partial: PartialRowStats) -> PartialRowStats:
+        """Statistics over the whole vocabulary (all ranks' shards when sharded)."""
+        return self.sharding.combine(partial) if self.sharding else partial
+
+
+@dataclass(frozen=True)
+class GradTargets:
+    """Which gradients to produce (inputs that do not require grad are skipped)."""
+
+    hidden: bool
+    weight: bool
+    bias: bool
+
+    @property
+    def any(self) -> bool:
+        return self.hidden or self.weight or self.bias
+
+
+Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+@dataclass
+class ForwardState:
+    """The outputs of forward, and what backward needs: the row statistics of all rows (deferred
+    schedules), the logits of the leading rows a TokenChunks plan kept, or the unscaled gradients
+    that an in-forward schedule computed."""
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor
+    extras: dict
+    denoms: Denominators
+    stats: RowStats | None = None
+    saved_logits: torch.Tensor | None = None
+    grads: Grads | None = None
+
+
+def grads_in_forward_allowed(cfg: LCEConfig) -> bool:
+    """The in-forward schedules need a scalar loss as the only differentiable output."""
+    return cfg.reduction != "none" and not (cfg.return_logprobs or cfg.return_entropy)

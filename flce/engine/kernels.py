@@ -1,0 +1,83 @@
+"""What a backend's kernels offer the schedules: row kernels (every backend) and optional capabilities.
+
+Row kernels work on one chunk's logits ``[n, V]`` in the compute dtype, produced by a plain GEMM
+(``torch.mm``). A capability is a kernel family that does more inside a GEMM; a backend lists the
+capabilities it has in its descriptor (``Backend.capabilities``) and a plan names the ones it needs
+(``plan.requires``), so a schedule only calls a capability its backend has.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from flce.config import LCEConfig
+from flce.semantics import GradCoefficients, PartialRowStats
+
+# Statistics (and optionally the logits) from one GEMM whose epilogue reduces each logits tile.
+FUSED_STATS_GEMM = "fused_stats_gemm"
+# d loss / d u from one GEMM whose epilogue applies semantics.py's gradient formula.
+FUSED_GRAD_GEMM = "fused_grad_gemm"
+CAPABILITIES = (FUSED_STATS_GEMM, FUSED_GRAD_GEMM)
+
+
+class RowKernels(Protocol):
+    """The row kernels every backend implements."""
+
+    def plain_loss(
+        self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, grad_scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(per-row loss, per-row lse, grad) with loss and lse in fp32. With grad_scale [n], grad is
+        (softmax - onehot) * grad_scale (0 on ignored rows) in the logits' dtype, written over
+        logits where the kernel can; else None."""
+
+    def plain_grad_(
+        self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, lse: torch.Tensor,
+        grad_scale: torch.Tensor,
+    ) -> torch.Tensor:
+        """(softmax - onehot) * grad_scale given the row lse, written over logits (returned)."""
+
+    def row_stats(
+        self, logits: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, vocab_offset: int,
+        into: PartialRowStats | None = None,
+    ) -> PartialRowStats:
+        """Scan raw logits u (capped and temperature-scaled inside) into partial row statistics.
+        With ``into`` (statistics of the columns before vocab_offset), merge into it and return it."""
+
+    def full_grad_(
+        self, logits: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, vocab_offset: int,
+        lse: torch.Tensor, coeffs: GradCoefficients,
+    ) -> torch.Tensor:
+        """d loss / d u for raw logits u (semantics.py's formula, chained through cap and T),
+        written over logits (returned)."""
+
+    def accumulate_fp32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """acc += a @ b with fp32 accumulation, for low-precision a and b, without a full-size temporary."""
+
+    def scale_(self, tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """tensor *= scale (a 0-d device tensor) in place, without a host sync; returns tensor.
+        The usual scale is exactly 1 (loss.backward()), which a kernel may detect on the device
+        and skip the pass over a V x H gradient."""
+
+
+class FusedStatsGemm(Protocol):
+    """Capability FUSED_STATS_GEMM."""
+
+    def gemm_row_stats(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+        cfg: LCEConfig, vocab_offset: int, logits_out: torch.Tensor | None = None,
+    ) -> PartialRowStats:
+        """Partial row statistics of the logits hidden @ weight.T + bias from one fused GEMM, which
+        also writes the logits into ``logits_out`` when given and materialises nothing otherwise."""
+
+
+class FusedGradGemm(Protocol):
+    """Capability FUSED_GRAD_GEMM."""
+
+    def gemm_grad(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+        cfg: LCEConfig, vocab_offset: int, lse: torch.Tensor, coeffs: GradCoefficients,
+    ) -> torch.Tensor:
+        """d loss / d u of the logits hidden @ weight.T + bias from one GEMM whose epilogue applies
+        semantics.py's formula, so the logits never reach memory."""

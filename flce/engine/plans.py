@@ -1,0 +1,117 @@
+"""The named plans a backend's planner chooses from; each is run by the schedule module of its name.
+
+Knobs carry the names they have in the autotune cache (``forward_stats``, ``forward_logits``,
+``backward_grad``, ``grad_vocab_block``, ``tokens_per_chunk``), with the cache's values: ``"fused"``
+(a capability's fused GEMM) or ``"cublas"`` (a plain GEMM, then row kernels over its logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from flce.engine.kernels import FUSED_GRAD_GEMM, FUSED_STATS_GEMM
+
+FUSED = "fused"
+CUBLAS = "cublas"
+GEMM_PATHS = (FUSED, CUBLAS)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a planner must know about a call beyond its inputs and options.
+
+    training: gradients follow (the plan may compute them in forward, or keep logits for backward);
+    sharded: the weight is one vocabulary shard (vocab parallelism), so schedules that need the
+    whole vocabulary's rows at once (vocabulary blocks, the inference scan by blocks) are out."""
+
+    training: bool
+    sharded: bool = False
+
+
+@dataclass(frozen=True)
+class AllRows:
+    """Statistics of all rows at once; nothing is accumulated across columns but [tokens] statistics,
+    so every GEMM keeps all rows (full speed where a few hundred token rows would not be).
+
+    forward_stats "fused": one statistics GEMM over the whole vocabulary (no logits in memory);
+    "cublas": a GEMM and a row scan per block of ``scan_block`` columns."""
+
+    forward_stats: str = FUSED
+    scan_block: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.forward_stats not in GEMM_PATHS:
+            raise ValueError(f"forward_stats={self.forward_stats!r}: expected one of {GEMM_PATHS}")
+        if self.forward_stats == CUBLAS and not (self.scan_block and self.scan_block > 0):
+            raise ValueError(f"scan_block={self.scan_block!r}: the cublas scan needs a positive block width")
+
+    @property
+    def requires(self) -> frozenset[str]:
+        return frozenset({FUSED_STATS_GEMM}) if self.forward_stats == FUSED else frozenset()
+
+
+@dataclass(frozen=True)
+class TokenChunks:
+    """Token chunks of ``tokens_per_chunk`` rows against the whole vocabulary.
+
+    With gradients in forward (a scalar loss is the only differentiable output) each chunk's logits
+    become its gradient at once. Otherwise (deferred) forward keeps the logits of the first
+    ``saved_rows`` rows (0, whole chunks, or all rows) and backward recomputes the rest chunk by
+    chunk. forward_logits: how each chunk's logits and statistics are made; backward_grad: how a
+    recomputed chunk's gradient is made; stats_first: where a deferred forward keeps no logits,
+    the statistics of all rows at once instead of chunk by chunk."""
+
+    tokens_per_chunk: int
+    saved_rows: int = 0
+    forward_logits: str = CUBLAS
+    backward_grad: str = CUBLAS
+    stats_first: AllRows | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("forward_logits", "backward_grad"):
+            if getattr(self, name) not in GEMM_PATHS:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {GEMM_PATHS}")
+
+    @property
+    def requires(self) -> frozenset[str]:
+        needs = set() if self.stats_first is None else set(self.stats_first.requires)
+        if self.forward_logits == FUSED:
+            needs.add(FUSED_STATS_GEMM)
+        if self.backward_grad == FUSED:
+            needs.add(FUSED_GRAD_GEMM)
+        return frozenset(needs)
+
+
+@dataclass(frozen=True)
+class VocabBlocks:
+    """Vocabulary blocks of ``grad_vocab_block`` columns over all rows: the statistics of all rows
+    first (``stats``), then each block's logits recomputed and turned into its gradient (in forward
+    for a scalar loss, else in backward). Each block's rows of the weight gradient are written once,
+    where token chunks would read-modify-write all of it once per chunk; the price is one more GEMM
+    and a read-modify-write of grad_hidden per block. Never keeps logits."""
+
+    grad_vocab_block: int
+    stats: AllRows
+    backward_grad: str = CUBLAS
+
+    def __post_init__(self) -> None:
+        if self.backward_grad not in GEMM_PATHS:
+            raise ValueError(f"backward_grad={self.backward_grad!r}: expected one of {GEMM_PATHS}")
+
+    @property
+    def requires(self) -> frozenset[str]:
+        return self.stats.requires | ({FUSED_GRAD_GEMM} if self.backward_grad == FUSED else frozenset())
+
+
+Plan = AllRows | TokenChunks | VocabBlocks
+
+
+def recomputing(plan: Plan) -> Plan:
+    """The plan with no logits kept from forward for backward (what the compile path runs: how many
+    rows are kept is decided inside the op, where output shapes must be known beforehand)."""
+    return replace(plan, saved_rows=0) if isinstance(plan, TokenChunks) else plan
+
+
+def chunk_bounds(n_rows: int, tokens_per_chunk: int) -> list[slice]:
+    step = max(1, tokens_per_chunk)
+    return [slice(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]

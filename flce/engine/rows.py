@@ -1,0 +1,116 @@
+"""Pieces every schedule uses: a chunk's logits, the gradient accumulator, statistics of row ranges,
+and the forward state built from all rows' statistics."""
+
+from __future__ import annotations
+
+import torch
+
+from flce.config import LCEConfig
+from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
+from flce.inputs import FlatInputs
+from flce.semantics import Denominators, RowStats, RowTerms, extras, reduce_terms, row_terms, statistics_dtype
+
+
+def chunk_logits(flat: FlatInputs, rows: slice, out: torch.Tensor | None = None) -> torch.Tensor:
+    """u = hidden[rows] @ weight.T + bias from one plain GEMM."""
+    x_rows = flat.hidden[rows]
+    if flat.bias is None:
+        return torch.mm(x_rows, flat.weight.t(), out=out)
+    return torch.addmm(flat.bias, x_rows, flat.weight.t(), out=out)
+
+
+def block_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 cols: slice) -> torch.Tensor:
+    """u[:, cols] of all rows from one plain GEMM."""
+    if bias is None:
+        return torch.mm(hidden, weight[cols].t())
+    return torch.addmm(bias[cols], hidden, weight[cols].t())
+
+
+class GradAccumulator:
+    """Turns each chunk's grad-logits into grad_hidden rows and grad_weight / grad_bias sums."""
+
+    def __init__(self, kernels: object, flat: FlatInputs, cfg: LCEConfig, wanted: GradTargets):
+        x, w = flat.hidden, flat.weight
+        self.kernels, self.flat, self.wanted = kernels, flat, wanted
+        self.grad_hidden = torch.empty_like(x) if wanted.hidden else None
+        fp32_acc = cfg.accum_dtype == torch.float32 and w.dtype != torch.float32
+        self.weight_acc = None
+        self.weight_written = False
+        if wanted.weight:
+            # fp32 accumulators are added into from the first chunk on; a same-dtype gradient is
+            # written by the first chunk's GEMM, which saves a V x H zero fill.
+            alloc = torch.zeros if fp32_acc else torch.empty
+            self.weight_acc = alloc(w.shape, dtype=torch.float32 if fp32_acc else w.dtype, device=w.device)
+        self.bias_acc = (
+            torch.zeros(w.shape[0], dtype=statistics_dtype(w.dtype), device=w.device) if wanted.bias else None
+        )
+
+    def add(self, grad_logits: torch.Tensor, rows: slice) -> None:
+        x_rows = self.flat.hidden[rows]
+        if self.grad_hidden is not None:
+            torch.mm(grad_logits, self.flat.weight, out=self.grad_hidden[rows])
+        if self.weight_acc is not None:
+            if self.weight_acc.dtype != grad_logits.dtype:
+                self.kernels.accumulate_fp32_(self.weight_acc, grad_logits.t(), x_rows)
+            elif self.weight_written:
+                self.weight_acc.addmm_(grad_logits.t(), x_rows)
+            else:
+                torch.mm(grad_logits.t(), x_rows, out=self.weight_acc)
+                self.weight_written = True
+        if self.bias_acc is not None:
+            self.bias_acc += grad_logits.sum(0, dtype=self.bias_acc.dtype)
+
+    def result(self) -> Grads:
+        w = self.flat.weight
+        if self.weight_acc is not None and self.weight_acc.dtype == w.dtype and not self.weight_written:
+            self.weight_acc.zero_()  # no rows at all
+        grad_weight = None if self.weight_acc is None else self.weight_acc.to(w.dtype)
+        grad_bias = None
+        if self.bias_acc is not None:
+            assert self.flat.bias is not None
+            grad_bias = self.bias_acc.to(self.flat.bias.dtype)
+        return self.grad_hidden, grad_weight, grad_bias
+
+
+def forward_state(call: EngineCall, flat: FlatInputs, stats: RowStats, denoms: Denominators,
+                  terms: RowTerms | None = None, *, keep_stats: bool) -> ForwardState:
+    """Loss, extras and (keep_stats: a deferred backward follows) the statistics, from all rows'."""
+    if terms is None:
+        terms = row_terms(stats, flat.target, call.cfg, call.vocab(flat.weight.shape[0]))
+    loss, z_loss = reduce_terms(terms, call.cfg, denoms)
+    return ForwardState(loss=loss, z_loss=z_loss, extras=extras(stats, terms, flat.target, call.cfg, denoms),
+                        denoms=denoms, stats=stats if keep_stats else None)
+
+
+def slice_stats(stats: RowStats, rows: slice) -> RowStats:
+    def part(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[rows]
+
+    return RowStats(lse=stats.lse[rows], target_z=stats.target_z[rows], expected_z=part(stats.expected_z),
+                    weighted_sum_z=part(stats.weighted_sum_z), argmax=part(stats.argmax))
+
+
+def concat_terms(chunks: list[RowTerms], target: torch.Tensor) -> RowTerms:
+    if not chunks:
+        empty = torch.zeros(0, dtype=torch.float32, device=target.device)
+        return RowTerms(empty, empty, torch.zeros(0, dtype=torch.bool, device=target.device))
+    return RowTerms(
+        torch.cat([c.cross_entropy for c in chunks]),
+        torch.cat([c.z_loss for c in chunks]),
+        torch.cat([c.valid for c in chunks]),
+    )
+
+
+def concat_stats(chunks: list[RowStats], target: torch.Tensor) -> RowStats:
+    def cat(name: str) -> torch.Tensor | None:
+        parts = [getattr(c, name) for c in chunks]
+        if not parts:
+            dtype = torch.int64 if name == "argmax" else torch.float32
+            return torch.zeros(0, dtype=dtype, device=target.device)
+        return None if parts[0] is None else torch.cat(parts)
+
+    return RowStats(
+        lse=cat("lse"), target_z=cat("target_z"), expected_z=cat("expected_z"),
+        weighted_sum_z=cat("weighted_sum_z"), argmax=cat("argmax"),
+    )

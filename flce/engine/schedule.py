@@ -1,0 +1,58 @@
+"""The one place that picks a schedule: by the type of the plan a backend's planner chose."""
+
+from __future__ import annotations
+
+import torch
+
+from flce.config import LCEConfig
+from flce.engine import all_rows, token_chunks, vocab_blocks
+from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
+from flce.engine.plans import AllRows, PlanRequest, TokenChunks, VocabBlocks
+from flce.inputs import FlatInputs
+from flce.registry import Backend
+from flce.semantics import denominators, statistics_dtype
+
+
+def planned_call(backend: Backend, flat: FlatInputs, cfg: LCEConfig, variant: str,
+                 request: PlanRequest) -> EngineCall:
+    """The backend planner's kernels and plan for a call, checked against the backend's capabilities."""
+    call = backend.plan_call(flat, cfg, variant, request)
+    check_capabilities(call.plan, backend.capabilities, backend.name)
+    return call
+
+
+def check_capabilities(plan: object, capabilities: frozenset[str], backend: str) -> None:
+    """A planner offers a plan only to backends with the capabilities it needs: a plan that asks for
+    more is a planner bug, reported before any kernel runs."""
+    missing = plan.requires - capabilities
+    if missing:
+        raise RuntimeError(f"flce: backend {backend!r} planned {plan} but lacks the kernel capabilities "
+                           f"{sorted(missing)} (it has {sorted(capabilities)})")
+
+
+def run_forward(call: EngineCall, flat: FlatInputs, grads_in_forward: GradTargets | None,
+                backward_follows: bool) -> ForwardState:
+    """Loss and extras; with grads_in_forward (a scalar loss is the only differentiable output and
+    gradients follow), the unscaled gradients too; backward_follows=False: inference."""
+    denoms = denominators(flat.target, call.cfg, statistics_dtype(flat.weight.dtype))
+    plan = call.plan
+    if isinstance(plan, AllRows):
+        assert grads_in_forward is None, "AllRows computes no gradients"
+        return all_rows.forward(call, flat, plan, denoms, keep_stats=backward_follows)
+    if isinstance(plan, VocabBlocks):
+        return vocab_blocks.forward(call, flat, plan, denoms, grads_in_forward=grads_in_forward)
+    return token_chunks.forward(call, flat, plan, denoms, grads_in_forward=grads_in_forward,
+                                backward_follows=backward_follows)
+
+
+def run_backward(call: EngineCall, flat: FlatInputs, state: ForwardState, wanted: GradTargets,
+                 grad_loss: torch.Tensor | None, grad_logprobs: torch.Tensor | None,
+                 grad_entropy: torch.Tensor | None) -> Grads:
+    """Deferred gradients from the state forward left and the upstream gradients."""
+    if grad_loss is None:
+        grad_loss = torch.zeros((), dtype=state.denoms.z_loss.dtype, device=flat.target.device)
+    plan = call.plan
+    if isinstance(plan, VocabBlocks):
+        return vocab_blocks.backward(call, flat, plan, state, wanted, grad_loss, grad_logprobs, grad_entropy)
+    assert isinstance(plan, TokenChunks), f"{plan} is a forward-only plan: no backward follows it"
+    return token_chunks.backward(call, flat, plan, state, wanted, grad_loss, grad_logprobs, grad_entropy)

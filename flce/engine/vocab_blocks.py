@@ -1,0 +1,98 @@
+"""Schedule VocabBlocks: the statistics of all rows first, then the gradients by vocabulary blocks.
+
+For small memory budgets (the lean mode), where token chunks would be a few hundred rows each and
+each chunk would read-modify-write the whole V x H weight gradient. Here every GEMM keeps all rows:
+
+1. statistics of all rows (AllRows: the fused statistics GEMM, or a GEMM and a row scan per block);
+2. for each block of ``grad_vocab_block`` columns, its logits recomputed and turned into
+   d loss / d u (``backward_grad``: the fused gradient GEMM, whose logits never reach memory, or a
+   plain GEMM and the row kernel in place); that block's rows of grad_weight (and grad_bias) are
+   written once, and grad_hidden accumulates over the blocks (in fp32 when accum_dtype asks).
+
+With a scalar loss as the only differentiable output both passes run in forward (backward scales the
+gradients by grad_output); otherwise forward does step 1 and backward step 2 with the real upstream
+gradients. One GEMM more than the three of the floor, and never any logits kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flce.engine import all_rows
+from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
+from flce.engine.plans import FUSED, VocabBlocks
+from flce.engine.rows import block_logits, forward_state
+from flce.inputs import FlatInputs
+from flce.semantics import (
+    Denominators,
+    GradCoefficients,
+    RowStats,
+    grad_coefficients,
+    statistics_dtype,
+    upstream_scales,
+)
+
+
+def forward(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, denoms: Denominators, *,
+            grads_in_forward: GradTargets | None) -> ForwardState:
+    """Statistics of all rows; with grads_in_forward, the unscaled gradients of a scalar loss too."""
+    stats = all_rows.statistics(call, flat, plan.stats)
+    state = forward_state(call, flat, stats, denoms, keep_stats=grads_in_forward is None)
+    if grads_in_forward is not None:
+        one = torch.ones((), dtype=denoms.z_loss.dtype, device=flat.target.device)
+        g_ce, g_z = upstream_scales(call.cfg, denoms, one, slice(None), flat.target.shape[0])
+        coeffs = grad_coefficients(stats, flat.target, call.cfg, flat.weight.shape[0], g_ce, g_z, None, None)
+        state.grads = block_gradients(call, flat, plan, stats, coeffs, grads_in_forward)
+    return state
+
+
+def backward(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, state: ForwardState, wanted: GradTargets,
+             grad_loss: torch.Tensor, grad_logprobs: torch.Tensor | None,
+             grad_entropy: torch.Tensor | None) -> Grads:
+    """Deferred gradients from forward's statistics of all rows and the upstream gradients."""
+    assert state.stats is not None
+    target = flat.target
+    g_ce, g_z = upstream_scales(call.cfg, state.denoms, grad_loss, slice(None), target.shape[0])
+    coeffs = grad_coefficients(
+        state.stats, target, call.cfg, flat.weight.shape[0], g_ce, g_z,
+        None if grad_logprobs is None else grad_logprobs.reshape(-1),
+        None if grad_entropy is None else grad_entropy.reshape(-1))
+    return block_gradients(call, flat, plan, state.stats, coeffs, wanted)
+
+
+def block_gradients(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, stats: RowStats,
+                    coeffs: GradCoefficients, wanted: GradTargets) -> Grads:
+    """Step 2 of the module docstring."""
+    cfg, kernels = call.cfg, call.kernels
+    x, w, target = flat.hidden, flat.weight, flat.target
+    fp32_acc = cfg.accum_dtype == torch.float32 and w.dtype != torch.float32
+    grad_hidden = None
+    if wanted.hidden:
+        grad_hidden = torch.zeros(x.shape, dtype=torch.float32 if fp32_acc else x.dtype, device=x.device)
+    grad_weight = None
+    if wanted.weight:
+        grad_weight = (torch.zeros if fp32_acc else torch.empty)(
+            w.shape, dtype=torch.float32 if fp32_acc else w.dtype, device=w.device)
+    grad_bias = torch.empty_like(flat.bias) if wanted.bias and flat.bias is not None else None
+    for start in range(0, w.shape[0], plan.grad_vocab_block):
+        cols = slice(start, start + plan.grad_vocab_block)
+        if plan.backward_grad == FUSED:
+            bias = None if flat.bias is None else flat.bias[cols]
+            grad = kernels.gemm_grad(x, w[cols], bias, target, cfg, start, stats.lse, coeffs)
+        else:
+            grad = kernels.full_grad_(block_logits(x, w, flat.bias, cols), target, cfg, start, stats.lse, coeffs)
+        if grad_hidden is not None:
+            if fp32_acc:
+                kernels.accumulate_fp32_(grad_hidden, grad, w[cols])
+            else:
+                grad_hidden.addmm_(grad, w[cols])
+        if grad_weight is not None:
+            if fp32_acc:
+                kernels.accumulate_fp32_(grad_weight[cols], grad.t(), x)
+            else:
+                torch.mm(grad.t(), x, out=grad_weight[cols])
+        if grad_bias is not None:
+            grad_bias[cols] = grad.sum(0, dtype=statistics_dtype(grad.dtype))
+        del grad
+    return (None if grad_hidden is None else grad_hidden.to(x.dtype),
+            None if grad_weight is None else grad_weight.to(w.dtype), grad_bias)
