@@ -381,3 +381,19 @@ def test_contract_on_a_real_npu():
 def test_flce_reports_the_backend():
     names = [row["name"] for row in flce.available_backends()]
     assert "ascend" in names
+
+
+def test_tuning_space_matches_the_planner():
+    """flce-autotune can fill the one knob the Ascend planner reads: its heuristic is the planner's
+    own chunk, and a candidate's working memory is its chunk's logits (the kernels work in place)."""
+    from flce.autotune import spaces
+
+    space = spaces.tuning_space("ascend")
+    shape = spaces.TuneShape(torch.device("cpu"), torch.bfloat16, hidden=1024, vocab=131072, tokens=8192,
+                             variant="plain")
+    planned = ascend_plan.plan_chunks(shape.stand_in_inputs(), LCEConfig(), ops.device_properties(shape.device),
+                                      "plain").tokens_per_chunk
+    assert space.heuristic(shape) == {"tokens_per_chunk": planned}
+    candidates = space.candidates(shape, True)
+    assert candidates and all(set(c) == {"tokens_per_chunk"} for c in candidates)
+    assert space.working_bytes(shape, {"tokens_per_chunk": 512}) == 512 * 131072 * 2

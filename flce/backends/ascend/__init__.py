@@ -14,6 +14,7 @@ import shutil
 
 import torch
 
+from flce.backends.ascend import tuning  # noqa: F401  (registers the tuning space)
 from flce.config import LCEConfig
 from flce.engine.call import EngineCall
 from flce.engine.plans import PlanRequest

@@ -1,0 +1,31 @@
+"""The Ascend backend's tuning space (flce-autotune on an NPU): token-chunk sizes, the one knob its
+planner reads from the cache besides the logits-save limit."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from flce.autotune.schema import Scalar
+from flce.autotune.spaces import Params, TuneShape, TuningSpace, chunk_candidates, register_tuning_space
+from flce.backends.ascend.ops import device_properties
+from flce.backends.ascend.plan import plan_chunks
+from flce.config import LCEConfig
+
+
+def _candidates(shape: TuneShape, quick: bool) -> list[Params]:
+    return [{"tokens_per_chunk": n} for n in chunk_candidates(shape.tokens, quick)]
+
+
+def _working_bytes(shape: TuneShape, params: Mapping[str, Scalar]) -> int:
+    # The vector kernels overwrite each chunk's logits in place: a row costs its logits alone.
+    rows = min(int(params.get("tokens_per_chunk") or shape.tokens), shape.tokens)
+    return rows * shape.vocab * shape.dtype.itemsize
+
+
+def _heuristic(shape: TuneShape) -> Params:
+    plan = plan_chunks(shape.stand_in_inputs(), LCEConfig(), device_properties(shape.device), shape.variant)
+    return {"tokens_per_chunk": plan.tokens_per_chunk}
+
+
+register_tuning_space(TuningSpace("ascend", candidates=_candidates, working_bytes=_working_bytes,
+                                  heuristic=_heuristic))
