@@ -11,6 +11,23 @@ from flce.inputs import FlatInputs
 from flce.semantics import Denominators, RowStats, RowTerms, extras, reduce_terms, row_terms, statistics_dtype
 
 
+class WorkBuffer:
+    """One allocation that every chunk (or vocabulary block) of a schedule writes its logits into.
+
+    A fresh chunk-sized allocation per chunk fragments glibc's heap on the CPU once its dynamic mmap
+    threshold has risen past the chunk size: at 4096 x 1024 x 32000 fp32 with memory_budget=16 MiB
+    the deferred schedule's peak RSS grew 106 MiB above the gradients against 26 MiB with one reused
+    buffer (one run each; such RSS readings vary run to run). CUDA's caching allocator recycles the
+    same block either way."""
+
+    def __init__(self, like: torch.Tensor, rows: int, cols: int):
+        self.storage = like.new_empty(max(0, rows) * cols)
+
+    def view(self, rows: int, cols: int) -> torch.Tensor:
+        """A contiguous [rows, cols] view of the buffer's start."""
+        return self.storage[: rows * cols].view(rows, cols)
+
+
 def chunk_logits(flat: FlatInputs, rows: slice, out: torch.Tensor | None = None) -> torch.Tensor:
     """u = hidden[rows] @ weight.T + bias from one plain GEMM."""
     x_rows = flat.hidden[rows]
@@ -19,12 +36,14 @@ def chunk_logits(flat: FlatInputs, rows: slice, out: torch.Tensor | None = None)
     return torch.addmm(flat.bias, x_rows, flat.weight.t(), out=out)
 
 
-def block_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 cols: slice) -> torch.Tensor:
-    """u[:, cols] of all rows from one plain GEMM."""
+def block_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cols: slice,
+                 buffer: WorkBuffer) -> torch.Tensor:
+    """u[:, cols] of all rows from one plain GEMM, written into ``buffer``."""
+    w = weight[cols]
+    out = buffer.view(hidden.shape[0], w.shape[0])
     if bias is None:
-        return torch.mm(hidden, weight[cols].t())
-    return torch.addmm(bias[cols], hidden, weight[cols].t())
+        return torch.mm(hidden, w.t(), out=out)
+    return torch.addmm(bias[cols], hidden, w.t(), out=out)
 
 
 class GradAccumulator:

@@ -25,7 +25,15 @@ import torch
 from flce.engine import all_rows
 from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
 from flce.engine.plans import FUSED, TokenChunks, chunk_bounds
-from flce.engine.rows import GradAccumulator, chunk_logits, concat_stats, concat_terms, forward_state, slice_stats
+from flce.engine.rows import (
+    GradAccumulator,
+    WorkBuffer,
+    chunk_logits,
+    concat_stats,
+    concat_terms,
+    forward_state,
+    slice_stats,
+)
 from flce.inputs import FlatInputs
 from flce.semantics import (
     Denominators,
@@ -59,7 +67,10 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
         return all_rows.forward(call, flat, plan.stats_first, denoms, keep_stats=deferred)
 
     one = torch.ones((), dtype=denoms.z_loss.dtype, device=target.device)
-    saved = flat.hidden.new_empty(keep, flat.weight.shape[0]) if keep else None
+    vocab_here = flat.weight.shape[0]
+    saved = flat.hidden.new_empty(keep, vocab_here) if keep else None
+    # Chunks that are not kept all write into one buffer (rows.WorkBuffer says why).
+    buffer = WorkBuffer(flat.hidden, min(plan.tokens_per_chunk, n_rows), vocab_here) if keep < n_rows else None
     stats_per_chunk: list[RowStats] = []
     terms_per_chunk: list[RowTerms] = []
     for rows in chunk_bounds(n_rows, plan.tokens_per_chunk):
@@ -68,8 +79,9 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
         grad = None
         # A kept chunk's logits are written straight into the saved buffer.
         kept = saved[rows] if saved is not None and rows.stop <= keep else None
+        out = kept if kept is not None else buffer.view(n, vocab_here)
         if plan.forward_logits == FUSED:
-            logits = kept if kept is not None else flat.hidden.new_empty(n, flat.weight.shape[0])
+            logits = out
             partial = kernels.gemm_row_stats(flat.hidden[rows], flat.weight, flat.bias, t, cfg, call.vocab_offset,
                                              logits)
             stats = RowStats.from_partial(call.combined(partial))
@@ -78,13 +90,13 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
                 grad_scale = upstream_scales(cfg, denoms, one, rows, n)[0]
                 grad = kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, grad_scale)
         elif call.plain:
-            logits = chunk_logits(flat, rows, out=kept)
+            logits = chunk_logits(flat, rows, out=out)
             grad_scale = upstream_scales(cfg, denoms, one, rows, n)[0] if acc else None
             loss_rows, lse, grad = kernels.plain_loss(logits, t, cfg.ignore_index, grad_scale)
             stats = RowStats(lse=lse, target_z=lse - loss_rows)
             terms_per_chunk.append(RowTerms(loss_rows, torch.zeros_like(loss_rows), t != cfg.ignore_index))
         else:
-            logits = chunk_logits(flat, rows, out=kept)
+            logits = chunk_logits(flat, rows, out=out)
             stats = RowStats.from_partial(call.combined(kernels.row_stats(logits, t, cfg, call.vocab_offset)))
             terms_per_chunk.append(row_terms(stats, t, cfg, vocab))
         if acc and not call.plain:
@@ -94,8 +106,7 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
         if acc:
             acc.add(grad, rows)
         stats_per_chunk.append(stats)
-        # Drop this chunk's logits before the next chunk's GEMM allocates its own.
-        del logits, grad, kept
+        del logits, grad, kept, out
 
     terms = concat_terms(terms_per_chunk, target)
     all_stats = concat_stats(stats_per_chunk, target)
@@ -120,6 +131,10 @@ def backward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, state: Forwa
     # The saved logits are overwritten by the grad kernels: a second backward must recompute.
     state.saved_logits = None
     keep = 0 if saved is None else saved.shape[0]
+    n_rows = target.shape[0]
+    recompute_buffer = None
+    if keep < n_rows and plan.backward_grad != FUSED:
+        recompute_buffer = WorkBuffer(flat.hidden, min(plan.tokens_per_chunk, n_rows), flat.weight.shape[0])
 
     def chunk_grad(rows: slice, logits: torch.Tensor | None) -> torch.Tensor:
         """d loss / d u of one chunk, over its logits (recomputed where None)."""
@@ -138,7 +153,7 @@ def backward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, state: Forwa
             return kernels.gemm_grad(flat.hidden[rows], flat.weight, flat.bias, t, cfg, call.vocab_offset,
                                      stats.lse, coeffs)
         if logits is None:
-            logits = chunk_logits(flat, rows)
+            logits = chunk_logits(flat, rows, out=recompute_buffer.view(t.shape[0], flat.weight.shape[0]))
         if coeffs is None:
             return kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, g_ce)
         return kernels.full_grad_(logits, t, cfg, call.vocab_offset, stats.lse, coeffs)

@@ -21,7 +21,7 @@ import torch
 from flce.engine import all_rows
 from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
 from flce.engine.plans import FUSED, VocabBlocks
-from flce.engine.rows import block_logits, forward_state
+from flce.engine.rows import WorkBuffer, block_logits, forward_state
 from flce.inputs import FlatInputs
 from flce.semantics import (
     Denominators,
@@ -74,13 +74,15 @@ def block_gradients(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, stats
         grad_weight = (torch.zeros if fp32_acc else torch.empty)(
             w.shape, dtype=torch.float32 if fp32_acc else w.dtype, device=w.device)
     grad_bias = torch.empty_like(flat.bias) if wanted.bias and flat.bias is not None else None
+    buffer = None if plan.backward_grad == FUSED else WorkBuffer(x, x.shape[0], min(plan.grad_vocab_block, w.shape[0]))
     for start in range(0, w.shape[0], plan.grad_vocab_block):
         cols = slice(start, start + plan.grad_vocab_block)
         if plan.backward_grad == FUSED:
             bias = None if flat.bias is None else flat.bias[cols]
             grad = kernels.gemm_grad(x, w[cols], bias, target, cfg, start, stats.lse, coeffs)
         else:
-            grad = kernels.full_grad_(block_logits(x, w, flat.bias, cols), target, cfg, start, stats.lse, coeffs)
+            logits = block_logits(x, w, flat.bias, cols, buffer)
+            grad = kernels.full_grad_(logits, target, cfg, start, stats.lse, coeffs)
         if grad_hidden is not None:
             if fp32_acc:
                 kernels.accumulate_fp32_(grad_hidden, grad, w[cols])
