@@ -1,0 +1,164 @@
+"""Warp-specialised persistent Hopper GEMM in Gluon (device code only; sm_90a).
+
+``C[M, N] = A[M, K] @ B[K, N]`` with bf16/fp16 operands, fp32 accumulation and a C of any dtype the
+TMA store takes. One kernel covers the three products of the loss by the operands' memory order:
+
+    logits      = x @ W.T   A = x [M, K] K-major,        B = W [N, K] K-major (B_KMAJOR)
+    grad_hidden = G @ W     A = G [M, K] K-major,        B = W [K, N] N-major
+    grad_weight = G.T @ x   A = G [K, M] M-major (A_MMAJOR), B = x [K, N] N-major
+
+A TMA descriptor's block is the tile as it lies in memory ([BLOCK_K, BLOCK_M] for an M-major A); the
+consumer hands wgmma a transposed view of the shared tile, which wgmma reads in either order.
+
+Partitions (``gl.warp_specialize``):
+
+* **load** (1 warp, few registers): walks the program's tiles in the same order as the consumers and
+  issues the TMA loads of each K step into a ring of NUM_STAGES shared-memory stages; ``ready[s]``
+  completes when both tiles of stage s landed (expect-tx bytes), ``empty[s]`` when the consumers
+  are done reading it. The ring runs ahead across tile boundaries, so while the consumers run one
+  tile's epilogue the next tile's first stages are already loading.
+* **mma** (the default partition, ``num_warps`` warps = 2 warpgroups for 8 warps, each owning
+  BLOCK_M / 2 rows): one async ``warpgroup_mma`` per K step, keeping one in flight
+  (``warpgroup_mma_wait(1)``), so a stage is released one step after its wgmma was issued. After
+  the last step the accumulator goes to bf16 in shared memory and out by a TMA store that runs on
+  while the next tile's main loop starts; the store buffer is only waited on at the next epilogue.
+
+Tile order: persistent programs (one per SM) take tiles ``pid, pid + programs, ...`` of a grouped
+order (GROUP_M row blocks x all column blocks), so the ~132 tiles in flight at one time share a few
+A row blocks and B column blocks in L2.
+
+Out-of-range rows/columns/K steps need no masks: TMA loads fill them with zeros and TMA stores clip
+them. Every global stride must be a multiple of 16 bytes (the launcher checks).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """(row block, column block) of linear tile id ``tile`` in grouped order."""
+    tiles_per_group = GROUP_M * num_pid_n
+    group = tile // tiles_per_group
+    first_m = group * GROUP_M
+    group_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    local = tile % tiles_per_group
+    return first_m + local % group_m, local // group_m
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                    A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr):
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    step = 0  # K steps issued so far by this program, over all its tiles: the ring position
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        for kk in range(k_steps):
+            s = step % NUM_STAGES
+            # A fresh mbarrier counts as having completed the phase before phase 0, so the first
+            # pass over the ring waits on parity 1 and does not block.
+            mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), stage_bytes)
+            k = kk * BLOCK_K
+            if A_MMAJOR:
+                tma.async_copy_global_to_shared(a_desc, [k, off_m], ready.index(s), a_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(a_desc, [off_m, k], ready.index(s), a_bufs.index(s))
+            if B_KMAJOR:
+                tma.async_copy_global_to_shared(b_desc, [off_n, k], ready.index(s), b_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [k, off_n], ready.index(s), b_bufs.index(s))
+            step += 1
+
+
+@gluon.jit
+def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, WG: gl.constexpr,
+                        A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr):
+    """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
+
+    Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
+    operations span its own 4 warps only; the two warpgroups meet only at ``empty`` (count 2)."""
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, min(BLOCK_N, 256), 16])
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    out_smem = c_smem.index(WG)
+    step = 0  # K steps consumed so far over all of this program's tiles: the ring position
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
+        for kk in range(k_steps):
+            s = step % NUM_STAGES
+            mbarrier.wait(ready.index(s), (step // NUM_STAGES) & 1)
+            if A_MMAJOR:
+                a = a_bufs.index(s).slice(WG * HALF_M, HALF_M, dim=1).permute((1, 0))
+            else:
+                a = a_bufs.index(s).slice(WG * HALF_M, HALF_M, dim=0)
+            b = b_bufs.index(s)
+            if B_KMAJOR:
+                b = b.permute((1, 0))
+            acc = warpgroup_mma(a, b, acc, use_acc=kk > 0, is_async=True)
+            # Keep this step's wgmma in flight; the previous one has finished reading its stage.
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=kk > 0)
+            step += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k_steps > 0)
+        out = acc.to(c_desc.dtype)
+        tma.store_wait(0)  # the previous tile's store has left out_smem
+        out_smem.store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M + WG * HALF_M, pid_n * BLOCK_N], out_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K,
+                    A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+    """C = A @ B; grid = (persistent programs,), launched with num_warps=4 (the first consumer
+    warpgroup; the second and the load warp are workers). Block shapes come from the descriptors:
+    c_desc [BLOCK_M / 2, BLOCK_N] (one warpgroup's half tile); a_desc [BLOCK_M, BLOCK_K] (or
+    [BLOCK_K, BLOCK_M] with A_MMAJOR); b_desc [BLOCK_N, BLOCK_K] with B_KMAJOR (or [BLOCK_K, BLOCK_N])."""
+    BLOCK_M: gl.constexpr = 2 * c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_KMAJOR else b_desc.block_type.shape[0]
+    dtype: gl.constexpr = a_desc.dtype
+
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    gl.warp_specialize([
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, 0,
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, 1,
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                           A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -1,0 +1,164 @@
+"""Launchers of the warp-specialised persistent Hopper GEMM (ws_gemm_kernels.py).
+
+:func:`ws_matmul` computes ``a @ b`` for 2-D bf16/fp16 operands that each lie row- or column-major
+(unit stride in one dimension), so the three products of the loss are plain calls on views:
+
+    logits      = ws_matmul(x, w.T)      x [N, H], w [V, H]
+    grad_hidden = ws_matmul(g, w)        g [N, V]
+    grad_weight = ws_matmul(g.T, x)
+
+TMA needs every operand's leading stride and base address to be multiples of 16 bytes: a logits or
+gradient buffer with an odd V gets a padded row stride (:func:`padded_empty`). Inputs that break
+the rule raise ValueError rather than silently copying; callers fall back to cuBLAS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+_GL_DTYPES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class WsGemmConfig:
+    """Tile shape and launch of the warp-specialised GEMM.
+
+    block_m rows per tile are split between two consumer warpgroups (block_m / 2 rows each, a
+    [block_m / 2, block_n] fp32 accumulator in registers: 128 registers a thread at 128 x 256).
+    Shared memory: stages x (block_m + block_n) x block_k x 2 bytes of operand ring plus the
+    block_m x block_n output tile (3 x 48 KiB + 64 KiB = 208 KiB at the default)."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    stages: int = 3
+    consumer_regs: int = 232  # per thread, each consumer warpgroup (setmaxnreg)
+    load_regs: int = 40  # per thread, the load warp's warpgroup
+    max_regs: int = 168  # the kernel's register cap at entry: 3 warpgroups x 168 = 232 + 232 + 40
+
+
+DEFAULT_CONFIG = WsGemmConfig()
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Row-major with a 16-byte aligned row stride and base: what a TMA descriptor accepts."""
+    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def ws_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ws_matmul(a, b) runs here: a Hopper GPU (sm_90), bf16/fp16 operands of one dtype,
+    each row- or column-major with 16-byte aligned leading strides."""
+    if not (a.is_cuda and b.is_cuda) or torch.cuda.get_device_capability(a.device) != (9, 0):
+        return False
+    if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return all(_tma_ready(t) or _tma_ready(t.T) for t in (a, b))
+
+
+def padded_empty(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised [rows, cols] tensor whose row stride is rounded up to 16 bytes (a view of a
+    wider buffer when cols * element size is not a multiple of 16), so TMA can store into it."""
+    per_16 = 16 // torch.empty((), dtype=dtype).element_size()
+    stride = triton.cdiv(cols, per_16) * per_16
+    return torch.empty(rows, stride, dtype=dtype, device=device)[:, :cols]
+
+
+def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+              config: WsGemmConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """``a @ b`` (fp32 accumulation, rounded once to a's dtype) into ``out`` [M, N] (row-major,
+    16-byte aligned rows, a's dtype; a padded_empty when None), for a [M, K] and b [K, N] of one
+    dtype, each row- or column-major."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
+
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"ws_matmul: a {tuple(a.shape)} @ b {tuple(b.shape)}: expected [M, K] @ [K, N]")
+    if not ws_supported(a, b):
+        raise ValueError(f"ws_matmul: a ({a.dtype}, strides {a.stride()}, {a.device}) and b ({b.dtype}, strides "
+                         f"{b.stride()}): expected bf16/fp16 CUDA tensors of one dtype on an sm_90 GPU, each row- "
+                         "or column-major with 16-byte aligned leading strides")
+    m, k = a.shape
+    n = b.shape[1]
+    if out is None:
+        out = padded_empty(m, n, a.dtype, a.device)
+    if out.shape != (m, n) or not _tma_ready(out) or out.dtype != a.dtype:
+        raise ValueError(f"ws_matmul: out {tuple(out.shape)} {out.dtype} strides {out.stride()}: expected "
+                         f"[{m}, {n}] row-major {a.dtype} with 16-byte aligned rows")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = config
+    op_dtype = getattr(gl, _GL_DTYPES[a.dtype])
+
+    def descriptor(t: torch.Tensor, block: list[int], dtype: object) -> TensorDescriptor:
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+    a_mmajor = not _tma_ready(a)  # stored as a.T [K, M], row-major
+    b_kmajor = not _tma_ready(b)  # stored as b.T [N, K], row-major
+    a_desc = (descriptor(a.T, [cfg.block_k, cfg.block_m], op_dtype) if a_mmajor
+              else descriptor(a, [cfg.block_m, cfg.block_k], op_dtype))
+    b_desc = (descriptor(b.T, [cfg.block_n, cfg.block_k], op_dtype) if b_kmajor
+              else descriptor(b, [cfg.block_k, cfg.block_n], op_dtype))
+    c_desc = descriptor(out, [cfg.block_m // 2, cfg.block_n], op_dtype)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count)
+    _ws_gemm_kernel[(programs,)](
+        a_desc, b_desc, c_desc, m, n, k,
+        A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, GROUP_M=cfg.group_m, NUM_STAGES=cfg.stages,
+        CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs, num_warps=4, maxnreg=cfg.max_regs,
+    )
+    return out
+
+
+def lm_head_logits(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, V] = x [N, H] @ w [V, H].T"""
+    return ws_matmul(x, w.T, out)
+
+
+def lm_head_grad_hidden(g: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """d loss / d x [N, H] = g [N, V] @ w [V, H]"""
+    return ws_matmul(g, w, out)
+
+
+def lm_head_grad_weight(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """d loss / d w [V, H] = g [N, V].T @ x [N, H]"""
+    return ws_matmul(g.T, x, out)
+
+
+def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig = DEFAULT_CONFIG,
+                       dtype: str = "bfloat16") -> object:
+    """Compile the kernel for sm_90a without a GPU (triton.compile on a Gluon source), for the CPU
+    tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``)."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
+
+    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+
+    def descriptor(block: list[int]) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, dtype))
+        return f"tensordesc<{short}[{block[0]},{block[1]}],{layout!r}>"
+
+    cfg = config
+    types = {"a_desc": descriptor([cfg.block_k, cfg.block_m] if a_mmajor else [cfg.block_m, cfg.block_k]),
+             "b_desc": descriptor([cfg.block_n, cfg.block_k] if b_kmajor else [cfg.block_k, cfg.block_n]),
+             "c_desc": descriptor([cfg.block_m // 2, cfg.block_n]), "M": "i32", "N": "i32", "K": "i32"}
+    constants = {"A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor, "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages,
+                 "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
+    names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
+    signature = {name: "constexpr" if name in constants else types[name] for name in names}
+    source = GluonASTSource(_ws_gemm_kernel, signature, {(names.index(k),): v for k, v in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": cfg.max_regs})
