@@ -19,7 +19,7 @@ import torch
 _COMPILE = """
 import json, sys
 from flce.backends.cuda.ws_gemm_ops import compile_for_hopper
-compiled = compile_for_hopper(sys.argv[1] == "1", sys.argv[2] == "1")
+compiled = compile_for_hopper(sys.argv[1] == "1", sys.argv[2] == "1", row_stats=sys.argv[3] == "1")
 sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}))
 """
 
@@ -27,16 +27,20 @@ sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.meta
 LAYOUTS = {"logits": (False, True), "grad_hidden": (False, False), "grad_weight": (True, False)}
 
 
-@pytest.mark.parametrize("product", list(LAYOUTS))
-def test_ws_gemm_compiles_for_hopper(product: str) -> None:
+def _compile(a_mmajor: bool, b_kmajor: bool, row_stats: bool) -> dict:
     import json
 
-    a_mmajor, b_kmajor = LAYOUTS[product]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, str(int(a_mmajor)), str(int(b_kmajor))], env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    flags = [str(int(f)) for f in (a_mmajor, b_kmajor, row_stats)]
+    done = subprocess.run([sys.executable, "-c", _COMPILE, *flags], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("product", list(LAYOUTS))
+def test_ws_gemm_compiles_for_hopper(product: str) -> None:
+    result = _compile(*LAYOUTS[product], row_stats=False)
     ptx = result["ptx"]
     # Each consumer warpgroup's K step: four m64n256k16 wgmma of its 64-row half tile.
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 8
@@ -49,6 +53,15 @@ def test_ws_gemm_compiles_for_hopper(product: str) -> None:
     assert "setmaxnreg.dec.sync.aligned.u32 \t40" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 \t232" in ptx
     assert result["shared"] <= 227 * 1024
+
+
+def test_ws_row_stats_compiles_for_hopper() -> None:
+    """The forward's row-statistics epilogue: no logits stored (no TMA store), one exp2 per logit
+    (128 of a warpgroup's 64 x 256 half tile per thread, in each consumer partition)."""
+    ptx = _compile(False, True, row_stats=True)["ptx"]
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 8
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" not in ptx
+    assert ptx.count("ex2.approx") == 2 * 128
 
 
 def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -97,3 +110,28 @@ def test_ws_gemm_rejects_unaligned_operands() -> None:
     odd = torch.randn(64, 101, device="cuda", dtype=torch.bfloat16)[:, :100]  # row stride 202 bytes
     with pytest.raises(ValueError, match="16-byte aligned"):
         ws_matmul(odd, a.T)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32001), (130, 4096, 520)])
+def test_ws_row_stats_plain_loss_matches_float64(tokens: int, hidden: int, vocab: int) -> None:
+    from flce.backends.cuda.ws_gemm_ops import ws_row_stats, ws_supported
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device="cuda") * 3 / hidden ** 0.5).to(torch.bfloat16)
+    if not ws_supported(x, w.T):
+        pytest.skip(f"ws_row_stats needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    target[::7] = -100  # ignored rows: no tile holds their target, target_z stays 0
+    target[1] = vocab - 1  # the last, partial column tile
+    row_max, sum_exp, target_z = ws_row_stats(x, w, target)
+    z = x.double() @ w.double().T
+    valid = target >= 0
+    assert torch.equal(target_z[~valid], torch.zeros_like(target_z[~valid]))
+    picked = z.gather(1, target.clamp(min=0)[:, None])[:, 0]
+    assert torch.allclose(target_z[valid].double(), picked[valid], rtol=1e-2, atol=1e-2)
+    lse = row_max.double() + sum_exp.double().log()
+    assert torch.allclose(lse, torch.logsumexp(z, 1), rtol=1e-3, atol=1e-3)
+    assert torch.allclose(row_max.double(), z.max(1).values, rtol=1e-2, atol=1e-2)
+    loss, ref = (lse - target_z.double())[valid].mean(), (torch.logsumexp(z, 1) - picked)[valid].mean()
+    assert abs(float(loss - ref)) / abs(float(ref)) < 1e-3

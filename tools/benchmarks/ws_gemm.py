@@ -23,7 +23,14 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flce.backends.cuda.ws_gemm_ops import DEFAULT_CONFIG, WsGemmConfig, padded_empty, ws_matmul  # noqa: E402
+from flce.backends.cuda.ws_gemm_ops import (  # noqa: E402
+    DEFAULT_CONFIG,
+    ROW_STATS_CONFIG,
+    WsGemmConfig,
+    padded_empty,
+    ws_matmul,
+    ws_row_stats,
+)
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -56,17 +63,78 @@ def parse_config(text: str) -> WsGemmConfig:
     return dataclasses.replace(DEFAULT_CONFIG, **dict(zip(names[:len(parts)], parts, strict=True)))
 
 
+def loss_inputs(tokens: int, hidden: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, W with logits of std ~0.5, uniform targets with every 13th ignored (-100)."""
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device="cuda") * (0.5 / hidden ** 0.5)).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    target[::13] = -100
+    return x, w, target
+
+
+def loss_from_stats(row_max: torch.Tensor, sum_exp: torch.Tensor, target_z: torch.Tensor,
+                    target: torch.Tensor) -> torch.Tensor:
+    valid = target != -100
+    return ((row_max + sum_exp.log() - target_z) * valid).sum() / valid.sum()
+
+
+def loss_float64(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, rows: int = 2048) -> float:
+    """Mean plain cross-entropy of x @ W.T in float64, a block of rows at a time."""
+    total, w64 = 0.0, w.double()
+    valid = target != -100
+    for start in range(0, x.shape[0], rows):
+        z = x[start:start + rows].double() @ w64.T
+        t = target[start:start + rows]
+        lse = torch.logsumexp(z, dim=1)
+        picked = z.gather(1, t.clamp(min=0)[:, None])[:, 0]
+        total += float(((lse - picked) * valid[start:start + rows]).sum())
+    return total / int(valid.sum())
+
+
+def forward_loss_rows(shapes: str, config: WsGemmConfig) -> list[str]:
+    """Forward-only plain loss: flce's ws row-statistics epilogue against cuBLAS x @ W.T alone and
+    against gemm_ops.gemm_row_stats (today's fused forward)."""
+    from flce.backends.cuda.gemm_ops import default_gemm_config, gemm_row_stats
+    from flce.config import LCEConfig
+
+    lines = ["", f"Forward only, plain loss (ws row statistics, stages {config.stages}, group_m {config.group_m}):",
+             "", "| shape N x H x V | cuBLAS x@W.T ms | ws row stats ms (/ cuBLAS) | gemm_row_stats ms (/ cuBLAS) | "
+             "ws loss rel. err vs float64 | gemm_row_stats rel. err |", "|---|---|---|---|---|---|"]
+    cfg = LCEConfig()
+    for shape in shapes.split(","):
+        tokens, hidden, vocab = (int(v) for v in shape.split("x"))
+        x, w, target = loss_inputs(tokens, hidden, vocab)
+        ref = loss_float64(x, w, target)
+        row_max, sum_exp, target_z = ws_row_stats(x, w, target, config)
+        ws_err = abs(float(loss_from_stats(row_max, sum_exp, target_z, target)) - ref) / abs(ref)
+        gconf = default_gemm_config(x.device, x.dtype)
+        stats = gemm_row_stats(x, w, None, target, cfg, 0, gconf)
+        old_err = abs(float(loss_from_stats(stats.row_max, stats.sum_exp, stats.target_z, target)) - ref) / abs(ref)
+        out = padded_empty(tokens, vocab, x.dtype, x.device)
+        t_ref = time_ms(lambda x=x, w=w, out=out: torch.mm(x, w.T, out=out))
+        t_ws = time_ms(lambda x=x, w=w, t=target: ws_row_stats(x, w, t, config))
+        t_old = time_ms(lambda x=x, w=w, t=target, g=gconf: gemm_row_stats(x, w, None, t, cfg, 0, g))
+        lines.append(f"| {shape} | {t_ref:.3f} | {t_ws:.3f} ({t_ws / t_ref:.3f}x) | {t_old:.3f} "
+                     f"({t_old / t_ref:.3f}x) | {ws_err:.1e} | {old_err:.1e} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8192x4096x128256,16384x2048x151936")
     parser.add_argument("--configs", default="3:8:256", help="comma-separated stages:group_m:block_n[:block_k]")
     parser.add_argument("--square", type=int, default=8192)
+    parser.add_argument("--loss-shapes", default="8192x4096x128256,16384x2048x151936,16384x4096x151936",
+                        help="forward-only plain-loss shapes ('' to skip)")
+    parser.add_argument("--stats-config", default="4:8:256", help="stages:group_m:block_n of the row statistics")
+    parser.add_argument("--skip-products", action="store_true")
     args = parser.parse_args()
     configs = [parse_config(c) for c in args.configs.split(",")]
     name = torch.cuda.get_device_name()
     lines = [f"GPU: {name}, torch {torch.__version__}, triton {triton.__version__}, "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-             f"command: python tools/benchmarks/ws_gemm.py --shapes {args.shapes} --configs {args.configs}", "",
+             f"command: python tools/benchmarks/ws_gemm.py {' '.join(sys.argv[1:])}", "",
              "| shape N x H x V | product | M x N x K | cuBLAS ms | cuBLAS TFLOP/s | " +
              " | ".join(f"ws {c.stages}:{c.group_m}:{c.block_n}:{c.block_k} ms (TFLOP/s, err)" for c in configs) +
              " | best ws / cuBLAS |",
@@ -98,11 +166,14 @@ def main() -> None:
         row(f"square {s}^3", "a@b.T", a, b.T)
         row(f"square {s}^3", "a@b", a, b)
         del a, b
-    for shape in args.shapes.split(","):
+    for shape in ([] if args.skip_products else args.shapes.split(",")):
         tokens, hidden, vocab = (int(v) for v in shape.split("x"))
         for prod, (a, b) in products(tokens, hidden, vocab).items():
             row(shape, prod, a, b)
         torch.cuda.empty_cache()
+    if args.loss_shapes:
+        stats_config = dataclasses.replace(ROW_STATS_CONFIG, **dataclasses.asdict(parse_config(args.stats_config)))
+        lines += forward_loss_rows(args.loss_shapes, stats_config)
     table = "\n".join(lines)
     print(table)
     if os.environ.get("OUT"):

@@ -88,9 +88,37 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
 
 
 @gluon.jit
-def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, WG: gl.constexpr,
+def _row_stats_epilogue(acc, off_m, off_n, M, N, part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr,
+                        HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One warpgroup's [HALF_M, BLOCK_N] logits tile to per-row partials of column tile
+    off_n / BLOCK_N: the max of y = z * log2(e) and the sum of exp2(y - max) over the tile's
+    columns (base 2, as gemm_kernels' row statistics; merged by its _merge_splits_kernel), and the
+    target's logit z into target_z[row] from the one tile that holds the target column."""
+    acc_layout: gl.constexpr = acc.type.layout
+    rows = off_m + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc_layout))
+    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    # The logits PyTorch would materialise: rounded to the operands' dtype before the statistics.
+    # One [HALF_M, BLOCK_N] array stays live (the accumulator's registers): z with the columns past
+    # N at -inf; y = z * log2(e) is folded into the exp2's multiply-add.
+    z = gl.where(gl.expand_dims(cols < N, 0), acc.to(gl.bfloat16).to(gl.float32), float("-inf"))
+    tile_max = gl.max(z, axis=1) * 1.4426950408889634
+    tile_sum = gl.sum(gl.exp2(z * 1.4426950408889634 - gl.expand_dims(tile_max, 1)), axis=1)
+    row_ok = rows < M
+    part = (off_n // BLOCK_N).to(gl.int64) * M + rows
+    gl.store(part_max_ptr + part, tile_max, mask=row_ok)
+    gl.store(part_sum_ptr + part, tile_sum, mask=row_ok)
+    target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
+    hit = gl.expand_dims(cols, 0) == gl.expand_dims(target, 1)
+    target_z = gl.sum(gl.where(hit, z, 0.0), axis=1)
+    in_tile = row_ok & (target >= off_n) & (target < off_n + BLOCK_N) & (target < N)
+    gl.store(target_z_ptr + rows, target_z, mask=in_tile)
+
+
+@gluon.jit
+def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, WG: gl.constexpr,
                         A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr):
+                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                        ROW_STATS: gl.constexpr):
     """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
 
     Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
@@ -102,7 +130,6 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, W
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    out_smem = c_smem.index(WG)
     step = 0  # K steps consumed so far over all of this program's tiles: the ring position
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -124,41 +151,57 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, W
             step += 1
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k_steps > 0)
-        out = acc.to(c_desc.dtype)
-        tma.store_wait(0)  # the previous tile's store has left out_smem
-        out_smem.store(out)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M + WG * HALF_M, pid_n * BLOCK_N], out_smem)
-    tma.store_wait(0)
+        off_m = pid_m * BLOCK_M + WG * HALF_M
+        if ROW_STATS:
+            part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr = stats_ptrs
+            _row_stats_epilogue(acc, off_m, pid_n * BLOCK_N, M, N, part_max_ptr, part_sum_ptr, target_ptr,
+                                target_z_ptr, HALF_M, BLOCK_N)
+        else:
+            out_smem = c_smem.index(WG)
+            out = acc.to(c_desc.dtype)
+            tma.store_wait(0)  # the previous tile's store has left out_smem
+            out_smem.store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [off_m, pid_n * BLOCK_N], out_smem)
+    if not ROW_STATS:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K,
+def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
-    """C = A @ B; grid = (persistent programs,), launched with num_warps=4 (the first consumer
-    warpgroup; the second and the load warp are workers). Block shapes come from the descriptors:
-    c_desc [BLOCK_M / 2, BLOCK_N] (one warpgroup's half tile); a_desc [BLOCK_M, BLOCK_K] (or
-    [BLOCK_K, BLOCK_M] with A_MMAJOR); b_desc [BLOCK_N, BLOCK_K] with B_KMAJOR (or [BLOCK_K, BLOCK_N])."""
-    BLOCK_M: gl.constexpr = 2 * c_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+                    NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+    """C = A @ B (or, with ROW_STATS, C's row statistics: _row_stats_epilogue); grid = (persistent
+    programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
+    warp are workers). a_desc block [BLOCK_M, BLOCK_K] (or [BLOCK_K, BLOCK_M] with A_MMAJOR);
+    b_desc [BLOCK_N, BLOCK_K] with B_KMAJOR (or [BLOCK_K, BLOCK_N]); c_desc [BLOCK_M / 2, BLOCK_N]
+    (one warpgroup's half tile; unused with ROW_STATS, as are the four pointers without it).
+
+    part_max_ptr, part_sum_ptr  [cdiv(N, BLOCK_N), M] fp32 partials (ROW_STATS)
+    target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)"""
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_KMAJOR else b_desc.block_type.shape[0]
     dtype: gl.constexpr = a_desc.dtype
 
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    if ROW_STATS:
+        c_smem = a_bufs  # no output tile: its 64 KiB go to a fourth stage
+    else:
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
 
+    stats_ptrs = (part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr)
     gl.warp_specialize([
-        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, 0,
-                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
-        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, 1,
-                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, 0,
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS)),
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, 1,
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                            A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

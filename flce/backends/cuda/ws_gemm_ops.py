@@ -42,6 +42,8 @@ class WsGemmConfig:
 
 
 DEFAULT_CONFIG = WsGemmConfig()
+# The row-statistics epilogue keeps no output tile in shared memory: a fourth stage fits instead.
+ROW_STATS_CONFIG = WsGemmConfig(stages=4)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -68,16 +70,39 @@ def padded_empty(rows: int, cols: int, dtype: torch.dtype, device: torch.device)
     return torch.empty(rows, stride, dtype=dtype, device=device)[:, :cols]
 
 
+def _descriptor(t: torch.Tensor, block: list[int]) -> object:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple, config: WsGemmConfig,
+            row_stats: bool) -> None:
+    from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
+
+    cfg = config
+    (m, k), n = a.shape, b.shape[1]
+    a_mmajor = not _tma_ready(a)  # stored as a.T [K, M], row-major
+    b_kmajor = not _tma_ready(b)  # stored as b.T [N, K], row-major
+    a_desc = _descriptor(a.T, [cfg.block_k, cfg.block_m]) if a_mmajor else _descriptor(a, [cfg.block_m, cfg.block_k])
+    b_desc = _descriptor(b.T, [cfg.block_n, cfg.block_k]) if b_kmajor else _descriptor(b, [cfg.block_k, cfg.block_n])
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count)
+    _ws_gemm_kernel[(programs,)](
+        a_desc, b_desc, c_desc, m, n, k, *stats_ptrs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, GROUP_M=cfg.group_m,
+        NUM_STAGES=cfg.stages, ROW_STATS=row_stats, CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs,
+        num_warps=4, maxnreg=cfg.max_regs,
+    )
+
+
 def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
               config: WsGemmConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """``a @ b`` (fp32 accumulation, rounded once to a's dtype) into ``out`` [M, N] (row-major,
     16-byte aligned rows, a's dtype; a padded_empty when None), for a [M, K] and b [K, N] of one
     dtype, each row- or column-major."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
-
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"ws_matmul: a {tuple(a.shape)} @ b {tuple(b.shape)}: expected [M, K] @ [K, N]")
     if not ws_supported(a, b):
@@ -95,27 +120,40 @@ def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
         return out
     if k == 0:
         return out.zero_()
-    cfg = config
-    op_dtype = getattr(gl, _GL_DTYPES[a.dtype])
-
-    def descriptor(t: torch.Tensor, block: list[int], dtype: object) -> TensorDescriptor:
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
-
-    a_mmajor = not _tma_ready(a)  # stored as a.T [K, M], row-major
-    b_kmajor = not _tma_ready(b)  # stored as b.T [N, K], row-major
-    a_desc = (descriptor(a.T, [cfg.block_k, cfg.block_m], op_dtype) if a_mmajor
-              else descriptor(a, [cfg.block_m, cfg.block_k], op_dtype))
-    b_desc = (descriptor(b.T, [cfg.block_n, cfg.block_k], op_dtype) if b_kmajor
-              else descriptor(b, [cfg.block_k, cfg.block_n], op_dtype))
-    c_desc = descriptor(out, [cfg.block_m // 2, cfg.block_n], op_dtype)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    programs = min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count)
-    _ws_gemm_kernel[(programs,)](
-        a_desc, b_desc, c_desc, m, n, k,
-        A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, GROUP_M=cfg.group_m, NUM_STAGES=cfg.stages,
-        CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs, num_warps=4, maxnreg=cfg.max_regs,
-    )
+    c_desc = _descriptor(out, [config.block_m // 2, config.block_n])
+    _launch(a, b, c_desc, (out, out, out, out), config, row_stats=False)
     return out
+
+
+def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
+                 config: WsGemmConfig = ROW_STATS_CONFIG) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row statistics of the logits z = x @ w.T (each rounded to x's dtype) without writing them:
+    (row_max, sum_exp, target_z), [N] fp32 each, as semantics.PartialRowStats's fields for the plain
+    loss (sum_exp = sum exp(z - row_max); target_z = 0 where target is outside [0, V)).
+
+    The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
+    vocabulary order by gemm_kernels' merge kernel."""
+    from flce.backends.cuda import gemm_kernels
+
+    if not ws_supported(x, w.T) or x.shape[1] != w.shape[1] or target.shape != (x.shape[0],):
+        raise ValueError(f"ws_row_stats: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, target "
+                         f"{tuple(target.shape)}: expected x [N, H] and w [V, H] row-major bf16/fp16 on an sm_90 "
+                         "GPU (16-byte aligned rows) and target [N]")
+    n, vocab = x.shape[0], w.shape[0]
+    row_max = torch.empty(n, dtype=torch.float32, device=x.device)
+    sum_exp = torch.empty_like(row_max)
+    target_z = torch.zeros_like(row_max)
+    if n == 0:
+        return row_max, sum_exp, target_z
+    tiles_n = triton.cdiv(vocab, config.block_n)
+    part_max = torch.empty(tiles_n, n, dtype=torch.float32, device=x.device)
+    part_sum = torch.empty_like(part_max)
+    _launch(x, w.T, None, (part_max, part_sum, target.long().contiguous(), target_z), config, row_stats=True)
+    block = 256
+    gemm_kernels._merge_splits_kernel[(triton.cdiv(n, block),)](
+        part_max, part_sum, part_sum, part_sum, part_sum, row_max, sum_exp, row_max, row_max, row_max, n, tiles_n,
+        NEED_SUM_EXP_Z=False, NEED_WEIGHTED_SUM_Z=False, NEED_ARGMAX=False, BLOCK=block, num_warps=4)
+    return row_max, sum_exp, target_z
 
 
 def lm_head_logits(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,7 +172,7 @@ def lm_head_grad_weight(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor | No
 
 
 def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig = DEFAULT_CONFIG,
-                       dtype: str = "bfloat16") -> object:
+                       dtype: str = "bfloat16", row_stats: bool = False) -> object:
     """Compile the kernel for sm_90a without a GPU (triton.compile on a Gluon source), for the CPU
     tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``)."""
     import inspect
@@ -154,8 +192,10 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig = DE
     cfg = config
     types = {"a_desc": descriptor([cfg.block_k, cfg.block_m] if a_mmajor else [cfg.block_m, cfg.block_k]),
              "b_desc": descriptor([cfg.block_n, cfg.block_k] if b_kmajor else [cfg.block_k, cfg.block_n]),
-             "c_desc": descriptor([cfg.block_m // 2, cfg.block_n]), "M": "i32", "N": "i32", "K": "i32"}
-    constants = {"A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor, "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages,
+             "c_desc": descriptor([cfg.block_m // 2, cfg.block_n]), "M": "i32", "N": "i32", "K": "i32",
+             "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "target_ptr": "*i64", "target_z_ptr": "*fp32"}
+    constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
+                 "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
                  "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
     names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
     signature = {name: "constexpr" if name in constants else types[name] for name in names}
