@@ -56,12 +56,13 @@ def test_ws_gemm_compiles_for_hopper(product: str) -> None:
 
 
 def test_ws_row_stats_compiles_for_hopper() -> None:
-    """The forward's row-statistics epilogue: no logits stored (no TMA store), one exp2 per logit
-    (128 of a warpgroup's 64 x 256 half tile per thread, in each consumer partition)."""
+    """The forward's row statistics: no logits stored (no TMA store); a statistics partition of
+    its own (a third register budget: 120 a thread) with one exp2 per logit."""
     ptx = _compile(False, True, row_stats=True)["ptx"]
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 8
     assert "cp.async.bulk.tensor.2d.global.shared::cta" not in ptx
-    assert ptx.count("ex2.approx") == 2 * 128
+    assert "ex2.approx" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 \t192" in ptx and "setmaxnreg.dec.sync.aligned.u32 \t120" in ptx
 
 
 def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -125,13 +126,17 @@ def test_ws_row_stats_plain_loss_matches_float64(tokens: int, hidden: int, vocab
     target[::7] = -100  # ignored rows: no tile holds their target, target_z stays 0
     target[1] = vocab - 1  # the last, partial column tile
     row_max, sum_exp, target_z = ws_row_stats(x, w, target)
-    z = x.double() @ w.double().T
+    exact = x.double() @ w.double().T
+    z = exact.to(torch.bfloat16).double()  # the statistics are those of the logits rounded to bf16
     valid = target >= 0
     assert torch.equal(target_z[~valid], torch.zeros_like(target_z[~valid]))
     picked = z.gather(1, target.clamp(min=0)[:, None])[:, 0]
+    # fp32 accumulation in another order can round a logit to the neighbouring bf16 value
     assert torch.allclose(target_z[valid].double(), picked[valid], rtol=1e-2, atol=1e-2)
     lse = row_max.double() + sum_exp.double().log()
-    assert torch.allclose(lse, torch.logsumexp(z, 1), rtol=1e-3, atol=1e-3)
+    assert torch.allclose(lse, torch.logsumexp(z, 1), rtol=1e-4, atol=1e-4)
     assert torch.allclose(row_max.double(), z.max(1).values, rtol=1e-2, atol=1e-2)
-    loss, ref = (lse - target_z.double())[valid].mean(), (torch.logsumexp(z, 1) - picked)[valid].mean()
+    # The loss against the unrounded float64 logits: bf16 rounding errors average out.
+    ref = (torch.logsumexp(exact, 1) - exact.gather(1, target.clamp(min=0)[:, None])[:, 0])[valid].mean()
+    loss = (lse - target_z.double())[valid].mean()
     assert abs(float(loss - ref)) / abs(float(ref)) < 1e-3

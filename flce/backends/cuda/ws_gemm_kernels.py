@@ -88,34 +88,54 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
 
 
 @gluon.jit
-def _row_stats_epilogue(acc, off_m, off_n, M, N, part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr,
-                        HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One warpgroup's [HALF_M, BLOCK_N] logits tile to per-row partials of column tile
-    off_n / BLOCK_N: the max of y = z * log2(e) and the sum of exp2(y - max) over the tile's
-    columns (base 2, as gemm_kernels' row statistics; merged by its _merge_splits_kernel), and the
-    target's logit z into target_z[row] from the one tile that holds the target column."""
-    acc_layout: gl.constexpr = acc.type.layout
-    rows = off_m + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc_layout))
-    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-    # The logits PyTorch would materialise: rounded to the operands' dtype before the statistics.
-    # One [HALF_M, BLOCK_N] array stays live (the accumulator's registers): z with the columns past
-    # N at -inf; y = z * log2(e) is folded into the exp2's multiply-add.
-    z = gl.where(gl.expand_dims(cols < N, 0), acc.to(gl.bfloat16).to(gl.float32), float("-inf"))
-    tile_max = gl.max(z, axis=1) * 1.4426950408889634
-    tile_sum = gl.sum(gl.exp2(z * 1.4426950408889634 - gl.expand_dims(tile_max, 1)), axis=1)
-    row_ok = rows < M
-    part = (off_n // BLOCK_N).to(gl.int64) * M + rows
-    gl.store(part_max_ptr + part, tile_max, mask=row_ok)
-    gl.store(part_sum_ptr + part, tile_sum, mask=row_ok)
-    target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
-    hit = gl.expand_dims(cols, 0) == gl.expand_dims(target, 1)
-    target_z = gl.sum(gl.where(hit, z, 0.0), axis=1)
-    in_tile = row_ok & (target >= off_n) & (target < off_n + BLOCK_N) & (target < N)
-    gl.store(target_z_ptr + rows, target_z, mask=in_tile)
+def _stats_partition(c_smem, epi_ready, epi_empty, M, N, part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """ROW_STATS: reduce each bf16 logits tile the consumers leave in c_smem (one [BLOCK_M / 2,
+    BLOCK_N] half per consumer warpgroup) to per-row partials of column tile pid_n: the max of
+    y = z * log2(e) and the sum of exp2(y - max) over the tile's columns (base 2, as gemm_kernels'
+    row statistics; merged by its _merge_splits_kernel), and the target's logit z into
+    target_z[row] from the one tile that holds the target column.
+
+    Its own warpgroup, so this work (one exp2 per logit on the MUFU units, the rest on the ALUs)
+    runs while the consumers' wgmma work on the next tile; the logits were rounded to bf16 by the
+    consumers' store, the values PyTorch would materialise."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    WARPS: gl.constexpr = gl.num_warps()
+    # A warp's 32 lanes span a row, 8 bf16 (16 bytes) a lane per shared load: few registers a thread
+    # (the partition shares a warpgroup's budget with the load warp), reductions by shuffles.
+    ROWS: gl.constexpr = 4 * WARPS  # rows per pass
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    count = 0  # tiles reduced so far: the parity of epi_ready / epi_empty
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        col_ok = gl.expand_dims(cols < N, 0)
+        for half in gl.static_range(2):
+            mbarrier.wait(epi_ready.index(half), count & 1)
+            for r in gl.static_range(HALF_M // ROWS):
+                rows = pid_m * BLOCK_M + half * HALF_M + r * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+                z = c_smem.index(half).slice(r * ROWS, ROWS, dim=0).load(layout).to(gl.float32)
+                z = gl.where(col_ok, z, float("-inf"))
+                tile_max = gl.max(z, axis=1) * 1.4426950408889634
+                tile_sum = gl.sum(gl.exp2(z * 1.4426950408889634 - gl.expand_dims(tile_max, 1)), axis=1)
+                row_ok = rows < M
+                part = pid_n.to(gl.int64) * M + rows
+                gl.store(part_max_ptr + part, tile_max, mask=row_ok)
+                gl.store(part_sum_ptr + part, tile_sum, mask=row_ok)
+                target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
+                hit = gl.expand_dims(cols, 0) == gl.expand_dims(target, 1)
+                target_z = gl.sum(gl.where(hit, z, 0.0), axis=1)
+                in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
+                gl.store(target_z_ptr + rows, target_z, mask=in_tile)
+            mbarrier.arrive(epi_empty.index(half))
+        count += 1
 
 
 @gluon.jit
-def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, WG: gl.constexpr,
+def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, epi_ready, epi_empty, M, N, K,
+                        WG: gl.constexpr,
                         A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                         ROW_STATS: gl.constexpr):
@@ -131,6 +151,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, s
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     step = 0  # K steps consumed so far over all of this program's tiles: the ring position
+    count = 0  # tiles finished so far (ROW_STATS: the parity of epi_ready / epi_empty)
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
@@ -153,9 +174,11 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, s
         mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k_steps > 0)
         off_m = pid_m * BLOCK_M + WG * HALF_M
         if ROW_STATS:
-            part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr = stats_ptrs
-            _row_stats_epilogue(acc, off_m, pid_n * BLOCK_N, M, N, part_max_ptr, part_sum_ptr, target_ptr,
-                                target_z_ptr, HALF_M, BLOCK_N)
+            # Hand the bf16 tile to the statistics partition once it has finished the last one.
+            out = acc.to(gl.bfloat16)
+            mbarrier.wait(epi_empty.index(WG), (count & 1) ^ 1)
+            c_smem.index(WG).store(out)
+            mbarrier.arrive(epi_ready.index(WG))
         else:
             out_smem = c_smem.index(WG)
             out = acc.to(c_desc.dtype)
@@ -163,6 +186,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, s
             out_smem.store(out)
             fence_async_shared()
             tma.async_copy_shared_to_global(c_desc, [off_m, pid_n * BLOCK_N], out_smem)
+        count += 1
     if not ROW_STATS:
         tma.store_wait(0)
 
@@ -172,36 +196,60 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
-    """C = A @ B (or, with ROW_STATS, C's row statistics: _row_stats_epilogue); grid = (persistent
-    programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
-    warp are workers). a_desc block [BLOCK_M, BLOCK_K] (or [BLOCK_K, BLOCK_M] with A_MMAJOR);
-    b_desc [BLOCK_N, BLOCK_K] with B_KMAJOR (or [BLOCK_K, BLOCK_N]); c_desc [BLOCK_M / 2, BLOCK_N]
-    (one warpgroup's half tile; unused with ROW_STATS, as are the four pointers without it).
+                    CONSUMER_REGS: gl.constexpr, STATS_WARPS: gl.constexpr, STATS_REGS: gl.constexpr,
+                    LOAD_REGS: gl.constexpr):
+    """C = A @ B, or with ROW_STATS C's row statistics (_stats_partition); grid = (persistent
+    programs,), launched with num_warps=4 (the first consumer warpgroup; the second, the statistics
+    warpgroup and the load warp are workers). a_desc block [BLOCK_M, BLOCK_K] (or [BLOCK_K,
+    BLOCK_M] with A_MMAJOR); b_desc [BLOCK_N, BLOCK_K] with B_KMAJOR (or [BLOCK_K, BLOCK_N]);
+    c_desc [BLOCK_M / 2, BLOCK_N], one warpgroup's half tile (None with ROW_STATS).
 
-    part_max_ptr, part_sum_ptr  [cdiv(N, BLOCK_N), M] fp32 partials (ROW_STATS)
+    ROW_STATS only (unused otherwise):
+    part_max_ptr, part_sum_ptr  [cdiv(N, BLOCK_N), M] fp32 partials
     target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)"""
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_KMAJOR else b_desc.block_type.shape[0]
+    HALF_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = a_desc.dtype
 
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    # The output tile, one half per consumer warpgroup: read by the TMA store, or by the statistics
+    # partition (bf16, the swizzled layout wgmma results store into without bank conflicts).
     if ROW_STATS:
-        c_smem = a_bufs  # no output tile: its 64 KiB go to a fourth stage
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], gl.bfloat16)
+        c_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, BLOCK_N], c_layout)
     else:
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    epi_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    epi_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(2):
+        mbarrier.init(epi_ready.index(i), count=1)
+        mbarrier.init(epi_empty.index(i), count=1)
 
-    stats_ptrs = (part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr)
-    gl.warp_specialize([
-        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, 0,
-                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS)),
-        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, 1,
-                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS)),
-        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
-                           A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
-    ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
+    # (Partition lists are written out in each branch: a tuple holding a function cannot be bound
+    # to a variable in Gluon.)
+    if ROW_STATS:
+        gl.warp_specialize([
+            (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, epi_ready, epi_empty, M, N, K, 0,
+                                   A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS)),
+            (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, epi_ready, epi_empty, M, N, K, 1,
+                                   A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS)),
+            (_stats_partition, (c_smem, epi_ready, epi_empty, M, N, part_max_ptr, part_sum_ptr, target_ptr,
+                                target_z_ptr, BLOCK_M, BLOCK_N, GROUP_M)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
+        ], [4, STATS_WARPS, 1], [CONSUMER_REGS, STATS_REGS, LOAD_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, epi_ready, epi_empty, M, N, K, 0,
+                                   A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS)),
+            (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, epi_ready, epi_empty, M, N, K, 1,
+                                   A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
+        ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -37,13 +37,19 @@ class WsGemmConfig:
     group_m: int = 8
     stages: int = 3
     consumer_regs: int = 232  # per thread, each consumer warpgroup (setmaxnreg)
+    stats_warps: int = 2  # the row-statistics partition (ROW_STATS only); it shares a warpgroup with the
+    stats_regs: int = 120  # load warp, and each warp of that warpgroup gets max(stats_regs, load_regs)
     load_regs: int = 40  # per thread, the load warp's warpgroup
-    max_regs: int = 168  # the kernel's register cap at entry: 3 warpgroups x 168 = 232 + 232 + 40
+    # The kernel's register cap at entry (ptxas compiles every partition within it, and a wgmma of
+    # a 64 x 256 fp32 accumulator needs >= 154); the first consumer warpgroup gets what the others
+    # leave of 3 warpgroups x max_regs: 168 x 3 = 232 + 232 + 40 (plain), 192 + 192 + 120 (ROW_STATS;
+    # ptxas spills in the statistics partition below 120).
+    max_regs: int = 168
 
 
 DEFAULT_CONFIG = WsGemmConfig()
-# The row-statistics epilogue keeps no output tile in shared memory: a fourth stage fits instead.
-ROW_STATS_CONFIG = WsGemmConfig(stages=4)
+# The row statistics: a fourth warpgroup reduces the bf16 tiles the consumers leave in shared memory.
+ROW_STATS_CONFIG = WsGemmConfig(consumer_regs=192, stats_regs=120, load_regs=120)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -93,7 +99,9 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple,
     _ws_gemm_kernel[(programs,)](
         a_desc, b_desc, c_desc, m, n, k, *stats_ptrs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, GROUP_M=cfg.group_m,
-        NUM_STAGES=cfg.stages, ROW_STATS=row_stats, CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs,
+        NUM_STAGES=cfg.stages, ROW_STATS=row_stats, CONSUMER_REGS=cfg.consumer_regs, STATS_WARPS=cfg.stats_warps,
+        STATS_REGS=cfg.stats_regs,
+        LOAD_REGS=cfg.load_regs,
         num_warps=4, maxnreg=cfg.max_regs,
     )
 
@@ -171,7 +179,7 @@ def lm_head_grad_weight(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor | No
     return ws_matmul(g.T, x, out)
 
 
-def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig = DEFAULT_CONFIG,
+def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | None = None,
                        dtype: str = "bfloat16", row_stats: bool = False) -> object:
     """Compile the kernel for sm_90a without a GPU (triton.compile on a Gluon source), for the CPU
     tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``)."""
@@ -189,14 +197,15 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig = DE
         layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, dtype))
         return f"tensordesc<{short}[{block[0]},{block[1]}],{layout!r}>"
 
-    cfg = config
+    cfg = config or (ROW_STATS_CONFIG if row_stats else DEFAULT_CONFIG)
     types = {"a_desc": descriptor([cfg.block_k, cfg.block_m] if a_mmajor else [cfg.block_m, cfg.block_k]),
              "b_desc": descriptor([cfg.block_n, cfg.block_k] if b_kmajor else [cfg.block_k, cfg.block_n]),
              "c_desc": descriptor([cfg.block_m // 2, cfg.block_n]), "M": "i32", "N": "i32", "K": "i32",
              "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "target_ptr": "*i64", "target_z_ptr": "*fp32"}
     constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
                  "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
-                 "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
+                 "CONSUMER_REGS": cfg.consumer_regs, "STATS_WARPS": cfg.stats_warps,
+                 "STATS_REGS": cfg.stats_regs, "LOAD_REGS": cfg.load_regs}
     names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
     signature = {name: "constexpr" if name in constants else types[name] for name in names}
     source = GluonASTSource(_ws_gemm_kernel, signature, {(names.index(k),): v for k, v in constants.items()})
