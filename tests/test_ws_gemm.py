@@ -56,13 +56,14 @@ def test_ws_gemm_compiles_for_hopper(product: str) -> None:
 
 
 def test_ws_row_stats_compiles_for_hopper() -> None:
-    """The forward's row statistics: no logits stored (no TMA store); a statistics partition of
-    its own (a third register budget: 120 a thread) with one exp2 per logit."""
+    """The forward's row statistics: no logits stored (no TMA store); the first 8 K steps of a tile
+    are peeled (8 x 4 wgmma a warpgroup beside the loop's 4), each with a chunk of the previous
+    tile's statistics (exp2); the barriers the chunks need span one warpgroup (128 threads)."""
     ptx = _compile(False, True, row_stats=True)["ptx"]
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 8
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (8 + 1) * 4
     assert "cp.async.bulk.tensor.2d.global.shared::cta" not in ptx
     assert "ex2.approx" in ptx
-    assert "setmaxnreg.inc.sync.aligned.u32 \t192" in ptx and "setmaxnreg.dec.sync.aligned.u32 \t120" in ptx
+    assert "bar.sync \t0, 256" not in ptx and "bar.sync \t2, 128" in ptx
 
 
 def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -131,11 +132,13 @@ def test_ws_row_stats_plain_loss_matches_float64(tokens: int, hidden: int, vocab
     valid = target >= 0
     assert torch.equal(target_z[~valid], torch.zeros_like(target_z[~valid]))
     picked = z.gather(1, target.clamp(min=0)[:, None])[:, 0]
-    # fp32 accumulation in another order can round a logit to the neighbouring bf16 value
-    assert torch.allclose(target_z[valid].double(), picked[valid], rtol=1e-2, atol=1e-2)
+    # fp32 accumulation in another order can round a logit to the neighbouring bf16 value: that
+    # moves it, its row's max and its lse by at most one bf16 step of the row's largest |z|.
+    step = z.abs().amax(1) * 2.0 ** -7
+    assert ((target_z.double() - picked).abs() <= step)[valid].all()
     lse = row_max.double() + sum_exp.double().log()
-    assert torch.allclose(lse, torch.logsumexp(z, 1), rtol=1e-4, atol=1e-4)
-    assert torch.allclose(row_max.double(), z.max(1).values, rtol=1e-2, atol=1e-2)
+    assert ((lse - torch.logsumexp(z, 1)).abs() <= step + 1e-5).all()
+    assert ((row_max.double() - z.max(1).values).abs() <= step).all()
     # The loss against the unrounded float64 logits: bf16 rounding errors average out.
     ref = (torch.logsumexp(exact, 1) - exact.gather(1, target.clamp(min=0)[:, None])[:, 0])[valid].mean()
     loss = (lse - target_z.double())[valid].mean()

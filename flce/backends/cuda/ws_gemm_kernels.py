@@ -88,106 +88,124 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
 
 
 @gluon.jit
-def _stats_partition(c_smem, epi_ready, epi_empty, M, N, part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """ROW_STATS: reduce each bf16 logits tile the consumers leave in c_smem (one [BLOCK_M / 2,
-    BLOCK_N] half per consumer warpgroup) to per-row partials of column tile pid_n: the max of
-    y = z * log2(e) and the sum of exp2(y - max) over the tile's columns (base 2, as gemm_kernels'
-    row statistics; merged by its _merge_splits_kernel), and the target's logit z into
-    target_z[row] from the one tile that holds the target column.
-
-    Its own warpgroup, so this work (one exp2 per logit on the MUFU units, the rest on the ALUs)
-    runs while the consumers' wgmma work on the next tile; the logits were rounded to bf16 by the
-    consumers' store, the values PyTorch would materialise."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
-    WARPS: gl.constexpr = gl.num_warps()
-    # A warp's 32 lanes span a row, 8 bf16 (16 bytes) a lane per shared load: few registers a thread
-    # (the partition shares a warpgroup's budget with the load warp), reductions by shuffles.
-    ROWS: gl.constexpr = 4 * WARPS  # rows per pass
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    count = 0  # tiles reduced so far: the parity of epi_ready / epi_empty
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        col_ok = gl.expand_dims(cols < N, 0)
-        for half in gl.static_range(2):
-            mbarrier.wait(epi_ready.index(half), count & 1)
-            for r in gl.static_range(HALF_M // ROWS):
-                rows = pid_m * BLOCK_M + half * HALF_M + r * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-                z = c_smem.index(half).slice(r * ROWS, ROWS, dim=0).load(layout).to(gl.float32)
-                z = gl.where(col_ok, z, float("-inf"))
-                tile_max = gl.max(z, axis=1) * 1.4426950408889634
-                tile_sum = gl.sum(gl.exp2(z * 1.4426950408889634 - gl.expand_dims(tile_max, 1)), axis=1)
-                row_ok = rows < M
-                part = pid_n.to(gl.int64) * M + rows
-                gl.store(part_max_ptr + part, tile_max, mask=row_ok)
-                gl.store(part_sum_ptr + part, tile_sum, mask=row_ok)
-                target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
-                hit = gl.expand_dims(cols, 0) == gl.expand_dims(target, 1)
-                target_z = gl.sum(gl.where(hit, z, 0.0), axis=1)
-                in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
-                gl.store(target_z_ptr + rows, target_z, mask=in_tile)
-            mbarrier.arrive(epi_empty.index(half))
-        count += 1
+def _k_step(a_bufs, b_bufs, ready, empty, acc, step, kk, WG: gl.constexpr, A_MMAJOR: gl.constexpr,
+            B_KMAJOR: gl.constexpr, HALF_M: gl.constexpr):
+    """Issue K step kk of the tile (ring position ``step``) as an async wgmma on this warpgroup's
+    rows; returns the accumulator still in flight (the caller waits with _retire_step)."""
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    s = step % NUM_STAGES
+    mbarrier.wait(ready.index(s), (step // NUM_STAGES) & 1)
+    if A_MMAJOR:
+        a = a_bufs.index(s).slice(WG * HALF_M, HALF_M, dim=1).permute((1, 0))
+    else:
+        a = a_bufs.index(s).slice(WG * HALF_M, HALF_M, dim=0)
+    b = b_bufs.index(s)
+    if B_KMAJOR:
+        b = b.permute((1, 0))
+    return warpgroup_mma(a, b, acc, use_acc=kk > 0, is_async=True)
 
 
 @gluon.jit
-def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, epi_ready, epi_empty, M, N, K,
-                        WG: gl.constexpr,
+def _retire_step(empty, acc, step, kk):
+    """Keep the newest wgmma in flight; the one before it has finished reading its stage: free it."""
+    NUM_STAGES: gl.constexpr = empty.type.shape[0]
+    acc = warpgroup_mma_wait(1, deps=(acc,))
+    mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=kk > 0)
+    return acc
+
+
+@gluon.jit
+def _stats_chunk(tile_smem, chunk: gl.constexpr, off_m, pid_n, M, N, part_max_ptr, part_sum_ptr, target_ptr,
+                 target_z_ptr, CHUNKS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Rows [chunk * R, (chunk + 1) * R) (R = HALF_M / CHUNKS) of a warpgroup's bf16 logits half tile
+    (rows off_m.., column tile pid_n) to per-row partials: the max of y = z * log2(e) and the sum of
+    exp2(y - max) over the tile's columns (base 2, as gemm_kernels' row statistics, merged by its
+    _merge_splits_kernel), and the target's logit z into target_z[row] where the target is here."""
+    ROWS: gl.constexpr = tile_smem.type.shape[0] // CHUNKS
+    # 8 bf16 (16 bytes) a lane per shared load; a row's columns over 16 lanes: shuffle reductions.
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    rows = off_m + chunk * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    z = tile_smem.slice(chunk * ROWS, ROWS, dim=0).load(layout).to(gl.float32)
+    z = gl.where(gl.expand_dims(cols < N, 0), z, float("-inf"))
+    tile_max = gl.max(z, axis=1) * 1.4426950408889634
+    tile_sum = gl.sum(gl.exp2(z * 1.4426950408889634 - gl.expand_dims(tile_max, 1)), axis=1)
+    row_ok = rows < M
+    part = pid_n.to(gl.int64) * M + rows
+    gl.store(part_max_ptr + part, tile_max, mask=row_ok)
+    gl.store(part_sum_ptr + part, tile_sum, mask=row_ok)
+    target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
+    target_z = gl.sum(gl.where(gl.expand_dims(cols, 0) == gl.expand_dims(target, 1), z, 0.0), axis=1)
+    in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
+    gl.store(target_z_ptr + rows, target_z, mask=in_tile)
+
+
+@gluon.jit
+def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, WG: gl.constexpr,
                         A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                        ROW_STATS: gl.constexpr):
+                        ROW_STATS: gl.constexpr, CHUNKS: gl.constexpr):
     """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
 
     Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
-    operations span its own 4 warps only; the two warpgroups meet only at ``empty`` (count 2)."""
-    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    operations span its own 4 warps only; the two warpgroups meet only at ``empty`` (count 2).
+
+    ROW_STATS: the tile goes to shared memory as bf16 (the logits PyTorch would materialise) and is
+    reduced to statistics one chunk of rows per K step during the first CHUNKS K steps of the
+    program's next tile, while that step's wgmma runs: the exp2s and reductions overlap the tensor
+    cores instead of stalling them (the last tile's chunks run after the loop)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, min(BLOCK_N, 256), 16])
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
+    tile_smem = c_smem.index(WG)
+    part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr = stats_ptrs
     step = 0  # K steps consumed so far over all of this program's tiles: the ring position
-    count = 0  # tiles finished so far (ROW_STATS: the parity of epi_ready / epi_empty)
+    prev_m = -1  # ROW_STATS: first row and column tile of the tile waiting in tile_smem (-1: none)
+    prev_n = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
-        for kk in range(k_steps):
-            s = step % NUM_STAGES
-            mbarrier.wait(ready.index(s), (step // NUM_STAGES) & 1)
-            if A_MMAJOR:
-                a = a_bufs.index(s).slice(WG * HALF_M, HALF_M, dim=1).permute((1, 0))
-            else:
-                a = a_bufs.index(s).slice(WG * HALF_M, HALF_M, dim=0)
-            b = b_bufs.index(s)
-            if B_KMAJOR:
-                b = b.permute((1, 0))
-            acc = warpgroup_mma(a, b, acc, use_acc=kk > 0, is_async=True)
-            # Keep this step's wgmma in flight; the previous one has finished reading its stage.
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=kk > 0)
+        first = 0
+        if ROW_STATS:
+            # The launcher keeps CHUNKS <= the K steps of a tile.
+            for c in gl.static_range(CHUNKS):
+                acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
+                if prev_m >= 0:
+                    _stats_chunk(tile_smem, c, prev_m, prev_n, M, N, part_max_ptr, part_sum_ptr, target_ptr,
+                                 target_z_ptr, CHUNKS, BLOCK_N)
+                acc = _retire_step(empty, acc, step, c)
+                step += 1
+            first = CHUNKS
+        for kk in range(first, k_steps):
+            acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, kk, WG, A_MMAJOR, B_KMAJOR, HALF_M)
+            acc = _retire_step(empty, acc, step, kk)
             step += 1
         acc = warpgroup_mma_wait(0, deps=(acc,))
+        NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
         mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k_steps > 0)
         off_m = pid_m * BLOCK_M + WG * HALF_M
         if ROW_STATS:
-            # Hand the bf16 tile to the statistics partition once it has finished the last one.
             out = acc.to(gl.bfloat16)
-            mbarrier.wait(epi_empty.index(WG), (count & 1) ^ 1)
-            c_smem.index(WG).store(out)
-            mbarrier.arrive(epi_ready.index(WG))
+            gl.thread_barrier()  # every warp of this warpgroup has read the previous tile's chunks
+            tile_smem.store(out)
+            gl.thread_barrier()  # the whole half tile is stored before any warp reads a chunk
+            prev_m = off_m
+            prev_n = pid_n
         else:
-            out_smem = c_smem.index(WG)
             out = acc.to(c_desc.dtype)
-            tma.store_wait(0)  # the previous tile's store has left out_smem
-            out_smem.store(out)
+            tma.store_wait(0)  # the previous tile's store has left tile_smem
+            tile_smem.store(out)
             fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [off_m, pid_n * BLOCK_N], out_smem)
-        count += 1
-    if not ROW_STATS:
+            tma.async_copy_shared_to_global(c_desc, [off_m, pid_n * BLOCK_N], tile_smem)
+    if ROW_STATS:
+        if prev_m >= 0:
+            for c in gl.static_range(CHUNKS):
+                _stats_chunk(tile_smem, c, prev_m, prev_n, M, N, part_max_ptr, part_sum_ptr, target_ptr,
+                             target_z_ptr, CHUNKS, BLOCK_N)
+    else:
         tma.store_wait(0)
 
 
@@ -195,16 +213,15 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, epi_ready,
 def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, STATS_WARPS: gl.constexpr, STATS_REGS: gl.constexpr,
-                    LOAD_REGS: gl.constexpr):
-    """C = A @ B, or with ROW_STATS C's row statistics (_stats_partition); grid = (persistent
-    programs,), launched with num_warps=4 (the first consumer warpgroup; the second, the statistics
-    warpgroup and the load warp are workers). a_desc block [BLOCK_M, BLOCK_K] (or [BLOCK_K,
-    BLOCK_M] with A_MMAJOR); b_desc [BLOCK_N, BLOCK_K] with B_KMAJOR (or [BLOCK_K, BLOCK_N]);
-    c_desc [BLOCK_M / 2, BLOCK_N], one warpgroup's half tile (None with ROW_STATS).
+                    NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr, CHUNKS: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+    """C = A @ B, or with ROW_STATS C's row statistics (_stats_chunk); grid = (persistent
+    programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
+    warp are workers). a_desc block [BLOCK_M, BLOCK_K] (or [BLOCK_K, BLOCK_M] with A_MMAJOR);
+    b_desc [BLOCK_N, BLOCK_K] with B_KMAJOR (or [BLOCK_K, BLOCK_N]); c_desc [BLOCK_M / 2, BLOCK_N],
+    one warpgroup's half tile (None with ROW_STATS).
 
-    ROW_STATS only (unused otherwise):
+    ROW_STATS only (unused otherwise; CHUNKS in 1, 2, 4, 8 and <= the K steps of a tile):
     part_max_ptr, part_sum_ptr  [cdiv(N, BLOCK_N), M] fp32 partials
     target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)"""
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_KMAJOR else b_desc.block_type.shape[0]
@@ -213,8 +230,8 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
 
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
-    # The output tile, one half per consumer warpgroup: read by the TMA store, or by the statistics
-    # partition (bf16, the swizzled layout wgmma results store into without bank conflicts).
+    # The output tile, one half per consumer warpgroup: read by the TMA store, or (ROW_STATS, bf16)
+    # by the consumers' statistics chunks.
     if ROW_STATS:
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], gl.bfloat16)
         c_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, BLOCK_N], c_layout)
@@ -222,34 +239,16 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    epi_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    epi_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-    for i in gl.static_range(2):
-        mbarrier.init(epi_ready.index(i), count=1)
-        mbarrier.init(epi_empty.index(i), count=1)
 
-    # (Partition lists are written out in each branch: a tuple holding a function cannot be bound
-    # to a variable in Gluon.)
-    if ROW_STATS:
-        gl.warp_specialize([
-            (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, epi_ready, epi_empty, M, N, K, 0,
-                                   A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS)),
-            (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, epi_ready, epi_empty, M, N, K, 1,
-                                   A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS)),
-            (_stats_partition, (c_smem, epi_ready, epi_empty, M, N, part_max_ptr, part_sum_ptr, target_ptr,
-                                target_z_ptr, BLOCK_M, BLOCK_N, GROUP_M)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
-                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
-        ], [4, STATS_WARPS, 1], [CONSUMER_REGS, STATS_REGS, LOAD_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, epi_ready, epi_empty, M, N, K, 0,
-                                   A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS)),
-            (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, epi_ready, epi_empty, M, N, K, 1,
-                                   A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
-                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
-        ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
+    stats_ptrs = (part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr)
+    gl.warp_specialize([
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, 0,
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, CHUNKS)),
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, 1,
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, CHUNKS)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                           A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -37,19 +37,16 @@ class WsGemmConfig:
     group_m: int = 8
     stages: int = 3
     consumer_regs: int = 232  # per thread, each consumer warpgroup (setmaxnreg)
-    stats_warps: int = 2  # the row-statistics partition (ROW_STATS only); it shares a warpgroup with the
-    stats_regs: int = 120  # load warp, and each warp of that warpgroup gets max(stats_regs, load_regs)
+    stats_chunks: int = 8  # ROW_STATS: the previous tile's statistics in chunks over this many K steps
     load_regs: int = 40  # per thread, the load warp's warpgroup
     # The kernel's register cap at entry (ptxas compiles every partition within it, and a wgmma of
     # a 64 x 256 fp32 accumulator needs >= 154); the first consumer warpgroup gets what the others
-    # leave of 3 warpgroups x max_regs: 168 x 3 = 232 + 232 + 40 (plain), 192 + 192 + 120 (ROW_STATS;
-    # ptxas spills in the statistics partition below 120).
+    # leave of 3 warpgroups x max_regs: 168 x 3 = 232 + 232 + 40.
     max_regs: int = 168
 
 
 DEFAULT_CONFIG = WsGemmConfig()
-# The row statistics: a fourth warpgroup reduces the bf16 tiles the consumers leave in shared memory.
-ROW_STATS_CONFIG = WsGemmConfig(consumer_regs=192, stats_regs=120, load_regs=120)
+ROW_STATS_CONFIG = WsGemmConfig()
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -84,6 +81,14 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> object:
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
+def _chunks(k: int, config: WsGemmConfig) -> int:
+    """Statistics chunks per tile: a power of two <= stats_chunks and <= the K steps of a tile."""
+    chunks = config.stats_chunks
+    while chunks > 1 and chunks > triton.cdiv(k, config.block_k):
+        chunks //= 2
+    return chunks
+
+
 def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple, config: WsGemmConfig,
             row_stats: bool) -> None:
     from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
@@ -99,8 +104,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple,
     _ws_gemm_kernel[(programs,)](
         a_desc, b_desc, c_desc, m, n, k, *stats_ptrs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, GROUP_M=cfg.group_m,
-        NUM_STAGES=cfg.stages, ROW_STATS=row_stats, CONSUMER_REGS=cfg.consumer_regs, STATS_WARPS=cfg.stats_warps,
-        STATS_REGS=cfg.stats_regs,
+        NUM_STAGES=cfg.stages, ROW_STATS=row_stats, CHUNKS=_chunks(k, cfg) if row_stats else 1,
+        CONSUMER_REGS=cfg.consumer_regs,
         LOAD_REGS=cfg.load_regs,
         num_warps=4, maxnreg=cfg.max_regs,
     )
@@ -204,8 +209,8 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
              "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "target_ptr": "*i64", "target_z_ptr": "*fp32"}
     constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
                  "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
-                 "CONSUMER_REGS": cfg.consumer_regs, "STATS_WARPS": cfg.stats_warps,
-                 "STATS_REGS": cfg.stats_regs, "LOAD_REGS": cfg.load_regs}
+                 "CHUNKS": cfg.stats_chunks if row_stats else 1,
+                 "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
     names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
     signature = {name: "constexpr" if name in constants else types[name] for name in names}
     source = GluonASTSource(_ws_gemm_kernel, signature, {(names.index(k),): v for k, v in constants.items()})
