@@ -56,11 +56,11 @@ def test_ws_gemm_compiles_for_hopper(product: str) -> None:
 
 
 def test_ws_row_stats_compiles_for_hopper() -> None:
-    """The forward's row statistics: no logits stored (no TMA store); the first 8 K steps of a tile
-    are peeled (8 x 4 wgmma a warpgroup beside the loop's 4), each with a chunk of the previous
+    """The forward's row statistics: no logits stored (no TMA store); the first 16 K steps of a tile
+    are peeled (16 x 4 wgmma a warpgroup beside the loop's 4), each with a chunk of the previous
     tile's statistics (exp2); the barriers the chunks need span one warpgroup (128 threads)."""
     ptx = _compile(False, True, row_stats=True)["ptx"]
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (8 + 1) * 4
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
     assert "cp.async.bulk.tensor.2d.global.shared::cta" not in ptx
     assert "ex2.approx" in ptx
     assert "bar.sync \t0, 256" not in ptx and "bar.sync \t2, 128" in ptx

@@ -114,47 +114,78 @@ def _retire_step(empty, acc, step, kk):
     return acc
 
 
+# Row statistics: a warpgroup's [64, 256] bf16 half tile is reduced in 16 chunks of 16 rows x 64
+# columns (row block r = chunk // 4, column quarter q = chunk % 4), small enough for one chunk to hide
+# under one K step's wgmma (~1000 cycles for the two warpgroups).
+STATS_CHUNKS = gl.constexpr(16)
+STATS_ROWS = gl.constexpr(16)
+STATS_COLS = gl.constexpr(64)
+
+
+@gluon.constexpr_function
+def _stats_layout():
+    # 8 bf16 (16 bytes) a lane per shared load; a row's 64 columns over 8 lanes: 3 shuffle levels.
+    return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+
 @gluon.jit
-def _stats_chunk(tile_smem, chunk: gl.constexpr, off_m, pid_n, M, N, part_max_ptr, part_sum_ptr, target_ptr,
-                 target_z_ptr, CHUNKS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Rows [chunk * R, (chunk + 1) * R) (R = HALF_M / CHUNKS) of a warpgroup's bf16 logits half tile
-    (rows off_m.., column tile pid_n) to per-row partials: the max of y = z * log2(e) and the sum of
-    exp2(y - max) over the tile's columns (base 2, as gemm_kernels' row statistics, merged by its
-    _merge_splits_kernel), and the target's logit z into target_z[row] where the target is here."""
-    ROWS: gl.constexpr = tile_smem.type.shape[0] // CHUNKS
-    # 8 bf16 (16 bytes) a lane per shared load; a row's columns over 16 lanes: shuffle reductions.
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    rows = off_m + chunk * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    z = tile_smem.slice(chunk * ROWS, ROWS, dim=0).load(layout).to(gl.float32)
-    z = gl.where(gl.expand_dims(cols < N, 0), z, float("-inf"))
-    tile_max = gl.max(z, axis=1) * 1.4426950408889634
-    tile_sum = gl.sum(gl.exp2(z * 1.4426950408889634 - gl.expand_dims(tile_max, 1)), axis=1)
-    row_ok = rows < M
-    part = pid_n.to(gl.int64) * M + rows
-    gl.store(part_max_ptr + part, tile_max, mask=row_ok)
-    gl.store(part_sum_ptr + part, tile_sum, mask=row_ok)
-    target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
-    target_z = gl.sum(gl.where(gl.expand_dims(cols, 0) == gl.expand_dims(target, 1), z, 0.0), axis=1)
-    in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
-    gl.store(target_z_ptr + rows, target_z, mask=in_tile)
+def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, part_max_ptr, part_sum_ptr,
+                 target_ptr, target_z_ptr, BLOCK_N: gl.constexpr):
+    """Chunk ``chunk`` of a warpgroup's bf16 logits half tile (first row off_m, column tile pid_n;
+    ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's running
+    (max of y = z * log2(e), sum of exp2(y - max), target logit, target) ``carry``; the last column
+    quarter writes the block's partials (base 2, as gemm_kernels' row statistics, merged by its
+    _merge_splits_kernel) and, where the target is in this tile, its logit z to target_z[row]."""
+    layout: gl.constexpr = _stats_layout()
+    QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
+    r: gl.constexpr = chunk // QUARTERS
+    q: gl.constexpr = chunk % QUARTERS
+    rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
+    z = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
+    z = gl.where(gl.expand_dims(cols < N, 0), z.load(layout).to(gl.float32), float("-inf"))
+    part_max = gl.max(z, axis=1) * 1.4426950408889634
+    shift = gl.where(part_max > float("-inf"), part_max, 0.0)  # a quarter past N: all -inf, sum 0
+    part_sum = gl.sum(gl.exp2(z * 1.4426950408889634 - gl.expand_dims(shift, 1)), axis=1)
+    row_ok = (rows < M) & valid
+    if q == 0:
+        target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
+    else:
+        target = carry[3]
+    part_target = gl.sum(gl.where(gl.expand_dims(cols, 0) == gl.expand_dims(target, 1), z, 0.0), axis=1)
+    if q == 0:
+        running_max, running_sum, target_z = part_max, part_sum, part_target
+    else:
+        running_max = gl.maximum(carry[0], part_max)
+        running_sum = (carry[1] * gl.exp2(carry[0] - running_max)
+                       + part_sum * gl.exp2(gl.where(part_max > float("-inf"), part_max, running_max) - running_max))
+        target_z = carry[2] + part_target
+    if q == QUARTERS - 1:
+        part = pid_n.to(gl.int64) * M + rows
+        gl.store(part_max_ptr + part, running_max, mask=row_ok)
+        gl.store(part_sum_ptr + part, running_sum, mask=row_ok)
+        in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
+        gl.store(target_z_ptr + rows, target_z, mask=in_tile)
+    return running_max, running_sum, target_z, target
 
 
 @gluon.jit
 def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, WG: gl.constexpr,
                         A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                        ROW_STATS: gl.constexpr, CHUNKS: gl.constexpr):
+                        ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr):
     """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
 
     Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
     operations span its own 4 warps only; the two warpgroups meet only at ``empty`` (count 2).
 
     ROW_STATS: the tile goes to shared memory as bf16 (the logits PyTorch would materialise) and is
-    reduced to statistics one chunk of rows per K step during the first CHUNKS K steps of the
-    program's next tile, while that step's wgmma runs: the exp2s and reductions overlap the tensor
-    cores instead of stalling them (the last tile's chunks run after the loop)."""
+    reduced to statistics in STATS_CHUNKS chunks. With INTERLEAVE (at least STATS_CHUNKS K steps a
+    tile) one chunk runs during each of the program's next tile's first K steps, while that step's
+    wgmma runs, so the exp2s and reductions overlap the tensor cores; the last tile's chunks, and
+    every tile's without INTERLEAVE, run right after its main loop."""
     HALF_M: gl.constexpr = BLOCK_M // 2
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, min(BLOCK_N, 256), 16])
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -162,6 +193,9 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, s
     k_steps = gl.cdiv(K, BLOCK_K)
     tile_smem = c_smem.index(WG)
     part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr = stats_ptrs
+    row_vector: gl.constexpr = gl.SliceLayout(1, _stats_layout())
+    carry = (gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.float32, row_vector),
+             gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.int64, row_vector))
     step = 0  # K steps consumed so far over all of this program's tiles: the ring position
     prev_m = -1  # ROW_STATS: first row and column tile of the tile waiting in tile_smem (-1: none)
     prev_n = 0
@@ -169,22 +203,19 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, s
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
         first = 0
-        if ROW_STATS:
-            # The launcher keeps CHUNKS <= the K steps of a tile.
-            for c in gl.static_range(CHUNKS):
+        if ROW_STATS and INTERLEAVE:
+            for c in gl.static_range(STATS_CHUNKS):
                 acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
-                if prev_m >= 0:
-                    _stats_chunk(tile_smem, c, prev_m, prev_n, M, N, part_max_ptr, part_sum_ptr, target_ptr,
-                                 target_z_ptr, CHUNKS, BLOCK_N)
+                carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, part_max_ptr,
+                                     part_sum_ptr, target_ptr, target_z_ptr, BLOCK_N)
                 acc = _retire_step(empty, acc, step, c)
                 step += 1
-            first = CHUNKS
+            first = STATS_CHUNKS
         for kk in range(first, k_steps):
             acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, kk, WG, A_MMAJOR, B_KMAJOR, HALF_M)
             acc = _retire_step(empty, acc, step, kk)
             step += 1
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
         mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k_steps > 0)
         off_m = pid_m * BLOCK_M + WG * HALF_M
         if ROW_STATS:
@@ -192,8 +223,13 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, s
             gl.thread_barrier()  # every warp of this warpgroup has read the previous tile's chunks
             tile_smem.store(out)
             gl.thread_barrier()  # the whole half tile is stored before any warp reads a chunk
-            prev_m = off_m
-            prev_n = pid_n
+            if INTERLEAVE:
+                prev_m = off_m
+                prev_n = pid_n
+            else:
+                for c in gl.static_range(STATS_CHUNKS):
+                    carry = _stats_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, part_max_ptr,
+                                         part_sum_ptr, target_ptr, target_z_ptr, BLOCK_N)
         else:
             out = acc.to(c_desc.dtype)
             tma.store_wait(0)  # the previous tile's store has left tile_smem
@@ -201,10 +237,10 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, s
             fence_async_shared()
             tma.async_copy_shared_to_global(c_desc, [off_m, pid_n * BLOCK_N], tile_smem)
     if ROW_STATS:
-        if prev_m >= 0:
-            for c in gl.static_range(CHUNKS):
-                _stats_chunk(tile_smem, c, prev_m, prev_n, M, N, part_max_ptr, part_sum_ptr, target_ptr,
-                             target_z_ptr, CHUNKS, BLOCK_N)
+        if INTERLEAVE:
+            for c in gl.static_range(STATS_CHUNKS):
+                carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, part_max_ptr,
+                                     part_sum_ptr, target_ptr, target_z_ptr, BLOCK_N)
     else:
         tma.store_wait(0)
 
@@ -213,15 +249,15 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, s
 def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr, CHUNKS: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
-    """C = A @ B, or with ROW_STATS C's row statistics (_stats_chunk); grid = (persistent
+    """C = A @ B, or with ROW_STATS C's row statistics (_stats_chunk, BLOCK_N a multiple of 64); grid = (persistent
     programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
     warp are workers). a_desc block [BLOCK_M, BLOCK_K] (or [BLOCK_K, BLOCK_M] with A_MMAJOR);
     b_desc [BLOCK_N, BLOCK_K] with B_KMAJOR (or [BLOCK_K, BLOCK_N]); c_desc [BLOCK_M / 2, BLOCK_N],
     one warpgroup's half tile (None with ROW_STATS).
 
-    ROW_STATS only (unused otherwise; CHUNKS in 1, 2, 4, 8 and <= the K steps of a tile):
+    ROW_STATS only (unused otherwise; INTERLEAVE needs >= STATS_CHUNKS K steps a tile):
     part_max_ptr, part_sum_ptr  [cdiv(N, BLOCK_N), M] fp32 partials
     target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)"""
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_KMAJOR else b_desc.block_type.shape[0]
@@ -246,9 +282,9 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
     stats_ptrs = (part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr)
     gl.warp_specialize([
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, 0,
-                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, CHUNKS)),
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, INTERLEAVE)),
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, 1,
-                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, CHUNKS)),
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, INTERLEAVE)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                            A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -37,7 +37,6 @@ class WsGemmConfig:
     group_m: int = 8
     stages: int = 3
     consumer_regs: int = 232  # per thread, each consumer warpgroup (setmaxnreg)
-    stats_chunks: int = 8  # ROW_STATS: the previous tile's statistics in chunks over this many K steps
     load_regs: int = 40  # per thread, the load warp's warpgroup
     # The kernel's register cap at entry (ptxas compiles every partition within it, and a wgmma of
     # a 64 x 256 fp32 accumulator needs >= 154); the first consumer warpgroup gets what the others
@@ -46,7 +45,9 @@ class WsGemmConfig:
 
 
 DEFAULT_CONFIG = WsGemmConfig()
-ROW_STATS_CONFIG = WsGemmConfig()
+_STATS_CHUNKS = 16  # ws_gemm_kernels.STATS_CHUNKS: K steps a tile needs for interleaved statistics
+# The statistics chunks run beside a live accumulator: the load warp gives up 16 more registers.
+ROW_STATS_CONFIG = WsGemmConfig(consumer_regs=240, load_regs=24)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -81,14 +82,6 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> object:
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
-def _chunks(k: int, config: WsGemmConfig) -> int:
-    """Statistics chunks per tile: a power of two <= stats_chunks and <= the K steps of a tile."""
-    chunks = config.stats_chunks
-    while chunks > 1 and chunks > triton.cdiv(k, config.block_k):
-        chunks //= 2
-    return chunks
-
-
 def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple, config: WsGemmConfig,
             row_stats: bool) -> None:
     from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
@@ -104,9 +97,9 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple,
     _ws_gemm_kernel[(programs,)](
         a_desc, b_desc, c_desc, m, n, k, *stats_ptrs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, GROUP_M=cfg.group_m,
-        NUM_STAGES=cfg.stages, ROW_STATS=row_stats, CHUNKS=_chunks(k, cfg) if row_stats else 1,
-        CONSUMER_REGS=cfg.consumer_regs,
-        LOAD_REGS=cfg.load_regs,
+        NUM_STAGES=cfg.stages, ROW_STATS=row_stats,
+        INTERLEAVE=row_stats and triton.cdiv(k, cfg.block_k) >= _STATS_CHUNKS,
+        CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs,
         num_warps=4, maxnreg=cfg.max_regs,
     )
 
@@ -209,7 +202,7 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
              "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "target_ptr": "*i64", "target_z_ptr": "*fp32"}
     constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
                  "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
-                 "CHUNKS": cfg.stats_chunks if row_stats else 1,
+                 "INTERLEAVE": row_stats,
                  "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
     names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
     signature = {name: "constexpr" if name in constants else types[name] for name in names}
