@@ -123,11 +123,11 @@ def forward_loss_rows(shapes: str, config: WsGemmConfig) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8192x4096x128256,16384x2048x151936")
-    parser.add_argument("--configs", default="3:8:256", help="comma-separated stages:group_m:block_n[:block_k]")
+    parser.add_argument("--configs", default="3:16:256", help="comma-separated stages:group_m:block_n[:block_k]")
     parser.add_argument("--square", type=int, default=8192)
     parser.add_argument("--loss-shapes", default="8192x4096x128256,16384x2048x151936,16384x4096x151936",
                         help="forward-only plain-loss shapes ('' to skip)")
-    parser.add_argument("--stats-config", default="3:8:256", help="stages:group_m:block_n of the row statistics")
+    parser.add_argument("--stats-config", default="3:16:256", help="stages:group_m:block_n of the row statistics")
     parser.add_argument("--skip-products", action="store_true")
     args = parser.parse_args()
     configs = [parse_config(c) for c in args.configs.split(",")]
