@@ -143,3 +143,60 @@ def test_ws_row_stats_plain_loss_matches_float64(tokens: int, hidden: int, vocab
     ref = (torch.logsumexp(exact, 1) - exact.gather(1, target.clamp(min=0)[:, None])[:, 0])[valid].mean()
     loss = (lse - target_z.double())[valid].mean()
     assert abs(float(loss - ref)) / abs(float(ref)) < 1e-3
+
+
+def test_ws_stats_eligibility_is_the_plain_statistics() -> None:
+    """Only what the ws kernel computes goes to it: a bias, softcap, temperature, class weights,
+    entropy, label smoothing, argmax or kept logits keep the fused Triton GEMM (and CPU tensors
+    never qualify)."""
+    from flce.backends.cuda.ws_gemm_ops import ws_stats_eligible
+    from flce.config import LCEConfig
+
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    w = torch.randn(32, 16, dtype=torch.bfloat16)
+    assert not ws_stats_eligible(x, w, None, LCEConfig(), None)  # CPU
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        x, w = x.cuda(), w.cuda()
+        assert ws_stats_eligible(x, w, None, LCEConfig(reduction="none", return_logprobs=True,
+                                                       lse_square_scale=1e-4), None)
+        for cfg in (LCEConfig(softcap=30.0), LCEConfig(temperature=0.7), LCEConfig(return_entropy=True),
+                    LCEConfig(label_smoothing=0.1), LCEConfig(return_token_accuracy=True)):
+            assert not ws_stats_eligible(x, w, None, cfg, None), cfg
+        assert not ws_stats_eligible(x, w, torch.zeros(32, device="cuda", dtype=torch.bfloat16), LCEConfig(), None)
+        assert not ws_stats_eligible(x, w, None, LCEConfig(), torch.empty(8, 32, device="cuda", dtype=x.dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("vocab", [32001, 151936])
+def test_ws_forward_through_flce_matches_float64(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flce's fused forward takes the ws kernel for the plain statistics on Hopper (counted), and its
+    loss, z-loss and log-probs stay within 1.5x of eager bf16's error against the float64 oracle."""
+    from helpers import lm_head_inputs
+
+    import flce
+    from flce.autotune import override_params
+    from flce.backends.cuda import ops
+    from flce.testing import reference_loss
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the ws kernel needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    calls = []
+    real = ops.ws_partial_row_stats
+    monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    x, w, _, t = lm_head_inputs(1000, 1024, vocab, torch.bfloat16, "cuda", with_bias=False)
+    options = {"reduction": "none", "return_logprobs": True, "lse_square_scale": 1e-4, "return_z_loss": True}
+    with torch.no_grad(), override_params({"forward_stats": "fused"}, backend="cuda"):
+        out = flce.linear_cross_entropy(x, w, t, **options)
+    assert len(calls) == 1
+    want = reference_loss(x.double(), w.double(), t, **options)
+    z = (x @ w.t()).float()  # eager: bf16 logits, fp32 softmax
+    logprobs = torch.log_softmax(z, 1)
+    lse = torch.logsumexp(z, 1)
+    valid = t >= 0
+    eager = {"loss": torch.nn.functional.cross_entropy(z, t, reduction="none") + 1e-4 * torch.where(valid, lse, 0) ** 2,
+             "logprobs": torch.where(valid, logprobs.gather(1, t.clamp(0)[:, None])[:, 0], 0.0)}
+    for name, value in eager.items():
+        ref = getattr(want, name).double()
+        err = float((getattr(out, name).double() - ref).norm() / ref.norm())
+        eager_err = float((value.double() - ref).norm() / ref.norm())
+        assert err <= 1.5 * eager_err + 1e-6, (name, err, eager_err)

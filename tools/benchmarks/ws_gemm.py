@@ -24,7 +24,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flce.backends.cuda.ws_gemm_ops import (  # noqa: E402
+from flce.backends.cuda.ws_gemm_ops import (
     DEFAULT_CONFIG,
     ROW_STATS_CONFIG,
     WsGemmConfig,
@@ -53,11 +53,11 @@ def check(a: torch.Tensor, b: torch.Tensor, config: WsGemmConfig) -> float:
     return rel_error(out, torch.mm(a, b))
 
 
-def time_ms(fn) -> float:  # noqa: ANN001
+def time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def time_alternating(fns: list, passes: int = 2) -> list[float]:  # noqa: ANN001
+def time_alternating(fns: list, passes: int = 2) -> list[float]:
     """The smaller of ``passes`` medians for each function, timed in turn (A B C A B C): the GPU's
     clock drifts over a run (5% between runs on one H200), and alternating keeps that out of the
     ratios."""

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flce.backends.cuda.ws_gemm_ops import padded_empty, ws_matmul, ws_row_stats  # noqa: E402
+from flce.backends.cuda.ws_gemm_ops import padded_empty, ws_matmul, ws_row_stats
 
 
 def main() -> None:

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from flce.config import LCEConfig
+from flce.semantics import PartialRowStats, needs_argmax, needs_expected_z, needs_weighted_sum_z
+
 _GL_DTYPES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -160,6 +163,26 @@ def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
         part_max, part_sum, part_sum, part_sum, part_sum, row_max, sum_exp, row_max, row_max, row_max, n, tiles_n,
         NEED_SUM_EXP_Z=False, NEED_WEIGHTED_SUM_Z=False, NEED_ARGMAX=False, BLOCK=block, num_warps=4)
     return row_max, sum_exp, target_z
+
+
+def ws_stats_eligible(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: LCEConfig,
+                      logits_out: torch.Tensor | None) -> bool:
+    """Whether ws_partial_row_stats computes what the fused forward (gemm_ops.gemm_row_stats) would:
+    plain logits (no bias, softcap, temperature or class weights), only the max / sum-exp / target
+    statistics (no entropy, label smoothing or argmax), no logits kept, on an sm_90 GPU."""
+    plain = (bias is None and logits_out is None and cfg.softcap is None and cfg.temperature == 1.0
+             and cfg.class_weight is None)
+    only_lse = not (needs_expected_z(cfg) or needs_weighted_sum_z(cfg) or needs_argmax(cfg))
+    return plain and only_lse and hidden.shape[-1] == weight.shape[-1] and ws_supported(hidden, weight.T)
+
+
+def ws_partial_row_stats(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_offset: int,
+                         config: WsGemmConfig = ROW_STATS_CONFIG) -> PartialRowStats:
+    """gemm_row_stats's PartialRowStats for the cases ws_stats_eligible accepts: this shard's
+    (vocab_offset..) statistics, target_z 0 where the target is in another shard or ignored."""
+    local = target - vocab_offset if vocab_offset else target
+    row_max, sum_exp, target_z = ws_row_stats(hidden, weight, local, config)
+    return PartialRowStats(row_max=row_max, sum_exp=sum_exp, target_z=target_z)
 
 
 def lm_head_logits(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
