@@ -11,10 +11,12 @@ import logging
 
 import torch
 import triton
+from triton.runtime.errors import PTXASError
 
 from flce.backends.cuda import kernels
 from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_grad, gemm_row_stats
 from flce.backends.cuda.plan import MAX_BLOCK_V, LaunchParams, fallback_scan_block
+from flce.backends.cuda.ws_gemm_ops import ws_partial_row_stats, ws_stats_eligible
 from flce.config import LCEConfig
 from flce.engine.all_rows import scan_vocab_blocks
 from flce.semantics import GradCoefficients, PartialRowStats
@@ -52,6 +54,16 @@ class TritonChunkKernels:
 
     def gemm_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,
                        logits_out=None) -> PartialRowStats:
+        ws_key = ("ws_stats", hidden.device, hidden.dtype)
+        if ws_key not in _failed_gemm_configs and ws_stats_eligible(hidden, weight, bias, cfg, logits_out):
+            # Hopper, plain statistics: the warp-specialised Gluon GEMM (0.94-1.02x one cuBLAS GEMM
+            # against 1.01-1.07x for gemm_row_stats; docs/ws_gemm_notes.md).
+            try:
+                return ws_partial_row_stats(hidden, weight, target, vocab_offset)
+            except (triton.CompilationError, triton.OutOfResources, PTXASError) as error:
+                _failed_gemm_configs.add(ws_key)
+                _log.warning("flce: the warp-specialised forward kernel failed on %s %s (%s); using the fused "
+                             "Triton GEMM instead", hidden.device, hidden.dtype, error)
         config = self.gemm or default_gemm_config(hidden.device, hidden.dtype)
         key = ("stats", hidden.device, hidden.dtype, config)
         if key not in _failed_gemm_configs:

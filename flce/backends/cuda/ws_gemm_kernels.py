@@ -1,0 +1,290 @@
+"""Warp-specialised persistent Hopper GEMM in Gluon (device code only; sm_90a).
+
+``C[M, N] = A[M, K] @ B[K, N]`` with bf16/fp16 operands, fp32 accumulation and a C of any dtype the
+TMA store takes. One kernel covers the three products of the loss by the operands' memory order:
+
+    logits      = x @ W.T   A = x [M, K] K-major,        B = W [N, K] K-major (B_KMAJOR)
+    grad_hidden = G @ W     A = G [M, K] K-major,        B = W [K, N] N-major
+    grad_weight = G.T @ x   A = G [K, M] M-major (A_MMAJOR), B = x [K, N] N-major
+
+A TMA descriptor's block is the tile as it lies in memory ([BLOCK_K, BLOCK_M] for an M-major A); the
+consumer hands wgmma a transposed view of the shared tile, which wgmma reads in either order.
+
+Partitions (``gl.warp_specialize``):
+
+* **load** (1 warp, few registers): walks the program's tiles in the same order as the consumers and
+  issues the TMA loads of each K step into a ring of NUM_STAGES shared-memory stages; ``ready[s]``
+  completes when both tiles of stage s landed (expect-tx bytes), ``empty[s]`` when the consumers
+  are done reading it. The ring runs ahead across tile boundaries, so while the consumers run one
+  tile's epilogue the next tile's first stages are already loading.
+* **mma** (the default partition, ``num_warps`` warps = 2 warpgroups for 8 warps, each owning
+  BLOCK_M / 2 rows): one async ``warpgroup_mma`` per K step, keeping one in flight
+  (``warpgroup_mma_wait(1)``), so a stage is released one step after its wgmma was issued. After
+  the last step the accumulator goes to bf16 in shared memory and out by a TMA store that runs on
+  while the next tile's main loop starts; the store buffer is only waited on at the next epilogue.
+
+Tile order: persistent programs (one per SM) take tiles ``pid, pid + programs, ...`` of a grouped
+order (GROUP_M row blocks x all column blocks), so the ~132 tiles in flight at one time share a few
+A row blocks and B column blocks in L2.
+
+Out-of-range rows/columns/K steps need no masks: TMA loads fill them with zeros and TMA stores clip
+them. Every global stride must be a multiple of 16 bytes (the launcher checks).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """(row block, column block) of linear tile id ``tile`` in grouped order."""
+    tiles_per_group = GROUP_M * num_pid_n
+    group = tile // tiles_per_group
+    first_m = group * GROUP_M
+    group_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    local = tile % tiles_per_group
+    return first_m + local % group_m, local // group_m
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                    A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr):
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    step = 0  # K steps issued so far by this program, over all its tiles: the ring position
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        for kk in range(k_steps):
+            s = step % NUM_STAGES
+            # A fresh mbarrier counts as having completed the phase before phase 0, so the first
+            # pass over the ring waits on parity 1 and does not block.
+            mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), stage_bytes)
+            k = kk * BLOCK_K
+            if A_MMAJOR:
+                tma.async_copy_global_to_shared(a_desc, [k, off_m], ready.index(s), a_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(a_desc, [off_m, k], ready.index(s), a_bufs.index(s))
+            if B_KMAJOR:
+                tma.async_copy_global_to_shared(b_desc, [off_n, k], ready.index(s), b_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [k, off_n], ready.index(s), b_bufs.index(s))
+            step += 1
+
+
+@gluon.jit
+def _k_step(a_bufs, b_bufs, ready, empty, acc, step, kk, WG: gl.constexpr, A_MMAJOR: gl.constexpr,
+            B_KMAJOR: gl.constexpr, HALF_M: gl.constexpr):
+    """Issue K step kk of the tile (ring position ``step``) as an async wgmma on this warpgroup's
+    rows; returns the accumulator still in flight (the caller waits with _retire_step)."""
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    s = step % NUM_STAGES
+    mbarrier.wait(ready.index(s), (step // NUM_STAGES) & 1)
+    if A_MMAJOR:
+        a = a_bufs.index(s).slice(WG * HALF_M, HALF_M, dim=1).permute((1, 0))
+    else:
+        a = a_bufs.index(s).slice(WG * HALF_M, HALF_M, dim=0)
+    b = b_bufs.index(s)
+    if B_KMAJOR:
+        b = b.permute((1, 0))
+    return warpgroup_mma(a, b, acc, use_acc=kk > 0, is_async=True)
+
+
+@gluon.jit
+def _retire_step(empty, acc, step, kk):
+    """Keep the newest wgmma in flight; the one before it has finished reading its stage: free it."""
+    NUM_STAGES: gl.constexpr = empty.type.shape[0]
+    acc = warpgroup_mma_wait(1, deps=(acc,))
+    mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=kk > 0)
+    return acc
+
+
+# Row statistics: a warpgroup's [64, 256] bf16 half tile is reduced in 16 chunks of 16 rows x 64
+# columns (row block r = chunk // 4, column quarter q = chunk % 4), small enough for one chunk to hide
+# under one K step's wgmma (~1000 cycles for the two warpgroups).
+STATS_CHUNKS = gl.constexpr(16)
+STATS_ROWS = gl.constexpr(16)
+STATS_COLS = gl.constexpr(64)
+
+
+@gluon.constexpr_function
+def _stats_layout():
+    # 8 bf16 (16 bytes) a lane per shared load; a row's 64 columns over 8 lanes: 3 shuffle levels.
+    return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, part_max_ptr, part_sum_ptr,
+                 target_ptr, target_z_ptr, BLOCK_N: gl.constexpr):
+    """Chunk ``chunk`` of a warpgroup's bf16 logits half tile (first row off_m, column tile pid_n;
+    ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's running
+    (max of y = z * log2(e), sum of exp2(y - max), target logit, target) ``carry``; the last column
+    quarter writes the block's partials (base 2, as gemm_kernels' row statistics, merged by its
+    _merge_splits_kernel) and, where the target is in this tile, its logit z to target_z[row]."""
+    layout: gl.constexpr = _stats_layout()
+    QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
+    r: gl.constexpr = chunk // QUARTERS
+    q: gl.constexpr = chunk % QUARTERS
+    rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
+    z = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
+    z = gl.where(gl.expand_dims(cols < N, 0), z.load(layout).to(gl.float32), float("-inf"))
+    part_max = gl.max(z, axis=1) * 1.4426950408889634
+    shift = gl.where(part_max > float("-inf"), part_max, 0.0)  # a quarter past N: all -inf, sum 0
+    part_sum = gl.sum(gl.exp2(z * 1.4426950408889634 - gl.expand_dims(shift, 1)), axis=1)
+    row_ok = (rows < M) & valid
+    if q == 0:
+        target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
+    else:
+        target = carry[3]
+    part_target = gl.sum(gl.where(gl.expand_dims(cols, 0) == gl.expand_dims(target, 1), z, 0.0), axis=1)
+    if q == 0:
+        running_max, running_sum, target_z = part_max, part_sum, part_target
+    else:
+        running_max = gl.maximum(carry[0], part_max)
+        running_sum = (carry[1] * gl.exp2(carry[0] - running_max)
+                       + part_sum * gl.exp2(gl.where(part_max > float("-inf"), part_max, running_max) - running_max))
+        target_z = carry[2] + part_target
+    if q == QUARTERS - 1:
+        part = pid_n.to(gl.int64) * M + rows
+        gl.store(part_max_ptr + part, running_max, mask=row_ok)
+        gl.store(part_sum_ptr + part, running_sum, mask=row_ok)
+        in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
+        gl.store(target_z_ptr + rows, target_z, mask=in_tile)
+    return running_max, running_sum, target_z, target
+
+
+@gluon.jit
+def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, WG: gl.constexpr,
+                        A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                        ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr):
+    """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
+
+    Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
+    operations span its own 4 warps only; the two warpgroups meet only at ``empty`` (count 2).
+
+    ROW_STATS: the tile goes to shared memory as bf16 (the logits PyTorch would materialise) and is
+    reduced to statistics in STATS_CHUNKS chunks. With INTERLEAVE (at least STATS_CHUNKS K steps a
+    tile) one chunk runs during each of the program's next tile's first K steps, while that step's
+    wgmma runs, so the exp2s and reductions overlap the tensor cores; the last tile's chunks, and
+    every tile's without INTERLEAVE, run right after its main loop."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, min(BLOCK_N, 256), 16])
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    tile_smem = c_smem.index(WG)
+    part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr = stats_ptrs
+    row_vector: gl.constexpr = gl.SliceLayout(1, _stats_layout())
+    carry = (gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.float32, row_vector),
+             gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.int64, row_vector))
+    step = 0  # K steps consumed so far over all of this program's tiles: the ring position
+    prev_m = -1  # ROW_STATS: first row and column tile of the tile waiting in tile_smem (-1: none)
+    prev_n = 0
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
+        first = 0
+        if ROW_STATS and INTERLEAVE:
+            for c in gl.static_range(STATS_CHUNKS):
+                acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
+                carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, part_max_ptr,
+                                     part_sum_ptr, target_ptr, target_z_ptr, BLOCK_N)
+                acc = _retire_step(empty, acc, step, c)
+                step += 1
+            first = STATS_CHUNKS
+        for kk in range(first, k_steps):
+            acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, kk, WG, A_MMAJOR, B_KMAJOR, HALF_M)
+            acc = _retire_step(empty, acc, step, kk)
+            step += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k_steps > 0)
+        off_m = pid_m * BLOCK_M + WG * HALF_M
+        if ROW_STATS:
+            out = acc.to(gl.bfloat16)
+            gl.thread_barrier()  # every warp of this warpgroup has read the previous tile's chunks
+            tile_smem.store(out)
+            gl.thread_barrier()  # the whole half tile is stored before any warp reads a chunk
+            if INTERLEAVE:
+                prev_m = off_m
+                prev_n = pid_n
+            else:
+                for c in gl.static_range(STATS_CHUNKS):
+                    carry = _stats_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, part_max_ptr,
+                                         part_sum_ptr, target_ptr, target_z_ptr, BLOCK_N)
+        else:
+            out = acc.to(c_desc.dtype)
+            tma.store_wait(0)  # the previous tile's store has left tile_smem
+            tile_smem.store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [off_m, pid_n * BLOCK_N], tile_smem)
+    if ROW_STATS:
+        if INTERLEAVE:
+            for c in gl.static_range(STATS_CHUNKS):
+                carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, part_max_ptr,
+                                     part_sum_ptr, target_ptr, target_z_ptr, BLOCK_N)
+    else:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+    """C = A @ B, or with ROW_STATS C's row statistics (_stats_chunk, BLOCK_N a multiple of 64); grid = (persistent
+    programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
+    warp are workers). a_desc block [BLOCK_M, BLOCK_K] (or [BLOCK_K, BLOCK_M] with A_MMAJOR);
+    b_desc [BLOCK_N, BLOCK_K] with B_KMAJOR (or [BLOCK_K, BLOCK_N]); c_desc [BLOCK_M / 2, BLOCK_N],
+    one warpgroup's half tile (None with ROW_STATS).
+
+    ROW_STATS only (unused otherwise; INTERLEAVE needs >= STATS_CHUNKS K steps a tile):
+    part_max_ptr, part_sum_ptr  [cdiv(N, BLOCK_N), M] fp32 partials
+    target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)"""
+    BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_KMAJOR else b_desc.block_type.shape[0]
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = a_desc.dtype
+
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    # The output tile, one half per consumer warpgroup: read by the TMA store, or (ROW_STATS, bf16)
+    # by the consumers' statistics chunks.
+    if ROW_STATS:
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], gl.bfloat16)
+        c_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, BLOCK_N], c_layout)
+    else:
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    stats_ptrs = (part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr)
+    gl.warp_specialize([
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, 0,
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, INTERLEAVE)),
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, 1,
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, INTERLEAVE)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                           A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

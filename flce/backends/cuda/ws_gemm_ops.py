@@ -1,0 +1,234 @@
+"""Launchers of the warp-specialised persistent Hopper GEMM (ws_gemm_kernels.py).
+
+:func:`ws_matmul` computes ``a @ b`` for 2-D bf16/fp16 operands that each lie row- or column-major
+(unit stride in one dimension), so the three products of the loss are plain calls on views:
+
+    logits      = ws_matmul(x, w.T)      x [N, H], w [V, H]
+    grad_hidden = ws_matmul(g, w)        g [N, V]
+    grad_weight = ws_matmul(g.T, x)
+
+TMA needs every operand's leading stride and base address to be multiples of 16 bytes: a logits or
+gradient buffer with an odd V gets a padded row stride (:func:`padded_empty`). Inputs that break
+the rule raise ValueError rather than silently copying; callers fall back to cuBLAS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from flce.config import LCEConfig
+from flce.semantics import PartialRowStats, needs_argmax, needs_expected_z, needs_weighted_sum_z
+
+_GL_DTYPES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class WsGemmConfig:
+    """Tile shape and launch of the warp-specialised GEMM.
+
+    block_m rows per tile are split between two consumer warpgroups (block_m / 2 rows each, a
+    [block_m / 2, block_n] fp32 accumulator in registers: 128 registers a thread at 128 x 256).
+    Shared memory: stages x (block_m + block_n) x block_k x 2 bytes of operand ring plus the
+    block_m x block_n output tile (3 x 48 KiB + 64 KiB = 208 KiB at the default)."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 16  # 16 row blocks a group: 7 of 9 products faster than 8 (H200, docs/ws_gemm_notes.md)
+    stages: int = 3
+    consumer_regs: int = 232  # per thread, each consumer warpgroup (setmaxnreg)
+    load_regs: int = 40  # per thread, the load warp's warpgroup
+    # The kernel's register cap at entry (ptxas compiles every partition within it, and a wgmma of
+    # a 64 x 256 fp32 accumulator needs >= 154); the first consumer warpgroup gets what the others
+    # leave of 3 warpgroups x max_regs: 168 x 3 = 232 + 232 + 40.
+    max_regs: int = 168
+
+
+DEFAULT_CONFIG = WsGemmConfig()
+_STATS_CHUNKS = 16  # ws_gemm_kernels.STATS_CHUNKS: K steps a tile needs for interleaved statistics
+# The statistics chunks run beside a live accumulator: the load warp gives up 16 more registers.
+ROW_STATS_CONFIG = WsGemmConfig(consumer_regs=240, load_regs=24)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Row-major with a 16-byte aligned row stride and base: what a TMA descriptor accepts."""
+    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def ws_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ws_matmul(a, b) runs here: a Hopper GPU (sm_90), bf16/fp16 operands of one dtype,
+    each row- or column-major with 16-byte aligned leading strides."""
+    if not (a.is_cuda and b.is_cuda) or torch.cuda.get_device_capability(a.device) != (9, 0):
+        return False
+    if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return all(_tma_ready(t) or _tma_ready(t.T) for t in (a, b))
+
+
+def padded_empty(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised [rows, cols] tensor whose row stride is rounded up to 16 bytes (a view of a
+    wider buffer when cols * element size is not a multiple of 16), so TMA can store into it."""
+    per_16 = 16 // torch.empty((), dtype=dtype).element_size()
+    stride = triton.cdiv(cols, per_16) * per_16
+    return torch.empty(rows, stride, dtype=dtype, device=device)[:, :cols]
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> object:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple, config: WsGemmConfig,
+            row_stats: bool) -> None:
+    from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
+
+    cfg = config
+    (m, k), n = a.shape, b.shape[1]
+    a_mmajor = not _tma_ready(a)  # stored as a.T [K, M], row-major
+    b_kmajor = not _tma_ready(b)  # stored as b.T [N, K], row-major
+    a_desc = _descriptor(a.T, [cfg.block_k, cfg.block_m]) if a_mmajor else _descriptor(a, [cfg.block_m, cfg.block_k])
+    b_desc = _descriptor(b.T, [cfg.block_n, cfg.block_k]) if b_kmajor else _descriptor(b, [cfg.block_k, cfg.block_n])
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count)
+    _ws_gemm_kernel[(programs,)](
+        a_desc, b_desc, c_desc, m, n, k, *stats_ptrs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, GROUP_M=cfg.group_m,
+        NUM_STAGES=cfg.stages, ROW_STATS=row_stats,
+        INTERLEAVE=row_stats and triton.cdiv(k, cfg.block_k) >= _STATS_CHUNKS,
+        CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs,
+        num_warps=4, maxnreg=cfg.max_regs,
+    )
+
+
+def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+              config: WsGemmConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """``a @ b`` (fp32 accumulation, rounded once to a's dtype) into ``out`` [M, N] (row-major,
+    16-byte aligned rows, a's dtype; a padded_empty when None), for a [M, K] and b [K, N] of one
+    dtype, each row- or column-major."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"ws_matmul: a {tuple(a.shape)} @ b {tuple(b.shape)}: expected [M, K] @ [K, N]")
+    if not ws_supported(a, b):
+        raise ValueError(f"ws_matmul: a ({a.dtype}, strides {a.stride()}, {a.device}) and b ({b.dtype}, strides "
+                         f"{b.stride()}): expected bf16/fp16 CUDA tensors of one dtype on an sm_90 GPU, each row- "
+                         "or column-major with 16-byte aligned leading strides")
+    m, k = a.shape
+    n = b.shape[1]
+    if out is None:
+        out = padded_empty(m, n, a.dtype, a.device)
+    if out.shape != (m, n) or not _tma_ready(out) or out.dtype != a.dtype:
+        raise ValueError(f"ws_matmul: out {tuple(out.shape)} {out.dtype} strides {out.stride()}: expected "
+                         f"[{m}, {n}] row-major {a.dtype} with 16-byte aligned rows")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    c_desc = _descriptor(out, [config.block_m // 2, config.block_n])
+    _launch(a, b, c_desc, (out, out, out, out), config, row_stats=False)
+    return out
+
+
+def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
+                 config: WsGemmConfig = ROW_STATS_CONFIG) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row statistics of the logits z = x @ w.T (each rounded to x's dtype) without writing them:
+    (row_max, sum_exp, target_z), [N] fp32 each, as semantics.PartialRowStats's fields for the plain
+    loss (sum_exp = sum exp(z - row_max); target_z = 0 where target is outside [0, V)).
+
+    The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
+    vocabulary order by gemm_kernels' merge kernel."""
+    from flce.backends.cuda import gemm_kernels
+
+    if not ws_supported(x, w.T) or x.shape[1] != w.shape[1] or target.shape != (x.shape[0],):
+        raise ValueError(f"ws_row_stats: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, target "
+                         f"{tuple(target.shape)}: expected x [N, H] and w [V, H] row-major bf16/fp16 on an sm_90 "
+                         "GPU (16-byte aligned rows) and target [N]")
+    n, vocab = x.shape[0], w.shape[0]
+    row_max = torch.empty(n, dtype=torch.float32, device=x.device)
+    sum_exp = torch.empty_like(row_max)
+    target_z = torch.zeros_like(row_max)
+    if n == 0:
+        return row_max, sum_exp, target_z
+    tiles_n = triton.cdiv(vocab, config.block_n)
+    part_max = torch.empty(tiles_n, n, dtype=torch.float32, device=x.device)
+    part_sum = torch.empty_like(part_max)
+    _launch(x, w.T, None, (part_max, part_sum, target.long().contiguous(), target_z), config, row_stats=True)
+    block = 256
+    gemm_kernels._merge_splits_kernel[(triton.cdiv(n, block),)](
+        part_max, part_sum, part_sum, part_sum, part_sum, row_max, sum_exp, row_max, row_max, row_max, n, tiles_n,
+        NEED_SUM_EXP_Z=False, NEED_WEIGHTED_SUM_Z=False, NEED_ARGMAX=False, BLOCK=block, num_warps=4)
+    return row_max, sum_exp, target_z
+
+
+def ws_stats_eligible(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: LCEConfig,
+                      logits_out: torch.Tensor | None) -> bool:
+    """Whether ws_partial_row_stats computes what the fused forward (gemm_ops.gemm_row_stats) would:
+    plain logits (no bias, softcap, temperature or class weights), only the max / sum-exp / target
+    statistics (no entropy, label smoothing or argmax), no logits kept, on an sm_90 GPU."""
+    plain = (bias is None and logits_out is None and cfg.softcap is None and cfg.temperature == 1.0
+             and cfg.class_weight is None)
+    only_lse = not (needs_expected_z(cfg) or needs_weighted_sum_z(cfg) or needs_argmax(cfg))
+    return plain and only_lse and hidden.shape[-1] == weight.shape[-1] and ws_supported(hidden, weight.T)
+
+
+def ws_partial_row_stats(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_offset: int,
+                         config: WsGemmConfig = ROW_STATS_CONFIG) -> PartialRowStats:
+    """gemm_row_stats's PartialRowStats for the cases ws_stats_eligible accepts: this shard's
+    (vocab_offset..) statistics, target_z 0 where the target is in another shard or ignored."""
+    local = target - vocab_offset if vocab_offset else target
+    row_max, sum_exp, target_z = ws_row_stats(hidden, weight, local, config)
+    return PartialRowStats(row_max=row_max, sum_exp=sum_exp, target_z=target_z)
+
+
+def lm_head_logits(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, V] = x [N, H] @ w [V, H].T"""
+    return ws_matmul(x, w.T, out)
+
+
+def lm_head_grad_hidden(g: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """d loss / d x [N, H] = g [N, V] @ w [V, H]"""
+    return ws_matmul(g, w, out)
+
+
+def lm_head_grad_weight(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """d loss / d w [V, H] = g [N, V].T @ x [N, H]"""
+    return ws_matmul(g.T, x, out)
+
+
+def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | None = None,
+                       dtype: str = "bfloat16", row_stats: bool = False) -> object:
+    """Compile the kernel for sm_90a without a GPU (triton.compile on a Gluon source), for the CPU
+    tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``)."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
+
+    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+
+    def descriptor(block: list[int]) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, dtype))
+        return f"tensordesc<{short}[{block[0]},{block[1]}],{layout!r}>"
+
+    cfg = config or (ROW_STATS_CONFIG if row_stats else DEFAULT_CONFIG)
+    types = {"a_desc": descriptor([cfg.block_k, cfg.block_m] if a_mmajor else [cfg.block_m, cfg.block_k]),
+             "b_desc": descriptor([cfg.block_n, cfg.block_k] if b_kmajor else [cfg.block_k, cfg.block_n]),
+             "c_desc": descriptor([cfg.block_m // 2, cfg.block_n]), "M": "i32", "N": "i32", "K": "i32",
+             "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "target_ptr": "*i64", "target_z_ptr": "*fp32"}
+    constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
+                 "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
+                 "INTERLEAVE": row_stats,
+                 "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
+    names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
+    signature = {name: "constexpr" if name in constants else types[name] for name in names}
+    source = GluonASTSource(_ws_gemm_kernel, signature, {(names.index(k),): v for k, v in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": cfg.max_regs})

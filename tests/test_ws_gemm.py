@@ -1,0 +1,202 @@
+"""flce's warp-specialised persistent Hopper GEMM (flce/backends/cuda/ws_gemm_ops.py).
+
+Gluon kernels do not run under TRITON_INTERPRET (Gluon lowers layouts, shared memory and mbarriers
+that the interpreter does not model), so CI compiles the kernel for sm_90a in a subprocess without
+the interpreter and checks the PTX for what makes it this kernel: wgmma, TMA loads and stores,
+mbarrier waits and the register split of the warp-specialised partitions. The numbers are checked
+on a GPU (``cuda`` marker) against a float64 reference at shapes no tile divides.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_COMPILE = """
+import json, sys
+from flce.backends.cuda.ws_gemm_ops import compile_for_hopper
+compiled = compile_for_hopper(sys.argv[1] == "1", sys.argv[2] == "1", row_stats=sys.argv[3] == "1")
+sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}))
+"""
+
+# (A stored M-major, B stored K-major) of the three products: x @ W.T, G @ W, G.T @ x
+LAYOUTS = {"logits": (False, True), "grad_hidden": (False, False), "grad_weight": (True, False)}
+
+
+def _compile(a_mmajor: bool, b_kmajor: bool, row_stats: bool) -> dict:
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    flags = [str(int(f)) for f in (a_mmajor, b_kmajor, row_stats)]
+    done = subprocess.run([sys.executable, "-c", _COMPILE, *flags], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("product", list(LAYOUTS))
+def test_ws_gemm_compiles_for_hopper(product: str) -> None:
+    result = _compile(*LAYOUTS[product], row_stats=False)
+    ptx = result["ptx"]
+    # Each consumer warpgroup's K step: four m64n256k16 wgmma of its 64-row half tile.
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 8
+    assert "wgmma.wait_group.sync.aligned 1" in ptx  # one wgmma group kept in flight
+    # A and B (an M- or N-major tile wider than the 128-byte swizzle takes one copy per 64 columns)
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes") >= 2
+    assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in ptx  # TMA store of C
+    assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive.expect_tx" in ptx
+    # Warp specialisation: the load warp gives registers back, the consumers take them.
+    assert "setmaxnreg.dec.sync.aligned.u32 \t40" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 \t232" in ptx
+    assert result["shared"] <= 227 * 1024
+
+
+def test_ws_row_stats_compiles_for_hopper() -> None:
+    """The forward's row statistics: no logits stored (no TMA store); the first 16 K steps of a tile
+    are peeled (16 x 4 wgmma a warpgroup beside the loop's 4), each with a chunk of the previous
+    tile's statistics (exp2); the barriers the chunks need span one warpgroup (128 threads)."""
+    ptx = _compile(False, True, row_stats=True)["ptx"]
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" not in ptx
+    assert "ex2.approx" in ptx
+    assert "bar.sync \t0, 256" not in ptx and "bar.sync \t2, 128" in ptx
+
+
+def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.double() @ b.double()
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite outputs"
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32001), (333, 512, 1000), (130, 4096, 520)])
+def test_ws_gemm_products_match_float64(tokens: int, hidden: int, vocab: int) -> None:
+    from flce.backends.cuda.ws_gemm_ops import (
+        lm_head_grad_hidden,
+        lm_head_grad_weight,
+        lm_head_logits,
+        padded_empty,
+        ws_supported,
+    )
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16)
+    if not ws_supported(x, w.T):
+        pytest.skip(f"ws_matmul needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    g = padded_empty(tokens, vocab, torch.bfloat16, x.device).normal_()
+    cases = {"logits": (lm_head_logits, (x, w), _reference(x, w.T), (tokens, vocab)),
+             "grad_hidden": (lm_head_grad_hidden, (g, w), _reference(g, w), (tokens, hidden)),
+             "grad_weight": (lm_head_grad_weight, (g, x), _reference(g.T, x), (vocab, hidden))}
+    for name, (fn, args, ref, shape) in cases.items():
+        out = padded_empty(*shape, torch.bfloat16, x.device).fill_(float("nan"))
+        assert fn(*args, out=out) is out
+        assert _rel(out, ref) < 1e-2, name
+        fresh = fn(*args)  # allocates its own (padded) output
+        assert fresh.shape == shape and _rel(fresh, ref) < 1e-2, name
+
+
+@pytest.mark.cuda
+def test_ws_gemm_rejects_unaligned_operands() -> None:
+    from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_supported
+
+    a = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    if not ws_supported(a, a.T):
+        pytest.skip(f"ws_matmul needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    odd = torch.randn(64, 129, device="cuda", dtype=torch.bfloat16)[:, :128]  # row stride 258 bytes
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        ws_matmul(odd, a.T)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32001), (130, 4096, 520)])
+def test_ws_row_stats_plain_loss_matches_float64(tokens: int, hidden: int, vocab: int) -> None:
+    from flce.backends.cuda.ws_gemm_ops import ws_row_stats, ws_supported
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device="cuda") * 3 / hidden ** 0.5).to(torch.bfloat16)
+    if not ws_supported(x, w.T):
+        pytest.skip(f"ws_row_stats needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    target[::7] = -100  # ignored rows: no tile holds their target, target_z stays 0
+    target[1] = vocab - 1  # the last, partial column tile
+    row_max, sum_exp, target_z = ws_row_stats(x, w, target)
+    exact = x.double() @ w.double().T
+    z = exact.to(torch.bfloat16).double()  # the statistics are those of the logits rounded to bf16
+    valid = target >= 0
+    assert torch.equal(target_z[~valid], torch.zeros_like(target_z[~valid]))
+    picked = z.gather(1, target.clamp(min=0)[:, None])[:, 0]
+    # fp32 accumulation in another order can round a logit to the neighbouring bf16 value: that
+    # moves it, its row's max and its lse by at most one bf16 step of the row's largest |z|.
+    step = z.abs().amax(1) * 2.0 ** -7
+    assert ((target_z.double() - picked).abs() <= step)[valid].all()
+    lse = row_max.double() + sum_exp.double().log()
+    assert ((lse - torch.logsumexp(z, 1)).abs() <= step + 1e-5).all()
+    assert ((row_max.double() - z.max(1).values).abs() <= step).all()
+    # The loss against the unrounded float64 logits: bf16 rounding errors average out.
+    ref = (torch.logsumexp(exact, 1) - exact.gather(1, target.clamp(min=0)[:, None])[:, 0])[valid].mean()
+    loss = (lse - target_z.double())[valid].mean()
+    assert abs(float(loss - ref)) / abs(float(ref)) < 1e-3
+
+
+def test_ws_stats_eligibility_is_the_plain_statistics() -> None:
+    """Only what the ws kernel computes goes to it: a bias, softcap, temperature, class weights,
+    entropy, label smoothing, argmax or kept logits keep the fused Triton GEMM (and CPU tensors
+    never qualify)."""
+    from flce.backends.cuda.ws_gemm_ops import ws_stats_eligible
+    from flce.config import LCEConfig
+
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    w = torch.randn(32, 16, dtype=torch.bfloat16)
+    assert not ws_stats_eligible(x, w, None, LCEConfig(), None)  # CPU
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        x, w = x.cuda(), w.cuda()
+        assert ws_stats_eligible(x, w, None, LCEConfig(reduction="none", return_logprobs=True,
+                                                       lse_square_scale=1e-4), None)
+        for cfg in (LCEConfig(softcap=30.0), LCEConfig(temperature=0.7), LCEConfig(return_entropy=True),
+                    LCEConfig(label_smoothing=0.1), LCEConfig(return_token_accuracy=True)):
+            assert not ws_stats_eligible(x, w, None, cfg, None), cfg
+        assert not ws_stats_eligible(x, w, torch.zeros(32, device="cuda", dtype=torch.bfloat16), LCEConfig(), None)
+        assert not ws_stats_eligible(x, w, None, LCEConfig(), torch.empty(8, 32, device="cuda", dtype=x.dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("vocab", [32001, 151936])
+def test_ws_forward_through_flce_matches_float64(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flce's fused forward takes the ws kernel for the plain statistics on Hopper (counted), and its
+    loss, z-loss and log-probs stay within 1.5x of eager bf16's error against the float64 oracle."""
+    from helpers import lm_head_inputs
+
+    import flce
+    from flce.autotune import override_params
+    from flce.backends.cuda import ops
+    from flce.testing import reference_loss
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the ws kernel needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    calls = []
+    real = ops.ws_partial_row_stats
+    monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    x, w, _, t = lm_head_inputs(1000, 1024, vocab, torch.bfloat16, "cuda", with_bias=False)
+    options = {"reduction": "none", "return_logprobs": True, "lse_square_scale": 1e-4, "return_z_loss": True}
+    with torch.no_grad(), override_params({"forward_stats": "fused"}, backend="cuda"):
+        out = flce.linear_cross_entropy(x, w, t, **options)
+    assert len(calls) == 1
+    want = reference_loss(x.double(), w.double(), t, **options)
+    z = (x @ w.t()).float()  # eager: bf16 logits, fp32 softmax
+    logprobs = torch.log_softmax(z, 1)
+    lse = torch.logsumexp(z, 1)
+    valid = t >= 0
+    eager = {"loss": torch.nn.functional.cross_entropy(z, t, reduction="none") + 1e-4 * torch.where(valid, lse, 0) ** 2,
+             "logprobs": torch.where(valid, logprobs.gather(1, t.clamp(0)[:, None])[:, 0], 0.0)}
+    for name, value in eager.items():
+        ref = getattr(want, name).detach().double()
+        err = float((getattr(out, name).detach().double() - ref).norm() / ref.norm())
+        eager_err = float((value.double() - ref).norm() / ref.norm())
+        assert err <= 1.5 * eager_err + 1e-6, (name, err, eager_err)
