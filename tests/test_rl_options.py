@@ -10,10 +10,15 @@ whatever else is in the batch, where the token sits and how the call is chunked.
 
 from __future__ import annotations
 
+import os
+import zlib
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from test_distributed import Checker, assert_section, run_ranks
 
 import flce
 
@@ -191,3 +196,45 @@ def test_batch_invariant_is_bitwise_across_batches(generator: torch.Generator) -
             assert torch.equal(alone[name], other[name]), f"{name}: alone != {label} (not bitwise)"
     expected = formula(tokens, weight, target, bias, selected, temperature=0.8)
     assert_close(alone["logprobs"], expected["logprobs"], "logprobs vs float64", **FP32)
+
+
+# --------------------------------------------------------------------------- vocabulary parallelism (gloo)
+
+def section_sharded_options(checker: Checker, rank: int, world_size: int) -> None:
+    """selected_logprobs and logit_stats with the vocabulary in uneven shards: the unsharded values
+    on every rank, grad_hidden complete on every rank, grad of weight / bias this rank's rows."""
+    base = int(os.environ.get("FLCE_TEST_SEED", "0"))
+    generator = torch.Generator().manual_seed(zlib.crc32(b"sharded_options") + 1_000_003 * base)
+    sizes = tuple(23 + 41 * r for r in range(world_size))
+    full = inputs(generator, (4, 3), 24, sum(sizes), torch.float32, bias=True)
+    full["target"][1, 2] = -100
+    selected = torch.randint(0, sum(sizes), (4, 3, 5), generator=generator)
+    start = sum(sizes[:rank])
+    rows = slice(start, start + sizes[rank])
+    hidden = full["hidden"].detach().clone().requires_grad_()
+    shard = full["weight"].detach()[rows].clone().requires_grad_()
+    bias = full["bias"].detach()[rows].clone().requires_grad_()
+    upstream = [torch.randn(4, 3, 5, generator=generator, dtype=torch.float64),
+                torch.randn(4, 3, generator=generator, dtype=torch.float64)]
+    expected = formula(full["hidden"], full["weight"], full["target"], full["bias"], selected, temperature=0.9)
+    want = grads_of([expected["selected_logprobs"], expected["logprobs"]], upstream,
+                    [full["hidden"], full["weight"], full["bias"]])
+    with checker.case(f"w{world_size}/forward"):
+        out = flce.linear_cross_entropy(hidden, shard, full["target"], bias, reduction="none", temperature=0.9,
+                                        selected_ids=selected, return_logit_stats=True, return_logprobs=True,
+                                        process_group=dist.group.WORLD)
+        for name in ("selected_logprobs", "logit_stats", "logprobs"):
+            assert_close(getattr(out, name), expected[name], name, **FP32)
+    with checker.case(f"w{world_size}/backward"):
+        got = grads_of([out.selected_logprobs, out.logprobs], upstream, [hidden, shard, bias])
+        assert_close(got[0], want[0], "grad hidden", **FP32_GRAD)
+        assert_close(got[1], want[1][rows], "grad weight shard", **FP32_GRAD)
+        assert_close(got[2], want[2][rows], "grad bias shard", **FP32_GRAD)
+
+
+SECTIONS = {"2": {"sharded_options": section_sharded_options}}
+
+
+@pytest.mark.distributed
+def test_options_under_vocab_parallelism(tmp_path: Path) -> None:
+    assert_section(run_ranks(2, tmp_path, sections_module=__name__, sections_key="2"), "sharded_options")

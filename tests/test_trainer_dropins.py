@@ -398,8 +398,7 @@ def test_trl_matches_trls_function(trl_chunked: types.ModuleType, generator: tor
     hidden, weight, bias, targets = inputs["hidden"], inputs["weight"], inputs["bias"], inputs["targets"]
     targets[:6] = _argmax_tokens(hidden[:6], weight, bias, logit_scale)
     params = [t for t in (hidden, weight, bias) if t is not None]
-    # mean_logits of soft-capped logits needs flce's return_logit_stats.
-    outputs = tuple(n for n in flce_trl.OPTIONAL_OUTPUTS if not (softcap is not None and n == "mean_logits"))
+    outputs = flce_trl.OPTIONAL_OUTPUTS
     args = (hidden, weight, bias, targets, temperature, 64, softcap, logit_scale, outputs)
     ours = flce_trl.chunked_logprobs(*args)
     theirs = trl_chunked.ChunkedLogProbFunction.apply(*args)
@@ -441,8 +440,9 @@ def test_trl_outputs_and_errors(trl_chunked: types.ModuleType, generator: torch.
         flce_trl.chunked_logprobs(*args, None, 1.0, ("entropie",))
     with pytest.raises(ValueError, match="chunk_size"):
         flce_trl.chunked_logprobs(hidden, weight, None, targets, 1.0, 0)
-    with pytest.raises(ValueError, match="return_logit_stats"):
-        flce_trl.chunked_logprobs(*args, 30.0, 1.0, ("mean_logits",))
+    softcapped = flce_trl.chunked_logprobs(*args, 3.0, 0.7, ("mean_logits",))
+    assert_close(softcapped[3], trl_chunked.ChunkedLogProbFunction.apply(*args, 3.0, 0.7, ("mean_logits",))[3],
+                 "mean_logits, soft-capped", **FP32_TOL)
     ignored = flce_trl.chunked_logprobs(hidden, weight, None, targets.masked_fill(targets < 20, -100), 1.0, 16)
     masked = targets < 20
     assert torch.equal(ignored[0][masked].detach(), torch.zeros(int(masked.sum())))

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import flce
+from flce.distributed.shards import vocab_shard
 
 
 def linear_cross_entropy_logprobs_entropy(
@@ -76,10 +77,16 @@ def _raw_max_logits(hidden: torch.Tensor, weight: torch.Tensor, argmax: torch.Te
                     group: dist.ProcessGroup | None) -> torch.Tensor:
     """``hidden @ weight.T`` at each token's argmax (flce's predicted token, a global id; -1
     where the label is ignored, giving 0): one dot product per token, on the rank whose shard
-    holds the argmax, then a max over the group. Temperature > 0 does not move the argmax."""
+    holds the argmax, then a max over the group. Temperature > 0 does not move the argmax.
+
+    Not flce's ``return_logit_stats``, whose max is the same number: the CUDA and Ascend kernels do
+    not keep the logit min and sum yet, so that option runs the call on the reference backend, and
+    AReaL asks for the max logits on every call; the argmax is kept by every backend's kernels."""
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     argmax = argmax.reshape(-1)
-    shard_start, shard_size = _shard_range(weight, group)
+    shard_start, shard_size = 0, weight.shape[0]
+    if group is not None and dist.get_world_size(group) > 1:
+        shard_start = vocab_shard(group, weight).offset
     local = argmax - shard_start
     on_this_rank = (local >= 0) & (local < shard_size)
     dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -92,13 +99,3 @@ def _raw_max_logits(hidden: torch.Tensor, weight: torch.Tensor, argmax: torch.Te
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(max_logits, op=dist.ReduceOp.MAX, group=group)
     return torch.where(argmax >= 0, max_logits, 0.0)
-
-
-def _shard_range(weight: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(first global row, rows) of this rank's vocabulary shard; shards are in rank order."""
-    if group is None or dist.get_world_size(group) == 1:
-        return 0, weight.shape[0]
-    sizes = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=weight.device)
-    sizes[dist.get_rank(group)] = weight.shape[0]
-    dist.all_reduce(sizes, group=group)
-    return int(sizes[: dist.get_rank(group)].sum()), weight.shape[0]

@@ -25,9 +25,9 @@ cuBLAS and folds them into online-softmax statistics. :class:`ChunkedLogProbFunc
   cache or heuristic, ``memory_budget``), so it is checked and otherwise unused.
 - ``log_sum_sq_probs`` costs a second, forward-only pass: ``log sum p**2 = logsumexp(2z) -
   2 logsumexp(z) = 2 log p_t(z) - log p_t(2z)``, flce's log-prob at temperature ``T`` and ``T/2``.
-- ``mean_logits`` without soft-capping is linear in ``hidden``: ``(hidden @ mean_v(weight) +
-  mean_v(bias)) * logit_scale / temperature``, one matrix-vector product; with soft-capping it
-  needs flce's ``return_logit_stats`` and raises ``ValueError`` until that option exists.
+- ``mean_logits`` comes from flce's ``return_logit_stats`` (the statistics pass keeps the sum of
+  ``z``); the CUDA and Ascend kernels do not keep it yet, so there a call that asks for it runs on
+  flce's reference backend (pure PyTorch on the same device; the registry says so once).
 - Targets: TRL passes only real token ids (the masked positions are dropped or clamped to 0);
   here ``-100`` gives log-prob 0, entropy 0, ``is_top1`` False and no gradient, any other target
   outside ``[0, V)`` raises ``ValueError``.
@@ -69,7 +69,7 @@ def chunked_logprobs(
     out = flce.linear_cross_entropy(
         hidden, weight, targets, bias, reduction="none", return_logprobs=True,
         return_entropy="entropy" in outputs, return_token_accuracy="is_top1" in outputs,
-        accum_dtype=torch.float32 if low_precision else None, **scaled,
+        return_logit_stats="mean_logits" in outputs, accum_dtype=torch.float32 if low_precision else None, **scaled,
     )
     log_sum_sq_probs = None
     if "log_sum_sq_probs" in outputs:
@@ -79,9 +79,7 @@ def chunked_logprobs(
                 **dict(scaled, temperature=scaled["temperature"] / 2),
             )
         log_sum_sq_probs = 2 * out.logprobs.detach() - at_half.logprobs
-    mean_logits = None
-    if "mean_logits" in outputs:
-        mean_logits = _mean_logits(hidden, weight, bias, scaled)
+    mean_logits = out.logit_stats[..., 2] if "mean_logits" in outputs else None
     is_top1 = out.token_accuracy.bool() if "is_top1" in outputs else None
     return out.logprobs, out.entropy, log_sum_sq_probs, mean_logits, is_top1
 
@@ -105,18 +103,3 @@ def _fold_logit_scale(
                               "softcap": None if softcap is None else softcap / logit_scale}
     scaled_bias = None if bias is None else bias * logit_scale
     return hidden * logit_scale, scaled_bias, {"temperature": temperature, "softcap": softcap}
-
-
-@torch.no_grad()
-def _mean_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 scaled: dict[str, float | None]) -> torch.Tensor:
-    """mean_v z_v; linear in hidden without soft-capping (see the module docstring)."""
-    if scaled["softcap"] is not None:
-        raise ValueError("outputs contains 'mean_logits' with final_logit_softcapping set: the mean of soft-capped "
-                         "logits needs flce's return_logit_stats option, not available in this flce")
-    dtype = torch.promote_types(hidden.dtype, torch.float32)
-    mean_row = weight.mean(dim=0, dtype=dtype)
-    mean_u = hidden.to(dtype) @ mean_row
-    if bias is not None:
-        mean_u = mean_u + bias.mean(dtype=dtype)
-    return mean_u / scaled["temperature"]
