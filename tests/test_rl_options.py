@@ -238,3 +238,39 @@ SECTIONS = {"2": {"sharded_options": section_sharded_options}}
 @pytest.mark.distributed
 def test_options_under_vocab_parallelism(tmp_path: Path) -> None:
     assert_section(run_ranks(2, tmp_path, sections_module=__name__, sections_key="2"), "sharded_options")
+
+
+# --------------------------------------------------------------------------- the Triton backends
+
+@pytest.mark.triton
+def test_cuda_row_kernel_keeps_logit_stats(generator: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA backend's row-stats kernel (interpreted on CPU tensors where there is no GPU) keeps
+    the row min and sum of z, across vocabulary blocks with a ragged tail and across token chunks."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test: runs where there is no GPU")
+    monkeypatch.setattr("flce.backends.cuda.ops.MAX_BLOCK_V", 64)
+    data = inputs(generator, (10,), 16, 203, torch.float32, bias=True)
+    hidden, weight, bias, target = data["hidden"], data["weight"], data["bias"], data["target"]
+    target[4] = -100
+    out = flce.linear_cross_entropy(hidden, weight, target, bias, backend="cuda", reduction="none",
+                                    return_logit_stats=True, return_logprobs=True, softcap=3.0, temperature=0.8,
+                                    memory_budget=4 * 203 * 4)
+    expected = formula(hidden, weight, target, bias, None, softcap=3.0, temperature=0.8)
+    assert_close(out.logit_stats, expected["logit_stats"], "logit_stats (CUDA kernels)", **FP32)
+    assert_close(out.logprobs, expected["logprobs"], "logprobs (CUDA kernels)", **FP32)
+
+
+def test_triton_backends_route_what_they_lack() -> None:
+    """Ascend has no logit-stats kernels and neither Triton backend plans batch-invariant tiles: their
+    support checks decline with the reason, which sends the call to the reference backend."""
+    from flce.backends.ascend import BACKEND as ASCEND
+    from flce.backends.cuda import BACKEND as CUDA
+    from flce.config import LCEConfig
+
+    stats, tiles = LCEConfig(return_logit_stats=True), LCEConfig(batch_invariant=True)
+    assert CUDA.supports(stats, torch.bfloat16, 64, 1000) == (True, "supported")
+    ok, reason = ASCEND.supports(stats, torch.bfloat16, 64, 1000)
+    assert not ok and "return_logit_stats" in reason
+    for backend in (CUDA, ASCEND):
+        ok, reason = backend.supports(tiles, torch.bfloat16, 64, 1000)
+        assert not ok and "batch_invariant" in reason

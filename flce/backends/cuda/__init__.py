@@ -31,7 +31,7 @@ def _is_available(probe: HardwareProbe) -> tuple[bool, str]:
 def _supports(cfg: LCEConfig, dtype: torch.dtype, hidden_size: int, vocab: int) -> tuple[bool, str]:
     if dtype not in _SUPPORTED_DTYPES:
         return False, f"dtype {dtype} (the kernels take float32, float16, bfloat16)"
-    reference_only = options_only_reference_serves(cfg)
+    reference_only = options_only_reference_serves(cfg, scan_keeps_logit_stats=True)
     if reference_only:
         return False, "; ".join(reference_only)
     return True, "supported"
