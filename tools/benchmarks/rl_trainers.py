@@ -33,13 +33,14 @@ import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpu_timing import median_ms, peak_mib_above, publish  # noqa: E402
+from gpu_timing import MiB, median_ms, peak_mib_above, publish
 
-import flce  # noqa: E402
+import flce
 
 TEMPERATURE = 0.7
 ENTROPY_COEF = 0.01
@@ -111,19 +112,36 @@ def liger_function() -> LogprobFn:
     return call
 
 
-def flce_function() -> LogprobFn:
+def flce_function(**options: Any) -> LogprobFn:
+    """flce with ``options`` beside the RL call's (memory_budget, return_logit_stats, batch_invariant)."""
     def call(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = flce.linear_cross_entropy(x, w, t, reduction="none", temperature=TEMPERATURE, return_logprobs=True,
-                                        return_entropy=True)
+                                        return_entropy=True, **options)
         return out.logprobs, out.entropy
+
+    return call
+
+
+def flce_areal_dropin() -> LogprobFn:
+    """flce.integrations.areal as AReaL's engine calls it (max logits on every call)."""
+    from flce.integrations.areal import linear_cross_entropy_logprobs_entropy
+
+    def call(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs, entropy, _max_logits = linear_cross_entropy_logprobs_entropy(x, w, t, TEMPERATURE, None, True)
+        return logprobs, entropy
 
     return call
 
 
 def peers(areal_dir: Path | None) -> dict[str, LogprobFn | str]:
     """name -> implementation, or the reason it could not be loaded."""
-    loaders: dict[str, Callable[[], LogprobFn]] = {
+    loaders: dict[str, Callable[[], LogprobFn] | None] = {
         "flce": flce_function,
+        "flce, memory_budget 512 MiB": lambda: flce_function(memory_budget=512 * MiB),
+        "flce, memory_budget 2 GiB": lambda: flce_function(memory_budget=2048 * MiB),
+        "flce + return_logit_stats": lambda: flce_function(return_logit_stats=True),
+        "flce, batch_invariant": lambda: flce_function(batch_invariant=True),
+        "flce's AReaL drop-in (return_max_logits)": flce_areal_dropin,
         "verl (Triton)": verl_kernel,
         "AReaL (Triton, PR 1322)": (lambda: areal_kernel(areal_dir)) if areal_dir else None,
         "TRL chunked": trl_function,
@@ -168,6 +186,7 @@ def float64_reference(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, adv: to
         grad_z /= TEMPERATURE
         grad_w += grad_z.T @ x64
         if start < CHECKED_ROWS:
+            ref.setdefault("logit_stats", []).append(torch.stack([z.amax(-1), z.amin(-1), z.mean(-1)], -1))
             ref.setdefault("logprobs", []).append(logp)
             ref.setdefault("entropy", []).append(entropy)
             ref.setdefault("grad_hidden", []).append(grad_z @ w64)
@@ -232,6 +251,11 @@ def shape_rows(label: str, implementations: dict[str, LogprobFn | str]) -> list[
         rows.append(f"| {label} | {name} | {fwd_ms:.2f} | {fwd_ms / gemm_ms:.2f}x | {fwd_mib:.0f} | {step_ms:.2f} | "
                     f"{step_ms / floor_ms:.2f}x | {step_mib:.0f} | {agreement} |")
         torch.cuda.empty_cache()
+    with torch.no_grad():
+        stats = flce.linear_cross_entropy(xd[:CHECKED_ROWS], wd, t[:CHECKED_ROWS], reduction="none",
+                                          temperature=TEMPERATURE, return_logit_stats=True).logit_stats
+    errors = " / ".join(f"{rel_err(stats[:, i], ref['logit_stats'][:, i]):.1e}" for i in range(3))
+    rows.append(f"| {label} | return_logit_stats vs float64 (max / min / mean of z) | {errors} | | | | | | |")
     return rows
 
 
