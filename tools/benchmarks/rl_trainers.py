@@ -133,10 +133,13 @@ def flce_areal_dropin() -> LogprobFn:
     return call
 
 
-def peers(areal_dir: Path | None) -> dict[str, LogprobFn | str]:
-    """name -> implementation, or the reason it could not be loaded."""
+def peers(areal_dir: Path | None, only: str | None = None) -> dict[str, LogprobFn | str]:
+    """name -> implementation, or the reason it could not be loaded; ``only``: comma-separated
+    names separated by ";", the others are left out."""
     loaders: dict[str, Callable[[], LogprobFn] | None] = {
         "flce": flce_function,
+        "flce, memory_budget 128 MiB": lambda: flce_function(memory_budget=128 * MiB),
+        "flce, memory_budget 256 MiB": lambda: flce_function(memory_budget=256 * MiB),
         "flce, memory_budget 512 MiB": lambda: flce_function(memory_budget=512 * MiB),
         "flce, memory_budget 2 GiB": lambda: flce_function(memory_budget=2048 * MiB),
         "flce + return_logit_stats": lambda: flce_function(return_logit_stats=True),
@@ -149,6 +152,8 @@ def peers(areal_dir: Path | None) -> dict[str, LogprobFn | str]:
     }
     found: dict[str, LogprobFn | str] = {}
     for name, load in loaders.items():
+        if only and name not in only.split(";"):
+            continue
         if load is None:
             found[name] = "no --areal-kernel-dir"
             continue
@@ -263,9 +268,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="16384x4096x151936,8192x4096x151936")
     parser.add_argument("--areal-kernel-dir", type=Path, default=None)
+    parser.add_argument("--only", default=None, help="implementation names separated by \";\" (default: all)")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
-    implementations = peers(args.areal_kernel_dir)
+    implementations = peers(args.areal_kernel_dir, args.only)
     header = [
         f"{torch.cuda.get_device_name()}, {datetime.date.today()}, torch {torch.__version__}, bf16, "
         f"temperature {TEMPERATURE}, loss -(adv*logp).mean() - {ENTROPY_COEF}*entropy.mean()",
