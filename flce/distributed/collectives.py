@@ -174,7 +174,8 @@ def payload_bytes_per_step(
     """Bytes this rank contributes to the all-reduces of one forward + backward (module docstring).
 
     With s the statistics' element size (4 for every input dtype but float64) and
-    k = 2 + [entropy] + [label smoothing]: forward sends ``N*s`` (row max; ``8N`` instead when
+    k = 2 + [entropy] + [label smoothing] + 2 [logit stats: the sum of z, and the min of z in an
+    all-reduce of its own]: forward sends ``N*s`` (row max; ``8N`` instead when
     the argmax travels packed with it, ``N*s + 8N`` for float64 statistics) plus ``k*N*s``;
     backward sends ``N*H*e`` with e the element size of grad_hidden (``grad_dtype``; None when
     hidden needs no grad). The layout exchange of a first call (``16 * world_size`` bytes)
