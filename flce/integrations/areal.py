@@ -37,6 +37,9 @@ import torch.distributed as dist
 import flce
 from flce.distributed.shards import vocab_shard
 
+# Tokens per step of the max-logit dot products: [rows, H] gathered weight rows in fp32 at a time.
+_DOT_ROWS = 2048
+
 
 def linear_cross_entropy_logprobs_entropy(
     hidden: torch.Tensor,
@@ -90,11 +93,12 @@ def _raw_max_logits(hidden: torch.Tensor, weight: torch.Tensor, argmax: torch.Te
     local = argmax - shard_start
     on_this_rank = (local >= 0) & (local < shard_size)
     dtype = torch.promote_types(hidden.dtype, torch.float32)
-    if shard_size == 0:
-        dots = flat_hidden.new_zeros(flat_hidden.shape[0], dtype=dtype)
-    else:
-        rows = weight[local.clamp(0, shard_size - 1)]
-        dots = torch.einsum("nh,nh->n", flat_hidden.to(dtype), rows.to(dtype))
+    dots = flat_hidden.new_zeros(flat_hidden.shape[0], dtype=dtype)
+    if shard_size:
+        local = local.clamp(0, shard_size - 1)
+        for start in range(0, dots.shape[0], _DOT_ROWS):  # bounds the gathered rows' temporary
+            rows = slice(start, start + _DOT_ROWS)
+            dots[rows] = torch.einsum("nh,nh->n", flat_hidden[rows].to(dtype), weight[local[rows]].to(dtype))
     max_logits = torch.where(on_this_rank, dots, float("-inf"))
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(max_logits, op=dist.ReduceOp.MAX, group=group)
