@@ -29,6 +29,8 @@ _FULL_FEATURE_OPTIONS = {
     "return_predicted_tokens": lambda v: bool(v),
     "return_logprobs": lambda v: bool(v),
     "return_entropy": lambda v: bool(v),
+    "return_logit_stats": lambda v: bool(v),
+    "batch_invariant": lambda v: bool(v),
 }
 
 
@@ -52,6 +54,8 @@ class LCEConfig:
     return_predicted_tokens: bool = False
     return_logprobs: bool = False
     return_entropy: bool = False
+    return_logit_stats: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _check_int("ignore_index", self.ignore_index)
@@ -84,7 +88,8 @@ class LCEConfig:
             if self.memory_budget <= 0:
                 raise ValueError(f"memory_budget={self.memory_budget}: expected a positive byte count")
         for name in ("token_scaling", "return_z_loss", "return_token_accuracy",
-                     "return_predicted_tokens", "return_logprobs", "return_entropy"):
+                     "return_predicted_tokens", "return_logprobs", "return_entropy", "return_logit_stats",
+                     "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r}: expected a bool")
 
@@ -100,7 +105,7 @@ class LCEConfig:
     def returns_extras(self) -> bool:
         """True when the call returns an LCEOutput instead of the bare loss."""
         return (self.return_z_loss or self.return_token_accuracy or self.return_predicted_tokens
-                or self.return_logprobs or self.return_entropy)
+                or self.return_logprobs or self.return_entropy or self.return_logit_stats)
 
     def replace(self, **changes: Any) -> LCEConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -9,8 +9,10 @@ import torch
 
 from flce.config import LCEConfig, config_from_keywords, primitive_options
 from flce.distributed.dtensor import localize_inputs
+from flce.engine.plans import BATCH_INVARIANT_TOKENS
 from flce.engine.run import run_backend
-from flce.inputs import prepare_inputs
+from flce.engine.selected import check_selected_ids, selected_logprobs
+from flce.inputs import FlatInputs, prepare_inputs
 from flce.outputs import LCEOutput
 from flce.registry import VARIANTS, HardwareProbe, candidates_for, dispatch, registered_backends, resolve_device
 
@@ -18,8 +20,9 @@ from flce.registry import VARIANTS, HardwareProbe, candidates_for, dispatch, reg
 class LinearCrossEntropy(torch.nn.Module):
     """``CE(hidden @ weight.T + bias, target)`` without materialising the logits.
 
-    Constructor keywords are DESIGN.md's options; ``forward(hidden, weight, target, bias=None)``
-    returns the loss, or an :class:`flce.LCEOutput` when a ``return_*`` option is set.
+    Constructor keywords are DESIGN.md's options; ``forward(hidden, weight, target, bias=None, *,
+    selected_ids=None)`` returns the loss, or an :class:`flce.LCEOutput` when a ``return_*`` option
+    or ``selected_ids`` (integer ``[*target.shape, K]``: ``selected_logprobs``) is set.
     Subclasses made by :func:`get_impl` fix the device type, backend and variant.
     """
 
@@ -35,13 +38,14 @@ class LinearCrossEntropy(torch.nn.Module):
         self.register_buffer("class_weight", self.config.class_weight, persistent=False)
 
     def forward(
-        self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
+        self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
+        *, selected_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | LCEOutput:
         cfg = self.config
         if self.class_weight is not None and self.class_weight is not cfg.class_weight:
             cfg = cfg.replace(class_weight=self.class_weight)
         return _compute(hidden, weight, target, bias, cfg, self.variant, self.device_type, self.backend_name,
-                        self.probe)
+                        self.probe, selected_ids)
 
     def extra_repr(self) -> str:
         options = {k: v for k, v in vars(self.config).items() if k != "class_weight"}
@@ -59,11 +63,43 @@ def _checked_config(caller: str, variant: str, options: dict[str, Any]) -> LCECo
 def _compute(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
     cfg: LCEConfig, variant: str, device_type: str, backend_name: str | None, probe: HardwareProbe | None,
+    selected_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | LCEOutput:
     """One call, shared by the module and the functional form. Selection happens in
-    flce.registry.dispatch, which torch.compile never traces."""
+    flce.registry.dispatch, which torch.compile never traces.
+
+    ``selected_ids`` asks the call's log-probs too (flce.engine.selected composes the selected ones
+    from them); ``batch_invariant`` pads the tokens to whole tiles of BATCH_INVARIANT_TOKENS rows,
+    ignored, so that every tile the planner runs has the same shape, and drops them from the outputs."""
     hidden, weight, target, bias, cfg = localize_inputs(hidden, weight, target, bias, cfg)
     flat = prepare_inputs(hidden, weight, target, bias, cfg)
+    ids = None
+    run_cfg = cfg
+    if selected_ids is not None:
+        if variant == "plain":
+            raise ValueError("variant='plain' cannot serve selected_ids; use variant='full' or 'auto'")
+        ids = check_selected_ids(selected_ids, flat.token_shape, _global_vocab(flat, cfg), flat.hidden.device)
+        run_cfg = cfg.replace(return_logprobs=True)
+    n_rows, token_shape = flat.target.shape[0], flat.token_shape
+    if cfg.batch_invariant:
+        flat, ids = _padded_to_tiles(flat, cfg, ids)
+    result = _run(flat, run_cfg, variant, device_type, backend_name, probe)
+    if ids is None and not cfg.batch_invariant:
+        return result
+    out = result if isinstance(result, LCEOutput) else LCEOutput(loss=result)
+    if ids is not None:
+        offset = 0 if cfg.process_group is None else _vocab_offset(flat, cfg)
+        out = out._replace(selected_logprobs=selected_logprobs(
+            flat, cfg, ids, out.logprobs, offset, BATCH_INVARIANT_TOKENS if cfg.batch_invariant else None))
+        if not cfg.return_logprobs:
+            out = out._replace(logprobs=None)
+    if cfg.batch_invariant:
+        out = _unpadded(out, cfg, n_rows, token_shape)
+    return out if cfg.returns_extras or ids is not None else out.loss
+
+
+def _run(flat: FlatInputs, cfg: LCEConfig, variant: str, device_type: str, backend_name: str | None,
+         probe: HardwareProbe | None) -> torch.Tensor | LCEOutput:
     sharded = cfg.process_group is not None
     backend, variant = dispatch(device_type, backend_name, variant, primitive_options(cfg), flat, cfg.class_weight,
                                 sharded, probe)
@@ -72,6 +108,53 @@ def _compute(
 
         return vocab_parallel_linear_cross_entropy(flat, cfg, backend, variant)
     return run_backend(backend, flat, cfg, variant)
+
+
+def _global_vocab(flat: FlatInputs, cfg: LCEConfig) -> int:
+    if cfg.process_group is None:
+        return flat.weight.shape[0]
+    from flce.distributed.shards import vocab_shard
+
+    return vocab_shard(cfg.process_group, flat.weight).global_vocab
+
+
+def _vocab_offset(flat: FlatInputs, cfg: LCEConfig) -> int:
+    from flce.distributed.shards import vocab_shard
+
+    return vocab_shard(cfg.process_group, flat.weight).offset
+
+
+def _padded_to_tiles(flat: FlatInputs, cfg: LCEConfig,
+                     ids: torch.Tensor | None) -> tuple[FlatInputs, torch.Tensor | None]:
+    """The tokens padded with ignored zero rows to a multiple of BATCH_INVARIANT_TOKENS."""
+    n_rows = flat.target.shape[0]
+    pad = -n_rows % BATCH_INVARIANT_TOKENS
+    if pad == 0:
+        return FlatInputs(flat.hidden, flat.weight, flat.target, flat.bias, torch.Size([n_rows])), (
+            None if ids is None else ids.reshape(n_rows, -1))
+    hidden = torch.cat([flat.hidden, flat.hidden.new_zeros(pad, flat.hidden.shape[1])])
+    target = torch.cat([flat.target, flat.target.new_full((pad,), cfg.ignore_index)])
+    if ids is not None:
+        ids = ids.reshape(n_rows, -1)
+        ids = torch.cat([ids, ids.new_zeros(pad, ids.shape[1])])
+    return FlatInputs(hidden, flat.weight, target, flat.bias, torch.Size([n_rows + pad])), ids
+
+
+def _unpadded(out: LCEOutput, cfg: LCEConfig, n_rows: int, token_shape: torch.Size) -> LCEOutput:
+    """The per-token outputs of the real tokens, in the target's shape (scalars pass through)."""
+    per_row = cfg.reduction == "none"
+
+    def real(t: torch.Tensor | None, per_token: bool) -> torch.Tensor | None:
+        if t is None or not per_token:
+            return t
+        return t[:n_rows].reshape(*token_shape, *t.shape[1:])
+
+    return LCEOutput(
+        loss=real(out.loss, per_row), z_loss=real(out.z_loss, per_row),
+        token_accuracy=real(out.token_accuracy, per_row), predicted_tokens=real(out.predicted_tokens, True),
+        logprobs=real(out.logprobs, True), entropy=real(out.entropy, True),
+        selected_logprobs=real(out.selected_logprobs, True), logit_stats=real(out.logit_stats, True),
+    )
 
 
 def _check_variant(variant: str) -> None:
@@ -115,6 +198,7 @@ def linear_cross_entropy(
     *,
     backend: str | None = None,
     variant: str = "auto",
+    selected_ids: torch.Tensor | None = None,
     **options: Any,
 ) -> torch.Tensor | LCEOutput:
     """Functional form of :class:`LinearCrossEntropy` on hidden's device."""
@@ -124,7 +208,7 @@ def linear_cross_entropy(
     _check_variant(variant)
     # No module object per call: building one inside a torch.compile trace would break the graph.
     cfg = _checked_config("linear_cross_entropy", variant, options)
-    return _compute(hidden, weight, target, bias, cfg, variant, hidden.device.type, backend, None)
+    return _compute(hidden, weight, target, bias, cfg, variant, hidden.device.type, backend, None, selected_ids)
 
 
 # Register the built-in backends at import: a first lookup inside a torch.compile trace would

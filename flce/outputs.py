@@ -14,3 +14,5 @@ class LCEOutput(NamedTuple):
     predicted_tokens: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    selected_logprobs: torch.Tensor | None = None
+    logit_stats: torch.Tensor | None = None

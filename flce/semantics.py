@@ -37,6 +37,8 @@ class PartialRowStats:
     sum_exp_z: torch.Tensor | None = None  # [n] fp32, sum exp(z - row_max) * z   (entropy)
     weighted_sum_z: torch.Tensor | None = None  # [n] fp32, sum w[c] * z[c]      (smoothing)
     argmax: torch.Tensor | None = None  # [n] int64                              (metrics)
+    row_min: torch.Tensor | None = None  # [n] fp32, min z                       (logit stats)
+    sum_z: torch.Tensor | None = None  # [n] fp32, sum z                         (logit stats)
 
     @staticmethod
     def allocate(n_rows: int, cfg: LCEConfig, device: torch.device) -> PartialRowStats:
@@ -49,6 +51,8 @@ class PartialRowStats:
             sum_exp_z=f32() if needs_expected_z(cfg) else None,
             weighted_sum_z=f32() if needs_weighted_sum_z(cfg) else None,
             argmax=torch.empty(n_rows, dtype=torch.int64, device=device) if needs_argmax(cfg) else None,
+            row_min=f32() if needs_logit_stats(cfg) else None,
+            sum_z=f32() if needs_logit_stats(cfg) else None,
         )
 
 
@@ -68,6 +72,8 @@ def merge_partial_stats(a: PartialRowStats, b: PartialRowStats) -> PartialRowSta
         weighted_sum_z=None if a.weighted_sum_z is None else a.weighted_sum_z + b.weighted_sum_z,
         # Strictly greater: a's columns come first, so ties keep a's (first) index.
         argmax=None if a.argmax is None else torch.where(b.row_max > a.row_max, b.argmax, a.argmax),
+        row_min=None if a.row_min is None or b.row_min is None else torch.minimum(a.row_min, b.row_min),
+        sum_z=None if a.sum_z is None or b.sum_z is None else a.sum_z + b.sum_z,
     )
 
 
@@ -78,15 +84,23 @@ class RowStats:
     expected_z: torch.Tensor | None = None  # [n] fp32, E_p[z]
     weighted_sum_z: torch.Tensor | None = None
     argmax: torch.Tensor | None = None
+    # (max z, min z, sum z) per row: the logit statistics (return_logit_stats), else None.
+    row_max: torch.Tensor | None = None
+    row_min: torch.Tensor | None = None
+    sum_z: torch.Tensor | None = None
 
     @staticmethod
     def from_partial(p: PartialRowStats) -> RowStats:
+        with_stats = p.row_min is not None
         return RowStats(
             lse=p.row_max + torch.log(p.sum_exp),
             target_z=p.target_z,
             expected_z=None if p.sum_exp_z is None else p.sum_exp_z / p.sum_exp,
             weighted_sum_z=p.weighted_sum_z,
             argmax=p.argmax,
+            row_max=p.row_max if with_stats else None,
+            row_min=p.row_min,
+            sum_z=p.sum_z,
         )
 
 
@@ -105,6 +119,10 @@ def needs_weighted_sum_z(cfg: LCEConfig) -> bool:
 
 def needs_argmax(cfg: LCEConfig) -> bool:
     return cfg.return_token_accuracy or cfg.return_predicted_tokens
+
+
+def needs_logit_stats(cfg: LCEConfig) -> bool:
+    return cfg.return_logit_stats
 
 
 @dataclass(frozen=True)
@@ -173,8 +191,9 @@ def reduce_terms(terms: RowTerms, cfg: LCEConfig, denoms: Denominators) -> tuple
     return safe_divide(ce_sum, denoms.cross_entropy) + zl, zl
 
 
-def extras(stats: RowStats, terms: RowTerms, target: torch.Tensor, cfg: LCEConfig, denoms: Denominators) -> dict:
-    """token_accuracy, predicted_tokens, logprobs, entropy where asked (fp32 / int64)."""
+def extras(stats: RowStats, terms: RowTerms, target: torch.Tensor, cfg: LCEConfig, denoms: Denominators,
+           vocab: int) -> dict:
+    """token_accuracy, predicted_tokens, logprobs, entropy, logit_stats where asked (fp32 / int64)."""
     out: dict[str, torch.Tensor] = {}
     valid = terms.valid
     if cfg.return_token_accuracy:
@@ -191,6 +210,9 @@ def extras(stats: RowStats, terms: RowTerms, target: torch.Tensor, cfg: LCEConfi
         out["logprobs"] = torch.where(valid, stats.target_z - stats.lse, 0.0)
     if cfg.return_entropy:
         out["entropy"] = torch.where(valid, stats.lse - stats.expected_z, 0.0)
+    if cfg.return_logit_stats:
+        max_min_mean = torch.stack([stats.row_max, stats.row_min, stats.sum_z / vocab], dim=-1)
+        out["logit_stats"] = torch.where(valid.unsqueeze(-1), max_min_mean, 0.0)
     return out
 
 

@@ -37,13 +37,16 @@ FULL_FEATURE_VALUES = {
     "return_predicted_tokens": True,
     "return_logprobs": True,
     "return_entropy": True,
+    "return_logit_stats": True,
+    "batch_invariant": True,
 }
 
 
 def test_public_surface() -> None:
     assert set(flce.__all__) == {"Backend", "LCEOutput", "LinearCrossEntropy", "available_backends", "get_impl",
                                  "linear_cross_entropy", "register_backend"}
-    assert LCEOutput._fields == ("loss", "z_loss", "token_accuracy", "predicted_tokens", "logprobs", "entropy")
+    assert LCEOutput._fields == ("loss", "z_loss", "token_accuracy", "predicted_tokens", "logprobs", "entropy",
+                                 "selected_logprobs", "logit_stats")
 
 
 @pytest.mark.parametrize("option", FULL_FEATURE_VALUES)

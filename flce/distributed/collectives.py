@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from flce.config import LCEConfig
-from flce.semantics import PartialRowStats, needs_argmax, needs_expected_z, needs_weighted_sum_z
+from flce.semantics import PartialRowStats, needs_argmax, needs_expected_z, needs_logit_stats, needs_weighted_sum_z
 
 _TWO_POW_32 = 1 << 32
 _INT32_MAGNITUDE = 0x7FFFFFFF
@@ -92,7 +92,8 @@ def combine_row_stats(partial: PartialRowStats, group: Any) -> PartialRowStats:
 
     Every rank gets the same result: the global row max, sum-exp and sum-exp-z
     relative to it, the target logit (held by one shard, 0 on the others), the
-    weighted sum of z, and the argmax as the first global index attaining the max.
+    weighted sum of z, the argmax as the first global index attaining the max, and (logit
+    statistics) the row min and sum of z.
     """
     row_max = partial.row_max + 0.0  # -0.0 becomes +0.0, so equal maxima compare equal bitwise
     argmax = partial.argmax
@@ -113,7 +114,10 @@ def combine_row_stats(partial: PartialRowStats, group: Any) -> PartialRowStats:
         parts.append(partial.sum_exp_z * scale)
     if partial.weighted_sum_z is not None:
         parts.append(partial.weighted_sum_z.to(row_max.dtype))
+    if partial.sum_z is not None:
+        parts.append(partial.sum_z.to(row_max.dtype))
     fused = all_reduce_(torch.stack(parts), dist.ReduceOp.SUM, group)
+    row_min = None if partial.row_min is None else all_reduce_(partial.row_min.clone(), dist.ReduceOp.MIN, group)
     summed = iter(fused.unbind(0))
     sum_exp, target_z = next(summed), next(summed)
     return PartialRowStats(
@@ -123,6 +127,8 @@ def combine_row_stats(partial: PartialRowStats, group: Any) -> PartialRowStats:
         sum_exp_z=next(summed) if partial.sum_exp_z is not None else None,
         weighted_sum_z=next(summed) if partial.weighted_sum_z is not None else None,
         argmax=global_argmax,
+        row_min=row_min,
+        sum_z=next(summed) if partial.sum_z is not None else None,
     )
 
 
@@ -168,14 +174,15 @@ def payload_bytes_per_step(
     """Bytes this rank contributes to the all-reduces of one forward + backward (module docstring).
 
     With s the statistics' element size (4 for every input dtype but float64) and
-    k = 2 + [entropy] + [label smoothing]: forward sends ``N*s`` (row max; ``8N`` instead when
+    k = 2 + [entropy] + [label smoothing] + 2 [logit stats: the sum of z, and the min of z in an
+    all-reduce of its own]: forward sends ``N*s`` (row max; ``8N`` instead when
     the argmax travels packed with it, ``N*s + 8N`` for float64 statistics) plus ``k*N*s``;
     backward sends ``N*H*e`` with e the element size of grad_hidden (``grad_dtype``; None when
     hidden needs no grad). The layout exchange of a first call (``16 * world_size`` bytes)
     is not included. No term depends on the vocabulary.
     """
     s = torch.empty((), dtype=stats_dtype).element_size()
-    k = 2 + int(needs_expected_z(cfg)) + int(needs_weighted_sum_z(cfg))
+    k = 2 + int(needs_expected_z(cfg)) + int(needs_weighted_sum_z(cfg)) + 2 * int(needs_logit_stats(cfg))
     if not needs_argmax(cfg):
         max_bytes = tokens * s
     elif stats_dtype == torch.float32:

@@ -267,6 +267,10 @@ chunked_forward.register_autograd(_forward_backward, setup_context=_forward_setu
 def apply_op(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str) -> Tensor | LCEOutput:
     """The call through the custom ops (what torch.compile sees): the same results as the eager path.
     A process group travels by name, as torch's functional collectives carry theirs."""
+    if cfg.return_logit_stats:
+        # The op's outputs are the six user outputs and the gradients: no slot for the statistics yet.
+        raise ValueError("return_logit_stats=True is not supported under torch.compile (the custom op does not "
+                         "return the logit statistics); call flce outside the compiled region for them")
     grad_mode = torch.is_grad_enabled()
     outputs = torch.ops.flce.chunked_forward(
         flat.hidden, flat.weight, flat.bias, flat.target, cfg.class_weight,

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from flce.engine.call import EngineCall, GradTargets, grads_in_forward_allowed
-from flce.engine.outputs import as_result, flat_outputs, shape_outputs
+from flce.engine.outputs import as_result, flat_outputs, logit_stats_output, shape_outputs
 from flce.engine.schedule import run_backward, run_forward
 from flce.inputs import FlatInputs
 from flce.outputs import LCEOutput
@@ -36,11 +36,12 @@ class LCEFunction(torch.autograd.Function):
         if not in_forward and wanted.any:
             ctx.save_for_backward(hidden, weight, bias, target)
         outputs = shape_outputs(flat_outputs(state, call.cfg, hidden), call.cfg, call.token_shape)
-        ctx.mark_non_differentiable(outputs[1], outputs[2], outputs[3])
-        return outputs
+        logit_stats = logit_stats_output(state, call.cfg, hidden, call.token_shape)
+        ctx.mark_non_differentiable(outputs[1], outputs[2], outputs[3], logit_stats)
+        return (*outputs, logit_stats)
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_z_loss, _grad_acc, _grad_pred, grad_logprobs, grad_entropy):
+    def backward(ctx, grad_loss, _grad_z_loss, _grad_acc, _grad_pred, grad_logprobs, grad_entropy, _grad_stats):
         create_graph = torch.is_grad_enabled()
         with torch.no_grad():
             grads = LCEFunction._gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
@@ -108,9 +109,10 @@ def needs_autograd(flat: FlatInputs) -> bool:
 def apply_eager(flat: FlatInputs, call: EngineCall) -> Tensor | LCEOutput:
     """Run the Function and return the loss, or an LCEOutput when extras were asked."""
     if needs_autograd(flat):
-        outputs = LCEFunction.apply(flat.hidden, flat.weight, flat.bias, flat.target, call)
+        *outputs, logit_stats = LCEFunction.apply(flat.hidden, flat.weight, flat.bias, flat.target, call)
     else:
         # Inference (no_grad, evaluation, RL log-probs): the statistics alone, nothing kept.
         state = run_forward(call, flat, grads_in_forward=None, backward_follows=False)
         outputs = shape_outputs(flat_outputs(state, call.cfg, flat.hidden), call.cfg, call.token_shape)
-    return as_result(outputs, call.cfg)
+        logit_stats = logit_stats_output(state, call.cfg, flat.hidden, call.token_shape)
+    return as_result(tuple(outputs), call.cfg, logit_stats)

@@ -81,3 +81,16 @@ class FusedGradGemm(Protocol):
     ) -> torch.Tensor:
         """d loss / d u of the logits hidden @ weight.T + bias from one GEMM whose epilogue applies
         semantics.py's formula, so the logits never reach memory."""
+
+
+def options_only_reference_serves(cfg: LCEConfig, scan_keeps_logit_stats: bool) -> list[str]:
+    """Options set in ``cfg`` that only the reference backend's kernels and planner implement so far,
+    each with why: a Triton backend's support check declines such a call, so the registry routes it to
+    the reference backend (on the same device) and says why, once. ``scan_keeps_logit_stats``: the
+    backend's row-kernel scan keeps the row min and sum of z (its planner then avoids fused statistics)."""
+    reasons = []
+    if cfg.return_logit_stats and not scan_keeps_logit_stats:
+        reasons.append("return_logit_stats (the Triton scan kernels keep no row min or sum of z)")
+    if cfg.batch_invariant:
+        reasons.append("batch_invariant (fixed-shape token tiles are planned by the reference backend only)")
+    return reasons

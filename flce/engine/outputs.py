@@ -1,4 +1,5 @@
-"""The six user outputs of a call, in the order and shapes both autograd paths return them."""
+"""The six user outputs of a call, in the order and shapes both autograd paths return them, and the
+logit statistics, which only the eager path returns (flce.engine.run refuses them under torch.compile)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,14 @@ def shape_outputs(outputs: tuple[Tensor, ...], cfg: LCEConfig, token_shape: torc
     )
 
 
-def as_result(outputs: tuple[Tensor, ...], cfg: LCEConfig) -> Tensor | LCEOutput:
+def logit_stats_output(state: ForwardState, cfg: LCEConfig, hidden: Tensor, token_shape: torch.Size) -> Tensor:
+    """(max, min, mean) of z per token, ``[*token_shape, 3]``; an empty tensor where not asked."""
+    if not cfg.return_logit_stats:
+        return hidden.new_empty(0, dtype=statistics_dtype(hidden.dtype))
+    return state.extras["logit_stats"].to(statistics_dtype(hidden.dtype)).reshape(*token_shape, 3)
+
+
+def as_result(outputs: tuple[Tensor, ...], cfg: LCEConfig, logit_stats: Tensor | None = None) -> Tensor | LCEOutput:
     """The loss, or an LCEOutput when extras were asked."""
     loss, z_loss, acc, pred, logprobs, entropy = outputs
     if not cfg.returns_extras:
@@ -63,4 +71,5 @@ def as_result(outputs: tuple[Tensor, ...], cfg: LCEConfig) -> Tensor | LCEOutput
         predicted_tokens=pred if cfg.return_predicted_tokens else None,
         logprobs=logprobs if cfg.return_logprobs else None,
         entropy=entropy if cfg.return_entropy else None,
+        logit_stats=logit_stats if cfg.return_logit_stats else None,
     )

@@ -11,6 +11,10 @@ from dataclasses import dataclass, replace
 
 from flce.engine.kernels import FUSED_GRAD_GEMM, FUSED_STATS_GEMM
 
+# Batch-invariant calls (``batch_invariant=True``) run token tiles of exactly this many rows (the
+# last one padded with ignored rows), so each tile's GEMMs and row kernels have one shape whatever
+# the batch: a token's results then depend on its own row alone.
+BATCH_INVARIANT_TOKENS = 128
 FUSED = "fused"
 CUBLAS = "cublas"
 GEMM_PATHS = (FUSED, CUBLAS)

@@ -98,7 +98,8 @@ def forward_state(call: EngineCall, flat: FlatInputs, stats: RowStats, denoms: D
     if terms is None:
         terms = row_terms(stats, flat.target, call.cfg, call.vocab(flat.weight.shape[0]))
     loss, z_loss = reduce_terms(terms, call.cfg, denoms)
-    return ForwardState(loss=loss, z_loss=z_loss, extras=extras(stats, terms, flat.target, call.cfg, denoms),
+    extra = extras(stats, terms, flat.target, call.cfg, denoms, call.vocab(flat.weight.shape[0]))
+    return ForwardState(loss=loss, z_loss=z_loss, extras=extra,
                         denoms=denoms, stats=stats if keep_stats else None)
 
 
@@ -107,7 +108,8 @@ def slice_stats(stats: RowStats, rows: slice) -> RowStats:
         return None if t is None else t[rows]
 
     return RowStats(lse=stats.lse[rows], target_z=stats.target_z[rows], expected_z=part(stats.expected_z),
-                    weighted_sum_z=part(stats.weighted_sum_z), argmax=part(stats.argmax))
+                    weighted_sum_z=part(stats.weighted_sum_z), argmax=part(stats.argmax),
+                    row_max=part(stats.row_max), row_min=part(stats.row_min), sum_z=part(stats.sum_z))
 
 
 def concat_terms(chunks: list[RowTerms], target: torch.Tensor) -> RowTerms:
@@ -132,4 +134,5 @@ def concat_stats(chunks: list[RowStats], target: torch.Tensor) -> RowStats:
     return RowStats(
         lse=cat("lse"), target_z=cat("target_z"), expected_z=cat("expected_z"),
         weighted_sum_z=cat("weighted_sum_z"), argmax=cat("argmax"),
+        row_max=cat("row_max"), row_min=cat("row_min"), sum_z=cat("sum_z"),
     )

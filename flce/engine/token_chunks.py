@@ -115,7 +115,7 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
         state.saved_logits = saved
         return state
     loss, z_loss = reduce_terms(terms, cfg, denoms)
-    return ForwardState(loss=loss, z_loss=z_loss, extras=extras(all_stats, terms, target, cfg, denoms),
+    return ForwardState(loss=loss, z_loss=z_loss, extras=extras(all_stats, terms, target, cfg, denoms, vocab),
                         denoms=denoms, grads=acc.result())
 
 

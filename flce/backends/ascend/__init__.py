@@ -17,6 +17,7 @@ import torch
 from flce.backends.ascend import tuning  # noqa: F401  (registers the tuning space)
 from flce.config import LCEConfig
 from flce.engine.call import EngineCall
+from flce.engine.kernels import options_only_reference_serves
 from flce.engine.plans import PlanRequest
 from flce.inputs import FlatInputs
 from flce.registry import Backend, HardwareProbe, register_backend
@@ -81,6 +82,9 @@ def _is_available(probe: HardwareProbe) -> tuple[bool, str]:
 def _supports(cfg: LCEConfig, dtype: torch.dtype, hidden_size: int, vocab: int) -> tuple[bool, str]:
     if dtype not in _SUPPORTED_DTYPES:
         return False, f"dtype {dtype} (the kernels take float32, float16, bfloat16)"
+    reference_only = options_only_reference_serves(cfg, scan_keeps_logit_stats=False)
+    if reference_only:
+        return False, "; ".join(reference_only)
     return True, "supported"
 
 

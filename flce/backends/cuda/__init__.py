@@ -11,7 +11,7 @@ import torch
 from flce.backends.cuda import tuning  # noqa: F401  (registers the tuning space)
 from flce.config import LCEConfig
 from flce.engine.call import EngineCall
-from flce.engine.kernels import FUSED_GRAD_GEMM, FUSED_STATS_GEMM
+from flce.engine.kernels import FUSED_GRAD_GEMM, FUSED_STATS_GEMM, options_only_reference_serves
 from flce.engine.plans import PlanRequest
 from flce.inputs import FlatInputs
 from flce.registry import Backend, HardwareProbe, register_backend
@@ -31,6 +31,9 @@ def _is_available(probe: HardwareProbe) -> tuple[bool, str]:
 def _supports(cfg: LCEConfig, dtype: torch.dtype, hidden_size: int, vocab: int) -> tuple[bool, str]:
     if dtype not in _SUPPORTED_DTYPES:
         return False, f"dtype {dtype} (the kernels take float32, float16, bfloat16)"
+    reference_only = options_only_reference_serves(cfg, scan_keeps_logit_stats=True)
+    if reference_only:
+        return False, "; ".join(reference_only)
     return True, "supported"
 
 

@@ -94,17 +94,18 @@ def _plain_grad_kernel(
 @triton.jit
 def _row_stats_kernel(
     logits_ptr, stride_row, target_ptr, class_weight_ptr,
-    row_max_ptr, sum_exp_ptr, target_z_ptr, sum_exp_z_ptr, weighted_sum_z_ptr, argmax_ptr,
+    row_max_ptr, sum_exp_ptr, target_z_ptr, sum_exp_z_ptr, weighted_sum_z_ptr, argmax_ptr, row_min_ptr, sum_z_ptr,
     V, vocab_offset, softcap, inv_temperature,
     HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     NEED_SUM_EXP_Z: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
-    ACCUMULATE: tl.constexpr, BLOCK_V: tl.constexpr,
+    NEED_LOGIT_STATS: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Partial row statistics of z = cap(u)/T over this shard (semantics.PartialRowStats):
     row max, sum exp(z - max), z at the target (0 when not in this shard),
     sum exp(z - max) * z, sum w[c] z[c] (class_weight_ptr: [V] of this shard), first argmax
-    as a global index. Outputs are [n] fp32 (argmax int64). With ACCUMULATE the outputs hold
-    the statistics of the columns before vocab_offset, and this block's are merged into them."""
+    as a global index, min z and sum z (the logit statistics). Outputs are [n] fp32 (argmax
+    int64). With ACCUMULATE the outputs hold the statistics of the columns before vocab_offset,
+    and this block's are merged into them."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     cols = tl.arange(0, BLOCK_V)
@@ -114,6 +115,8 @@ def _row_stats_kernel(
     running_sum_z = tl.zeros((), tl.float32)
     weighted_sum = tl.zeros((), tl.float32)
     best_index = tl.zeros((), tl.int64)
+    running_min = tl.full((), float("inf"), tl.float32)
+    plain_sum_z = tl.zeros((), tl.float32)
     for start in range(0, V, BLOCK_V):
         mask = start + cols < V
         u = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -135,6 +138,9 @@ def _row_stats_kernel(
             block_first = tl.min(tl.where(z == block_max, start + cols, V), 0).to(tl.int64)
             # Strictly greater: an earlier block keeps ties, so the first maximal index wins.
             best_index = tl.where(block_max > running_max, block_first, best_index)
+        if NEED_LOGIT_STATS:
+            running_min = tl.minimum(running_min, tl.min(tl.where(mask, z, float("inf")), 0))
+            plain_sum_z += tl.sum(tl.where(mask, z, 0.0), 0)
         running_max = new_max
 
     local_target = tl.load(target_ptr + row) - vocab_offset
@@ -157,6 +163,9 @@ def _row_stats_kernel(
         if NEED_ARGMAX:
             # Strictly greater: earlier columns keep ties, so the first maximal index wins.
             best_index = tl.where(running_max > earlier_max, best_index, tl.load(argmax_ptr + row))
+        if NEED_LOGIT_STATS:
+            running_min = tl.minimum(running_min, tl.load(row_min_ptr + row))
+            plain_sum_z += tl.load(sum_z_ptr + row)
         running_max = merged_max
     tl.store(row_max_ptr + row, running_max)
     tl.store(sum_exp_ptr + row, running_sum)
@@ -167,6 +176,9 @@ def _row_stats_kernel(
         tl.store(weighted_sum_z_ptr + row, weighted_sum)
     if NEED_ARGMAX:
         tl.store(argmax_ptr + row, best_index)
+    if NEED_LOGIT_STATS:
+        tl.store(row_min_ptr + row, running_min)
+        tl.store(sum_z_ptr + row, plain_sum_z)
 
 
 @triton.jit

@@ -136,10 +136,13 @@ class TritonChunkKernels:
             stats.sum_exp_z if stats.sum_exp_z is not None else unused,
             stats.weighted_sum_z if stats.weighted_sum_z is not None else unused,
             stats.argmax if stats.argmax is not None else unused,
+            stats.row_min if stats.row_min is not None else unused,
+            stats.sum_z if stats.sum_z is not None else unused,
             vocab, vocab_offset, float(cfg.softcap or 1.0), 1.0 / cfg.temperature,
             HAS_SOFTCAP=cfg.softcap is not None, HAS_CLASS_WEIGHT=weight is not None,
             NEED_SUM_EXP_Z=stats.sum_exp_z is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
-            NEED_ARGMAX=stats.argmax is not None, ACCUMULATE=into is not None,
+            NEED_ARGMAX=stats.argmax is not None, NEED_LOGIT_STATS=stats.row_min is not None,
+            ACCUMULATE=into is not None,
             BLOCK_V=p.block_v, num_warps=p.num_warps,
         )
         return stats

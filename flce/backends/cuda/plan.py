@@ -163,6 +163,9 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest, tuned: T
         tokens = chunk_rows(n_rows, max_rows)
     fused_stats = fused_forward_default(flat) if tuned.forward_stats is None else tuned.forward_stats == FUSED
     forward_logits = tuned.forward_logits if tuned.forward_logits is not None else CUBLAS
+    if cfg.return_logit_stats:
+        # The fused statistics GEMM keeps no row min or sum of z; the row-kernel scan does.
+        fused_stats, forward_logits = False, CUBLAS
     if not request.training:
         if fused_stats:
             return AllRows(forward_stats=FUSED)

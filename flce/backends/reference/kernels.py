@@ -24,6 +24,7 @@ from flce.semantics import (
     merge_partial_stats,
     needs_argmax,
     needs_expected_z,
+    needs_logit_stats,
     needs_weighted_sum_z,
 )
 from flce.semantics import (
@@ -122,6 +123,8 @@ class ReferenceKernels:
             class_weight = None if cfg.class_weight is None else _shard_weight(cfg, vocab, vocab_offset, math)
         if needs_argmax(cfg):
             stats.argmax = per_row(torch.int64)
+        if needs_logit_stats(cfg):
+            stats.row_min, stats.sum_z = per_row(), per_row()
         for rows in row_blocks(logits):
             # Never written: the logits may be kept for backward.
             z = capped_scaled(logits[rows].to(math), cfg)
@@ -136,6 +139,9 @@ class ReferenceKernels:
                 stats.weighted_sum_z[rows] = z.sum(1) if class_weight is None else z @ class_weight
             if stats.argmax is not None:
                 stats.argmax[rows] = argmax + vocab_offset
+            if stats.row_min is not None:
+                stats.row_min[rows] = z.amin(dim=1)
+                stats.sum_z[rows] = z.sum(dim=1)
         return stats
 
     def full_grad_(self, logits, target, cfg: LCEConfig, vocab_offset: int, lse, coeffs: GradCoefficients):

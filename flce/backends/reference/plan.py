@@ -8,7 +8,7 @@ from flce.backends.reference.kernels import ReferenceKernels, math_dtype
 from flce.config import LCEConfig
 from flce.engine.call import EngineCall
 from flce.engine.memory import MiB, default_logits_save_limit, logits_save_limit, saved_logits_rows
-from flce.engine.plans import PlanRequest, TokenChunks
+from flce.engine.plans import BATCH_INVARIANT_TOKENS, PlanRequest, TokenChunks
 from flce.inputs import FlatInputs
 
 # Without a budget a chunk may use this much: large enough for full-speed CPU GEMMs
@@ -36,7 +36,11 @@ def working_bytes_per_row(flat: FlatInputs) -> int:
 
 def plan_chunks(flat: FlatInputs, cfg: LCEConfig, variant: str | None = None) -> TokenChunks:
     """The autotune cache's tokens_per_chunk and logits_save_limit_bytes for this shape replace the
-    heuristic's; an explicit memory_budget still bounds them. variant None: the one "auto" picks."""
+    heuristic's; an explicit memory_budget still bounds them. variant None: the one "auto" picks.
+    Batch-invariant calls: tiles of BATCH_INVARIANT_TOKENS rows whatever the budget and the cache,
+    no kept logits (backward would turn them into gradients with GEMMs over all kept rows at once)."""
+    if cfg.batch_invariant:
+        return TokenChunks(tokens_per_chunk=BATCH_INVARIANT_TOKENS, saved_rows=0)
     n_rows = flat.target.shape[0]
     per_row = working_bytes_per_row(flat)
     budget = cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET
