@@ -14,6 +14,9 @@ from typing import Any
 import torch
 
 REDUCTIONS = ("mean", "sum", "none")
+# fast: logits rounded to the (16-bit) compute dtype before the fp32 softmax, as the GEMM writes them;
+# accurate: the statistics and the gradient from fp32 logits, 16-bit only as GEMM operands.
+PRECISIONS = ("fast", "accurate")
 
 # Options whose non-default value needs the full-feature variant, with the
 # test that says "this value is not the default".
@@ -56,6 +59,7 @@ class LCEConfig:
     return_entropy: bool = False
     return_logit_stats: bool = False
     batch_invariant: bool = False
+    precision: str = "fast"
 
     def __post_init__(self) -> None:
         _check_int("ignore_index", self.ignore_index)
@@ -81,6 +85,8 @@ class LCEConfig:
                     f"class_weight: expected a 1-D floating-point tensor of shape [V], got "
                     f"{_describe(w)}"
                 )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: expected one of {PRECISIONS}")
         if self.accum_dtype not in (None, torch.float32):
             raise ValueError(f"accum_dtype={self.accum_dtype}: expected None or torch.float32")
         if self.memory_budget is not None:

@@ -14,7 +14,7 @@ import torch
 from flce.config import LCEConfig
 from flce.engine.call import EngineCall, ForwardState
 from flce.engine.plans import FUSED, AllRows
-from flce.engine.rows import WorkBuffer, block_logits, forward_state
+from flce.engine.rows import WorkBuffer, block_logits, forward_state, logits_dtype
 from flce.inputs import FlatInputs
 from flce.semantics import Denominators, PartialRowStats, RowStats
 
@@ -44,7 +44,7 @@ def scan_vocab_blocks(
     """Partial statistics of hidden @ weight.T + bias, one GEMM and one row scan per column block.
     Also the fallback of a fused statistics GEMM that fails to compile."""
     running = None
-    buffer = WorkBuffer(hidden, hidden.shape[0], min(block, weight.shape[0]))
+    buffer = WorkBuffer(hidden, hidden.shape[0], min(block, weight.shape[0]), logits_dtype(weight.dtype, cfg))
     for start in range(0, weight.shape[0], block):
         logits = block_logits(hidden, weight, bias, slice(start, start + block), buffer)
         running = kernels.row_stats(logits, target, cfg, vocab_offset + start, into=running)

@@ -11,6 +11,21 @@ from flce.inputs import FlatInputs
 from flce.semantics import Denominators, RowStats, RowTerms, extras, reduce_terms, row_terms, statistics_dtype
 
 
+def logits_dtype(weight_dtype: torch.dtype, cfg: LCEConfig) -> torch.dtype:
+    """The dtype the logits are written in: the compute dtype, or fp32 under precision="accurate"."""
+    if cfg.precision == "accurate" and weight_dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return weight_dtype
+
+
+def logits_bytes_per_row(vocab: int, weight_dtype: torch.dtype, cfg: LCEConfig) -> int:
+    """Bytes per token row of a chunk's logits; under precision="accurate" for 16-bit inputs, the fp32
+    logits and the 16-bit copy of their gradient that the two gradient GEMMs read."""
+    dtype = logits_dtype(weight_dtype, cfg)
+    extra = weight_dtype.itemsize if dtype != weight_dtype else 0
+    return vocab * (dtype.itemsize + extra)
+
+
 class WorkBuffer:
     """One allocation that every chunk (or vocabulary block) of a schedule writes its logits into.
 
@@ -20,30 +35,38 @@ class WorkBuffer:
     buffer (one run each; such RSS readings vary run to run). CUDA's caching allocator recycles the
     same block either way."""
 
-    def __init__(self, like: torch.Tensor, rows: int, cols: int):
-        self.storage = like.new_empty(max(0, rows) * cols)
+    def __init__(self, like: torch.Tensor, rows: int, cols: int, dtype: torch.dtype | None = None):
+        self.storage = like.new_empty(max(0, rows) * cols, dtype=dtype or like.dtype)
 
     def view(self, rows: int, cols: int) -> torch.Tensor:
         """A contiguous [rows, cols] view of the buffer's start."""
         return self.storage[: rows * cols].view(rows, cols)
 
 
-def chunk_logits(flat: FlatInputs, rows: slice, out: torch.Tensor | None = None) -> torch.Tensor:
-    """u = hidden[rows] @ weight.T + bias from one plain GEMM."""
-    x_rows = flat.hidden[rows]
-    if flat.bias is None:
-        return torch.mm(x_rows, flat.weight.t(), out=out)
-    return torch.addmm(flat.bias, x_rows, flat.weight.t(), out=out)
+def gemm_logits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out = x @ w.T + bias from one plain GEMM, in out's dtype: fp32 logits of 16-bit operands come
+    from cuBLAS's fp32 output on CUDA, and from fp32 operands elsewhere (no fp32-output GEMM there)."""
+    if out.dtype == x.dtype:
+        if bias is None:
+            return torch.mm(x, w.t(), out=out)
+        return torch.addmm(bias, x, w.t(), out=out)
+    if x.is_cuda:
+        torch.mm(x, w.t(), out_dtype=out.dtype, out=out)
+    else:
+        torch.mm(x.to(out.dtype), w.t().to(out.dtype), out=out)
+    return out if bias is None else out.add_(bias.to(out.dtype))
+
+
+def chunk_logits(flat: FlatInputs, rows: slice, out: torch.Tensor) -> torch.Tensor:
+    """u = hidden[rows] @ weight.T + bias from one plain GEMM, written into out."""
+    return gemm_logits(flat.hidden[rows], flat.weight, flat.bias, out)
 
 
 def block_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cols: slice,
                  buffer: WorkBuffer) -> torch.Tensor:
     """u[:, cols] of all rows from one plain GEMM, written into ``buffer``."""
     w = weight[cols]
-    out = buffer.view(hidden.shape[0], w.shape[0])
-    if bias is None:
-        return torch.mm(hidden, w.t(), out=out)
-    return torch.addmm(bias[cols], hidden, w.t(), out=out)
+    return gemm_logits(hidden, w, None if bias is None else bias[cols], buffer.view(hidden.shape[0], w.shape[0]))
 
 
 class GradAccumulator:
@@ -67,6 +90,10 @@ class GradAccumulator:
 
     def add(self, grad_logits: torch.Tensor, rows: slice) -> None:
         x_rows = self.flat.hidden[rows]
+        if self.bias_acc is not None:
+            self.bias_acc += grad_logits.sum(0, dtype=self.bias_acc.dtype)
+        # fp32 gradients of precision="accurate" enter the GEMMs as 16-bit operands.
+        grad_logits = grad_logits.to(self.flat.weight.dtype)
         if self.grad_hidden is not None:
             torch.mm(grad_logits, self.flat.weight, out=self.grad_hidden[rows])
         if self.weight_acc is not None:
@@ -77,8 +104,6 @@ class GradAccumulator:
             else:
                 torch.mm(grad_logits.t(), x_rows, out=self.weight_acc)
                 self.weight_written = True
-        if self.bias_acc is not None:
-            self.bias_acc += grad_logits.sum(0, dtype=self.bias_acc.dtype)
 
     def result(self) -> Grads:
         w = self.flat.weight

@@ -32,6 +32,7 @@ from flce.engine.rows import (
     concat_stats,
     concat_terms,
     forward_state,
+    logits_dtype,
     slice_stats,
 )
 from flce.inputs import FlatInputs
@@ -68,9 +69,10 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
 
     one = torch.ones((), dtype=denoms.z_loss.dtype, device=target.device)
     vocab_here = flat.weight.shape[0]
-    saved = flat.hidden.new_empty(keep, vocab_here) if keep else None
+    dtype = logits_dtype(flat.weight.dtype, cfg)
+    saved = flat.hidden.new_empty(keep, vocab_here, dtype=dtype) if keep else None
     # Chunks that are not kept all write into one buffer (rows.WorkBuffer says why).
-    buffer = WorkBuffer(flat.hidden, min(plan.tokens_per_chunk, n_rows), vocab_here) if keep < n_rows else None
+    buffer = WorkBuffer(flat.hidden, min(plan.tokens_per_chunk, n_rows), vocab_here, dtype) if keep < n_rows else None
     stats_per_chunk: list[RowStats] = []
     terms_per_chunk: list[RowTerms] = []
     for rows in chunk_bounds(n_rows, plan.tokens_per_chunk):
@@ -134,7 +136,8 @@ def backward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, state: Forwa
     n_rows = target.shape[0]
     recompute_buffer = None
     if keep < n_rows and plan.backward_grad != FUSED:
-        recompute_buffer = WorkBuffer(flat.hidden, min(plan.tokens_per_chunk, n_rows), flat.weight.shape[0])
+        recompute_buffer = WorkBuffer(flat.hidden, min(plan.tokens_per_chunk, n_rows), flat.weight.shape[0],
+                                      logits_dtype(flat.weight.dtype, cfg))
 
     def chunk_grad(rows: slice, logits: torch.Tensor | None) -> torch.Tensor:
         """d loss / d u of one chunk, over its logits (recomputed where None)."""

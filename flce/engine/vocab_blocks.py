@@ -21,7 +21,7 @@ import torch
 from flce.engine import all_rows
 from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
 from flce.engine.plans import FUSED, VocabBlocks
-from flce.engine.rows import WorkBuffer, block_logits, forward_state
+from flce.engine.rows import WorkBuffer, block_logits, forward_state, logits_dtype
 from flce.inputs import FlatInputs
 from flce.semantics import (
     Denominators,
@@ -74,7 +74,9 @@ def block_gradients(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, stats
         grad_weight = (torch.zeros if fp32_acc else torch.empty)(
             w.shape, dtype=torch.float32 if fp32_acc else w.dtype, device=w.device)
     grad_bias = torch.empty_like(flat.bias) if wanted.bias and flat.bias is not None else None
-    buffer = None if plan.backward_grad == FUSED else WorkBuffer(x, x.shape[0], min(plan.grad_vocab_block, w.shape[0]))
+    buffer = None
+    if plan.backward_grad != FUSED:
+        buffer = WorkBuffer(x, x.shape[0], min(plan.grad_vocab_block, w.shape[0]), logits_dtype(w.dtype, cfg))
     for start in range(0, w.shape[0], plan.grad_vocab_block):
         cols = slice(start, start + plan.grad_vocab_block)
         if plan.backward_grad == FUSED:
@@ -83,6 +85,9 @@ def block_gradients(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, stats
         else:
             logits = block_logits(x, w, flat.bias, cols, buffer)
             grad = kernels.full_grad_(logits, target, cfg, start, stats.lse, coeffs)
+        if grad_bias is not None:
+            grad_bias[cols] = grad.sum(0, dtype=statistics_dtype(grad.dtype))
+        grad = grad.to(w.dtype)  # precision="accurate": fp32 gradients enter the GEMMs as 16-bit operands
         if grad_hidden is not None:
             if fp32_acc:
                 kernels.accumulate_fp32_(grad_hidden, grad, w[cols])
@@ -93,8 +98,6 @@ def block_gradients(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, stats
                 kernels.accumulate_fp32_(grad_weight[cols], grad.t(), x)
             else:
                 torch.mm(grad.t(), x, out=grad_weight[cols])
-        if grad_bias is not None:
-            grad_bias[cols] = grad.sum(0, dtype=statistics_dtype(grad.dtype))
         del grad
     return (None if grad_hidden is None else grad_hidden.to(x.dtype),
             None if grad_weight is None else grad_weight.to(w.dtype), grad_bias)

@@ -11,6 +11,7 @@ from flce.config import LCEConfig
 from flce.engine.call import EngineCall
 from flce.engine.memory import GiB, MiB, logits_save_limit, saved_logits_rows
 from flce.engine.plans import PlanRequest, TokenChunks
+from flce.engine.rows import logits_bytes_per_row
 from flce.inputs import FlatInputs
 
 # Without a memory budget one chunk's logits may use this much (as the other backends).
@@ -57,7 +58,7 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, props: AscendDeviceProperties,
     """
     n_rows = flat.target.shape[0]
     hidden_size = flat.weight.shape[1]
-    row_bytes = flat.weight.shape[0] * flat.weight.element_size()
+    row_bytes = logits_bytes_per_row(flat.weight.shape[0], flat.weight.dtype, cfg)
     params, tuned_limit = tuned_params(flat.hidden.device, "ascend", variant, flat.weight.dtype, hidden_size,
                                        flat.weight.shape[0], n_rows)
     tuned_tokens = (params or {}).get("tokens_per_chunk")

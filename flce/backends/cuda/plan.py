@@ -17,6 +17,7 @@ from flce.config import LCEConfig
 from flce.engine.call import grads_in_forward_allowed
 from flce.engine.memory import MiB, default_logits_save_limit, logits_save_limit, saved_logits_rows
 from flce.engine.plans import CUBLAS, FUSED, GEMM_PATHS, AllRows, Plan, PlanRequest, TokenChunks, VocabBlocks
+from flce.engine.rows import logits_bytes_per_row, logits_dtype
 from flce.inputs import FlatInputs
 
 # Default working memory of one chunk's logits when gradients are computed. Larger chunks mean fewer
@@ -150,7 +151,11 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest, tuned: T
     fused GEMM, or vocabulary blocks of all rows) where they fit, else small token chunks."""
     n_rows = flat.target.shape[0]
     vocab = flat.weight.shape[0]
-    row_bytes = vocab * flat.weight.element_size()
+    # Bytes of one logit: the compute dtype's, or under precision="accurate" fp32 and the 16-bit copy
+    # of its gradient (the scans keep no gradient: scan_bytes).
+    logit_bytes = logits_bytes_per_row(1, flat.weight.dtype, cfg)
+    scan_bytes = logits_dtype(flat.weight.dtype, cfg).itemsize
+    row_bytes = vocab * logit_bytes
     if cfg.memory_budget is not None:
         budget = cfg.memory_budget
     else:
@@ -166,11 +171,15 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest, tuned: T
     if cfg.return_logit_stats:
         # The fused statistics GEMM keeps no row min or sum of z; the row-kernel scan does.
         fused_stats, forward_logits = False, CUBLAS
+    accurate = logits_dtype(flat.weight.dtype, cfg) != flat.weight.dtype
+    if accurate:
+        # The fused GEMMs round each logits tile to the compute dtype: fp32 logits come from cuBLAS.
+        fused_stats, forward_logits = False, CUBLAS
     if not request.training:
         if fused_stats:
             return AllRows(forward_stats=FUSED)
         if n_rows * row_bytes > budget and not request.sharded:
-            columns = budget // (n_rows * flat.weight.element_size())
+            columns = budget // (n_rows * scan_bytes)
             if columns >= MIN_VOCAB_BLOCK:
                 return AllRows(forward_stats=CUBLAS, scan_block=columns - columns % MIN_VOCAB_BLOCK)
         return TokenChunks(tokens_per_chunk=tokens, forward_logits=forward_logits)
@@ -181,13 +190,13 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest, tuned: T
     if not grads_in_forward_allowed(cfg):
         tokens, saved_rows = _deferred_chunks(n_rows, row_bytes, tokens, save_limit,
                                               tuned.tokens_per_chunk is None and cfg.memory_budget is not None)
-    backward_grad = fused_path(fused_grad_default(flat) if tuned.backward_grad is None
-                               else tuned.backward_grad == FUSED)
+    backward_grad = fused_path(not accurate and (fused_grad_default(flat) if tuned.backward_grad is None
+                                                 else tuned.backward_grad == FUSED))
     if n_rows and not request.sharded:
         # A tuned schedule was measured without kept logits; where some are kept they decide.
         by_blocks = (tuned.grad_schedule == "vocab_blocks" and not saved_rows) if tuned.grad_schedule else (
             _vocab_blocks_pay(cfg, n_rows, vocab, tokens, saved_rows > 0))
-        columns = vocab_block_columns(n_rows, flat.weight.element_size(), budget)
+        columns = vocab_block_columns(n_rows, logit_bytes, budget)
         if tuned.grad_vocab_block:  # a tuned block still honours an explicit memory_budget
             columns = tuned.grad_vocab_block if cfg.memory_budget is None else min(tuned.grad_vocab_block, columns)
         if by_blocks and columns >= MIN_VOCAB_BLOCK:

@@ -9,6 +9,7 @@ from flce.config import LCEConfig
 from flce.engine.call import EngineCall
 from flce.engine.memory import MiB, default_logits_save_limit, logits_save_limit, saved_logits_rows
 from flce.engine.plans import BATCH_INVARIANT_TOKENS, PlanRequest, TokenChunks
+from flce.engine.rows import logits_bytes_per_row
 from flce.inputs import FlatInputs
 
 # Without a budget a chunk may use this much: large enough for full-speed CPU GEMMs
@@ -19,7 +20,7 @@ DEFAULT_CHUNK_BUDGET = 256 * MiB
 _TEMPORARIES = 3
 
 
-def working_bytes_per_row(flat: FlatInputs) -> int:
+def working_bytes_per_row(flat: FlatInputs, cfg: LCEConfig | None = None) -> int:
     """Working memory per token row of a chunk.
 
     On the CPU the kernels work in place on the chunk's logits and keep their temporaries to
@@ -28,10 +29,10 @@ def working_bytes_per_row(flat: FlatInputs) -> int:
     row also carries the temporaries.
     """
     vocab = flat.weight.shape[0]
-    compute = flat.weight.element_size()
+    logits = logits_bytes_per_row(vocab, flat.weight.dtype, cfg or LCEConfig())
     if flat.hidden.device.type == "cpu":
-        return vocab * compute
-    return vocab * (compute + _TEMPORARIES * math_dtype(flat.weight.dtype).itemsize)
+        return logits
+    return logits + vocab * _TEMPORARIES * math_dtype(flat.weight.dtype).itemsize
 
 
 def plan_chunks(flat: FlatInputs, cfg: LCEConfig, variant: str | None = None) -> TokenChunks:
@@ -42,7 +43,7 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, variant: str | None = None) ->
     if cfg.batch_invariant:
         return TokenChunks(tokens_per_chunk=BATCH_INVARIANT_TOKENS, saved_rows=0)
     n_rows = flat.target.shape[0]
-    per_row = working_bytes_per_row(flat)
+    per_row = working_bytes_per_row(flat, cfg)
     budget = cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET
     tokens = max(1, min(n_rows, budget // per_row))
     params, cached_limit = tuned_params(
@@ -57,7 +58,7 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, variant: str | None = None) ->
             tokens = min(tokens, cfg.memory_budget // per_row)
         tokens = max(1, tokens)
     save_limit = logits_save_limit(cached_limit, cfg.memory_budget, default_logits_save_limit(flat.hidden.device))
-    logits_row_bytes = flat.weight.shape[0] * flat.weight.element_size()
+    logits_row_bytes = logits_bytes_per_row(flat.weight.shape[0], flat.weight.dtype, cfg)
     return TokenChunks(tokens_per_chunk=tokens,
                      saved_rows=saved_logits_rows(n_rows, tokens, logits_row_bytes, per_row, save_limit))
 

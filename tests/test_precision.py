@@ -1,0 +1,80 @@
+"""precision="accurate": the statistics and the gradient from fp32 logits, 16-bit only as GEMM
+operands. Against the float64 oracle it must be far closer than the default (which rounds each logit
+to bf16 before the fp32 softmax), on every schedule, and identical to it where inputs are fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import reference_loss
+
+import flce
+
+
+def _inputs(n: int, h: int, v: int, scale: float, dtype: torch.dtype, generator: torch.Generator):
+    x = (torch.randn(n, h, generator=generator) * scale).to(dtype).requires_grad_()
+    w = torch.randn(v, h, generator=generator).to(dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=generator)
+    t[::7] = -100
+    return x, w, t
+
+
+def _errors(x, w, t, **options) -> tuple[float, float, float]:
+    """Relative errors of loss, grad_hidden, grad_weight against float64 (random upstream gradient)."""
+    out = flce.linear_cross_entropy(x, w, t, **options)
+    upstream = torch.linspace(0.5, 1.5, out.numel()).reshape(out.shape)
+    gx, gw = torch.autograd.grad((out * upstream.to(out.dtype)).sum(), (x, w))
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    options.pop("precision", None), options.pop("memory_budget", None)
+    want = reference_loss(xd, wd, t, **options).loss
+    rx, rw = torch.autograd.grad((want * upstream.double()).sum(), (xd, wd))
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.double() - b).norm() / b.norm())
+
+    return rel(out, want.detach()), rel(gx, rx), rel(gw, rw)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("budget_rows", [None, 16], ids=["one-chunk", "chunks"])
+def test_accurate_is_closer_to_float64_than_fast(reduction: str, budget_rows: int | None,
+                                                 generator: torch.Generator) -> None:
+    # Logits of magnitude ~25: a bf16 logit is off by up to 0.06, a visible share of each loss.
+    x, w, t = _inputs(96, 32, 2000, 4.0, torch.bfloat16, generator)
+    budget = None if budget_rows is None else budget_rows * 2000 * 6
+    fast = _errors(x, w, t, reduction=reduction, memory_budget=budget)
+    accurate = _errors(x, w, t, reduction=reduction, memory_budget=budget, precision="accurate")
+    assert accurate[0] < min(1e-6, fast[0] / 10), (accurate, fast)
+    # The gradients still pass through bf16 GEMM operands: closer, not exact.
+    assert accurate[1] < fast[1] / 2 and accurate[2] < fast[2] / 2, (accurate, fast)
+
+
+def test_single_token_loss(generator: torch.Generator) -> None:
+    """The issue's case: one bf16 token with large logits; fast rounds its logits to bf16."""
+    x, w, t = _inputs(1, 64, 1000, 30.0, torch.bfloat16, generator)
+    t[0] = 3
+    assert _errors(x, w, t, precision="accurate")[0] < 1e-6
+
+
+def test_accurate_is_the_default_for_fp32(generator: torch.Generator) -> None:
+    x, w, t = _inputs(40, 16, 300, 3.0, torch.float32, generator)
+    fast = flce.linear_cross_entropy(x, w, t, reduction="none")
+    accurate = flce.linear_cross_entropy(x, w, t, reduction="none", precision="accurate")
+    assert torch.equal(fast, accurate)
+
+
+def test_bad_precision_is_named() -> None:
+    with pytest.raises(ValueError, match="precision='exact': expected one of"):
+        flce.linear_cross_entropy(torch.zeros(2, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long),
+                                  precision="exact")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_accurate_bf16(reduction: str, generator: torch.Generator) -> None:
+    x, w, t = _inputs(4096, 1024, 32000, 2.0, torch.bfloat16, generator)
+    x, w, t = (a.detach().cuda().requires_grad_() if a.is_floating_point() else a.cuda() for a in (x, w, t))
+    fast = _errors(x, w, t, reduction=reduction)
+    accurate = _errors(x, w, t, reduction=reduction, precision="accurate")
+    assert accurate[0] < fast[0] / 4, (accurate, fast)
+    assert accurate[1] <= fast[1] and accurate[2] <= fast[2], (accurate, fast)
