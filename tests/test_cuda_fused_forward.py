@@ -192,6 +192,9 @@ def test_tuned_knobs_read_the_fused_forward_entries():
     with override_params(dict(SMALL_TILES, forward_stats="bogus", gemm_block_m=48), backend="cuda"):
         knobs = tuned_knobs(flat, "plain")
     assert knobs.forward_stats is None and knobs.gemm is None  # unusable values fall back to the heuristic
+    for value, expected in (("triton", "triton"), ("warp_specialized", "warp_specialized"), ("ws", None)):
+        with override_params(dict(SMALL_TILES, stats_kernel=value), backend="cuda"):
+            assert tuned_knobs(flat, "plain").stats_kernel == expected
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -188,6 +188,10 @@ def test_ws_forward_through_flce_matches_float64(vocab: int, monkeypatch: pytest
     with torch.no_grad(), override_params({"forward_stats": "fused"}, backend="cuda"):
         out = flce.linear_cross_entropy(x, w, t, **options)
     assert len(calls) == 1
+    with torch.no_grad(), override_params({"forward_stats": "fused", "stats_kernel": "triton"}, backend="cuda"):
+        triton_out = flce.linear_cross_entropy(x, w, t, **options)
+    assert len(calls) == 1, "stats_kernel=triton in the cache keeps the warp-specialised kernel out"
+    torch.testing.assert_close(triton_out.loss, out.loss, rtol=2e-2, atol=2e-2)
     want = reference_loss(x.double(), w.double(), t, **options)
     z = (x @ w.t()).float()  # eager: bf16 logits, fp32 softmax
     logprobs = torch.log_softmax(z, 1)

@@ -43,15 +43,15 @@ _default_kernels = None
 def _plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequest) -> EngineCall:
     """The kernels (with the cache's tuned launches and tiles) and the plan for one call."""
     from flce.backends.cuda.ops import TritonChunkKernels
-    from flce.backends.cuda.plan import plan_chunks, tuned_knobs
+    from flce.backends.cuda.plan import WARP_SPECIALIZED, plan_chunks, tuned_knobs
 
     global _default_kernels
     tuned = tuned_knobs(flat, variant)
-    if tuned.launch is None and tuned.gemm is None:
+    if tuned.launch is None and tuned.gemm is None and tuned.stats_kernel is None:
         _default_kernels = _default_kernels or TritonChunkKernels()
         kernels = _default_kernels
     else:
-        kernels = TritonChunkKernels(tuned.launch, tuned.gemm)
+        kernels = TritonChunkKernels(tuned.launch, tuned.gemm, tuned.stats_kernel or WARP_SPECIALIZED)
     return EngineCall(kernels=kernels, cfg=cfg, plan=plan_chunks(flat, cfg, request, tuned),
                       plain=variant == "plain", token_shape=flat.token_shape)
 

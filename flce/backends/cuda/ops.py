@@ -15,7 +15,7 @@ from triton.runtime.errors import PTXASError
 
 from flce.backends.cuda import kernels
 from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_grad, gemm_row_stats
-from flce.backends.cuda.plan import MAX_BLOCK_V, LaunchParams, fallback_scan_block
+from flce.backends.cuda.plan import MAX_BLOCK_V, WARP_SPECIALIZED, LaunchParams, fallback_scan_block
 from flce.backends.cuda.ws_gemm_ops import ws_partial_row_stats, ws_stats_eligible
 from flce.config import LCEConfig
 from flce.engine.all_rows import scan_vocab_blocks
@@ -46,16 +46,20 @@ _failed_gemm_configs: set[tuple] = set()
 class TritonChunkKernels:
     """The chunk kernels of the CUDA backend (also run by the Triton interpreter on CPU tensors).
     ``launch``: tuned block size and warps, else a heuristic per launch; ``gemm``: tuned tiles of
-    the fused GEMM, else :func:`default_gemm_config`."""
+    the fused GEMM, else :func:`default_gemm_config`; ``stats_kernel``: the fused statistics GEMM's
+    kernel, "warp_specialized" (ws_gemm_ops, where it applies) or "triton" (gemm_ops)."""
 
-    def __init__(self, launch: LaunchParams | None = None, gemm: GemmConfig | None = None) -> None:
+    def __init__(self, launch: LaunchParams | None = None, gemm: GemmConfig | None = None,
+                 stats_kernel: str = WARP_SPECIALIZED) -> None:
         self.launch = launch
         self.gemm = gemm
+        self.stats_kernel = stats_kernel
 
     def gemm_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,
                        logits_out=None) -> PartialRowStats:
         ws_key = ("ws_stats", hidden.device, hidden.dtype)
-        if ws_key not in _failed_gemm_configs and ws_stats_eligible(hidden, weight, bias, cfg, logits_out):
+        if (self.stats_kernel == WARP_SPECIALIZED and ws_key not in _failed_gemm_configs
+                and ws_stats_eligible(hidden, weight, bias, cfg, logits_out)):
             # Hopper, plain statistics: the warp-specialised Gluon GEMM (0.94-1.02x one cuBLAS GEMM
             # against 1.01-1.07x for gemm_row_stats; docs/ws_gemm_notes.md).
             try:

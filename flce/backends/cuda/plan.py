@@ -31,6 +31,11 @@ INFERENCE_CHUNK_BUDGET = 64 * MiB
 MIN_VOCAB_BLOCK = 512
 # Chunk rows are rounded down to this multiple: cuBLAS's 256-row GEMM tiles stay full.
 ROW_MULTIPLE = 256
+# The fused statistics GEMM's kernels (knob stats_kernel): the warp-specialised Gluon GEMM where it
+# applies (Hopper, plain statistics; 0.94-1.02x one cuBLAS GEMM forward-only against 1.01-1.07x for the
+# Triton GEMM on the H200 and H100, docs/ws_gemm_notes.md), else the Triton GEMM.
+WARP_SPECIALIZED = "warp_specialized"
+STATS_KERNELS = (WARP_SPECIALIZED, "triton")
 # Widest row-kernel block a tuned launch may ask for.
 MAX_BLOCK_V = 4096
 
@@ -60,6 +65,7 @@ class TunedKnobs:
     grad_schedule: str | None = None
     grad_vocab_block: int | None = None
     gemm: GemmConfig | None = None
+    stats_kernel: str | None = None
 
 
 def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
@@ -90,7 +96,8 @@ def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
                       backward_grad=path("backward_grad"),
                       gemm=GemmConfig.from_params(params),
                       grad_schedule=params["grad_schedule"] if params.get("grad_schedule") in GRAD_SCHEDULES else None,
-                      grad_vocab_block=positive_int("grad_vocab_block"))
+                      grad_vocab_block=positive_int("grad_vocab_block"),
+                      stats_kernel=params["stats_kernel"] if params.get("stats_kernel") in STATS_KERNELS else None)
 
 
 # Below this many tokens the fused forward has few row blocks to spread over the SMs and its fixed

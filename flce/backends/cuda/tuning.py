@@ -73,4 +73,6 @@ def _tuning_heuristic(shape: TuneShape) -> dict:
 register_tuning_space(TuningSpace("cuda", candidates=_tuning_candidates, working_bytes=_tuning_working_bytes,
                                   tunes_logits_save_limit=False, heuristic=_tuning_heuristic,
                                   budget_candidates=_tuning_budget_candidates,
-                                  inference_overlays=({"forward_stats": "fused"}, {"forward_stats": "cublas"})))
+                                  inference_overlays=({"forward_stats": "fused"},
+                                                      {"forward_stats": "fused", "stats_kernel": "triton"},
+                                                      {"forward_stats": "cublas"})))
