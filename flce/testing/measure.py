@@ -182,10 +182,12 @@ def interleaved_timings(calls: Mapping[str, Callable[[], object]], device: torch
 # Memory --------------------------------------------------------------------------------------
 
 
-def peak_bytes_above(fn: Callable[[], object], device: torch.device | str = "cuda") -> int | None:
+def peak_bytes_above(fn: Callable[[], object], device: torch.device | str = "cuda", *,
+                     include_kept: bool = False) -> int | None:
     """Bytes allocated at the peak of ``fn()`` beyond what was allocated before it and what is still
     allocated after it (what it returns or leaves behind, such as gradients): the call's working
-    memory. None on devices without allocator statistics (the CPU)."""
+    memory. ``include_kept``: count what it leaves allocated too (the call's whole footprint above
+    what was there before). None on devices without allocator statistics (the CPU)."""
     device = torch.device(device)
     if device.type == "cpu":
         return None
@@ -200,12 +202,13 @@ def peak_bytes_above(fn: Callable[[], object], device: torch.device | str = "cud
     kept = module.memory_allocated(device) - before
     peak = module.max_memory_allocated(device) - before
     del out
-    return peak - kept
+    return peak if include_kept else peak - kept
 
 
-def peak_mib_above(fn: Callable[[], object], device: torch.device | str = "cuda") -> float:
+def peak_mib_above(fn: Callable[[], object], device: torch.device | str = "cuda", *,
+                   include_kept: bool = False) -> float:
     """:func:`peak_bytes_above` in MiB, on a GPU (a step that returns its gradients is measured above them)."""
-    above = peak_bytes_above(fn, device)
+    above = peak_bytes_above(fn, device, include_kept=include_kept)
     if above is None:
         raise ValueError(f"device={device!r}: expected a device with allocator statistics (cuda, npu)")
     return above / MiB
