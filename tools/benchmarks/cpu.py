@@ -7,12 +7,12 @@ Inputs: flce.testing.measure's draw for the shape (logits of std 1, every 17th t
 
 Time: all methods run in this one process, interleaved (``--warmup`` rounds, then ``--repeats``
 rounds, each method once per round; flce.testing.measure.interleaved_timings) so that a change in
-machine load hits every method alike. Per method: the median over the rounds with its spread (min
-and max) and its ratio to the floor's median, beside the range of the per-round ratios (each
-method against the floor of the same round): on a shared machine, that range says how far one
-run's ratio can be trusted. The median process CPU time (all threads) is reported too: it moves
-less than wall time, since time spent descheduled is not counted. The header states the machine
-(CPU model, usable cores, torch threads) and the load average before and after.
+machine load hits every method alike. Per method, for wall time and for the process CPU time (all
+threads; it moves less than wall time on a shared machine, since time spent descheduled is not
+counted): the median over the rounds with its spread (min-max), and its ratio to the floor's median
+with the range of the per-round ratios (each method against the floor of the same round), which
+says how far one run's ratio can be trusted. The header states the machine (CPU model, usable
+cores, torch threads) and the load average before and after.
 
 Memory: each method runs once more in a fresh child process, which reports its peak RSS
 growth: the high-water mark (VmHWM, reset through /proc/self/clear_refs once the inputs
@@ -169,22 +169,24 @@ def main() -> None:
     load_after = load_average()
 
     grads_mib = (args.vocab * args.hidden + args.tokens * args.hidden) * 4 / MiB
-    floor, cpu_floor = timings.wall.get("floor"), timings.cpu.get("floor")
     rows = []
     for m in methods:
-        wall, cpu = timings.wall[m], timings.cpu[m]
-        ratio, ratio_range, cpu_ratio = "-", "-", "-"
-        if floor is not None:
-            low, high = per_round_ratios(wall, floor)
-            ratio, ratio_range = f"{wall.median_ms / floor.median_ms:.2f}x", f"{low:.2f}-{high:.2f}x"
-            cpu_ratio = f"{cpu.median_ms / cpu_floor.median_ms:.2f}x"
+        cells = [m]
+        for clock in (timings.wall, timings.cpu):
+            t = clock[m]
+            cells.append(f"{t.median_ms / 1e3:.2f} ({t.min_ms / 1e3:.2f}-{t.max_ms / 1e3:.2f})")
+            floor = clock.get("floor")
+            if floor is None:
+                cells.append("-")
+            else:
+                low, high = per_round_ratios(t, floor)
+                cells.append(f"{t.median_ms / floor.median_ms:.2f}x ({low:.2f}-{high:.2f}x)")
         growth = memory.get(m, {}).get("rss_growth_mib")
-        growth_cells = ("-", "-") if growth is None else (f"{growth:.0f}", f"{growth - grads_mib:.0f}")
-        rows.append((m, f"{wall.median_ms / 1e3:.2f}", f"{wall.min_ms / 1e3:.2f}-{wall.max_ms / 1e3:.2f}", ratio,
-                     ratio_range, f"{cpu.median_ms / 1e3:.2f}", cpu_ratio, *growth_cells))
+        cells += ["-", "-"] if growth is None else [f"{growth:.0f}", f"{growth - grads_mib:.0f}"]
+        rows.append(tuple(cells))
     print()
-    header = ("method", "median s", "min-max s", "vs floor", "per-round vs floor", "median CPU s", "CPU vs floor",
-              "peak RSS growth MiB", "above gradients MiB")
+    header = ("method", "median s (min-max)", "vs floor (per round)", "median CPU s (min-max)",
+              "CPU vs floor (per round)", "peak RSS growth MiB", "above gradients MiB")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)))
