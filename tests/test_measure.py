@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -93,3 +98,23 @@ def test_peak_memory_counts_the_working_memory_above_what_is_returned() -> None:
 
     assert measure.peak_bytes_above(call, device) == scratch_bytes
     assert measure.peak_bytes_above(call, device, include_kept=True) == scratch_bytes + kept_bytes
+
+
+def test_cpu_benchmark_reports_medians_with_their_spread_and_the_machine() -> None:
+    """tools/benchmarks/cpu.py at a tiny shape: every method's median with its min-max and the
+    per-round range of its ratio to the floor, for wall and CPU time, and the machine it ran on."""
+    script = Path(__file__).resolve().parents[1] / "tools" / "benchmarks" / "cpu.py"
+    done = subprocess.run([sys.executable, str(script), "--tokens", "64", "--hidden", "16", "--vocab", "200",
+                           "--repeats", "3", "--no-memory", "--markdown"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{measure.cpu_model()}, " in done.stdout and "cores usable" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and " | " in line]
+    assert rows[0].startswith("| method | median s (min-max) | vs floor (per round) |")
+    by_method = {row.split(" | ")[0].removeprefix("| "): row for row in rows[1:]}
+    assert set(by_method) == {"floor", "eager", "torch_chunked", "flce"}
+    median_and_range = r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)"
+    ratio_and_range = r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\dx\)"
+    cells = by_method["flce"].split(" | ")
+    assert re.fullmatch(median_and_range, cells[1]) and re.fullmatch(median_and_range, cells[3]), cells
+    assert re.fullmatch(ratio_and_range, cells[2]) and re.fullmatch(ratio_and_range, cells[4]), cells
+    assert "3 timed rounds after 1 warm-up" in done.stdout
