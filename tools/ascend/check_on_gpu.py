@@ -54,6 +54,7 @@ def _run_backend(name: str, hidden, weight, target, options: dict, upstream: dic
     """Loss, extras and grads through a backend's descriptor (the registry never sends CUDA
     tensors to the Ascend backend), with the given upstream gradients."""
     from flce.config import LCEConfig
+    from flce.engine.run import run_backend
     from flce.inputs import prepare_inputs
     from flce.registry import registered_backends
 
@@ -61,7 +62,7 @@ def _run_backend(name: str, hidden, weight, target, options: dict, upstream: dic
     cfg = LCEConfig(**options)
     x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     flat = prepare_inputs(x, w, target, None, cfg)
-    out = backend.run(flat, cfg, "full" if cfg.needs_full else "plain")
+    out = run_backend(backend, flat, cfg, "full" if cfg.needs_full else "plain")
     outs = {"loss": out} if isinstance(out, torch.Tensor) else {k: v for k, v in out._asdict().items() if v is not None}
     total = sum((outs[k].float() * g).sum() for k, g in upstream.items())
     grad_x, grad_w = torch.autograd.grad(total, (x, w))
