@@ -53,4 +53,4 @@ info: install
 	$(PYTHON) -m flce info
 
 bench-cpu: install
-	$(PYTHON) tools/bench_cpu.py --markdown
+	$(PYTHON) tools/benchmarks/cpu.py --markdown

@@ -17,6 +17,7 @@ import torch
 import flce
 from flce.config import LCEConfig
 from flce.registry import available_backends, candidates_for, choose_for_call, resolve_device
+from flce.testing.measure import cpu_model
 
 
 def device_description(device: torch.device) -> str:
@@ -30,17 +31,6 @@ def device_description(device: torch.device) -> str:
     if device.type == "cpu":
         return f"cpu ({cpu_model()}, {torch.get_num_threads()} torch threads)"
     return str(device)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def selection_lines(device: torch.device) -> list[str]:

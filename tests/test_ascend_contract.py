@@ -7,7 +7,7 @@ These cases run the real kernels, so they need a Triton that can execute them:
   subprocess, because TRITON_INTERPRET must be set before the kernels are decorated and must not
   leak into the other tests of the parent process.
 * ``FLCE_ASCEND_CONTRACT_DEVICE=cuda``: CUDA tensors, compiled by upstream Triton for the GPU
-  (tools/check_ascend_on_gpu.py): a compiler check the interpreter cannot give.
+  (tools/ascend/check_on_gpu.py): a compiler check the interpreter cannot give.
 * ``FLCE_ASCEND_CONTRACT_DEVICE=npu``: a real Ascend NPU.
 
 Without the variable the module is skipped. Small UB and few vector cores are injected so that

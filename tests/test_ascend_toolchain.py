@@ -2,7 +2,7 @@
 
 triton-ascend installs itself as ``triton``, so it lives in its own environment, build/ascend-venv
 (``make ascend-venv``; ``make test`` builds it first). test_every_variant_lowers_and_fits_the_ub runs
-tools/ascend_compile_check.py there: every kernel variant flce's launchers produce goes through
+tools/ascend/compile_check.py there: every kernel variant flce's launchers produce goes through
 triton-ascend's frontend (``ttir``) and ``triton-adapter-opt`` (``ttadapter``), stops only where
 BiSheng (CANN, not installable here) would take over, and its inner loop's UB footprint read from the
 adapter's IR fits the tiling's estimate and share. The footprint reader itself is tested here on
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "ascend"))
 
-from ascend_ub_footprint import loop_footprints, shaped_bytes  # noqa: E402
+from ub_footprint import loop_footprints, shaped_bytes  # noqa: E402
 
 ASCEND_PYTHON = Path(os.environ.get("FLCE_ASCEND_VENV", REPO / "build" / "ascend-venv")) / "bin" / "python"
 KERNELS = ("_plain_loss_kernel", "_plain_grad_kernel", "_row_stats_kernel", "_full_grad_kernel", "_scale_kernel")
@@ -108,7 +108,7 @@ def _run_check(tmp_path: Path) -> list[dict]:
     out = tmp_path / "variants.json"
     jobs = str(max(1, min(4, len(os.sched_getaffinity(0)))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([str(ASCEND_PYTHON), str(REPO / "tools" / "ascend_compile_check.py"), "--jobs", jobs,
+    proc = subprocess.run([str(ASCEND_PYTHON), str(REPO / "tools" / "ascend" / "compile_check.py"), "--jobs", jobs,
                            "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     summary = "\n".join(line for line in proc.stdout.splitlines() if not line.startswith("ERROR: Invalid bishengir"))
     assert proc.returncode == 0, f"compile check failed:\n{summary[-6000:]}\n{proc.stderr[-3000:]}"

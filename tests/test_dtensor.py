@@ -12,7 +12,7 @@ machine); each pytest test asserts one section of what the ranks reported:
   head runs its own forward with PyTorch's cross-entropy.
 * ``fsdp2_inside_forward``: a Hugging Face Llama patched by ``flce.integrations.transformers`` under
   ``fully_shard`` (the loss inside the model's forward): equal to the unpatched model under FSDP2.
-* ``real_client``: tools/dtensor_client.py, torchtitan's TP and FSDP2 parallelisation, a few SGD
+* ``real_client``: tools/distributed/dtensor_client.py, torchtitan's TP and FSDP2 parallelisation, a few SGD
   steps with flce vs PyTorch's (``loss_parallel``) cross-entropy.
 * ``compile``: ``torch.compile`` over steps whose head weight is a DTensor (graph counts).
 * ``errors``: what flce refuses, and the words of the errors.
@@ -44,7 +44,7 @@ GRADS = dict(rtol=1e-4, atol=1e-5)
 
 
 def _client() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("dtensor_client", TOOLS / "dtensor_client.py")
+    spec = importlib.util.spec_from_file_location("dtensor_client", TOOLS / "distributed" / "dtensor_client.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up while the class is built

@@ -228,3 +228,13 @@ def test_demo_runs_and_agrees() -> None:
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["agree"] and summary["grad_weight_rel_err"] < 1e-4
     assert summary["peak_mib"]["flce"] > 0 and summary["seconds"]["torch"] > 0
+    # The speed verdict: the ratio of the medians of 3 interleaved rounds, the per-round ratios beside it.
+    import statistics
+
+    rounds = summary["seconds_per_round"]
+    assert len(rounds["torch"]) == len(rounds["flce"]) == 3
+    assert summary["seconds"]["flce"] == statistics.median(rounds["flce"])
+    assert summary["speed"] == pytest.approx(statistics.median(rounds["torch"]) / statistics.median(rounds["flce"]))
+    per_round = [a / b for a, b in zip(rounds["torch"], rounds["flce"], strict=True)]
+    assert summary["speed_per_round"] == pytest.approx(per_round)
+    assert "median of 3 interleaved rounds; per round" in done.stdout

@@ -9,13 +9,17 @@ and prints how well they agree, how long each took and how much memory each need
 
 Shapes: CPU 4096 tokens x H 1024 x V 32000 in fp32; GPU/NPU 8192 x 4096 x 128256 in bf16.
 
+Inputs: flce.testing.measure's draw for the shape (logits of std 1, every 17th target ignored),
+the same as every benchmark's.
 Memory: on the CPU each method runs in its own fresh child process, which reports its peak
-RSS growth (the VmHWM high-water mark, reset once the inputs exist, minus the RSS then);
-on accelerators, torch's peak allocated bytes above what was allocated before the call.
-Both include the gradients themselves, which every method has to produce.
-Time: on the CPU the second of two runs (the first warms up kernels and allocators); on
-accelerators the median of 10 runs after a warm-up. Low-precision losses are printed as
-each method returns them: flce's in float32, PyTorch's in the input dtype.
+RSS growth (the VmHWM high-water mark, reset once the inputs exist, minus the RSS then) and
+its results; on accelerators, torch's peak allocated bytes above what was allocated before the
+call. Both include the gradients themselves, which every method has to produce.
+Time: PyTorch and flce alternate, one call each per round (flce.testing.measure.interleaved_timings),
+for ``--rounds`` rounds (3 on the CPU; 10 on accelerators) after one warm-up round, so that a
+change of machine load hits both alike. The verdict is the ratio of the two medians, printed with
+the range of the per-round ratios. Low-precision losses are printed as each method returns them:
+flce's in float32, PyTorch's in the input dtype.
 The exit status is 1 when the two computations disagree.
 """
 
@@ -24,11 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +41,11 @@ import flce
 from flce.__main__ import device_description
 from flce.config import LCEConfig
 from flce.registry import candidates_for, choose_for_call, resolve_device
+from flce.testing.measure import InterleavedTimings, MiB, interleaved_timings, peak_bytes_above, shape_inputs
 
-MiB = 1 << 20
 CPU_SHAPE = (4096, 1024, 32000, torch.float32)
 ACCELERATOR_SHAPE = (8192, 4096, 128256, torch.bfloat16)
-ACCELERATOR_TIMED_RUNS = 10
+TIMED_ROUNDS = {"cpu": 3, "accelerator": 10}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -51,19 +54,13 @@ class Result:
     loss: torch.Tensor
     grad_hidden: torch.Tensor
     grad_weight: torch.Tensor
-    seconds: float
     peak_mib: float
 
 
-def make_inputs(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device,
-                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Hidden states and an LM head scaled like a trained model's (logits of std ~2), 10% padding."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g)
-    w = torch.randn(vocab, hidden, generator=g) * (2.0 / hidden**0.5)
-    t = torch.randint(0, vocab, (tokens,), generator=g)
-    t[torch.rand(tokens, generator=g) < 0.1] = -100
-    return x.to(device, dtype), w.to(device, dtype), t.to(device)
+def make_inputs(tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, w, t, _ = shape_inputs(tokens, hidden, vocab, device, dtype, requires_grad=False)
+    return x, w, t
 
 
 def loss_fn(method: str, device: torch.device):
@@ -91,23 +88,11 @@ def synchronize(device: torch.device) -> None:
 def run_on_accelerator(method: str, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Result:
     device = x.device
     fn = loss_fn(method, device)
-    forward_backward(fn, x, w, t)  # warm-up: kernels compiled, allocator primed
+    loss, gx, gw = forward_backward(fn, x, w, t)  # also the warm-up: kernels compiled, allocator primed
     synchronize(device)
-    memory = torch.cuda if device.type == "cuda" else torch.npu
-    memory.empty_cache()
-    before = memory.memory_allocated(device)
-    memory.reset_peak_memory_stats(device)
-    loss, gx, gw = forward_backward(fn, x, w, t)
-    synchronize(device)
-    peak = (memory.max_memory_allocated(device) - before) / MiB
-    # A step takes tens of milliseconds here: the median of several is the time.
-    times = []
-    for _ in range(ACCELERATOR_TIMED_RUNS):
-        start = time.perf_counter()
-        forward_backward(fn, x, w, t)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return Result(loss, gx, gw, statistics.median(times), peak)
+    torch.get_device_module(device.type).empty_cache()
+    peak = peak_bytes_above(lambda: forward_backward(fn, x, w, t), device, include_kept=True)
+    return Result(loss, gx, gw, peak / MiB)
 
 
 def _proc_status_kib(field: str) -> int:
@@ -119,19 +104,15 @@ def _proc_status_kib(field: str) -> int:
 
 
 def cpu_child(args: argparse.Namespace) -> None:
-    """In a fresh process: peak RSS growth of a cold run, the time of a warm one, the results."""
+    """In a fresh process: the peak RSS growth of one run, and its results."""
     x, w, t = make_inputs(args.tokens, args.hidden, args.vocab, DTYPES[args.dtype], torch.device("cpu"))
     fn = loss_fn(args.child, torch.device("cpu"))
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := current RSS
     base = _proc_status_kib("VmRSS")
-    forward_backward(fn, x, w, t)
-    peak_mib = (_proc_status_kib("VmHWM") - base) / 1024
-    start = time.perf_counter()
     loss, gx, gw = forward_backward(fn, x, w, t)
-    seconds = time.perf_counter() - start
-    torch.save({"loss": loss, "grad_hidden": gx, "grad_weight": gw, "seconds": seconds, "peak_mib": peak_mib},
-               args.out)
+    peak_mib = (_proc_status_kib("VmHWM") - base) / 1024
+    torch.save({"loss": loss, "grad_hidden": gx, "grad_weight": gw, "peak_mib": peak_mib}, args.out)
 
 
 def run_on_cpu(method: str, args: argparse.Namespace, workdir: str) -> Result:
@@ -140,7 +121,20 @@ def run_on_cpu(method: str, args: argparse.Namespace, workdir: str) -> Result:
            "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--dtype", args.dtype]
     subprocess.run(cmd, check=True)
     r = torch.load(out)
-    return Result(r["loss"], r["grad_hidden"], r["grad_weight"], r["seconds"], r["peak_mib"])
+    return Result(r["loss"], r["grad_hidden"], r["grad_weight"], r["peak_mib"])
+
+
+def interleaved_seconds(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, rounds: int) -> InterleavedTimings:
+    """PyTorch and flce alternating, one call each per round, after one warm-up round."""
+    calls: dict[str, Callable[[], object]] = {}
+    for method in ("torch", "flce"):
+        fn = loss_fn(method, x.device)
+        calls[method] = lambda fn=fn: forward_backward(fn, x, w, t)
+
+    def show(label: str, method: str, wall_ms: float, cpu_ms: float) -> None:
+        print(f"  {label:8s} {method:6s} {wall_ms / 1e3:8.3f} s   ({cpu_ms / 1e3:8.3f} CPU s)", flush=True)
+
+    return interleaved_timings(calls, x.device, rounds=rounds, warmup_rounds=1, on_sample=show)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -154,6 +148,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--vocab", type=int)
     parser.add_argument("--dtype", choices=sorted(DTYPES))
+    parser.add_argument("--rounds", type=int, help="timed rounds (default: 3 on the CPU, 10 on accelerators)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -167,6 +162,9 @@ def main() -> int:
     args.hidden = args.hidden or default[1]
     args.vocab = args.vocab or default[2]
     args.dtype = args.dtype or str(default[3]).removeprefix("torch.")
+    args.rounds = args.rounds or TIMED_ROUNDS["cpu" if device.type == "cpu" else "accelerator"]
+    if args.rounds < 1:
+        parser.error(f"--rounds={args.rounds}: expected an int >= 1")
     dtype = DTYPES[args.dtype]
 
     x, w, t = make_inputs(args.tokens, args.hidden, args.vocab, dtype, device)
@@ -183,13 +181,19 @@ def main() -> int:
 
     results: dict[str, Result] = {}
     if device.type == "cpu":
-        del x, w  # the children build their own copies
         with tempfile.TemporaryDirectory(prefix="flce-demo-") as workdir:
             for method in ("torch", "flce"):
                 results[method] = run_on_cpu(method, args, workdir)
     else:
         for method in ("torch", "flce"):
             results[method] = run_on_accelerator(method, x, w, t)
+    print(f"timing: {args.rounds} rounds of PyTorch and flce in turn, after a warm-up round", flush=True)
+    timings = interleaved_seconds(x, w, t, args.rounds)
+    seconds = timings.wall
+    speed = seconds["torch"].median_ms / seconds["flce"].median_ms
+    # This process's CPU time moves less than wall time when other jobs share the cores.
+    cpu_speed = timings.cpu["torch"].median_ms / timings.cpu["flce"].median_ms
+    per_round = [a / b for a, b in zip(seconds["torch"].samples_ms, seconds["flce"].samples_ms, strict=True)]
 
     ours, theirs = results["flce"], results["torch"]
     loss_diff = abs(float(ours.loss) - float(theirs.loss))
@@ -207,17 +211,24 @@ def main() -> int:
 
     loss_label = f"loss ({dtype_name(theirs.loss)} / {dtype_name(ours.loss)})"
     print(f"{loss_label:32s}{float(theirs.loss):24.6f}{float(ours.loss):14.6f}")
-    print(f"{'time (s)':32s}{theirs.seconds:24.3f}{ours.seconds:14.3f}")
+    spreads = {m: f"{seconds[m].min_ms / 1e3:.3f}-{seconds[m].max_ms / 1e3:.3f}" for m in ("torch", "flce")}
+    print(f"{'time (s), median of ' + str(args.rounds):32s}{seconds['torch'].median_ms / 1e3:24.3f}"
+          f"{seconds['flce'].median_ms / 1e3:14.3f}")
+    print(f"{'time (s), min-max':32s}{spreads['torch']:>24s}{spreads['flce']:>14s}")
     print(f"{memory_kind + ' (MiB)':32s}{theirs.peak_mib:24.0f}{ours.peak_mib:14.0f}")
     print()
     print(f"agreement: |loss diff| = {loss_diff:.2e}, grad hidden rel. error = {err_hidden:.2e}, "
           f"grad weight rel. error = {err_weight:.2e} -> {'OK' if agree else 'MISMATCH'} "
           f"(tolerance {grad_tol:g})")
-    print(f"flce: {theirs.seconds / ours.seconds:.2f}x the speed, {ours.peak_mib / theirs.peak_mib:.0%} of the "
+    print(f"flce: {speed:.2f}x the speed (median of {args.rounds} interleaved rounds; per round "
+          f"{min(per_round):.2f}-{max(per_round):.2f}x; by this process's CPU time {cpu_speed:.2f}x), "
+          f"{ours.peak_mib / theirs.peak_mib:.0%} of the "
           f"memory of materialised PyTorch")
     print(json.dumps({"device": str(device), "backend": backend, "agree": agree, "loss_diff": loss_diff,
                       "grad_hidden_rel_err": err_hidden, "grad_weight_rel_err": err_weight,
-                      "seconds": {"torch": theirs.seconds, "flce": ours.seconds},
+                      "seconds": {m: seconds[m].median_ms / 1e3 for m in ("torch", "flce")},
+                      "seconds_per_round": {m: [ms / 1e3 for ms in seconds[m].samples_ms] for m in ("torch", "flce")},
+                      "speed": speed, "speed_per_round": per_round, "cpu_time_speed": cpu_speed,
                       "peak_mib": {"torch": theirs.peak_mib, "flce": ours.peak_mib}}))
     return 0 if agree else 1
 

@@ -11,8 +11,9 @@ For every (dtype, H, V, tokens, variant) it measures, with fresh random inputs:
 * with the winner, the deferred schedule with the logits kept versus recomputed, which sets the
   entry's logits-save limit.
 
-Times are medians of forward+backward calls, from device events on accelerators and
-``time.perf_counter`` on the CPU. The heuristic is kept unless a candidate beats it by more than
+Times are medians of forward+backward calls, from device events on accelerators (the L2 cache
+emptied before each call) and ``time.perf_counter`` on the CPU, on the benchmark tools' inputs for
+the shape (both from :mod:`flce.testing.measure`). The heuristic is kept unless a candidate beats it by more than
 the noise margin, so a tuned entry is never slower than the heuristic as measured; a kept heuristic
 is stored as the knob values it chose (the space's ``heuristic``), so the entry states what ran.
 
@@ -145,9 +146,7 @@ class Tuner:
     def _tune_shape(self, shape: TuneShape, candidates: list[Params]) -> ShapeResult:
         result = ShapeResult(shape=shape, backend=self.space.backend)
         label = f"{dtype_name(shape.dtype)} H={shape.hidden} V={shape.vocab} T={shape.tokens} {shape.variant}"
-        generator = torch.Generator(device=shape.device).manual_seed(
-            self.request.seed + 7919 * shape.tokens + 104729 * shape.hidden + shape.vocab)
-        inputs = make_inputs(shape, generator)
+        inputs = make_inputs(shape, self.request.seed)
 
         self.progress.step(f"{label}: floor")
         result.floor_ms = self._floor_ms(shape, inputs)
@@ -326,7 +325,7 @@ class Tuner:
             raise _Skip("failed", f"{type(exc).__name__}: {first_line}") from None
         working, kind = estimate, "estimated" if estimate is not None else "unknown"
         if peak is not None:
-            working, kind = max(0, peak - inputs.grad_bytes), "measured"
+            working, kind = max(0, peak), "measured"
         if budget is not None and working is not None and working > budget:
             raise _Skip("over budget")
         if reference is not None:

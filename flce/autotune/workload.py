@@ -1,18 +1,17 @@
-"""What the tuner runs and how it times it: inputs drawn on the device, one forward+backward of a
-backend with a variant's representative options, and a timer that also reads the peak memory."""
+"""What the tuner runs and how it times it: the benchmark tools' inputs for the shape, one
+forward+backward of a backend with a variant's representative options, and flce.testing.measure's
+timer and peak memory."""
 
 from __future__ import annotations
 
 import gc
-import math
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from flce.autotune.spaces import TuneShape
+from flce.testing import measure
 
 
 @dataclass
@@ -24,10 +23,6 @@ class WorkloadInputs:
     def clear_grads(self) -> None:
         self.hidden.grad = self.weight.grad = None
 
-    @property
-    def grad_bytes(self) -> int:
-        return (self.hidden.numel() + self.weight.numel()) * self.hidden.element_size()
-
     def flat(self):
         from flce.inputs import FlatInputs
 
@@ -35,18 +30,11 @@ class WorkloadInputs:
                           token_shape=self.target.shape)
 
 
-def make_inputs(shape: TuneShape, generator: torch.Generator) -> WorkloadInputs:
-    """Random hidden states and weights scaled so logits are O(1), targets with 5% ignored; drawn
-    on the device (a CPU detour would cost seconds at V = 128k)."""
-    def randn(*size: int, scale: float) -> torch.Tensor:
-        values = torch.randn(*size, generator=generator, dtype=shape.dtype, device=shape.device)
-        return values.mul_(scale).requires_grad_(True)
-
-    hidden = randn(shape.tokens, shape.hidden, scale=1.0)
-    weight = randn(shape.vocab, shape.hidden, scale=1.0 / math.sqrt(shape.hidden))
-    target = torch.randint(0, shape.vocab, (shape.tokens,), generator=generator, device=shape.device)
-    ignored = torch.rand(shape.tokens, generator=generator, device=shape.device) < 0.05
-    return WorkloadInputs(hidden, weight, target.masked_fill_(ignored, -100))
+def make_inputs(shape: TuneShape, seed: int) -> WorkloadInputs:
+    """The benchmark tools' inputs for the shape (logits O(1), every 17th target ignored), on the device."""
+    hidden, weight, target, _ = measure.shape_inputs(shape.tokens, shape.hidden, shape.vocab, shape.device,
+                                                     shape.dtype, seed=seed)
+    return WorkloadInputs(hidden, weight, target)
 
 
 def workload_options(variant: str, *, deferred: bool) -> dict:
@@ -92,39 +80,16 @@ class Workload:
 
 
 def time_call(fn: Callable, device: torch.device, warmup: int, repeats: int,
-          reset: Callable[[], None] | None = None) -> tuple[float, int | None]:
-    """Median milliseconds of ``fn`` and, on accelerators with allocator statistics, the peak
-    allocated bytes above what was allocated before the first timed call (after ``reset``, which
-    frees what the previous call left behind, such as gradients)."""
-    module = None if device.type == "cpu" else torch.get_device_module(device.type)
-    for _ in range(warmup):
-        fn()
-    if module is None:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times), None
-    if reset is not None:
-        reset()
-    module.synchronize()
+              reset: Callable[[], None] | None = None) -> tuple[float, int | None]:
+    """Median milliseconds of ``fn`` and, with ``reset`` (which frees what the previous call left
+    behind, such as gradients) on accelerators with allocator statistics, the peak bytes of one more
+    call above what was allocated before it and what it leaves allocated."""
+    ms = measure.counted_timing(fn, device, warmup=warmup, repeats=repeats).median_ms
+    if reset is None:
+        return ms, None
+    reset()
     gc.collect()
-    base = None
-    if hasattr(module, "reset_peak_memory_stats"):
-        module.reset_peak_memory_stats(device)
-        base = module.memory_allocated(device)
-    events = []
-    for _ in range(repeats):
-        start, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    module.synchronize()
-    times = [start.elapsedtime_call(end) for start, end in events]
-    peak = None if base is None else module.max_memory_allocated(device) - base
-    return statistics.median(times), peak
+    return ms, measure.peak_bytes_above(fn, device)
 
 
 def release_memory(device: torch.device) -> None:

@@ -156,7 +156,7 @@ class TileFootprint:
 
 
 # Counted from the IR that triton-ascend 3.2's adapter (triton-adapter-opt) makes of kernels.py, at
-# the variant with the most flags on: tools/ascend_compile_check.py reads each variant's inner-loop
+# the variant with the most flags on: tools/ascend/compile_check.py reads each variant's inner-loop
 # footprint from that IR and fails when it exceeds these counts. The adapter splats every scalar a
 # loop uses (lse, target, scale, softcap, constants such as 1.0 and -2.0) and the column indices into
 # full tiles before the loop; they stay allocated through it unless BiSheng folds them later.

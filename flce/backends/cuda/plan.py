@@ -134,7 +134,7 @@ def fused_grad_default(flat: FlatInputs) -> bool:
     """Where the cache says nothing: the gradient GEMM where it runs as the persistent Hopper kernel
     with TMA stores (sm_90, 16-bit, H and V multiples of 8 so that every operand and gradient row is
     16-byte aligned), which measured 1-3% faster per block than cuBLAS + the row kernel on the H200
-    and 3-6% on the H100 (tools/bench_gemm_grad.py). Its 2-D grid with plain stores (other GPUs,
+    and 3-6% on the H100 (tools/benchmarks/gemm_grad.py). Its 2-D grid with plain stores (other GPUs,
     unaligned rows) measured 7-20% slower, and newer GPUs are unmeasured: cuBLAS stays there."""
     x, w = flat.hidden, flat.weight
     return (x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and w.shape[0] % 8 == 0

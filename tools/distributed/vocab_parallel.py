@@ -1,8 +1,8 @@
 """Vocab-parallel flce on several GPUs: correctness against the unsharded op, then TP=2 vs TP=1 time.
 
-    torchrun --nproc-per-node 2 tools/bench_tp.py                      # NCCL, the issue's shape
-    torchrun --nproc-per-node 2 tools/bench_tp.py --device cpu --tokens 512 --hidden 64 --vocab 4000
-                                                                       # gloo smoke run on a CPU
+    torchrun --nproc-per-node 2 tools/distributed/vocab_parallel.py         # NCCL, the issue's shape
+    torchrun --nproc-per-node 2 tools/distributed/vocab_parallel.py --device cpu --tokens 512 --hidden 64 \
+        --vocab 4000                                                        # gloo smoke run on a CPU
 
 1. Checks (small shapes, uneven shards, fp32 and bf16, plain and full options, every reduction,
    random upstream gradients): on every rank, the sharded outputs, grad_hidden and this rank's
@@ -17,7 +17,9 @@
    a profiled step (this one includes waiting for the slower rank). Bytes per step are recorded
    and compared with flce.distributed.payload_bytes_per_step.
 
-Rank 0 prints a summary and writes bench_tp.json and bench_tp.md to --out (default: $OUT, if set).
+Inputs are flce.testing.measure's draw for the shape (the same as every tool's), broadcast from rank 0;
+the timer stays this script's own: every step starts with the ranks aligned by a barrier.
+Rank 0 prints a summary and writes vocab_parallel.json and vocab_parallel.md to --out (default: $OUT, if set).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ import flce
 from flce.config import LCEConfig
 from flce.distributed import payload_bytes_per_step, record_collectives
 from flce.registry import candidates_for
+from flce.testing.measure import MiB, publish, shape_inputs
 
-MiB = 1 << 20
 COMM_PROFILE_KEY = "collective time in one profiled step, ms (NCCL kernels on GPUs, gloo ops on CPUs)"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CHECK_OPTION_SETS: dict[str, dict[str, Any]] = {
@@ -69,7 +71,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backend", default=None, help="flce backend (default: the registry's choice)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--skip-checks", action="store_true")
-    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for bench_tp.json / bench_tp.md")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for vocab_parallel.json / .md")
     return p.parse_args()
 
 
@@ -141,11 +143,7 @@ def shard_slice(sizes: list[int], rank: int) -> slice:
 def random_inputs(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device, seed: int,
                   bias: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The same inputs on every rank: drawn on rank 0 and broadcast."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(tokens, hidden, device=device, generator=g).to(dtype)
-    w = (torch.randn(vocab, hidden, device=device, generator=g) * (2.0 / hidden ** 0.5)).to(dtype)
-    t = torch.randint(0, vocab, (tokens,), device=device, generator=g)
-    t[::17] = -100
+    x, w, t, g = shape_inputs(tokens, hidden, vocab, device, dtype, seed=seed, requires_grad=False)
     b = (torch.randn(vocab, device=device, generator=g) * 0.5).to(dtype) if bias else None
     for tensor in (x, w, t, b):
         if tensor is not None:
@@ -387,7 +385,8 @@ def main() -> int:
     device = setup(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world < 2:
-        print("bench_tp.py needs at least 2 ranks: torchrun --nproc-per-node 2 tools/bench_tp.py", file=sys.stderr)
+        print("vocab_parallel.py needs at least 2 ranks: "
+              "torchrun --nproc-per-node 2 tools/distributed/vocab_parallel.py", file=sys.stderr)
         return 2
     checks = [] if args.skip_checks else correctness_checks(device, args.backend)
     all_checks = [None] * world
@@ -411,12 +410,11 @@ def main() -> int:
     failed = [c for c in flat_checks if not c["ok"]]
     if rank == 0:
         print(json.dumps(summary, indent=2))
-        print(markdown(summary))
-        if args.out:
-            out = Path(args.out)
+        out = Path(args.out) if args.out else None
+        if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "bench_tp.json").write_text(json.dumps(summary, indent=2))
-            (out / "bench_tp.md").write_text(markdown(summary))
+            (out / "vocab_parallel.json").write_text(json.dumps(summary, indent=2))
+        publish(markdown(summary).rstrip("\n"), str(out / "vocab_parallel.md") if out is not None else None)
         if failed:
             print(f"{len(failed)} correctness checks FAILED", file=sys.stderr)
     dist.barrier()

@@ -1,6 +1,6 @@
 """Micro-benchmark of the autotune lookup that every planner pays per call.
 
-    python tools/bench_lookup.py [--entries 300] [--calls 200000]
+    python tools/benchmarks/autotune_lookup.py [--entries 300] [--calls 200000]
 
 Writes a temporary cache with ``--entries`` entries for this CPU, points FLCE_AUTOTUNE_CACHE at
 it, and times ``flce.autotune.tuned_params`` for a hit (nearest bucket), a miss (heuristic) and

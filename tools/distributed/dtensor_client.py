@@ -1,7 +1,7 @@
 """A real client: a small Llama-style model trained with the parallelism torchtitan applies, flce as the loss.
 
-    torchrun --nproc-per-node 2 tools/dtensor_client.py --out DIR            # NCCL on 2 GPUs (or gloo on CPUs)
-    torchrun --nproc-per-node 2 tools/dtensor_client.py --device cpu --steps 2 --out DIR   # gloo smoke run
+    torchrun --nproc-per-node 2 tools/distributed/dtensor_client.py --out DIR       # NCCL on 2 GPUs (or gloo on CPUs)
+    torchrun --nproc-per-node 2 tools/distributed/dtensor_client.py --device cpu --steps 2 --out DIR   # gloo smoke
 
 The model and its parallelisation are written here by hand, the way torchtitan's Llama applies
 them (the ``torchtitan`` package itself needs ``spmd_types``, ``torchdata``, ``datasets``, ``wandb``
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flce
+from flce.testing.measure import publish
 
 
 @dataclass(frozen=True)
@@ -312,13 +313,11 @@ def main() -> None:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         header = (f"{dist.get_world_size()} x {name}, {dist.get_backend()}, torch {torch.__version__}, fp32, "
                   f"{options.steps} steps, {asdict(args)}")
-        table = markdown(results, header)
-        print(table, flush=True)
-        if options.out:
-            out = Path(options.out)
+        out = Path(options.out) if options.out else None
+        if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             (out / "dtensor_client.json").write_text(json.dumps({"header": header, "results": results}, indent=1))
-            (out / "dtensor_client.md").write_text(table + "\n")
+        publish(markdown(results, header), str(out / "dtensor_client.md") if out is not None else None)
     dist.destroy_process_group()
 
 

@@ -15,7 +15,7 @@ Steps, all on the first CUDA device:
    and against float32 materialised torch.
 3. A chunk of more than 2**31 logits, so the kernels take their int64 row offsets.
 
-    python tools/check_ascend_on_gpu.py            # writes results to $OUT (or ./ascend_on_gpu)
+    python tools/ascend/check_on_gpu.py          # writes results to $OUT (or ./ascend_on_gpu)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 NPU_910B = {"FLCE_ASCEND_UB_BYTES": str(192 * KiB), "FLCE_ASCEND_VECTOR_CORES": "40"}
 
@@ -54,6 +54,7 @@ def _run_backend(name: str, hidden, weight, target, options: dict, upstream: dic
     """Loss, extras and grads through a backend's descriptor (the registry never sends CUDA
     tensors to the Ascend backend), with the given upstream gradients."""
     from flce.config import LCEConfig
+    from flce.engine.run import run_backend
     from flce.inputs import prepare_inputs
     from flce.registry import registered_backends
 
@@ -61,7 +62,7 @@ def _run_backend(name: str, hidden, weight, target, options: dict, upstream: dic
     cfg = LCEConfig(**options)
     x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     flat = prepare_inputs(x, w, target, None, cfg)
-    out = backend.run(flat, cfg, "full" if cfg.needs_full else "plain")
+    out = run_backend(backend, flat, cfg, "full" if cfg.needs_full else "plain")
     outs = {"loss": out} if isinstance(out, torch.Tensor) else {k: v for k, v in out._asdict().items() if v is not None}
     total = sum((outs[k].float() * g).sum() for k, g in upstream.items())
     grad_x, grad_w = torch.autograd.grad(total, (x, w))
@@ -94,12 +95,9 @@ def _materialised(hidden, weight, target, options: dict, upstream: dict):
 
 def compare_shape(tokens: int, hidden_size: int, vocab: int, options: dict, *, seed: int = 0) -> dict:
     from flce.backends.ascend import ops
+    from flce.testing.measure import shape_inputs
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(tokens, hidden_size, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(vocab, hidden_size, device="cuda", generator=g) / hidden_size**0.5).bfloat16()
-    t = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
-    t[::17] = -100
+    x, w, t, g = shape_inputs(tokens, hidden_size, vocab, "cuda", torch.bfloat16, seed=seed, requires_grad=False)
     per_token = options.get("reduction") == "none"
     # A scalar grad_output other than 1, so the in-place scale_ kernel runs too.
     loss_grad = torch.randn(tokens, device="cuda", generator=g) if per_token else torch.tensor(1.3, device="cuda")

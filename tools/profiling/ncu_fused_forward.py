@@ -2,7 +2,7 @@
 cudaProfilerStart/Stop, for Nsight Compute to compare (tensor-pipe use, stalls, DRAM traffic):
 
     ncu --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis \
-        --section WarpStateStats python tools/ncu_fused_forward.py 8192x4096x128256
+        --section WarpStateStats python tools/profiling/ncu_fused_forward.py 8192x4096x128256
 """
 
 from __future__ import annotations
@@ -13,16 +13,14 @@ import torch
 
 from flce.backends.cuda.gemm_ops import default_gemm_config, gemm_row_stats
 from flce.config import LCEConfig
+from flce.testing.measure import parse_shape, shape_inputs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("shape")
     args = parser.parse_args()
-    n, h, v = (int(s) for s in args.shape.split("x"))
-    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(v, h, device="cuda") / h**0.5).to(torch.bfloat16)
-    t = torch.randint(0, v, (n,), device="cuda")
+    x, w, t, _ = shape_inputs(*parse_shape(args.shape), "cuda", requires_grad=False)
     config = default_gemm_config(x.device, x.dtype)
     gemm_row_stats(x, w, None, t, LCEConfig(), 0, config)  # compiles outside the profiled range
     x @ w.t()

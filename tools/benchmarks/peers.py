@@ -4,8 +4,10 @@ One process, one GPU. For each shape (tokens x hidden x vocab, bf16) and method:
 median time (triton.testing.do_bench), its ratio to the 3-GEMM floor measured in the same process,
 and peak memory above the gradients ((V*H + BT*H) * element size); forward-only too.
 
-    python tools/bench.py                       # all shapes, every method importable here
-    python tools/bench.py --shapes 8192x4096x128256 --methods flce,liger --markdown out.md
+    python tools/benchmarks/peers.py                       # all shapes, every method importable here
+    python tools/benchmarks/peers.py --shapes 8192x4096x128256 --methods flce,liger --markdown out.md
+
+Inputs, timing and peak memory come from flce.testing.measure (the same as every tool and the tuner).
 
 Peers are used when importable: Liger-Kernel, Cut Cross-Entropy; torch's F.linear_cross_entropy
 when this torch has it.
@@ -26,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import flce
+from flce.testing.measure import MiB, median_ms, parse_shape, peak_mib_above, publish, shape_inputs
 
-MiB = 1 << 20
 DEFAULT_SHAPES = ("4096x4096x32000", "8192x4096x128256", "16384x2048x151936")
 
 
@@ -43,14 +45,9 @@ class Case:
         return f"{self.tokens}x{self.hidden}x{self.vocab}"
 
 
-def make_inputs(case: Case, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(case.tokens, case.hidden, device=device, dtype=case.dtype, generator=g)
-    w = (torch.randn(case.vocab, case.hidden, device=device, dtype=torch.float32, generator=g)
-         / case.hidden ** 0.5).to(case.dtype)
-    t = torch.randint(0, case.vocab, (case.tokens,), device=device, generator=g)
-    t[:: 17] = -100
-    return x.requires_grad_(), w.requires_grad_(), t
+def make_inputs(case: Case, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, w, t, _ = shape_inputs(case.tokens, case.hidden, case.vocab, device, case.dtype)
+    return x, w, t
 
 
 # Each method: (x, w, t) -> loss, differentiable w.r.t. x and w.
@@ -139,22 +136,19 @@ def all_methods() -> dict[str, Callable]:
 
 
 def bench_ms(fn: Callable[[], object]) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=100, rep=400, return_mode="median"))
+    return median_ms(fn, warmup_ms=100, rep_ms=400)
 
 
 def measure(case: Case, name: str, method: Callable, device: str) -> dict:
-    x, w, t = make_inputs(case, device, seed=1)
-    grad_bytes = (case.vocab * case.hidden + case.tokens * case.hidden) * x.element_size()
+    x, w, t = make_inputs(case, device)
 
-    def fwd_bwd() -> None:
+    def fwd_bwd() -> tuple[torch.Tensor, ...]:
         loss = method(x, w, t)
-        torch.autograd.grad(loss, (x, w))
+        return torch.autograd.grad(loss, (x, w))
 
-    def fwd_only() -> None:
+    def fwd_only() -> torch.Tensor:
         with torch.no_grad():
-            method(x, w, t)
+            return method(x, w, t)
 
     row: dict = {"shape": case.label, "method": name}
     try:
@@ -162,19 +156,10 @@ def measure(case: Case, name: str, method: Callable, device: str) -> dict:
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fwd_bwd()
-        torch.cuda.synchronize()
-        row["peak_mib"] = (torch.cuda.max_memory_allocated() - base - grad_bytes) / MiB
+        row["peak_mib"] = peak_mib_above(fwd_bwd)  # above the gradients it returns
         row["fwd_bwd_ms"] = bench_ms(fwd_bwd)
         fwd_only()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fwd_only()
-        torch.cuda.synchronize()
-        row["fwd_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / MiB
+        row["fwd_peak_mib"] = peak_mib_above(fwd_only)
         row["fwd_ms"] = bench_ms(fwd_only)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
@@ -185,7 +170,7 @@ def measure(case: Case, name: str, method: Callable, device: str) -> dict:
 
 def floors(case: Case, device: str) -> tuple[float, float]:
     """(3-GEMM fwd+bwd floor ms, 1-GEMM forward floor ms) on the same inputs."""
-    x, w, _ = make_inputs(case, device, seed=2)
+    x, w, _ = make_inputs(case, device)
     x, w = x.detach(), w.detach()
     g = torch.randn(case.tokens, case.vocab, device=device, dtype=case.dtype) / case.vocab
     three = bench_ms(lambda: (x @ w.t(), g @ w, g.t() @ x))
@@ -222,8 +207,7 @@ def main() -> None:
         methods = {k: v for k, v in methods.items() if k in args.methods.split(",")}
     rows = []
     for shape in args.shapes.split(","):
-        tokens, hidden, vocab = (int(v) for v in shape.split("x"))
-        case = Case(tokens, hidden, vocab, dtype)
+        case = Case(*parse_shape(shape), dtype)
         floor3, floor1 = floors(case, device)
         gc.collect()
         torch.cuda.empty_cache()
@@ -238,12 +222,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     gpu = torch.cuda.get_device_name()
     header = (f"### {gpu}, {args.dtype}, {datetime.date.today()} — torch {torch.__version__}\n\n"
-              f"Command: `python tools/bench.py --shapes {args.shapes}`")
-    table = markdown(rows, header)
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table)
+              f"Command: `python tools/benchmarks/peers.py --shapes {args.shapes}`")
+    publish(markdown(rows, header).rstrip("\n"), args.markdown)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -15,13 +15,13 @@ Runs in a virtual environment with ``triton-ascend==3.2.0`` (it installs itself 
    IR to HIVM / HFusion / Linalg). The next stage is BiSheng (``bishengir-compile``, part of CANN):
    without ``ASCEND_HOME_PATH`` it stops there, and that stop, and only that one, counts as a pass.
    With CANN installed the same run also compiles the binaries (stage ``npubin``).
-3. **Unified Buffer.** The ``ttadapter`` IR's inner-loop footprint (tools/ascend_ub_footprint.py)
+3. **Unified Buffer.** The ``ttadapter`` IR's inner-loop footprint (tools/ascend/ub_footprint.py)
    must fit the share of the UB that flce's tiling allots to the working set
    (``ops.UB_SAFETY_FRACTION`` of the SoC's UB), for the block the tiling picked; and it must not
    exceed the tiling's own estimate (``ops.FOOTPRINTS``), so that the estimate stays an upper bound
    of what the compiler's IR holds.
 
-    build/ascend-venv/bin/python tools/ascend_compile_check.py --jobs 2 --json build/ascend-compile.json
+    build/ascend-venv/bin/python tools/ascend/compile_check.py --jobs 2 --json build/ascend-compile.json
 
 Exit status 0 when every variant passes, 1 otherwise; the JSON lists each variant's stages,
 its UB figures and, on failure, the compiler's message.
@@ -43,14 +43,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from unittest import mock
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # With the interpreter on, @triton.jit makes interpreted functions, which cannot be compiled.
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "ascend"))
 
 import torch  # noqa: E402
-from ascend_ub_footprint import loop_footprints  # noqa: E402
+from ub_footprint import loop_footprints  # noqa: E402
 
 from flce.backends.ascend import ops  # noqa: E402
 from flce.backends.ascend import plan as ascend_plan  # noqa: E402

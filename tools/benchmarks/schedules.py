@@ -6,7 +6,7 @@ block's logits recomputed and its weight-gradient rows written once), as ratios 
 with peak MiB above the gradients; Liger-Kernel's fused linear cross-entropy beside them when it is
 importable. Plain loss and the RL objective (log-probs and entropy at temperature 0.7).
 
-    python tools/bench_schedules.py --markdown out.md [--calls rl] [--knob forward_logits=fused ...]
+    python tools/benchmarks/schedules.py --markdown out.md [--calls rl] [--knob forward_logits=fused ...]
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import datetime
 
 import torch
 import triton
-from gpu_timing import MiB, median_ms, peak_mib_above, publish, shape_inputs
 
 import flce
 from flce.autotune import override_params
+from flce.testing.measure import MiB, median_ms, parse_shape, peak_mib_above, publish, shape_inputs
 
 CASES = (  # shape, call, budgets in MiB (None: the default)
     ("8192x4096x128256", "plain", (64, 128, 256, None)),
@@ -49,7 +49,7 @@ def main() -> int:
     rows = ["| shape | call | budget | token chunks | vocabulary blocks | logits kept (planner) | Liger |",
             "|---|---|---|---|---|---|---|"]
     for label, call, budgets in (case for case in CASES if case[1] in args.calls.split(",")):
-        x, w, t, g = shape_inputs(label, dev)
+        x, w, t, g = shape_inputs(*parse_shape(label), dev)
         advantages = torch.randn(x.shape[0], device=dev, generator=g)
 
         def floor(x=x, w=w) -> None:
@@ -98,7 +98,7 @@ def main() -> int:
         del x, w, t
         torch.cuda.empty_cache()
     text = "\n".join([f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-                      f"{datetime.date.today()}, `python tools/bench_schedules.py "
+                      f"{datetime.date.today()}, `python tools/benchmarks/schedules.py "
                       f"--calls {args.calls}{''.join(' --knob ' + k for k in args.knob)}`", "",
                       "forward+backward, ratio to the 3-GEMM floor / peak MiB above the gradients "
                       "(logits kept only in the last RL column; RL: -(adv * logp).mean() - 0.01 * entropy.mean()):",

@@ -1,6 +1,8 @@
 """Where flce's time goes: a torch.profiler kernel table for one fwd+bwd at one shape.
 
-    python tools/profile_flce.py 8192x4096x128256 [--memory-budget BYTES]
+    python tools/profiling/torch_profile.py 8192x4096x128256 [--memory-budget BYTES]
+
+Inputs and the do_bench median come from flce.testing.measure, as in the benchmark tables.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flce
+from flce.testing.measure import median_ms, parse_shape, shape_inputs
 
 
 def main() -> None:
@@ -19,10 +22,7 @@ def main() -> None:
     parser.add_argument("--memory-budget", type=int, default=None)
     parser.add_argument("--rows", type=int, default=14)
     args = parser.parse_args()
-    n, h, v = (int(s) for s in args.shape.split("x"))
-    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(v, h, device="cuda") / h**0.5).to(torch.bfloat16).requires_grad_()
-    t = torch.randint(0, v, (n,), device="cuda")
+    x, w, t, _ = shape_inputs(*parse_shape(args.shape), "cuda")
 
     def step() -> None:
         loss = flce.linear_cross_entropy(x, w, t, memory_budget=args.memory_budget)
@@ -31,9 +31,7 @@ def main() -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    import triton.testing
-
-    bench = triton.testing.do_bench(step, warmup=100, rep=400, return_mode="median")
+    bench = median_ms(step, warmup_ms=100, rep_ms=400)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(20):

@@ -1,13 +1,18 @@
 """CPU benchmark of a fused forward+backward: flce against the 3-GEMM floor and PyTorch.
 
-    python tools/bench_cpu.py                      # issue 2's shape: 4096 x 1024 x 32000 fp32
-    python tools/bench_cpu.py --markdown           # also print the docs/benchmarks.md table
+    python tools/benchmarks/cpu.py                      # issue 2's shape: 4096 x 1024 x 32000 fp32
+    python tools/benchmarks/cpu.py --markdown           # also print the docs/benchmarks.md table
 
-Time: all methods run in this one process, interleaved (warm-up round, then ``--repeats``
-rounds, each method once per round) so that a change in machine load hits every method
-alike; the median per method is reported, with its ratio to the floor's median. The
-median process CPU time (all threads) is reported too: on a machine shared with other
-work it moves less than wall time, since time spent descheduled is not counted.
+Inputs: flce.testing.measure's draw for the shape (logits of std 1, every 17th target ignored), fp32.
+
+Time: all methods run in this one process, interleaved (``--warmup`` rounds, then ``--repeats``
+rounds, each method once per round; flce.testing.measure.interleaved_timings) so that a change in
+machine load hits every method alike. Per method, for wall time and for the process CPU time (all
+threads; it moves less than wall time on a shared machine, since time spent descheduled is not
+counted): the median over the rounds with its spread (min-max), and its ratio to the floor's median
+with the range of the per-round ratios (each method against the floor of the same round), which
+says how far one run's ratio can be trusted. The header states the machine (CPU model, usable
+cores, torch threads) and the load average before and after.
 
 Memory: each method runs once more in a fresh child process, which reports its peak RSS
 growth: the high-water mark (VmHWM, reset through /proc/self/clear_refs once the inputs
@@ -26,8 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -37,15 +40,14 @@ from datetime import datetime, timezone
 import torch
 import torch.nn.functional as F
 
+from flce.testing.measure import MiB, Timing, cpu_description, interleaved_timings, shape_inputs
+
 METHODS = ("floor", "eager", "torch_chunked", "flce")
-MiB = 1 << 20
+CPU = torch.device("cpu")
 
 
 def make_inputs(tokens: int, hidden: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g)
-    w = torch.randn(vocab, hidden, generator=g) * (2.0 / hidden**0.5)
-    t = torch.randint(0, vocab, (tokens,), generator=g)
+    x, w, t, _ = shape_inputs(tokens, hidden, vocab, CPU, torch.float32, seed=seed, requires_grad=False)
     return x, w, t
 
 
@@ -116,12 +118,10 @@ def load_average() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
+def per_round_ratios(times: Timing, floor: Timing) -> tuple[float, float]:
+    """(min, max) over the rounds of this method's time over the same round's floor time."""
+    ratios = [t / f for t, f in zip(times.samples_ms, floor.samples_ms, strict=True)]
+    return min(ratios), max(ratios)
 
 
 def main() -> None:
@@ -129,7 +129,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (each method once per round)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
     parser.add_argument("--no-memory", action="store_true", help="skip the child-process RSS measurements")
@@ -144,27 +145,21 @@ def main() -> None:
     for m in methods:
         if m not in METHODS:
             parser.error(f"--methods: unknown method {m!r}; expected some of {METHODS}")
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats}: expected an int >= 1")
     started = datetime.now(timezone.utc)
     load_before = load_average()
-    print(f"{args.tokens} x {args.hidden} x {args.vocab} fp32 fwd+bwd; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {cpu_model()}; load average {load_before}", flush=True)
+    machine = f"{cpu_description()}; torch {torch.__version__}"
+    print(f"{args.tokens} x {args.hidden} x {args.vocab} fp32 fwd+bwd; {machine}; load average {load_before}",
+          flush=True)
 
     x, w, t = make_inputs(args.tokens, args.hidden, args.vocab, args.seed)
     runs = {m: method_fn(m, x, w, t) for m in methods}
-    times: dict[str, list[float]] = {m: [] for m in methods}
-    cpu_times: dict[str, list[float]] = {m: [] for m in methods}
-    for round_index in range(args.repeats + 1):
-        for m in methods:
-            start, cpu_start = time.perf_counter(), time.process_time()
-            runs[m]()
-            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-            label = "warm-up" if round_index == 0 else f"run {round_index}"
-            print(f"  {label:8s} {m:14s} {elapsed:7.3f} s   ({cpu:7.3f} CPU s)", flush=True)
-            if round_index:
-                times[m].append(elapsed)
-                cpu_times[m].append(cpu)
-    medians = {m: statistics.median(v) for m, v in times.items()}
-    cpu_medians = {m: statistics.median(v) for m, v in cpu_times.items()}
+
+    def show(label: str, method: str, wall_ms: float, cpu_ms: float) -> None:
+        print(f"  {label:8s} {method:14s} {wall_ms / 1e3:7.3f} s   ({cpu_ms / 1e3:7.3f} CPU s)", flush=True)
+
+    timings = interleaved_timings(runs, CPU, rounds=args.repeats, warmup_rounds=args.warmup, on_sample=show)
 
     memory = {}
     if not args.no_memory:
@@ -174,23 +169,32 @@ def main() -> None:
     load_after = load_average()
 
     grads_mib = (args.vocab * args.hidden + args.tokens * args.hidden) * 4 / MiB
-    floor, cpu_floor = medians.get("floor"), cpu_medians.get("floor")
     rows = []
     for m in methods:
-        ratio = f"{medians[m] / floor:.2f}x" if floor else "-"
-        cpu_ratio = f"{cpu_medians[m] / cpu_floor:.2f}x" if cpu_floor else "-"
+        cells = [m]
+        for clock in (timings.wall, timings.cpu):
+            t = clock[m]
+            cells.append(f"{t.median_ms / 1e3:.2f} ({t.min_ms / 1e3:.2f}-{t.max_ms / 1e3:.2f})")
+            floor = clock.get("floor")
+            if floor is None:
+                cells.append("-")
+            else:
+                low, high = per_round_ratios(t, floor)
+                cells.append(f"{t.median_ms / floor.median_ms:.2f}x ({low:.2f}-{high:.2f}x)")
         growth = memory.get(m, {}).get("rss_growth_mib")
-        growth_cells = ("-", "-") if growth is None else (f"{growth:.0f}", f"{growth - grads_mib:.0f}")
-        rows.append((m, f"{medians[m]:.2f}", ratio, f"{cpu_medians[m]:.2f}", cpu_ratio, *growth_cells))
+        cells += ["-", "-"] if growth is None else [f"{growth:.0f}", f"{growth - grads_mib:.0f}"]
+        rows.append(tuple(cells))
     print()
-    header = ("method", "median s", "vs floor", "median CPU s", "CPU vs floor", "peak RSS growth MiB",
-              "above gradients MiB")
+    header = ("method", "median s (min-max)", "vs floor (per round)", "median CPU s (min-max)",
+              "CPU vs floor (per round)", "peak RSS growth MiB", "above gradients MiB")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)))
-    print(f"\nload average before {load_before}, after {load_after}; gradients {grads_mib:.0f} MiB")
+    print(f"\n{args.repeats} timed rounds after {args.warmup} warm-up; load average before {load_before}, "
+          f"after {load_after}; gradients {grads_mib:.0f} MiB")
     if args.markdown:
-        print(f"\n<!-- {started:%Y-%m-%d %H:%M} UTC, `python tools/bench_cpu.py {' '.join(sys.argv[1:])}` -->")
+        print(f"\n<!-- {started:%Y-%m-%d %H:%M} UTC, `python tools/benchmarks/cpu.py {' '.join(sys.argv[1:])}`; "
+              f"{machine}; load average {load_before} before, {load_after} after -->")
         print("| " + " | ".join(header) + " |")
         print("|" + "|".join("---" for _ in header) + "|")
         for r in rows:

@@ -1,13 +1,13 @@
 """torch.compile vs eager flce, and the Hugging Face adapter's memory, on one GPU (issue 6).
 
-    python tools/bench_compile.py                   # both parts at the issue's sizes
-    python tools/bench_compile.py --skip-hf --tokens 4096 --vocab 32000
+    python tools/benchmarks/torch_compile.py                   # both parts at the issue's sizes
+    python tools/benchmarks/torch_compile.py --skip-hf --tokens 4096 --vocab 32000
 
 Part 1, compiled step: forward+backward of flce at tokens x hidden x vocab in --dtype, eager (the
 module) vs ``torch.compile(fullgraph=True)`` of the same forward (AOTAutograd compiles the
-backward). Median ms (triton.testing.do_bench), ratio to the 3-GEMM floor measured here, peak
-memory above the gradients ((V*H + BT*H) * element size), and ``torch._dynamo.explain``'s graph
-and graph-break counts for the step.
+backward). Median ms (triton.testing.do_bench through flce.testing.measure), ratio to the 3-GEMM
+floor measured here, peak memory above the gradients ((V*H + BT*H) * element size), and
+``torch._dynamo.explain``'s graph and graph-break counts for the step.
 
 Part 2, Hugging Face: forward+backward of a small random Llama (vocab 128256, bf16) with labels:
 peak memory and time, unpatched vs ``flce.integrations.transformers.apply``, and their losses.
@@ -28,33 +28,11 @@ from typing import Any
 import torch
 
 import flce
-
-MiB = 1 << 20
-
-
-def _bench_ms(fn: Callable[[], Any], warmup: int, rep: int) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-
-
-def _peak_mib(fn: Callable[[], Any]) -> float:
-    """Peak allocated memory during fn above what was allocated before it, in MiB."""
-    gc.collect()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / MiB
+from flce.testing.measure import median_ms, peak_mib_above, shape_inputs
 
 
 def compiled_step(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, warmup: int, rep: int) -> dict[str, Any]:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, generator=g).requires_grad_()
-    w = (torch.randn(vocab, hidden, device="cuda", generator=g) / hidden**0.5).to(dtype).requires_grad_()
-    t = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
-    t[::17] = -100
+    x, w, t, g = shape_inputs(tokens, hidden, vocab, "cuda", dtype)
     loss_fn = flce.get_impl("cuda")()
 
     def forward(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -74,7 +52,6 @@ def compiled_step(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, warm
         return run
 
     eager_loss, compiled_loss = step(forward)().detach(), step(compiled)().detach()  # the second one compiles
-    grads_bytes = (vocab * hidden + tokens * hidden) * x.element_size()
     row: dict[str, Any] = {
         "shape": f"{tokens}x{hidden}x{vocab}", "dtype": str(dtype).removeprefix("torch."),
         "graph_count": explanation.graph_count, "graph_break_count": explanation.graph_break_count,
@@ -82,9 +59,10 @@ def compiled_step(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, warm
         "loss_abs_diff": float((eager_loss.float() - compiled_loss.float()).abs()),
     }
     for name, fn in (("eager", step(forward)), ("compiled", step(compiled))):
-        row[f"{name}_ms"] = _bench_ms(fn, warmup, rep)
+        row[f"{name}_ms"] = median_ms(fn, warmup_ms=warmup, rep_ms=rep)
         x.grad = w.grad = None
-        row[f"{name}_peak_mib_above_grads"] = _peak_mib(fn) - grads_bytes / MiB
+        gc.collect()
+        row[f"{name}_peak_mib_above_grads"] = peak_mib_above(fn)  # fn leaves the gradients in .grad
 
     # The floor: the three GEMMs every forward+backward needs, on the same shapes.
     grad_logits = torch.randn(tokens, vocab, device="cuda", dtype=dtype, generator=g)
@@ -95,7 +73,7 @@ def compiled_step(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, warm
         torch.mm(grad_logits, wd)
         torch.mm(grad_logits.t(), xd)
 
-    row["floor_ms"] = _bench_ms(gemms, warmup, rep)
+    row["floor_ms"] = median_ms(gemms, warmup_ms=warmup, rep_ms=rep)
     row["eager_vs_floor"] = row["eager_ms"] / row["floor_ms"]
     row["compiled_vs_floor"] = row["compiled_ms"] / row["floor_ms"]
     row["compiled_vs_eager"] = row["compiled_ms"] / row["eager_ms"]
@@ -130,9 +108,10 @@ def hf_llama_memory(batch: int, seq: int, hidden: int, layers: int, vocab: int, 
     def measure() -> dict[str, float]:
         loss = float(step())  # also the warm-up: cuBLAS workspaces, Triton compilation
         model.zero_grad(set_to_none=True)
-        peak = _peak_mib(step)
+        gc.collect()
+        peak = peak_mib_above(step, include_kept=True)  # the whole step: gradients included
         model.zero_grad(set_to_none=True)
-        return {"loss": loss, "peak_mib": peak, "ms": _bench_ms(step, 1, rep)}
+        return {"loss": loss, "peak_mib": peak, "ms": median_ms(step, warmup_ms=1, rep_ms=rep)}
 
     row: dict[str, Any] = {
         "model": f"Llama {layers} layers, hidden {hidden}, vocab {vocab}, bf16",

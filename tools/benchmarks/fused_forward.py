@@ -6,7 +6,7 @@ RL statistics: reduction="none", log-probs and entropy at temperature 0.7) on th
 on the cuBLAS + row-kernel path, as ratios to the GEMM, with peak working memory above the outputs.
 Medians of triton.testing.do_bench, all in one process.
 
-    python tools/bench_fused_forward.py --markdown out.md [--shapes 8192x4096x128256,...] [--quick]
+    python tools/benchmarks/fused_forward.py --markdown out.md [--shapes 8192x4096x128256,...] [--quick]
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import sys
 
 import torch
 import triton
-from gpu_timing import median_ms, peak_mib_above, publish
 
 import flce
 from flce.autotune import override_params
 from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_row_stats
 from flce.config import LCEConfig
+from flce.testing.measure import median_ms, parse_shape, peak_mib_above, publish, shape_inputs
 
 SHAPES = ("8192x4096x128256", "16384x2048x151936", "16384x4096x151936")
 CONFIGS = (
@@ -73,20 +73,17 @@ def main() -> int:
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
     dev = torch.device("cuda")
+    command = f"python tools/benchmarks/fused_forward.py{' --quick' if args.quick else ''}"
     lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-             f"{datetime.date.today()}, `python tools/bench_fused_forward.py{' --quick' if args.quick else ''}`", ""]
+             f"{datetime.date.today()}, `{command}`", ""]
     kernel_rows = ["| shape | config | fused kernel ms | TFLOP/s | cuBLAS GEMM ms | TFLOP/s | kernel / GEMM |",
                    "|---|---|---|---|---|---|---|"]
     call_rows = ["| shape | call | fused: x GEMM / MiB | cuBLAS + row kernels: x GEMM / MiB |", "|---|---|---|---|"]
     train_rows = ["| shape | call | fused forward: x floor / MiB | cuBLAS + row kernels: x floor / MiB |",
                   "|---|---|---|---|"]
     for label in args.shapes.split(","):
-        n, h, v = (int(p) for p in label.split("x"))
-        g = torch.Generator(device=dev).manual_seed(n + h + v)
-        x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, generator=g)
-        w = (torch.randn(v, h, device=dev, generator=g) / h**0.5).to(torch.bfloat16)
-        t = torch.randint(0, v, (n,), device=dev, generator=g)
-        t[::17] = -100
+        n, h, v = parse_shape(label)
+        x, w, t, _ = shape_inputs(n, h, v, dev, requires_grad=False)
         flops = 2.0 * n * h * v
         gemm_ms = median_ms(lambda x=x, w=w: x @ w.t())
         best = None

@@ -1,7 +1,7 @@
 """flce's Megatron-core adapter against Megatron's own vocab-parallel cross-entropy, on several GPUs.
 
-    torchrun --nproc-per-node 2 tools/megatron_nccl.py --out DIR        # NCCL, TP=2, sequence parallel, bf16
-    torchrun --nproc-per-node 2 tools/megatron_nccl.py --device cpu --out DIR   # gloo smoke run (see below)
+    torchrun --nproc-per-node 2 tools/distributed/megatron_client.py --out DIR       # NCCL, TP=2, sequence parallel
+    torchrun --nproc-per-node 2 tools/distributed/megatron_client.py --device cpu --out DIR   # gloo smoke run
 
 A GPTModel (learned absolute positions, megatron-core's local layer spec: attention and MLP
 tensor-parallel, layer norms as ``torch.nn.LayerNorm`` through a small spec class because neither
@@ -22,7 +22,7 @@ Per rank:
 
 ``--device cpu`` is a smoke run of the same code with gloo: MLP-only layers (megatron-core's local
 attention allocates with ``torch.cuda``), no sequence parallelism (it needs the CUDA RNG tracker),
-float32, small shapes. Rank 0 prints a table and writes megatron_nccl.json / .md to --out.
+float32, small shapes. Rank 0 prints a table and writes megatron_client.json / .md to --out.
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ with warnings.catch_warnings():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 from flce.integrations import megatron as flce_megatron
-
-MiB = 1 << 20
+from flce.testing.measure import MiB, publish
 
 
 class SequenceParallelLayerNorm(torch.nn.LayerNorm):
@@ -260,14 +259,12 @@ def main() -> None:
                   f"{megatron_version}, TP={args.tp}, sequence_parallel={args.sequence_parallel}, {dtype}, "
                   f"layers={args.layers} hidden={args.hidden} heads={args.heads} vocab={args.vocab} "
                   f"seq={args.seq} batch={args.batch}, {'attention + MLP' if on_gpu else 'MLP-only'} layers")
-        table = markdown(header, result, timings)
-        print(table, flush=True)
-        if args.out:
-            out = Path(args.out)
+        out = Path(args.out) if args.out else None
+        if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             payload = {"header": header, "agreement": result, "timings": timings, "args": vars(args)}
-            (out / "megatron_nccl.json").write_text(json.dumps(payload, indent=1, default=str))
-            (out / "megatron_nccl.md").write_text(table + "\n")
+            (out / "megatron_client.json").write_text(json.dumps(payload, indent=1, default=str))
+        publish(markdown(header, result, timings), str(out / "megatron_client.md") if out is not None else None)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

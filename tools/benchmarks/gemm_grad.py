@@ -7,7 +7,7 @@ tile configurations, with each compiled kernel's registers and spills. Plain coe
 and RL ones (a, h, d at temperature 0.7). Medians of triton.testing.do_bench. Each block's gradients
 are checked against the reference path's first (bf16 rounding apart).
 
-    python tools/bench_gemm_grad.py --markdown out.md
+    python tools/benchmarks/gemm_grad.py --markdown out.md
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import datetime
 
 import torch
 import triton
-from gpu_timing import median_ms, publish
 
 from flce.backends.cuda import gemm_kernels
 from flce.backends.cuda.gemm_ops import GemmConfig, gemm_grad
 from flce.backends.cuda.ops import TritonChunkKernels
 from flce.config import LCEConfig
 from flce.semantics import GradCoefficients
+from flce.testing.measure import median_ms, parse_shape, publish, shape_inputs
 
 BLOCKS = (  # tokens x hidden x block columns
     "8192x4096x3968",  # 64 MiB at 8192x4096x128256
@@ -62,11 +62,8 @@ def main() -> int:
         for c in CONFIGS) + " |",
         "|---|---|---|" + "---|" * len(CONFIGS)]
     for label in BLOCKS:
-        n, h, v = (int(p) for p in label.split("x"))
-        g = torch.Generator(device=dev).manual_seed(n + h + v)
-        x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, generator=g)
-        w = (torch.randn(v, h, device=dev, generator=g) / h**0.5).to(torch.bfloat16)
-        t = torch.randint(0, v, (n,), device=dev, generator=g)
+        x, w, t, g = shape_inputs(*parse_shape(label), dev, requires_grad=False)
+        n = x.shape[0]
         lse = torch.full((n,), 12.0, device=dev)
         rand = torch.randn(n, device=dev, generator=g)
         for kind, cfg, coeffs in (
@@ -97,7 +94,7 @@ def main() -> int:
             rows.append(f"| {label} | {kind} | " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
     text = "\n".join([f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-                      f"{datetime.date.today()}, `python tools/bench_gemm_grad.py`", "", *rows])
+                      f"{datetime.date.today()}, `python tools/benchmarks/gemm_grad.py`", "", *rows])
     publish(text, args.markdown)
     return 0
 

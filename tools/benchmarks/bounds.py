@@ -13,8 +13,8 @@ For each shape, in one process (bf16, one GPU):
 Any schedule built on these GEMMs takes at least the "GEMMs alone" time; the floor is measured as
 the benchmark tools do (one function running the three full-size GEMMs back to back).
 
-    python tools/bench_bounds.py [--shapes 16384x2048x151936,8192x4096x128256] [--rl-shapes 16384x4096x151936]
-                                 [--markdown out.md]
+    python tools/benchmarks/bounds.py [--shapes 16384x2048x151936,8192x4096x128256] [--rl-shapes 16384x4096x151936]
+                                      [--markdown out.md]
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import datetime
 
 import torch
 import triton
-from gpu_timing import median_ms, publish, shape_inputs
 
 import flce
 from flce.autotune import tuned_params
 from flce.backends.cuda.ops import TritonChunkKernels
 from flce.backends.cuda.plan import DEFAULT_CHUNK_BUDGET, chunk_rows, vocab_block_columns
+from flce.testing.measure import median_ms, parse_shape, publish, shape_inputs
 
 LEAN_BUDGET = 64 << 20
 RL_BUDGET = 512 << 20
@@ -39,7 +39,7 @@ RL = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_
 def bounds_rows(label: str, rl: bool) -> list[str]:
     """The table rows of one shape: default and 64 MiB, or (rl) the RL call at 512 MiB."""
     dev = torch.device("cuda")
-    x, w, t, g = shape_inputs(label, dev)
+    x, w, t, g = shape_inputs(*parse_shape(label), dev)
     (n, h), v = x.shape, w.shape[0]
     xd, wd = x.detach(), w.detach()
 
@@ -124,7 +124,7 @@ def main() -> int:
             rows += bounds_rows(label, rl)
             torch.cuda.empty_cache()
     text = "\n".join([f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-                      f"{datetime.date.today()}, `python tools/bench_bounds.py`", "",
+                      f"{datetime.date.today()}, `python tools/benchmarks/bounds.py`", "",
                       "forward+backward, ratio to the 3-GEMM floor:", "", *rows])
     publish(text, args.markdown)
     return 0

@@ -1,0 +1,120 @@
+"""flce.testing.measure: the inputs, clocks and memory figures the tools and the tuner share."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flce.testing import measure
+
+CPU = torch.device("cpu")
+
+
+def test_shape_inputs_are_the_same_per_shape_and_differ_between_shapes() -> None:
+    first = measure.shape_inputs(300, 64, 1000, CPU, torch.float32)
+    again = measure.shape_inputs(300, 64, 1000, CPU, torch.float32)
+    other = measure.shape_inputs(300, 64, 1001, CPU, torch.float32)
+    for a, b in zip(first[:3], again[:3], strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(first.hidden, other.hidden)
+    assert not torch.equal(first.hidden, measure.shape_inputs(300, 64, 1000, CPU, torch.float32, seed=1).hidden)
+
+
+def test_shape_inputs_give_logits_of_unit_scale_and_every_17th_target_ignored() -> None:
+    x, w, t, _ = measure.shape_inputs(2048, 256, 4000, CPU, torch.float32)
+    assert x.shape == (2048, 256) and w.shape == (4000, 256) and t.shape == (2048,)
+    assert x.requires_grad and w.requires_grad and t.dtype == torch.int64
+    logits_std = float((x @ w.T).detach().std())
+    assert 0.9 < logits_std < 1.1, logits_std
+    ignored = t == measure.IGNORE_INDEX
+    assert torch.equal(ignored.nonzero().flatten(), torch.arange(0, 2048, measure.IGNORED_EVERY))
+    assert int(t[~ignored].min()) >= 0 and int(t.max()) < 4000
+
+
+def test_shape_inputs_keep_the_dtype_and_can_skip_grad() -> None:
+    x, w, _, _ = measure.shape_inputs(8, 16, 32, "cpu", torch.bfloat16, requires_grad=False)
+    assert x.dtype == w.dtype == torch.bfloat16
+    assert not x.requires_grad and not w.requires_grad
+
+
+@pytest.mark.parametrize("label", ["8x4", "8x4x2x1", "8xHx2", ""])
+def test_parse_shape_names_the_bad_label(label: str) -> None:
+    with pytest.raises(ValueError, match="TOKENSxHIDDENxVOCAB"):
+        measure.parse_shape(label)
+    assert measure.parse_shape("8192x4096x128256") == (8192, 4096, 128256)
+
+
+def test_timing_statistics() -> None:
+    timing = measure.Timing((4.0, 1.0, 3.0, 2.0, 10.0))
+    assert timing.median_ms == 3.0 and timing.min_ms == 1.0 and timing.max_ms == 10.0
+    assert timing.quartiles_ms == (2.0, 4.0)
+    assert measure.Timing((5.0,)).quartiles_ms == (5.0, 5.0)
+    with pytest.raises(ValueError, match="samples_ms"):
+        measure.Timing(())
+
+
+def test_counted_timing_makes_exactly_the_calls_asked_for() -> None:
+    calls = []
+    timing = measure.counted_timing(lambda: calls.append(1), CPU, warmup=2, repeats=5)
+    assert len(calls) == 7 and len(timing.samples_ms) == 5
+    assert all(ms >= 0 for ms in timing.samples_ms)
+    with pytest.raises(ValueError, match="repeats=0"):
+        measure.counted_timing(lambda: None, CPU, warmup=0, repeats=0)
+
+
+def test_interleaved_timings_alternate_the_calls_round_by_round() -> None:
+    order: list[str] = []
+    seen: list[tuple[str, str]] = []
+    result = measure.interleaved_timings({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, CPU,
+                                         rounds=3, warmup_rounds=1,
+                                         on_sample=lambda label, name, wall, cpu: seen.append((label, name)))
+    assert order == ["a", "b"] * 4
+    assert seen[:2] == [("warm-up", "a"), ("warm-up", "b")] and seen[-1] == ("run 3", "b")
+    assert set(result.wall) == set(result.cpu) == {"a", "b"}
+    assert all(len(t.samples_ms) == 3 for t in (*result.wall.values(), *result.cpu.values()))
+
+
+def test_peak_memory_has_no_figure_on_the_cpu() -> None:
+    assert measure.peak_bytes_above(lambda: torch.ones(10), CPU) is None
+    with pytest.raises(ValueError, match="allocator statistics"):
+        measure.peak_mib_above(lambda: torch.ones(10), CPU)
+
+
+@pytest.mark.cuda
+def test_peak_memory_counts_the_working_memory_above_what_is_returned() -> None:
+    device = torch.device("cuda")
+    kept_bytes, scratch_bytes = 64 << 20, 256 << 20
+
+    def call() -> torch.Tensor:  # a result alive at the peak, as gradients are, and scratch freed before returning
+        kept = torch.empty(kept_bytes, dtype=torch.uint8, device=device)
+        scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
+        kept[0] = scratch.fill_(1)[0]
+        return kept
+
+    assert measure.peak_bytes_above(call, device) == scratch_bytes
+    assert measure.peak_bytes_above(call, device, include_kept=True) == scratch_bytes + kept_bytes
+
+
+def test_cpu_benchmark_reports_medians_with_their_spread_and_the_machine() -> None:
+    """tools/benchmarks/cpu.py at a tiny shape: every method's median with its min-max and the
+    per-round range of its ratio to the floor, for wall and CPU time, and the machine it ran on."""
+    script = Path(__file__).resolve().parents[1] / "tools" / "benchmarks" / "cpu.py"
+    done = subprocess.run([sys.executable, str(script), "--tokens", "64", "--hidden", "16", "--vocab", "200",
+                           "--repeats", "3", "--no-memory", "--markdown"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{measure.cpu_model()}, " in done.stdout and "cores usable" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and " | " in line]
+    assert rows[0].startswith("| method | median s (min-max) | vs floor (per round) |")
+    by_method = {row.split(" | ")[0].removeprefix("| "): row for row in rows[1:]}
+    assert set(by_method) == {"floor", "eager", "torch_chunked", "flce"}
+    median_and_range = r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)"
+    ratio_and_range = r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\dx\)"
+    cells = by_method["flce"].split(" | ")
+    assert re.fullmatch(median_and_range, cells[1]) and re.fullmatch(median_and_range, cells[3]), cells
+    assert re.fullmatch(ratio_and_range, cells[2]) and re.fullmatch(ratio_and_range, cells[4]), cells
+    assert "3 timed rounds after 1 warm-up" in done.stdout
