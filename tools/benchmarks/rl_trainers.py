@@ -37,10 +37,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpu_timing import MiB, median_ms, peak_mib_above, publish
-
 import flce
+from flce.testing.measure import MiB, median_ms, peak_mib_above, publish
 
 TEMPERATURE = 0.7
 ENTROPY_COEF = 0.01
