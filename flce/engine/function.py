@@ -5,8 +5,10 @@ can keep forward's logits for backward (one GEMM fewer for the kept rows), and h
 is the plan's choice, made inside the call from the device and the autotune cache, where an op's
 output shapes must be known to the compiler beforehand; and the Function scales the in-forward
 gradients in place with the backend's ``scale_`` kernel, which skips the pass over V x H when
-grad_output is exactly 1 (decided on the device). :mod:`flce.engine.custom_ops` says what the
-compiled path does instead.
+grad_output is exactly 1 (decided on the device). A backward that retains the graph
+(retain_graph=True, create_graph=True, torch.autograd.gradcheck) scales them out of place instead and
+keeps them unscaled for the next backward, as torch keeps any retained graph's buffers.
+:mod:`flce.engine.custom_ops` says what the compiled path does instead.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flce.engine.call import EngineCall, GradTargets, grads_in_forward_allowed
+from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets, grads_in_forward_allowed
 from flce.engine.outputs import as_result, flat_outputs, logit_stats_output, shape_outputs
 from flce.engine.schedule import run_backward, run_forward
 from flce.inputs import FlatInputs
@@ -51,15 +53,7 @@ class LCEFunction(torch.autograd.Function):
     def _gradients(ctx, grad_loss, grad_logprobs, grad_entropy):
         call, state = ctx.call, ctx.state
         if ctx.in_forward:
-            if state.grads is None:
-                raise RuntimeError(
-                    "flce: backward through this loss a second time is not supported: its gradients were "
-                    "computed in forward and handed out by the first backward. Call the loss again instead "
-                    "of using retain_graph=True."
-                )
-            grads, state.grads = state.grads, None
-            scale = grad_loss.reshape(())
-            grad_hidden, grad_weight, grad_bias = (None if g is None else call.kernels.scale_(g, scale) for g in grads)
+            grad_hidden, grad_weight, grad_bias = _scaled_in_forward_gradients(call, state, grad_loss.reshape(()))
         else:
             hidden, weight, bias, target = ctx.saved_tensors
             flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=call.token_shape)
@@ -70,6 +64,29 @@ class LCEFunction(torch.autograd.Function):
         if call.sharding is not None and grad_hidden is not None and grad_hidden.numel():
             call.sharding.reduce_grad_hidden(grad_hidden)
         return grad_hidden, grad_weight, grad_bias
+
+
+def graph_retained() -> bool:
+    """Whether the running backward keeps the graph for another (retain_graph=True, or create_graph).
+    torch >= 2.5 says so; on older torch this reads False, and a second backward is refused."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep_graph is not None and keep_graph()
+
+
+def _scaled_in_forward_gradients(call: EngineCall, state: ForwardState, scale: Tensor) -> Grads:
+    """grad_output times the gradients forward computed. The usual backward (one, graph freed) scales
+    them in place and hands them out; one that retains the graph multiplies out of place and leaves
+    them unscaled for the next."""
+    if state.grads is None:
+        raise RuntimeError(
+            "flce: trying to backward through this loss a second time, after a backward that did not "
+            "retain its graph: its gradients, computed in forward, were handed out then. Pass "
+            "retain_graph=True to the earlier backward (torch >= 2.5), or call the loss again."
+        )
+    if graph_retained():
+        return tuple(None if g is None else torch.mul(g, scale) for g in state.grads)
+    grads, state.grads = state.grads, None
+    return tuple(None if g is None else call.kernels.scale_(g, scale) for g in grads)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
