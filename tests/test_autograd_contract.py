@@ -1,6 +1,7 @@
 """Autograd beyond one backward, on the reference backend (CPU) against the float64 oracle: a
-retained graph's second backward with torch's semantics, and torch.autograd.gradcheck in float64
-for every reduction and option."""
+retained graph's second backward with torch's semantics, torch.autograd.gradcheck in float64 for
+every reduction and option (batched gradients included), batched gradients (is_grads_batched) and
+torch.func's jacrev and grad."""
 
 from __future__ import annotations
 
@@ -142,15 +143,21 @@ def _differentiable_outputs(target: torch.Tensor, options: dict[str, Any]):
     return outputs
 
 
-@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+# Every case with a bias; without one (a plain GEMM instead of addmm) the first and the last.
+GRADCHECK_PARAMS = [pytest.param(case, True, id=name) for name, case in GRADCHECK_CASES.items()] + [
+    pytest.param(GRADCHECK_CASES[name], False, id=f"{name}-no-bias") for name in ("defaults", "everything")]
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("case", GRADCHECK_CASES.values(), ids=GRADCHECK_CASES.keys())
-def test_gradcheck_float64(case: dict[str, Any], reduction: str, bias: bool, generator: torch.Generator) -> None:
-    options = _options(case, 11, generator, reduction=reduction)
-    hidden, weight, target, b = make_inputs((2, 3), 4, 11, dtype=torch.float64, bias=bias, generator=generator,
+@pytest.mark.parametrize(("case", "bias"), GRADCHECK_PARAMS)
+def test_gradcheck_float64(case: dict[str, Any], bias: bool, reduction: str, generator: torch.Generator) -> None:
+    """torch.autograd.gradcheck (its analytical jacobian is one retained backward per output
+    element, and check_batched_grad runs them batched) against finite differences."""
+    options = _options(case, 7, generator, reduction=reduction)
+    hidden, weight, target, b = make_inputs((2, 2), 3, 7, dtype=torch.float64, bias=bias, generator=generator,
                                             ignore_index=options.get("ignore_index", -100))
     inputs = tuple(None if t is None else t.requires_grad_() for t in (hidden, weight, b))
-    assert torch.autograd.gradcheck(_differentiable_outputs(target, options), inputs)
+    assert torch.autograd.gradcheck(_differentiable_outputs(target, options), inputs, check_batched_grad=True)
 
 
 def _jacobian_rows(outputs: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -169,3 +176,73 @@ def test_token_scaling_jacobian_matches_the_oracle(reduction: str, generator: to
     want = _jacobian_rows(reference_loss(leaves[0], leaves[1], target, leaves[2], **options).loss, leaves)
     for name, g, w in zip(("hidden", "weight", "bias"), got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10, msg=lambda m, name=name: f"d loss / d {name}: {m}")
+
+
+@pytest.mark.parametrize("extras", [False, True], ids=["loss", "loss-logprobs-entropy"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("plan", PLANS.values(), ids=PLANS.keys())
+def test_batched_gradients_equal_a_loop_and_the_oracle(plan: object, reduction: str, extras: bool,
+                                                       generator: torch.Generator) -> None:
+    """torch.autograd.grad(..., is_grads_batched=True) over a batch of grad_outputs equals one
+    backward per batch entry, and each equals float64 autograd through the oracle."""
+    hidden, weight, target, bias = make_inputs((3, 4), 6, 17, dtype=torch.float64, bias=True, generator=generator)
+    options = _options(FULL_OPTIONS, 17, generator, reduction=reduction, return_logprobs=extras,
+                       return_entropy=extras)
+    leaves = [t.requires_grad_() for t in (hidden, weight, bias)]
+    out = _eager_loss(plan, leaves, target, options)
+    outputs = (out.loss, out.logprobs, out.entropy) if extras else (out,)
+    batch = 3
+    upstreams = [torch.randn(batch, *o.shape, generator=generator, dtype=torch.float64) for o in outputs]
+    batched = torch.autograd.grad(outputs, leaves, upstreams, retain_graph=True, is_grads_batched=True)
+    fresh = [t.detach().clone().requires_grad_() for t in leaves]
+    oracle = reference_loss(fresh[0], fresh[1], target, fresh[2], **options)
+    oracle_outputs = (oracle.loss, oracle.logprobs, oracle.entropy) if extras else (oracle.loss,)
+    for i in range(batch):
+        one = torch.autograd.grad(outputs, leaves, [u[i] for u in upstreams], retain_graph=True)
+        want = torch.autograd.grad(oracle_outputs, fresh, [u[i] for u in upstreams], retain_graph=True)
+        for name, b, o, w in zip(("hidden", "weight", "bias"), batched, one, want, strict=True):
+            torch.testing.assert_close(b[i], o, rtol=1e-10, atol=1e-12,
+                                       msg=lambda m, name=name, i=i: f"batch entry {i}, grad {name} vs a loop: {m}")
+            torch.testing.assert_close(b[i], w, rtol=1e-9, atol=1e-10,
+                                       msg=lambda m, name=name, i=i: f"batch entry {i}, grad {name} vs the oracle: {m}")
+
+
+@pytest.mark.parametrize("options", [{}, FULL_OPTIONS], ids=["defaults", "full"])
+def test_jacrev_of_per_token_losses_matches_the_oracle(options: dict[str, Any], generator: torch.Generator) -> None:
+    hidden, weight, target, bias = make_inputs((5,), 4, 11, dtype=torch.float64, bias=True, generator=generator)
+    options = _options(options, 11, generator, reduction="none")
+
+    def per_token(fn):
+        return lambda h, w: fn(h, w, target, bias, **options)
+
+    got = torch.func.jacrev(per_token(flce.linear_cross_entropy), argnums=(0, 1))(hidden, weight)
+    want = torch.func.jacrev(lambda h, w: per_token(reference_loss)(h, w).loss, argnums=(0, 1))(hidden, weight)
+    for name, g, w in zip(("hidden", "weight"), got, want, strict=True):
+        assert g.shape == (5, *w.shape[1:]) and g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10, msg=lambda m, name=name: f"d losses / d {name}: {m}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_func_grad_of_the_loss_matches_the_oracle(reduction: str, generator: torch.Generator) -> None:
+    hidden, weight, target, _ = make_inputs((6,), 4, 11, dtype=torch.float64, generator=generator)
+    options = _options(FULL_OPTIONS, 11, generator, reduction=reduction)
+    got = torch.func.grad(lambda w: flce.linear_cross_entropy(hidden, w, target, **options))(weight)
+    want = torch.func.grad(lambda w: reference_loss(hidden, w, target, **options).loss)(weight)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("nesting", ["hessian", "jacrev-of-jacrev", "grad-of-grad"])
+def test_second_derivatives_by_nested_transforms_are_refused(nesting: str, generator: torch.Generator) -> None:
+    """flce's gradients are first-order only: nested transforms raise instead of returning zeros."""
+    hidden, weight, target, _ = make_inputs((4,), 3, 7, dtype=torch.float64, generator=generator)
+
+    def loss(h: torch.Tensor) -> torch.Tensor:
+        return flce.linear_cross_entropy(h, weight, target)
+
+    nested = {
+        "hessian": torch.func.hessian(loss),
+        "jacrev-of-jacrev": torch.func.jacrev(torch.func.jacrev(loss)),
+        "grad-of-grad": torch.func.grad(lambda h: torch.func.grad(loss)(h).square().sum()),
+    }[nesting]
+    with pytest.raises(RuntimeError, match="first-order only"):
+        nested(hidden)

@@ -315,6 +315,26 @@ def test_retained_compiled_graph_backward_twice_matches_the_oracle(reduction: st
                                     dtype=torch.float32, name=f"grad {name}")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_batched_gradients_through_a_compiled_call_equal_a_loop(reduction: str, generator: torch.Generator) -> None:
+    """is_grads_batched=True through the custom ops (aot_eager: Inductor's compiled backward takes
+    no batched tensors, for torch's own compiled cross_entropy either): each batch entry equals
+    its own backward."""
+    x, w, b, t = _inputs(generator)
+    torch._dynamo.reset()
+    compiled = torch.compile(flce.get_impl("cpu")(reduction=reduction, label_smoothing=0.1), backend="aot_eager",
+                             fullgraph=True)
+    loss = compiled(x, w, t, b)
+    upstreams = torch.randn(3, *loss.shape, generator=generator)
+    with _no_donated_buffers():
+        batched = torch.autograd.grad(loss, (x, w, b), upstreams, retain_graph=True, is_grads_batched=True)
+        for i, upstream in enumerate(upstreams):
+            one = torch.autograd.grad(loss, (x, w, b), upstream, retain_graph=True)
+            for name, got, want in zip(("hidden", "weight", "bias"), batched, one, strict=True):
+                torch.testing.assert_close(got[i], want, rtol=1e-6, atol=1e-7,
+                                           msg=lambda m, name=name, i=i: f"batch entry {i}, grad {name}: {m}")
+
+
 @pytest.mark.parametrize("form", ["module", "functional"])
 def test_explain_shows_one_graph(form: str, machine: str, generator: torch.Generator) -> None:
     step = _make_step(form, {"label_smoothing": 0.1, "return_logprobs": True})
