@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import make_inputs, random_class_weight, reference_loss
+from helpers import lm_head_inputs, make_inputs, random_class_weight, reference_loss
 
 import flce
 from flce.backends.reference.kernels import ReferenceKernels
@@ -246,3 +246,33 @@ def test_second_derivatives_by_nested_transforms_are_refused(nesting: str, gener
     }[nesting]
     with pytest.raises(RuntimeError, match="first-order only"):
         nested(hidden)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_cuda_backend_retained_and_batched_backward_match_the_oracle(reduction: str, monkeypatch: pytest.MonkeyPatch,
+                                                                     generator: torch.Generator) -> None:
+    """The CUDA backend (its Triton kernels on a GPU; without one, interpreted on CPU tensors with
+    small vocabulary blocks): a batched backward, then two retained backwards with different
+    grad_outputs, each against float64 autograd through the oracle."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setattr("flce.backends.cuda.ops.MAX_BLOCK_V", 64)
+    torch.manual_seed(int(torch.randint(0, 2**31, (), generator=generator)))  # lm_head_inputs draws from it
+    x, w, b, t = lm_head_inputs(12, 16, 203, torch.float32, device, with_bias=True)
+    options = {"label_smoothing": 0.1, "softcap": 3.0, "reduction": reduction}
+    loss = flce.linear_cross_entropy(x, w, t, b, backend="cuda", **options)
+    upstreams = torch.randn(3, *loss.shape, device=device) + 0.5
+    batched = torch.autograd.grad(loss, (x, w, b), upstreams, retain_graph=True, is_grads_batched=True)
+    first = torch.autograd.grad(loss, (x, w, b), upstreams[0], retain_graph=True)
+    second = torch.autograd.grad(loss, (x, w, b), upstreams[1])
+    leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
+    oracle = reference_loss(leaves[0], leaves[1], t, leaves[2], **options).loss
+    checks = [(f"batch entry {i}", [g[i] for g in batched], upstreams[i]) for i in range(3)]
+    checks += [("first retained backward", first, upstreams[0]), ("second retained backward", second, upstreams[1])]
+    for what, got, upstream in checks:
+        want = torch.autograd.grad(oracle, leaves, upstream.double(), retain_graph=True)
+        for name, g, o in zip(("hidden", "weight", "bias"), got, want, strict=True):
+            torch.testing.assert_close(g.double(), o, rtol=5e-5, atol=5e-5,
+                                       msg=lambda m, what=what, name=name: f"{what}, grad {name}: {m}")
+
