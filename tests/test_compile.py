@@ -7,6 +7,7 @@ form) compiles with ``fullgraph=True`` into one graph, and its loss, extras and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -273,6 +274,65 @@ def test_inductor_backward_scales_in_forward_gradients_over_their_own_buffers(
             torch.testing.assert_close(gc, ge, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"grad {name}: {m}")
             assert_close_per_design(gc, go, kind=f"grad_{'hidden' if name == 'hidden' else 'weight'}",
                                     dtype=torch.float32, name=f"grad {name} (grad_output {scale})")
+
+
+@contextlib.contextmanager
+def _no_donated_buffers():
+    """Inductor's donated buffers off, and the compile caches with them (see below)."""
+    with (torch._functorch.config.patch(donated_buffer=False, enable_autograd_cache=False),
+          torch._inductor.config.patch(fx_graph_cache=False)):
+        yield
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_retained_compiled_graph_backward_twice_matches_the_oracle(reduction: str, backend: str,
+                                                                   generator: torch.Generator) -> None:
+    """A second backward through a retained compiled graph, with another grad_output: the compile
+    path scales the in-forward gradients out of place (mean) and recomputes deferred ones (none),
+    so each backward equals float64 autograd through the oracle.
+
+    Inductor's donated buffers refuse a retained graph whose backward was compiled before (torch's
+    own compiled cross_entropy too; say from the on-disk cache), and torch's message says to switch
+    them off, as here. With them off, torch 2.13's caches still hand out a backward compiled with
+    them on (the cache key leaves donated_buffer out), one that writes over the saved gradients: a
+    torch bug that turns the second backward silently wrong, hence the caches off too."""
+    x, w, b, t = _inputs(generator)
+    loss_fn = flce.get_impl("cpu")(reduction=reduction, label_smoothing=0.1)
+    torch._dynamo.reset()
+    with _no_donated_buffers():
+        loss = torch.compile(loss_fn, backend=backend, fullgraph=True)(x, w, t, b)
+    upstreams = [torch.randn(loss.shape, generator=generator) + 0.5 for _ in range(2)]
+    with _no_donated_buffers():
+        first = torch.autograd.grad(loss, (x, w, b), upstreams[0], retain_graph=True)
+        second = torch.autograd.grad(loss, (x, w, b), upstreams[1])
+    leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
+    oracle = reference_loss(leaves[0], leaves[1], t, leaves[2], reduction=reduction, label_smoothing=0.1).loss
+    for upstream, got in ((upstreams[0], first), (upstreams[1], second)):
+        want = torch.autograd.grad(oracle, leaves, upstream.double(), retain_graph=True)
+        for name, g, o in zip(("hidden", "weight", "bias"), got, want, strict=True):
+            assert_close_per_design(g, o, kind=f"grad_{'hidden' if name == 'hidden' else 'weight'}",
+                                    dtype=torch.float32, name=f"grad {name}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_batched_gradients_through_a_compiled_call_equal_a_loop(reduction: str, generator: torch.Generator) -> None:
+    """is_grads_batched=True through the custom ops (aot_eager: Inductor's compiled backward takes
+    no batched tensors, for torch's own compiled cross_entropy either): each batch entry equals
+    its own backward."""
+    x, w, b, t = _inputs(generator)
+    torch._dynamo.reset()
+    compiled = torch.compile(flce.get_impl("cpu")(reduction=reduction, label_smoothing=0.1), backend="aot_eager",
+                             fullgraph=True)
+    loss = compiled(x, w, t, b)
+    upstreams = torch.randn(3, *loss.shape, generator=generator)
+    with _no_donated_buffers():
+        batched = torch.autograd.grad(loss, (x, w, b), upstreams, retain_graph=True, is_grads_batched=True)
+        for i, upstream in enumerate(upstreams):
+            one = torch.autograd.grad(loss, (x, w, b), upstream, retain_graph=True)
+            for name, got, want in zip(("hidden", "weight", "bias"), batched, one, strict=True):
+                torch.testing.assert_close(got[i], want, rtol=1e-6, atol=1e-7,
+                                           msg=lambda m, name=name, i=i: f"batch entry {i}, grad {name}: {m}")
 
 
 @pytest.mark.parametrize("form", ["module", "functional"])

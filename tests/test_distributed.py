@@ -428,8 +428,15 @@ def section_errors(checker: Checker, rank: int, world_size: int) -> None:
     with checker.case("second backward of the in-forward schedule"):
         h = hidden.clone().requires_grad_()
         loss = sharded_loss(h, w_shard, target, None, world, {})
-        loss.backward(retain_graph=True)
+        first = torch.autograd.grad(loss, h, retain_graph=True)[0]
+        second = torch.autograd.grad(loss, h)[0]
+        assert torch.equal(first, second), "a retained graph's second backward differs from its first"
         _expect_error(lambda: loss.backward(), RuntimeError, "a second time")
+    with checker.case("batched gradients are refused"):
+        h = hidden.clone().requires_grad_()
+        loss = sharded_loss(h, w_shard, target, None, world, {})
+        _expect_error(lambda: torch.autograd.grad(loss, h, torch.ones(2), is_grads_batched=True), RuntimeError,
+                      "vocab-parallel call are not supported")
 
 
 def section_communication(checker: Checker, rank: int, world_size: int) -> None:

@@ -5,8 +5,11 @@ can keep forward's logits for backward (one GEMM fewer for the kept rows), and h
 is the plan's choice, made inside the call from the device and the autotune cache, where an op's
 output shapes must be known to the compiler beforehand; and the Function scales the in-forward
 gradients in place with the backend's ``scale_`` kernel, which skips the pass over V x H when
-grad_output is exactly 1 (decided on the device). :mod:`flce.engine.custom_ops` says what the
-compiled path does instead.
+grad_output is exactly 1 (decided on the device). A backward that retains the graph
+(retain_graph=True, create_graph=True, torch.autograd.gradcheck) scales them out of place instead and
+keeps them unscaled for the next backward, as torch keeps any retained graph's buffers; a batched or
+transformed backward (is_grads_batched, torch.func) takes :mod:`flce.engine.transformed`'s out-of-place
+path. :mod:`flce.engine.custom_ops` says what the compiled path does instead.
 """
 
 from __future__ import annotations
@@ -14,71 +17,117 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flce.engine.call import EngineCall, GradTargets, grads_in_forward_allowed
+from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets, grads_in_forward_allowed
 from flce.engine.outputs import as_result, flat_outputs, logit_stats_output, shape_outputs
 from flce.engine.schedule import run_backward, run_forward
+from flce.engine.transformed import backward as transformed_backward
+from flce.engine.transformed import check_first_order, check_unsharded, is_transformed, scaled
 from flce.inputs import FlatInputs
 from flce.outputs import LCEOutput
 
 
+class _Handoff:
+    """Forward's state on its way to setup_context: a plain object, which torch.func passes through
+    as it is (a list or dict would be rebuilt as a pytree)."""
+
+    state: ForwardState
+    in_forward: bool
+
+
 class LCEFunction(torch.autograd.Function):
+    """Forward runs a schedule; ``setup_context`` keeps what backward needs. (The split form, so that
+    torch.func transforms can run it: jacrev, vmap over the backward.) ``wanted`` says which inputs
+    get gradients (decided before apply, from requires_grad: forward has no ctx to ask), and
+    ``handoff`` carries forward's state to setup_context."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, call: EngineCall):
+    def forward(hidden, weight, bias, target, call: EngineCall, wanted: GradTargets, handoff: _Handoff):
         flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=call.token_shape)
-        wanted = GradTargets(
-            hidden=ctx.needs_input_grad[0],
-            weight=ctx.needs_input_grad[1],
-            bias=bias is not None and ctx.needs_input_grad[2],
-        )
         in_forward = wanted.any and grads_in_forward_allowed(call.cfg)
         state = run_forward(call, flat, grads_in_forward=wanted if in_forward else None, backward_follows=wanted.any)
-        ctx.call, ctx.state, ctx.wanted, ctx.in_forward = call, state, wanted, in_forward
-        if not in_forward and wanted.any:
-            ctx.save_for_backward(hidden, weight, bias, target)
+        handoff.state, handoff.in_forward = state, in_forward
         outputs = shape_outputs(flat_outputs(state, call.cfg, hidden), call.cfg, call.token_shape)
-        logit_stats = logit_stats_output(state, call.cfg, hidden, call.token_shape)
-        ctx.mark_non_differentiable(outputs[1], outputs[2], outputs[3], logit_stats)
-        return (*outputs, logit_stats)
+        return (*outputs, logit_stats_output(state, call.cfg, hidden, call.token_shape))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        hidden, weight, bias, target, call, wanted, handoff = inputs
+        ctx.state, ctx.in_forward = handoff.state, handoff.in_forward
+        ctx.call, ctx.wanted = call, wanted
+        if not ctx.in_forward and wanted.any:
+            ctx.save_for_backward(hidden, weight, bias, target)
+        ctx.mark_non_differentiable(output[1], output[2], output[3], output[6])
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss, _grad_acc, _grad_pred, grad_logprobs, grad_entropy, _grad_stats):
         create_graph = torch.is_grad_enabled()
         with torch.no_grad():
-            grads = LCEFunction._gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
-        return (*first_order_only(grads, create_graph), None, None)
+            grads = _gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
+        return (*first_order_only(grads, create_graph), None, None, None, None)
 
-    @staticmethod
-    def _gradients(ctx, grad_loss, grad_logprobs, grad_entropy):
-        call, state = ctx.call, ctx.state
-        if ctx.in_forward:
-            if state.grads is None:
-                raise RuntimeError(
-                    "flce: backward through this loss a second time is not supported: its gradients were "
-                    "computed in forward and handed out by the first backward. Call the loss again instead "
-                    "of using retain_graph=True."
-                )
-            grads, state.grads = state.grads, None
-            scale = grad_loss.reshape(())
-            grad_hidden, grad_weight, grad_bias = (None if g is None else call.kernels.scale_(g, scale) for g in grads)
-        else:
-            hidden, weight, bias, target = ctx.saved_tensors
-            flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=call.token_shape)
-            grad_hidden, grad_weight, grad_bias = run_backward(
-                call, flat, state, ctx.wanted, grad_loss, grad_logprobs if call.cfg.return_logprobs else None,
-                grad_entropy if call.cfg.return_entropy else None,
-            )
-        if call.sharding is not None and grad_hidden is not None and grad_hidden.numel():
-            call.sharding.reduce_grad_hidden(grad_hidden)
-        return grad_hidden, grad_weight, grad_bias
+
+def graph_retained() -> bool:
+    """Whether the running backward keeps the graph for another (retain_graph=True, or create_graph).
+    torch >= 2.5 says so; on older torch this reads False, and a second backward is refused."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep_graph is not None and keep_graph()
+
+
+def _gradients(ctx, grad_loss, grad_logprobs, grad_entropy):
+    call, state = ctx.call, ctx.state
+    transformed = any(is_transformed(g) for g in (grad_loss, grad_logprobs, grad_entropy))
+    if transformed:
+        check_unsharded(call)
+    if ctx.in_forward:
+        grad_hidden, grad_weight, grad_bias = _scaled_in_forward_gradients(call, state, grad_loss.reshape(()),
+                                                                           transformed)
+    else:
+        hidden, weight, bias, target = ctx.saved_tensors
+        flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=call.token_shape)
+        deferred_backward = transformed_backward if transformed else run_backward
+        grad_hidden, grad_weight, grad_bias = deferred_backward(
+            call, flat, state, ctx.wanted, grad_loss, grad_logprobs if call.cfg.return_logprobs else None,
+            grad_entropy if call.cfg.return_entropy else None,
+        )
+    if call.sharding is not None and grad_hidden is not None and grad_hidden.numel():
+        call.sharding.reduce_grad_hidden(grad_hidden)
+    return grad_hidden, grad_weight, grad_bias
+
+
+def _scaled_in_forward_gradients(call: EngineCall, state: ForwardState, scale: Tensor,
+                                 transformed: bool) -> Grads:
+    """grad_output times the gradients forward computed. The usual backward (one, graph freed) scales
+    them in place and hands them out; one that retains the graph, or a batched / transformed one,
+    multiplies out of place and leaves them unscaled for the next backward."""
+    if state.grads is None:
+        raise RuntimeError(
+            "flce: trying to backward through this loss a second time, after a backward that did not "
+            "retain its graph: its gradients, computed in forward, were handed out then. Pass "
+            "retain_graph=True to the earlier backward (torch >= 2.5), or call the loss again."
+        )
+    retained = graph_retained()
+    if retained or transformed:
+        grads = scaled(state.grads, scale)
+        if not retained:
+            state.grads = None
+        return grads
+    grads, state.grads = state.grads, None
+    return tuple(None if g is None else call.kernels.scale_(g, scale) for g in grads)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
     """Passes a gradient through, and refuses to be differentiated: what flce's backward returns
     under create_graph=True, so that differentiating a gradient fails with a message saying why."""
 
+    generate_vmap_rule = True  # a batched gradient passes through too
+
     @staticmethod
-    def forward(ctx, grad, _anchor):
+    def forward(grad, _anchor):
         return grad.view_as(grad)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
 
     @staticmethod
     def backward(ctx, _grad):
@@ -109,7 +158,12 @@ def needs_autograd(flat: FlatInputs) -> bool:
 def apply_eager(flat: FlatInputs, call: EngineCall) -> Tensor | LCEOutput:
     """Run the Function and return the loss, or an LCEOutput when extras were asked."""
     if needs_autograd(flat):
-        *outputs, logit_stats = LCEFunction.apply(flat.hidden, flat.weight, flat.bias, flat.target, call)
+        check_first_order((flat.hidden, flat.weight, flat.bias))
+        bias = flat.bias
+        wanted = GradTargets(hidden=flat.hidden.requires_grad, weight=flat.weight.requires_grad,
+                             bias=bias is not None and bias.requires_grad)
+        *outputs, logit_stats = LCEFunction.apply(flat.hidden, flat.weight, bias, flat.target, call, wanted,
+                                                  _Handoff())
     else:
         # Inference (no_grad, evaluation, RL log-probs): the statistics alone, nothing kept.
         state = run_forward(call, flat, grads_in_forward=None, backward_follows=False)
