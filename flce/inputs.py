@@ -49,11 +49,14 @@ def prepare_inputs(
         )
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
         raise TypeError(f"target: expected an integer tensor of class ids, got dtype {target.dtype}")
-    tokens = hidden.numel() // hidden_size if hidden_size else hidden.shape[:-1].numel()
-    if target.numel() != tokens:
+    # The shapes, not only the counts: a [5, 4] target against a [4, 5, H] hidden has one target per
+    # token but pairs them by flat index with the wrong tokens (torch's cross_entropy raises too).
+    if target.shape != hidden.shape[:-1]:
+        tokens = hidden.shape[:-1].numel()
         raise ValueError(
-            f"target: has {target.numel()} elements (shape {tuple(target.shape)}) but hidden holds "
-            f"{tokens} tokens (shape {tuple(hidden.shape)}); expected one target per token"
+            f"target: has shape {tuple(target.shape)} ({target.numel()} elements) but hidden has shape "
+            f"{tuple(hidden.shape)} ({tokens} tokens); expected target of shape hidden.shape[:-1] = "
+            f"{tuple(hidden.shape[:-1])}"
         )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != vocab):
         raise ValueError(f"bias: expected shape [V={vocab}], got {tuple(bias.shape)}")

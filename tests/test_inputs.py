@@ -63,6 +63,15 @@ def test_mismatched_token_count(inputs, no_kernel) -> None:
         call(hidden, weight, target[:5])
 
 
+@pytest.mark.parametrize(("hidden_shape", "target_shape"), [((4, 5), (5, 4)), ((4, 5), (20,)), ((20,), (4, 5))])
+def test_target_with_as_many_tokens_but_another_shape(no_kernel, hidden_shape, target_shape) -> None:  # noqa: ANN001
+    """Equal counts are not enough: flat-index pairing would give tokens the wrong targets."""
+    hidden = torch.randn(*hidden_shape, H)
+    target = torch.randint(0, V, target_shape)
+    with raises(ValueError, "target", str(target_shape), str((*hidden_shape, H)), "hidden.shape[:-1]"):
+        call(hidden, torch.randn(V, H), target, reduction="none")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.complex64])
 def test_non_integer_target(inputs, no_kernel, dtype: torch.dtype) -> None:
     hidden, weight, target = inputs
