@@ -3,6 +3,8 @@ autograd behaviour (which inputs get gradients, repeated calls, repeated backwar
 
 from __future__ import annotations
 
+import copy
+import io
 import re
 import sys
 import types
@@ -116,6 +118,28 @@ def test_class_weight_is_a_buffer_that_moves_with_the_module(generator: torch.Ge
     expected = reference_loss(hidden, weight, target, class_weight=cw).loss
     assert_close_per_design(loss, expected, kind="forward", dtype=torch.float64, name="loss")
     assert "'reduction': 'mean'" in repr(module) and "backend=None" in repr(module)
+
+
+@pytest.mark.parametrize("variant", ["auto", "full"])
+def test_model_with_the_loss_as_a_submodule_saves_and_loads(variant: str, generator: torch.Generator) -> None:
+    """torch.save(model) pickles get_impl's class, which is made at run time: it comes back as the
+    same class, with its options and class weights, and computes the same loss."""
+    cw = random_class_weight(V, generator)
+    model = torch.nn.Module()
+    model.head = torch.nn.Linear(H, V, bias=False)
+    model.loss = flce.get_impl("cpu", backend="reference", variant=variant)(class_weight=cw, softcap=20.0,
+                                                                           reduction="sum")
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded.loss) is type(model.loss)
+    assert loaded.loss.config.softcap == 20.0 and loaded.loss.config.reduction == "sum"
+    torch.testing.assert_close(loaded.loss.class_weight, cw, rtol=0, atol=0)
+    hidden, _, target, _ = make_inputs((7,), H, V, generator=generator)
+    torch.testing.assert_close(loaded.loss(hidden, loaded.head.weight, target),
+                               model.loss(hidden, model.head.weight, target), rtol=0, atol=0)
+    assert type(copy.deepcopy(model.loss)) is type(model.loss)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
