@@ -4,9 +4,9 @@ a fake backend, and the entry points."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -303,7 +303,7 @@ def test_entry_points_and_concurrent_tunes_keep_every_entry(tmp_path: Path) -> N
     path = tmp_path / "shared.yaml"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "OMP_NUM_THREADS": "1"}
     env.pop(locations.CACHE_ENV, None)
-    script = shutil.which("flce-autotune")
+    script = console_script("flce-autotune")
     module = [sys.executable, "-m", "flce.autotune"]
     launchers = [module, [script] if script else module]
     tunes = [subprocess.Popen([*launcher, "tune", *TINY, "--tokens", tokens, "--variant", "plain", "--quick",
@@ -314,5 +314,14 @@ def test_entry_points_and_concurrent_tunes_keep_every_entry(tmp_path: Path) -> N
     assert [p.returncode for p in tunes] == [0, 0], outputs
     assert sorted(e.tokens for e in cache_files.read_file(path).entries) == [64, 128]
     if script is None:
-        pytest.skip("the flce-autotune console script is not installed here (pip install -e .); "
-                    "the concurrent tunes above ran through python -m flce.autotune")
+        pytest.skip(f"the flce-autotune console script is not installed beside {sys.executable} (pip install "
+                    "-e .); the concurrent tunes above ran through python -m flce.autotune")
+
+
+def console_script(name: str) -> str | None:
+    """The console script ``name`` of this interpreter's environment (its scripts directory), not
+    whichever one PATH finds first: a venv's tests must run the venv's own entry point."""
+    for path in (Path(sysconfig.get_path("scripts")) / name, Path(sys.executable).parent / name):
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    return None
