@@ -90,6 +90,30 @@ def test_tune_quick_show_clear(cache_env: Path, capsys: pytest.CaptureFixture) -
     assert code == 0 and "nothing to clear" in out
 
 
+@pytest.mark.parametrize("where", ["a shell rc file", "unwritable"])
+def test_tune_fails_before_measuring_when_its_cache_path_cannot_take_the_entries(
+        cache_env: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """--cache names the file to write: a file that is not an flce cache is left as it is, an
+    unwritable path is not swapped for the user cache, and either fails before any measurement."""
+    def refuse_to_measure(self: Tuner) -> None:
+        raise AssertionError("the tuner measured before the cache path was checked")
+
+    monkeypatch.setattr(Tuner, "run", refuse_to_measure)
+    if where == "a shell rc file":
+        path = cache_env / ".bashrc"
+        path.write_text("export PATH=$HOME/bin:$PATH\nalias ll='ls -l'\n")
+        expected = "is not an flce autotune cache"
+    else:
+        (cache_env / "a-file").write_text("")
+        path = cache_env / "a-file" / "autotune.yaml"
+        expected = "no writable autotune cache location"
+    original = path.read_bytes() if path.exists() else None
+    code, _, err = run_cli(capsys, "tune", *TINY, "--tokens", "64", "--quick", "--cache", str(path), "--no-progress")
+    assert code == 1 and expected in err and str(path) in err
+    assert (path.read_bytes() if path.exists() else None) == original
+    assert not list(cache_env.glob("*.corrupt-*")) and not locations.user_cache_path().exists()
+
+
 def test_clear_defaults_to_the_user_cache_and_spares_other_files(cache_env: Path, capsys: pytest.CaptureFixture,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     user = locations.user_cache_path()
@@ -134,11 +158,14 @@ def test_nothing_within_budget_writes_no_entry_and_says_why(cache_env: Path, cap
     assert f"skipped 2 over budget (first: {why})" in out
 
 
-def test_read_only_cache_path_falls_back_to_the_user_cache(cache_env: Path, capsys: pytest.CaptureFixture) -> None:
+def test_unwritable_env_cache_path_falls_back_to_the_user_cache(cache_env: Path, capsys: pytest.CaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLCE_AUTOTUNE_CACHE is a preference, not an order (an explicit --cache is: see above)."""
     blocker = cache_env / "a-file"
     blocker.write_text("")
+    monkeypatch.setenv(locations.CACHE_ENV, str(blocker / "autotune.yaml"))
     code, out, err = run_cli(capsys, "tune", *TINY, "--tokens", "64", "--variant", "plain", "--quick",
-                             "--cache", str(blocker / "autotune.yaml"), "--no-progress")
+                             "--no-progress")
     assert code == 0
     assert f"cannot write {blocker / 'autotune.yaml'}" in err and "(user cache) instead" in err
     assert f"wrote 1 entry to {locations.user_cache_path()}" in out

@@ -100,12 +100,18 @@ def _tune(args: argparse.Namespace) -> int:
     if request.repeats is not None and request.repeats < 1:
         raise _UsageError(f"--repeats={request.repeats}: expected an int >= 1")
     progress = Progress(enabled=not args.no_progress)
-    saver = save_progressively(args.cache, progress.write)
+    # Where the entries go is settled before anything is measured: an explicit --cache is honoured
+    # or the command fails now, and a file that is not an flce cache is never replaced.
+    try:
+        target = cache_files.save_target(args.cache, lambda line: print(line, file=sys.stderr))
+    except (OSError, cache_files.NotACacheError) as exc:
+        print(f"flce-autotune: {exc}", file=sys.stderr)
+        return 1
+    saver = save_progressively(str(target), progress.write)
     try:
         tuner = Tuner(request, progress, on_result=saver)
     except (ValueError, RuntimeError) as exc:
         raise _UsageError(str(exc)) from None
-    target = locations.write_targets(args.cache)[0].path
     print(f"flce-autotune: tuning backend {tuner.space.backend!r} on {device_name(device)!r} ({device}); "
           f"{len(tuner.shapes())} shape(s); writing to {target}", file=sys.stderr)
     interrupted, save_error = False, None
@@ -113,7 +119,7 @@ def _tune(args: argparse.Namespace) -> int:
         tuner.run()
     except KeyboardInterrupt:
         interrupted = True
-    except OSError as exc:  # no writable cache location
+    except (OSError, cache_files.NotACacheError) as exc:  # the location changed since it was checked
         save_error = str(exc)
     results = tuner.results
     print(summary_table(results))
