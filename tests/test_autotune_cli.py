@@ -320,7 +320,7 @@ def _scripted_timings(monkeypatch: pytest.MonkeyPatch, script: Callable[[dict, i
 def _flaky_space(monkeypatch: pytest.MonkeyPatch, candidates: list[dict], logits: bool = False) -> None:
     register_backend(Backend(name="flaky", device_types=("cpu",), priority=-10,
                              is_available=lambda probe: (True, "test backend"),
-                             supports=lambda cfg, flat: (True, "everything"), run=_flaky_run))
+                             supports=lambda cfg, dtype, h, v: (True, "everything"), run=_flaky_run))
     monkeypatch.setitem(spaces._spaces, "flaky", spaces.TuningSpace(
         "flaky", candidates=lambda shape, quick: candidates, tunes_logits_save_limit=logits))
 
