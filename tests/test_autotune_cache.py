@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import assert_close_per_design, make_inputs, reference_loss
 
 import flce
@@ -88,6 +89,10 @@ def test_update_merges_by_key_and_keeps_order_and_notes(tmp_path: Path) -> None:
     ({"params": [1, 2]}, "params=[1, 2]: expected a mapping"),
     ({"params": {"block": [1]}}, "params {'block': [1]}: expected numbers"),
     ({"logits_save_limit_bytes": -1}, "logits_save_limit_bytes=-1: expected null or a byte count"),
+    ({"params": {"tokens_per_chunk": 0}}, "params tokens_per_chunk=0: expected a positive int"),
+    ({"params": {"tokens_per_chunk": -5}}, "params tokens_per_chunk=-5: expected a positive int"),
+    ({"params": {"tokens_per_chunk": "abc"}}, "params tokens_per_chunk='abc': expected a positive int"),
+    ({"params": {"gemm_block_m": 64.0}}, "params gemm_block_m=64.0: expected a positive int"),
 ])
 def test_invalid_entries_name_the_field(change: dict, message: str) -> None:
     raw = {**entry().to_dict(), **change}
@@ -316,11 +321,14 @@ def test_file_with_some_bad_entries_keeps_the_good_ones(cache_env: dict[str, Pat
 
 
 def test_stale_entries_from_other_versions_fall_back_to_the_heuristic(cache_env: dict[str, Path]) -> None:
-    write(cache_env["user"], [
-        entry(params={"tokens_per_chunk": "auto", "block_q": 4}, measured={"flce": "0.0.1", "torch": "1.0"}),
-        entry(tokens=4096, params={"tokens_per_chunk": -3}),
-        entry(tokens=16384, params={"tokens_per_chunk": True}),
-    ])
+    """Knobs no backend can use make their entry invalid, with the warning any invalid field gets."""
+    stale = [{**entry(tokens=tokens).to_dict(), "params": {"tokens_per_chunk": value}}
+             for tokens, value in ((64, "auto"), (4096, -3), (16384, True), (128, 0))]
+    cache_env["user"].parent.mkdir(parents=True)
+    cache_env["user"].write_text(yaml.safe_dump({"schema": 1, "entries": stale}))
+    with pytest.warns(RuntimeWarning, match=r"ignoring 4 invalid entries \(entry 0: params tokens_per_chunk='auto'"):
+        autotune.reload()
+        assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64) == (None, None)
     for n in (64, 4096, 16384):
         flat = prepare_inputs(torch.randn(n, 16), torch.randn(40, 16), torch.randint(0, 40, (n,)), None, LCEConfig())
         heuristic = min(n, DEFAULT_CHUNK_BUDGET // working_bytes_per_row(flat))

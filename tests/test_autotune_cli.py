@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import flce
 import flce.autotune as autotune
@@ -117,6 +118,45 @@ def test_tune_fails_before_measuring_when_its_cache_path_cannot_take_the_entries
     assert code == 1 and expected in err and str(path) in err
     assert (path.read_bytes() if path.exists() else None) == original
     assert not list(cache_env.glob("*.corrupt-*")) and not locations.user_cache_path().exists()
+
+
+def _cache_with(path: Path, entries: list[dict]) -> None:
+    path.write_text(yaml.safe_dump({"schema": 1, "entries": entries}))
+
+
+def _raw_entry(device: str, tokens: int, params: dict) -> dict:
+    return {"device": device, "backend": "reference", "variant": "plain", "dtype": "float32", "hidden": 16,
+            "vocab": 64, "tokens": tokens, "params": params, "logits_save_limit_bytes": None, "measured": {}}
+
+
+def test_show_lists_this_machines_entries_and_marks_invalid_ones(cache_env: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    here = autotune.device_name(torch.device("cpu"))
+    path = cache_env / "c.yaml"
+    _cache_with(path, [_raw_entry(here, 64, {"tokens_per_chunk": 8}),
+                       _raw_entry("NVIDIA Nonesuch 900", 128, {"tokens_per_chunk": 16}),
+                       _raw_entry(here, 256, {"tokens_per_chunk": 0})])
+    code, out, _ = run_cli(capsys, "show", "--cache", str(path))
+    assert code == 0
+    assert "2 entries (1 for devices not on this machine: --all shows them)" in out
+    assert "ignored invalid entry 2: params tokens_per_chunk=0: expected a positive int" in out
+    assert "tokens_per_chunk=8" in out and "Nonesuch" not in out and "tokens_per_chunk=0" not in out.split("\n", 2)[2]
+    code, out, _ = run_cli(capsys, "show", "--all", "--cache", str(path))
+    assert code == 0 and "2 entries\n" in out and "Nonesuch" in out and "tokens_per_chunk=16" in out
+
+
+def test_show_into_a_closed_pipe_stops_quietly(cache_env: Path) -> None:
+    """`flce-autotune show | head`: no BrokenPipeError traceback when the reader stops early."""
+    path = cache_env / "big.yaml"
+    _cache_with(path, [_raw_entry(f"device {i}", 64, {"tokens_per_chunk": 8}) for i in range(2000)])
+    env = {**os.environ, "PYTHONPATH": str(Path(flce.__file__).parents[1])}
+    shown = subprocess.Popen([sys.executable, "-m", "flce.autotune", "show", "--all", "--cache", str(path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    shown.stdout.readline()
+    shown.stdout.close()  # as head does after its lines
+    err = shown.stderr.read().decode()
+    assert shown.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
 def test_clear_defaults_to_the_user_cache_and_spares_other_files(cache_env: Path, capsys: pytest.CaptureFixture,

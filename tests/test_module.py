@@ -221,6 +221,16 @@ def test_info_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     assert out.rstrip().endswith("autotune for cpu: 3 entries"), "the autotune helper's lines close the report"
 
 
+@pytest.mark.parametrize("device", ["garbage", "cuda:x"])
+def test_info_command_with_a_bad_device_is_a_usage_error(capsys: pytest.CaptureFixture[str], device: str) -> None:
+    from flce.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["info", "--device", device])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--device: device={device!r}" in err and "Traceback" not in err
+
+
 def test_info_command_reports_passed_over_backends(capsys: pytest.CaptureFixture[str],
                                                    monkeypatch: pytest.MonkeyPatch, isolated_registry: None) -> None:
     from flce.__main__ import main
