@@ -78,7 +78,7 @@ def _probe_npu() -> tuple[bool, str]:
 
 def _probe_triton() -> tuple[bool, str]:
     if importlib.util.find_spec("triton") is None:
-        return False, "triton is not installed (pip install -e .[test])"
+        return False, "triton is not installed (pip install -e '.[test]')"
     try:
         triton = importlib.import_module("triton")
     except Exception as exc:
