@@ -183,7 +183,9 @@ class NotACacheError(ValueError):
 
 
 def _refuse_foreign(path: Path, loaded: CacheFile) -> None:
-    if loaded.status == INVALID and not claims_to_be_a_cache(path):
+    # Only an existing file can be someone else's: a path that cannot exist (under a regular file)
+    # is an unwritable location, reported as such by the write.
+    if loaded.status == INVALID and path.is_file() and not claims_to_be_a_cache(path):
         raise NotACacheError(
             f"{path} is not an flce autotune cache ({loaded.problem}); refusing to replace it: pass "
             "another --cache path (or FLCE_AUTOTUNE_CACHE), or move the file away yourself"
@@ -247,6 +249,7 @@ def update_file(path: str | os.PathLike, new_entries: list[Entry]) -> UpdateResu
     if any, are carried over). Raises NotACacheError, touching nothing, when the file is not an flce
     cache at all, and OSError when the location cannot be written."""
     path = Path(path).expanduser().absolute()
+    _refuse_foreign(path, read_file(path))  # before the lock: no <name>.lock beside someone else's file
     with locked(path):
         current = read_file(path)
         _refuse_foreign(path, current)
@@ -296,8 +299,8 @@ def check_writable(path: Path) -> None:
     """Raise, before anything is measured, what a save to ``path`` would raise: OSError when its
     folder cannot be written, NotACacheError when the file there is someone else's."""
     path = Path(path).expanduser().absolute()
+    _refuse_foreign(path, read_file(path))  # before the lock: no <name>.lock beside someone else's file
     with locked(path):
-        _refuse_foreign(path, read_file(path))
         fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
         os.close(fd)
         os.unlink(probe)
