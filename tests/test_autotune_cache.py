@@ -418,9 +418,11 @@ def test_no_writable_location_raises_with_every_reason(
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
     monkeypatch.setenv(locations.CACHE_ENV, str(blocker / "x.yaml"))
-    with pytest.raises(OSError, match="no writable autotune cache location") as caught:
-        cache_files.save_entries([entry()], log=lambda _: None)
-    assert str(blocker / "x.yaml") in str(caught.value) and str(blocker / "flce") in str(caught.value)
+    for save in (lambda: cache_files.save_entries([entry()], log=lambda _: None),
+                 lambda: cache_files.save_target(log=lambda _: None)):  # what tune checks before measuring
+        with pytest.raises(OSError, match="no writable autotune cache location") as caught:
+            save()
+        assert str(blocker / "x.yaml") in str(caught.value) and str(blocker / "flce") in str(caught.value)
 
 
 def test_remove_file_deletes_only_flce_files(tmp_path: Path) -> None:
