@@ -125,6 +125,7 @@ class Tuner:
         self._versions = versions()
         self._device_name = device_name(request.device)
         self.results: list[ShapeResult] = []  # filled as shapes finish, also when run() is interrupted
+        self._floor: float | None = None  # the current shape's floor, which _checked_time compares against
 
     def shapes(self) -> list[TuneShape]:
         r = self.request
@@ -204,7 +205,7 @@ class Tuner:
             self.progress.advance(2 if self.space.tunes_logits_save_limit else 0)
             return result
         if best_params is not None and heuristic_fits:
-            best = self._confirm_winner(shape, inputs, best_params, best, baseline, budget, result)
+            best = self._confirm_winner(shape, inputs, best_params, baseline, budget, result)
             if best is baseline:
                 best_params = None
         result.best_ms = best.ms
@@ -237,8 +238,8 @@ class Tuner:
         )
         return result
 
-    def _confirm_winner(self, shape: TuneShape, inputs: WorkloadInputs, params: Params, winner: _Run, baseline: _Run,
-                        budget: int, result: ShapeResult) -> _Run:
+    def _confirm_winner(self, shape: TuneShape, inputs: WorkloadInputs, params: Params, baseline: _Run, budget: int,
+                        result: ShapeResult) -> _Run:
         """Time the heuristic and the winning candidate once more, in turn: the candidate is kept
         only if it beats the heuristic by the noise margin again (its second time is the one stored)."""
         try:
@@ -396,7 +397,7 @@ class Tuner:
         attempt is plausible."""
         plausible: list[tuple[float, float, int | None]] = []
         problem = ""
-        floor = getattr(self, "_floor", None)
+        floor = self._floor
         for _ in range(MEASURE_ATTEMPTS):
             ms, peak, spread = time_call(workload, shape.device, self.warmup, self.repeats, reset=inputs.clear_grads)
             if floor and ms < MIN_FLOOR_RATIO * floor:
