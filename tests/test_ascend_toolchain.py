@@ -99,13 +99,18 @@ def test_footprint_without_double_buffering_follows_liveness():
     assert first.peak_bytes == 256 + 64 + 256 + 256
 
 
-def _run_check(tmp_path: Path) -> list[dict]:
+def _require_ascend_venv() -> None:
+    """Skip (fail in CI) without triton-ascend's environment, saying how to build it."""
     if not ASCEND_PYTHON.exists():
         message = (f"{ASCEND_PYTHON} is missing: the Triton-Ascend compiler check needs it; build it with "
                    "`make ascend-venv` or run `make test ASCEND=1` (1.1 GB; CI always does)")
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI must run the triton-ascend compile check: {message}")
         pytest.skip(message)
+
+
+def _run_check(tmp_path: Path) -> list[dict]:
+    _require_ascend_venv()
     out = tmp_path / "variants.json"
     jobs = str(max(1, min(4, len(os.sched_getaffinity(0)))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -143,8 +148,7 @@ def test_every_variant_lowers_and_fits_the_ub(tmp_path):
 
 def test_info_in_the_triton_ascend_environment_says_why_unavailable():
     """`python -m flce info` with triton-ascend installed but no torch_npu, NPU or CANN."""
-    if not ASCEND_PYTHON.exists():
-        pytest.skip(f"{ASCEND_PYTHON} is missing: build it with `make ascend-venv` (make test does)")
+    _require_ascend_venv()
     env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([str(ASCEND_PYTHON), "-m", "flce", "info"], cwd=REPO, env=env, capture_output=True,
