@@ -55,7 +55,7 @@ demo: install
 
 # pytest exits 5 when it collected no tests: that is a failure here, not a pass.
 test: install $(ASCEND_PREREQ)
-	@$(PYTHON) -m pytest -rfEs $(PYTEST_ARGS); rc=$$?; \
+	@FLCE_REQUIRE_ASCEND_VENV=$(ASCEND) $(PYTHON) -m pytest -rfEs $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
 

@@ -100,12 +100,13 @@ def test_footprint_without_double_buffering_follows_liveness():
 
 
 def _require_ascend_venv() -> None:
-    """Skip (fail in CI) without triton-ascend's environment, saying how to build it."""
+    """Skip without triton-ascend's environment, saying how to build it; fail where it was asked
+    for (`make test ASCEND=1`, which CI runs, sets FLCE_REQUIRE_ASCEND_VENV=1)."""
     if not ASCEND_PYTHON.exists():
         message = (f"{ASCEND_PYTHON} is missing: the Triton-Ascend compiler check needs it; build it with "
                    "`make ascend-venv` or run `make test ASCEND=1` (1.1 GB; CI always does)")
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must run the triton-ascend compile check: {message}")
+        if os.environ.get("FLCE_REQUIRE_ASCEND_VENV") == "1":
+            pytest.fail(f"the triton-ascend compile check was asked for (ASCEND=1): {message}")
         pytest.skip(message)
 
 
