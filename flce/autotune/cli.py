@@ -63,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--memory-budget", default=None,
                       help="working memory any candidate may use beyond inputs and gradients, e.g. 512MiB, 2GiB")
     tune.add_argument("--quick", action="store_true", help="a small search space and few repeats (seconds on a CPU)")
-    tune.add_argument("--cache", default=None, help="cache file to write (default: lookup order above)")
+    tune.add_argument("--cache", default=None,
+                      help="cache file to write; if it cannot be written, tune fails before measuring (default: "
+                           f"${locations.CACHE_ENV}, else the user cache, the first writable)")
     tune.add_argument("--backend", default=None,
                       help="backend to tune; default: the one flce dispatches to on this device")
     tune.add_argument("--variant", default=",".join(VARIANT_NAMES), help="variants, comma-separated (plain,full)")
