@@ -1,16 +1,19 @@
 # On a fresh machine, two commands:
 #   make demo   installs flce and runs the main job (tools/demo.py): flce vs materialised PyTorch
 #   make test   installs flce and runs the test suite
-# Both install into the Python that PYTHON names (default python3): first the pinned torch (an
-# unpinned one may pull a multi-GB build that does not match), then flce with its test extras.
-# `make test` also builds build/ascend-venv once (triton-ascend installs itself as `triton`, so it
-# cannot share the test environment): tests/test_ascend_toolchain.py lowers the Ascend kernels there.
+# Both install into a virtual environment of this checkout, .venv (made with BASE_PYTHON when missing):
+# first the pinned torch (an unpinned one may pull a multi-GB build that does not match), then flce
+# with its test extras. PYTHON=... installs into another interpreter instead (e.g. an activated venv's
+# `python`); VENV=... moves the project's environment.
+# `make test ASCEND=1` also builds build/ascend-venv once (triton-ascend installs itself as `triton`,
+# so it cannot share the test environment; 1.1 GB) for tests/test_ascend_toolchain.py, which lowers
+# the Ascend kernels there; without it that test skips and says so. CI (.ci/run) always builds it.
 
-PYTHON ?= python3
+BASE_PYTHON ?= python3
+VENV ?= .venv
+PYTHON ?= $(VENV)/bin/python
+ASCEND ?= 0
 TORCH_VERSION := 2.13.0
-# One stamp per Python environment, so switching PYTHON reinstalls; pyproject changes too.
-ENV_ID := $(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.md5(sys.prefix.encode()).hexdigest()[:8])")
-STAMP := build/.installed-$(ENV_ID)
 PYTEST_ARGS ?=
 # The triton-ascend toolchain check's environment (Python 3.9-3.11: triton-ascend's wheels).
 ASCEND_PYTHON ?= python3
@@ -18,14 +21,24 @@ TRITON_ASCEND_VERSION := 3.2.0
 ASCEND_VENV := build/ascend-venv
 ASCEND_STAMP := $(ASCEND_VENV)/.installed-torch$(TORCH_VERSION)-triton-ascend$(TRITON_ASCEND_VERSION)
 
+# The project environment is made only when PYTHON is its interpreter (the default).
+PYTHON_PREREQ := $(filter $(VENV)/bin/python,$(PYTHON))
+ASCEND_PREREQ := $(if $(filter 1,$(ASCEND)),ascend-venv)
+
 .PHONY: install ascend-venv demo test lint info bench-cpu
 
-install: $(STAMP)
+$(VENV)/bin/python:
+	$(BASE_PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
-	$(PYTHON) -m pip install -e ".[test]"
-	@mkdir -p $(dir $@) && touch $@
+# One stamp per Python environment (its sys.prefix, read when the rule runs, so a venv made just
+# before counts), so switching PYTHON reinstalls; a newer pyproject.toml does too.
+install: $(PYTHON_PREREQ)
+	@stamp=build/.installed-$$($(PYTHON) -c "import hashlib, sys; print(hashlib.md5(sys.prefix.encode()).hexdigest()[:8])"); \
+	if [ -f "$$stamp" ] && [ "$$stamp" -nt pyproject.toml ]; then exit 0; fi; \
+	set -e; \
+	$(PYTHON) -m pip install "torch==$(TORCH_VERSION)"; \
+	$(PYTHON) -m pip install -e ".[test]"; \
+	mkdir -p build && touch "$$stamp"
 
 # pybind11: triton-ascend's driver builds its NPU launcher with it; pyyaml: flce's own dependency.
 ascend-venv: $(ASCEND_STAMP)
@@ -41,8 +54,8 @@ demo: install
 	$(PYTHON) tools/demo.py
 
 # pytest exits 5 when it collected no tests: that is a failure here, not a pass.
-test: install ascend-venv
-	@$(PYTHON) -m pytest -rfEs $(PYTEST_ARGS); rc=$$?; \
+test: install $(ASCEND_PREREQ)
+	@FLCE_REQUIRE_ASCEND_VENV=$(ASCEND) $(PYTHON) -m pytest -rfEs $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
 

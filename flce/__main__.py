@@ -85,8 +85,8 @@ def autotune_lines(device: torch.device) -> list[str]:
         return [f"autotune: could not report ({type(exc).__name__}: {exc})"]
 
 
-def info(device_arg: str | None) -> int:
-    device = resolve_device(device_arg)
+def info(device: str | torch.device | None) -> int:
+    device = resolve_device(device)
     print(f"flce {flce.__version__} · torch {torch.__version__} · python {platform.python_version()}")
     print(f"device: {device_description(device)}")
     print()
@@ -112,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
                              help="device to report on (default: the current accelerator, else cpu)")
     args = parser.parse_args(argv)
     if args.command == "info":
-        return info(args.device)
+        try:
+            device = resolve_device(args.device)
+        except (TypeError, ValueError) as exc:
+            parser.error(f"--device: {exc}")  # exits with status 2, the message and no traceback
+        return info(device)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

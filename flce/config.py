@@ -85,6 +85,12 @@ class LCEConfig:
                     f"class_weight: expected a 1-D floating-point tensor of shape [V], got "
                     f"{_describe(w)}"
                 )
+            if w.requires_grad:
+                # As torch's cross_entropy(weight=...) refuses: no gradient flows to class weights.
+                raise ValueError(
+                    "class_weight requires grad, but class weights are constants (no gradient flows to them, "
+                    "as for torch's cross_entropy weight=); pass class_weight.detach()"
+                )
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}: expected one of {PRECISIONS}")
         if self.accum_dtype not in (None, torch.float32):
@@ -128,9 +134,16 @@ def option_names() -> tuple[str, ...]:
     return _OPTION_NAMES
 
 
+# The custom ops that run flce under torch.compile take integer options as int64 (SymInt): a value
+# outside that range is refused here, so that eager and compiled calls fail alike, before any work.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _check_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}={value!r}: expected an int")
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise ValueError(f"{name}={value}: expected a value that fits in int64, [-2**63, 2**63 - 1]")
 
 
 def _check_real(name: str, value: Any) -> None:

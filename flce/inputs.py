@@ -42,6 +42,9 @@ def prepare_inputs(
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"weight: expected a floating-point tensor [V, H], got {_shape(weight)}")
     vocab, hidden_size = weight.shape
+    # A rank's vocabulary shard may be empty: the distributed wrapper reports that on every rank at once.
+    if vocab == 0 and config.process_group is None:
+        raise ValueError(f"weight: has shape {tuple(weight.shape)}, no classes; expected [V, H] with V >= 1")
     if hidden.shape[-1] != hidden_size:
         raise ValueError(
             f"hidden: last dimension is {hidden.shape[-1]} but weight is [V={vocab}, H={hidden_size}]; "
@@ -49,11 +52,14 @@ def prepare_inputs(
         )
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
         raise TypeError(f"target: expected an integer tensor of class ids, got dtype {target.dtype}")
-    tokens = hidden.numel() // hidden_size if hidden_size else hidden.shape[:-1].numel()
-    if target.numel() != tokens:
+    # The shapes, not only the counts: a [5, 4] target against a [4, 5, H] hidden has one target per
+    # token but pairs them by flat index with the wrong tokens (torch's cross_entropy raises too).
+    if target.shape != hidden.shape[:-1]:
+        tokens = hidden.shape[:-1].numel()
         raise ValueError(
-            f"target: has {target.numel()} elements (shape {tuple(target.shape)}) but hidden holds "
-            f"{tokens} tokens (shape {tuple(hidden.shape)}); expected one target per token"
+            f"target: has shape {tuple(target.shape)} ({target.numel()} elements) but hidden has shape "
+            f"{tuple(hidden.shape)} ({tokens} tokens); expected target of shape hidden.shape[:-1] = "
+            f"{tuple(hidden.shape[:-1])}"
         )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != vocab):
         raise ValueError(f"bias: expected shape [V={vocab}], got {tuple(bias.shape)}")
@@ -69,7 +75,7 @@ def prepare_inputs(
     flat_target = target.reshape(-1).long()
     _check_target_range(flat_target, vocab, config.ignore_index, config.process_group is not None)
     return FlatInputs(
-        hidden=hidden.reshape(-1, hidden_size),
+        hidden=hidden.reshape(flat_target.numel(), hidden_size),
         weight=weight,
         target=flat_target,
         bias=bias,
@@ -82,7 +88,8 @@ def _common_dtype(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Under autocast, compute in the autocast dtype; outside, dtypes must agree."""
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
+    # Autocast has no state for the meta device (torch raises when asked): meta tensors keep their dtypes.
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         return (hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
     if hidden.dtype != weight.dtype:

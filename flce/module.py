@@ -47,12 +47,28 @@ class LinearCrossEntropy(torch.nn.Module):
         return _compute(hidden, weight, target, bias, cfg, self.variant, self.device_type, self.backend_name,
                         self.probe, selected_ids)
 
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """get_impl's classes are made at run time, so pickle cannot find one by name
+        (``torch.save(model)`` with this loss as a submodule): rebuild the class from what it
+        was made of, then restore the instance's state as for any module."""
+        cls = type(self)
+        reduced = super().__reduce_ex__(protocol)
+        if cls is LinearCrossEntropy or not isinstance(reduced, tuple):
+            return reduced
+        return (_new_impl_instance, (cls.device_type, cls.backend_name, cls.variant, cls.probe), *reduced[2:])
+
     def extra_repr(self) -> str:
         options = {k: v for k, v in vars(self.config).items() if k != "class_weight"}
         return f"device_type={self.device_type!r}, backend={self.backend_name!r}, variant={self.variant!r}, {options}"
 
 
 def _checked_config(caller: str, variant: str, options: dict[str, Any]) -> LCEConfig:
+    if "weight" in options:
+        # torch's cross_entropy names its class weights weight=; here weight is the LM head's matrix.
+        raise TypeError(
+            f"{caller}() got weight=: flce's keyword for class weights is class_weight= (torch's "
+            "cross_entropy calls them weight=); the LM head's weight is the second positional argument"
+        )
     config = config_from_keywords(caller, options)
     if variant == "plain" and config.needs_full:
         names = ", ".join(config.full_feature_options())
@@ -190,10 +206,18 @@ def _impl_class(device_type: str, backend: str | None, variant: str,
     return type(name, (LinearCrossEntropy,), attrs)
 
 
+def _new_impl_instance(device_type: str, backend: str | None, variant: str,
+                       probe: HardwareProbe | None) -> LinearCrossEntropy:
+    """An uninitialised instance of get_impl's class, for unpickling (its state comes next)."""
+    cls = _impl_class(device_type, backend, variant, probe)
+    return cls.__new__(cls)
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
+    /,
     bias: torch.Tensor | None = None,
     *,
     backend: str | None = None,
@@ -201,7 +225,10 @@ def linear_cross_entropy(
     selected_ids: torch.Tensor | None = None,
     **options: Any,
 ) -> torch.Tensor | LCEOutput:
-    """Functional form of :class:`LinearCrossEntropy` on hidden's device."""
+    """Functional form of :class:`LinearCrossEntropy` on hidden's device.
+
+    hidden, weight and target are positional: torch's ``weight=`` keyword (class weights) then
+    reaches the options and gets a message naming ``class_weight``, not a clash with ``weight``."""
     if not isinstance(hidden, torch.Tensor):
         # Checked here because hidden also names the device: the module's own checks come later.
         raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")

@@ -12,9 +12,12 @@ machine that only pretends to have one.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
 import os
+import shutil
+import tempfile
 import zlib
 from collections.abc import Iterator
 from functools import lru_cache
@@ -32,6 +35,16 @@ if not torch.cuda.is_available():
 
 SKIP_MARKERS = ("cuda", "npu", "triton", "distributed")
 SEED_ENV = "FLCE_TEST_SEED"
+
+# What a user's shell may export to steer flce (FLCE_BACKEND=reference, a tuned cache of their own,
+# faked probes) must not change what the suite tests: tests that want these set them themselves.
+# The user cache ($XDG_CACHE_HOME/flce) moves to a directory of this session, so that neither the
+# user's tuned entries are read nor the suite's tunes written there.
+STEERING_ENV = ("FLCE_BACKEND", "FLCE_PROBE_OVERRIDE", "FLCE_AUTOTUNE_CACHE", "FLCE_DISTRIBUTED_CHECKS")
+for _name in STEERING_ENV:
+    os.environ.pop(_name, None)
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="flce-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 
 @lru_cache(maxsize=1)
@@ -65,7 +78,7 @@ def _probe_npu() -> tuple[bool, str]:
 
 def _probe_triton() -> tuple[bool, str]:
     if importlib.util.find_spec("triton") is None:
-        return False, "triton is not installed (pip install -e .[test])"
+        return False, "triton is not installed (pip install -e '.[test]')"
     try:
         triton = importlib.import_module("triton")
     except Exception as exc:

@@ -217,21 +217,30 @@ OPTION_CASES = [
 
 
 def assert_same_argmax(got: torch.Tensor, want: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None, options: dict, tol: float = 1e-5) -> None:
-    """Predicted tokens equal the oracle's, except on rows whose two candidates tie in float64 to
-    within ``tol`` (relative): a float32 kernel cannot order logits closer than its rounding
-    (soft-capping at a small cap squashes the top logits together)."""
+                       bias: torch.Tensor | None, options: dict, tol: float = 1e-5,
+                       logits_dtype: torch.dtype = torch.float32) -> None:
+    """Predicted tokens (any shape; hidden [..., H] to match) equal the oracle's, except on rows
+    whose two candidates are closer than the kernel can order them: within ``tol`` (relative) in
+    float64 after capping and temperature, as a float32 kernel rounds them (soft-capping at a
+    small cap squashes the top logits together); or, for logits rounded to ``logits_dtype``
+    (bf16/fp16 inputs), within that dtype's eps of the larger one before capping, since each
+    rounding moves a logit by up to half an eps relative and can swap two such candidates."""
+    got, want = got.reshape(-1), want.reshape(-1)
     rows = (got != want).nonzero().flatten()
     if rows.numel() == 0:
         return
     assert bool((got[rows] >= 0).all() and (want[rows] >= 0).all()), "ignored rows must predict -1"
-    u = hidden.detach().double()[rows] @ weight.detach().double().t()
+    u = hidden.detach().double().reshape(-1, weight.shape[1])[rows] @ weight.detach().double().t()
     if bias is not None:
         u = u + bias.detach().double()
     softcap, temperature = options.get("softcap"), options.get("temperature", 1.0)
     z = (softcap * torch.tanh(u / softcap) if softcap else u) / temperature
     picked, best = z.gather(1, got[rows, None]), z.gather(1, want[rows, None])
-    assert bool(((best - picked) <= tol * best.abs().clamp_min(1.0)).all()), (
+    u_picked, u_best = u.gather(1, got[rows, None]), u.gather(1, want[rows, None])
+    z_tie = (best - picked) <= tol * best.abs().clamp_min(1.0)
+    rounding_tie = (u_best - u_picked).abs() <= torch.finfo(logits_dtype).eps * torch.maximum(u_best.abs(),
+                                                                                            u_picked.abs())
+    assert bool((z_tie | rounding_tie).all()), (
         f"rows {rows.tolist()}: predicted {got[rows].tolist()} but float64 argmax {want[rows].tolist()} "
         f"is larger by {(best - picked).flatten().tolist()}")
 

@@ -1,8 +1,8 @@
 """The Ascend kernels through triton-ascend's own compiler (issue 13).
 
 triton-ascend installs itself as ``triton``, so it lives in its own environment, build/ascend-venv
-(``make ascend-venv``; ``make test`` builds it first). test_every_variant_lowers_and_fits_the_ub runs
-tools/ascend/compile_check.py there: every kernel variant flce's launchers produce goes through
+(``make ascend-venv``; ``make test ASCEND=1`` and CI build it first). test_every_variant_lowers_and_fits_the_ub
+runs tools/ascend/compile_check.py there: every kernel variant flce's launchers produce goes through
 triton-ascend's frontend (``ttir``) and ``triton-adapter-opt`` (``ttadapter``), stops only where
 BiSheng (CANN, not installable here) would take over, and its inner loop's UB footprint read from the
 adapter's IR fits the tiling's estimate and share. The footprint reader itself is tested here on
@@ -99,12 +99,19 @@ def test_footprint_without_double_buffering_follows_liveness():
     assert first.peak_bytes == 256 + 64 + 256 + 256
 
 
-def _run_check(tmp_path: Path) -> list[dict]:
+def _require_ascend_venv() -> None:
+    """Skip without triton-ascend's environment, saying how to build it; fail where it was asked
+    for (`make test ASCEND=1`, which CI runs, sets FLCE_REQUIRE_ASCEND_VENV=1)."""
     if not ASCEND_PYTHON.exists():
-        message = f"{ASCEND_PYTHON} is missing: build it with `make ascend-venv` (make test does)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must run the triton-ascend compile check: {message}")
+        message = (f"{ASCEND_PYTHON} is missing: the Triton-Ascend compiler check needs it; build it with "
+                   "`make ascend-venv` or run `make test ASCEND=1` (1.1 GB; CI always does)")
+        if os.environ.get("FLCE_REQUIRE_ASCEND_VENV") == "1":
+            pytest.fail(f"the triton-ascend compile check was asked for (ASCEND=1): {message}")
         pytest.skip(message)
+
+
+def _run_check(tmp_path: Path) -> list[dict]:
+    _require_ascend_venv()
     out = tmp_path / "variants.json"
     jobs = str(max(1, min(4, len(os.sched_getaffinity(0)))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -142,8 +149,7 @@ def test_every_variant_lowers_and_fits_the_ub(tmp_path):
 
 def test_info_in_the_triton_ascend_environment_says_why_unavailable():
     """`python -m flce info` with triton-ascend installed but no torch_npu, NPU or CANN."""
-    if not ASCEND_PYTHON.exists():
-        pytest.skip(f"{ASCEND_PYTHON} is missing: build it with `make ascend-venv` (make test does)")
+    _require_ascend_venv()
     env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([str(ASCEND_PYTHON), "-m", "flce", "info"], cwd=REPO, env=env, capture_output=True,

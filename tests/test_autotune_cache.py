@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import assert_close_per_design, make_inputs, reference_loss
 
 import flce
@@ -88,6 +89,10 @@ def test_update_merges_by_key_and_keeps_order_and_notes(tmp_path: Path) -> None:
     ({"params": [1, 2]}, "params=[1, 2]: expected a mapping"),
     ({"params": {"block": [1]}}, "params {'block': [1]}: expected numbers"),
     ({"logits_save_limit_bytes": -1}, "logits_save_limit_bytes=-1: expected null or a byte count"),
+    ({"params": {"tokens_per_chunk": 0}}, "params tokens_per_chunk=0: expected a positive int"),
+    ({"params": {"tokens_per_chunk": -5}}, "params tokens_per_chunk=-5: expected a positive int"),
+    ({"params": {"tokens_per_chunk": "abc"}}, "params tokens_per_chunk='abc': expected a positive int"),
+    ({"params": {"gemm_block_m": 64.0}}, "params gemm_block_m=64.0: expected a positive int"),
 ])
 def test_invalid_entries_name_the_field(change: dict, message: str) -> None:
     raw = {**entry().to_dict(), **change}
@@ -240,12 +245,16 @@ CORRUPT_FILES = {
     "empty": ("", "the file is empty"),
     "whitespace": ("\n  \n", "the file is empty"),
     "truncated": (VALID[: VALID.index("tokens_per_chunk") + 5], "not valid YAML"),
-    "not utf-8": (b"\xff\xfe\x00garbage", "cannot be read"),
     "binary yaml error": ("schema: 1\nentries: [\x07]", "not valid YAML"),
-    "a list": ("- 1\n- 2\n", "expected a mapping with 'schema' and 'entries' at the top, got a list"),
     "foreign schema": ("schema: 2\nentries: []\n", "schema=2: this flce reads schema 1"),
-    "someone else's yaml": ("name: my-project\nversion: 3\n", "no 'schema' key"),
     "entries not a list": ("schema: 1\nentries: {a: 1}\n", "entries: expected a list, got a dict"),
+}
+# Files that do not say they are flce caches: ignored by lookups alike, but never replaced.
+FOREIGN_FILES = {
+    "not utf-8": (b"\xff\xfe\x00garbage", "cannot be read"),
+    "a list": ("- 1\n- 2\n", "expected a mapping with 'schema' and 'entries' at the top, got a list"),
+    "someone else's yaml": ("name: my-project\nversion: 3\n", "no 'schema' key"),
+    "a shell rc file": ("export PATH=$HOME/bin:$PATH\nalias ll='ls -l'\n", "expected a mapping"),
 }
 
 
@@ -281,6 +290,24 @@ def test_corrupt_file_is_reported_once_ignored_and_moved_aside_by_a_save(
     assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64)[0] == {"tokens_per_chunk": 2}
 
 
+@pytest.mark.parametrize("case", sorted(FOREIGN_FILES))
+def test_a_file_that_is_not_a_cache_is_ignored_and_never_replaced(cache_env: dict[str, Path], case: str) -> None:
+    content, problem = FOREIGN_FILES[case]
+    path = cache_env["user"]
+    path.parent.mkdir(parents=True)
+    (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+    original = path.read_bytes()
+    with pytest.warns(RuntimeWarning, match="ignoring autotune cache") as caught:
+        assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64) == (None, None)
+    assert any(problem in str(w.message) for w in caught)
+    for attempt in (lambda: cache_files.save_entries([entry()], log=lambda _: None),
+                    lambda: cache_files.save_target(log=lambda _: None)):
+        with pytest.raises(cache_files.NotACacheError, match=r"is not an flce autotune cache.*refusing to replace"):
+            attempt()
+    assert path.read_bytes() == original
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name], "nothing moved aside, no lock file left"
+
+
 def test_file_with_some_bad_entries_keeps_the_good_ones(cache_env: dict[str, Path]) -> None:
     path = cache_env["user"]
     path.parent.mkdir(parents=True)
@@ -294,11 +321,14 @@ def test_file_with_some_bad_entries_keeps_the_good_ones(cache_env: dict[str, Pat
 
 
 def test_stale_entries_from_other_versions_fall_back_to_the_heuristic(cache_env: dict[str, Path]) -> None:
-    write(cache_env["user"], [
-        entry(params={"tokens_per_chunk": "auto", "block_q": 4}, measured={"flce": "0.0.1", "torch": "1.0"}),
-        entry(tokens=4096, params={"tokens_per_chunk": -3}),
-        entry(tokens=16384, params={"tokens_per_chunk": True}),
-    ])
+    """Knobs no backend can use make their entry invalid, with the warning any invalid field gets."""
+    stale = [{**entry(tokens=tokens).to_dict(), "params": {"tokens_per_chunk": value}}
+             for tokens, value in ((64, "auto"), (4096, -3), (16384, True), (128, 0))]
+    cache_env["user"].parent.mkdir(parents=True)
+    cache_env["user"].write_text(yaml.safe_dump({"schema": 1, "entries": stale}))
+    with pytest.warns(RuntimeWarning, match=r"ignoring 4 invalid entries \(entry 0: params tokens_per_chunk='auto'"):
+        autotune.reload()
+        assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64) == (None, None)
     for n in (64, 4096, 16384):
         flat = prepare_inputs(torch.randn(n, 16), torch.randn(40, 16), torch.randint(0, 40, (n,)), None, LCEConfig())
         heuristic = min(n, DEFAULT_CHUNK_BUDGET // working_bytes_per_row(flat))
@@ -333,28 +363,48 @@ def test_concurrent_writers_lose_no_entry(tmp_path: Path) -> None:
     assert not [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_unwritable_location_falls_back_to_the_next_with_a_message(
-    cache_env: dict[str, Path], tmp_path: Path
+def test_unwritable_env_location_falls_back_to_the_user_cache_with_a_message(
+    cache_env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     unwritable = blocker / "autotune.yaml"  # fails for root too: a path under a regular file
-    logged: list[str] = []
-    result = cache_files.save_entries([entry()], cache=unwritable, log=logged.append)
-    assert result.path == cache_env["user"].absolute()
-    assert len(logged) == 1 and f"cannot write {unwritable}" in logged[0] and str(cache_env["user"]) in logged[0]
+    monkeypatch.setenv(locations.CACHE_ENV, str(unwritable))
+    for save in (lambda log: cache_files.save_entries([entry()], log=log).path,
+                 lambda log: cache_files.save_target(log=log)):
+        logged: list[str] = []
+        assert save(logged.append) == cache_env["user"].absolute()
+        assert len(logged) == 1 and f"cannot write {unwritable}" in logged[0] and str(cache_env["user"]) in logged[0]
     assert cache_files.read_file(cache_env["user"]).entries == [entry()]
+
+
+def test_an_explicit_path_is_honoured_or_the_save_fails(cache_env: dict[str, Path], tmp_path: Path) -> None:
+    """cache= names the one file to write: no fallback to another location, before or after tuning."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    unwritable = blocker / "autotune.yaml"
+    for save in (lambda: cache_files.save_entries([entry()], cache=unwritable, log=lambda _: None),
+                 lambda: cache_files.save_target(unwritable, log=lambda _: None)):
+        with pytest.raises(OSError, match="no writable autotune cache location") as caught:
+            save()
+        assert str(unwritable) in str(caught.value)
+    assert not cache_env["user"].exists()
+    writable = tmp_path / "mine" / "autotune.yaml"
+    assert cache_files.save_target(writable, log=lambda _: None) == writable.absolute()
+    assert not writable.exists(), "checking a location writes no file"
 
 
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
                     reason="root ignores directory permissions; the path-under-a-file test covers root")
-def test_read_only_directory_falls_back(cache_env: dict[str, Path], tmp_path: Path) -> None:
+def test_read_only_directory_falls_back(cache_env: dict[str, Path], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     read_only = tmp_path / "ro"
     read_only.mkdir()
     read_only.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    monkeypatch.setenv(locations.CACHE_ENV, str(read_only / "autotune.yaml"))
     try:
         logged: list[str] = []
-        result = cache_files.save_entries([entry()], cache=read_only / "autotune.yaml", log=logged.append)
+        result = cache_files.save_entries([entry()], log=logged.append)
     finally:
         read_only.chmod(stat.S_IRWXU)
     assert result.path == cache_env["user"].absolute()
@@ -367,9 +417,12 @@ def test_no_writable_location_raises_with_every_reason(
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
-    with pytest.raises(OSError, match="no writable autotune cache location") as caught:
-        cache_files.save_entries([entry()], cache=blocker / "x.yaml", log=lambda _: None)
-    assert str(blocker / "x.yaml") in str(caught.value) and str(blocker / "flce") in str(caught.value)
+    monkeypatch.setenv(locations.CACHE_ENV, str(blocker / "x.yaml"))
+    for save in (lambda: cache_files.save_entries([entry()], log=lambda _: None),
+                 lambda: cache_files.save_target(log=lambda _: None)):  # what tune checks before measuring
+        with pytest.raises(OSError, match="no writable autotune cache location") as caught:
+            save()
+        assert str(blocker / "x.yaml") in str(caught.value) and str(blocker / "flce") in str(caught.value)
 
 
 def test_remove_file_deletes_only_flce_files(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ def _run_and_compare(n, h, v, dtype, device, options, reduction, with_bias, tol)
         if getattr(got, name) is not None:
             torch.testing.assert_close(getattr(got, name).double(), getattr(want, name).double(), rtol=tol, atol=tol)
     if got.predicted_tokens is not None:
-        assert_same_argmax(got.predicted_tokens, want.predicted_tokens, x, w, b, options)
+        assert_same_argmax(got.predicted_tokens, want.predicted_tokens, x, w, b, options, logits_dtype=x.dtype)
     torch.autograd.backward(outputs, [u.to(o.dtype) for o, u in zip(outputs, grads, strict=True)])
     torch.autograd.backward(ref_outputs, grads)
     gtol = 5 * tol

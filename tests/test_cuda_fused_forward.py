@@ -43,7 +43,7 @@ def _check_outputs(out, want, tol: float, inputs: tuple, options: dict) -> None:
             torch.testing.assert_close(value.double(), getattr(want, name).detach().double(), rtol=tol, atol=tol,
                                        msg=name)
     if got.predicted_tokens is not None:
-        assert_same_argmax(got.predicted_tokens, want.predicted_tokens, *inputs, options)
+        assert_same_argmax(got.predicted_tokens, want.predicted_tokens, *inputs, options, logits_dtype=inputs[0].dtype)
 
 
 def _check_against_oracle(out, x, w, b, t, options: dict) -> None:

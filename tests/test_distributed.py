@@ -626,5 +626,13 @@ def test_process_group_without_init_process_group() -> None:
     if dist.is_initialized():
         pytest.skip("torch.distributed is initialized in this process")
     hidden, weight, target, _ = make_inputs((3,), 4, 5, generator=torch.Generator().manual_seed(0))
+    group = dist.ProcessGroup.__new__(dist.ProcessGroup)  # of the right type, but no init_process_group
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
-        flce.linear_cross_entropy(hidden, weight, target, process_group=object())
+        flce.linear_cross_entropy(hidden, weight, target, process_group=group)
+
+
+@pytest.mark.parametrize("group", ["foo", object(), 3])
+def test_process_group_of_the_wrong_type(group: object) -> None:
+    hidden, weight, target, _ = make_inputs((3,), 4, 5, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(TypeError, match=r"process_group=.*expected a torch.distributed ProcessGroup.* or None"):
+        flce.linear_cross_entropy(hidden, weight, target, process_group=group)

@@ -292,7 +292,7 @@ def test_dtensor_weights(dtensor_reports: list[dict[str, dict]], section: str) -
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install 'flce[hf]')")
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install -e '.[hf]')")
 def test_fsdp2_loss_inside_hf_forward(dtensor_reports: list[dict[str, dict]]) -> None:
     assert_section(dtensor_reports, "fsdp2_inside_forward")
 

@@ -63,6 +63,15 @@ def test_mismatched_token_count(inputs, no_kernel) -> None:
         call(hidden, weight, target[:5])
 
 
+@pytest.mark.parametrize(("hidden_shape", "target_shape"), [((4, 5), (5, 4)), ((4, 5), (20,)), ((20,), (4, 5))])
+def test_target_with_as_many_tokens_but_another_shape(no_kernel, hidden_shape, target_shape) -> None:
+    """Equal counts are not enough: flat-index pairing would give tokens the wrong targets."""
+    hidden = torch.randn(*hidden_shape, H)
+    target = torch.randint(0, V, target_shape)
+    with raises(ValueError, "target", str(target_shape), str((*hidden_shape, H)), "hidden.shape[:-1]"):
+        call(hidden, torch.randn(V, H), target, reduction="none")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.complex64])
 def test_non_integer_target(inputs, no_kernel, dtype: torch.dtype) -> None:
     hidden, weight, target = inputs
@@ -173,6 +182,9 @@ def test_class_weight_on_another_device(inputs, no_kernel) -> None:
         ({"memory_budget": 0}, ValueError, ("memory_budget", "0", "positive")),
         ({"memory_budget": -5}, ValueError, ("memory_budget", "-5", "positive")),
         ({"memory_budget": 1.5e9}, TypeError, ("memory_budget", "int")),
+        ({"memory_budget": 10**30}, ValueError, ("memory_budget", str(10**30), "int64")),
+        ({"ignore_index": 2**70}, ValueError, ("ignore_index", str(2**70), "int64")),
+        ({"class_weight": torch.ones(V, requires_grad=True)}, ValueError, ("class_weight", "requires grad", "detach")),
         ({"token_scaling": 1}, TypeError, ("token_scaling", "1", "bool")),
         ({"return_logprobs": "yes"}, TypeError, ("return_logprobs", "'yes'", "bool")),
         ({"class_weight": torch.ones(V, 2)}, ValueError, ("class_weight", "1-D", f"({V}, 2)")),
@@ -213,6 +225,42 @@ def test_double_backward_is_refused_with_a_clear_error(inputs, reduction: str) -
         grad.pow(2).sum().backward()
 
 
+def test_torch_keyword_weight_names_class_weight(inputs, no_kernel) -> None:
+    """torch's cross_entropy takes class weights as weight=; flce's positional weight is the LM head's."""
+    hidden, weight, target = inputs
+    with raises(TypeError, "linear_cross_entropy()", "weight=", "class_weight="):
+        flce.linear_cross_entropy(hidden, weight, target, weight=torch.ones(V))
+    with raises(TypeError, "LinearCrossEntropy()", "weight=", "class_weight="):
+        flce.get_impl("cpu")(weight=torch.ones(V))
+
+
+def test_huge_memory_budget_fails_alike_eager_and_compiled(inputs) -> None:
+    """The compile path's custom ops take the budget as int64: eager must not accept what they refuse."""
+    hidden, weight, target = inputs
+
+    def loss(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return flce.linear_cross_entropy(h, w, t, memory_budget=10**30)
+
+    with raises(ValueError, "memory_budget", "int64"):
+        loss(hidden, weight, target)
+    torch._dynamo.reset()
+    with raises(ValueError, "memory_budget", "int64"):
+        torch.compile(loss, backend="eager")(hidden, weight, target)
+    torch._dynamo.reset()
+    with raises(RuntimeError, "memory_budget", "int64"):  # fullgraph: Dynamo wraps the error, message intact
+        torch.compile(loss, backend="eager", fullgraph=True)(hidden, weight, target)
+    budget = 2**63 - 1  # the largest budget both accept, and it computes the same loss
+    compiled = torch.compile(lambda h, w, t: flce.linear_cross_entropy(h, w, t, memory_budget=budget),
+                             backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(hidden, weight, target), call(hidden, weight, target), rtol=0, atol=0)
+
+
+def test_empty_vocabulary(inputs, no_kernel) -> None:
+    hidden, _, target = inputs
+    with raises(ValueError, "weight", f"(0, {H})", "V >= 1"):
+        call(hidden, torch.randn(0, H), torch.full_like(target, -100))
+
+
 def test_class_weight_wrong_length(inputs, no_kernel) -> None:
     hidden, weight, target = inputs
     with raises(ValueError, "class_weight", f"[V={V}]", f"({V + 3},)"):
@@ -234,6 +282,40 @@ def test_bad_variant_and_device(no_kernel) -> None:
 def test_empty_input_is_valid() -> None:
     loss = call(torch.randn(0, H), torch.randn(V, H), torch.zeros(0, dtype=torch.long))
     assert loss.shape == () and float(loss) == 0.0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_zero_hidden_size(generator: torch.Generator, reduction: str) -> None:
+    """H = 0: every logit is the bias, so the loss is the bias's cross-entropy; grads of hidden and
+    weight are empty, the bias still gets one."""
+    target = torch.randint(0, V, (2, 3), generator=generator)
+    target[0, 1] = -100
+    leaves = [torch.zeros(2, 3, 0, requires_grad=True), torch.zeros(V, 0, requires_grad=True),
+              torch.randn(V, generator=generator, requires_grad=True)]
+    loss = call(*leaves[:2], target, leaves[2], reduction=reduction)
+    expected = torch.nn.functional.cross_entropy(leaves[2].double().expand(6, V), target.reshape(-1),
+                                                 reduction=reduction).reshape(loss.shape)
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-6, atol=1e-6)
+    grads = torch.autograd.grad(loss.sum(), leaves)
+    expected_bias_grad = torch.autograd.grad(expected.sum(), leaves[2])[0]
+    assert grads[0].shape == (2, 3, 0) and grads[1].shape == (V, 0)
+    torch.testing.assert_close(grads[2], expected_bias_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_meta_tensors_give_shapes_as_torch_does(reduction: str) -> None:
+    """Meta tensors (shape inference, models built on the meta device) carry shapes and dtypes only."""
+    hidden = torch.empty(2, 3, H, device="meta", requires_grad=True)
+    weight = torch.empty(V, H, device="meta", requires_grad=True)
+    target = torch.empty(2, 3, dtype=torch.long, device="meta")
+    out = call(hidden, weight, target, reduction=reduction, return_entropy=True)
+    expected = torch.nn.functional.cross_entropy((hidden @ weight.T).flatten(0, 1), target.flatten(),
+                                                 reduction=reduction)
+    want_shape = (2, 3) if reduction == "none" else expected.shape
+    assert out.loss.device.type == "meta" and out.loss.shape == want_shape and out.entropy.shape == (2, 3)
+    (out.loss.sum() + out.entropy.sum()).backward()
+    assert hidden.grad.shape == hidden.shape and hidden.grad.device.type == "meta"
+    assert weight.grad.shape == weight.shape
 
 
 def test_zero_dim_target_with_single_token(inputs) -> None:

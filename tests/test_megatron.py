@@ -1,6 +1,6 @@
 """flce.integrations.megatron on a tiny megatron-core GPTModel, on the CPU with gloo.
 
-Needs megatron-core (``pip install 'flce[megatron]'``); skipped without it. The model is built in
+Needs megatron-core (``pip install -e '.[megatron]'`` in a checkout); skipped without it. The model is built in
 the test: learned absolute positions, MLP-only transformer layers (megatron-core's local
 attention allocates its buffers with ``torch.cuda`` and cannot run on a CPU-only torch), the
 tensor-parallel output layer. Patched and unpatched models must give the same per-token losses
@@ -217,7 +217,7 @@ def megatron_reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str,
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed (pip install 'flce[megatron]')")
+@pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed (pip install -e '.[megatron]')")
 @pytest.mark.parametrize("section", list(SECTIONS["2"]))
 def test_megatron_adapter(megatron_reports: list[dict[str, dict]], section: str) -> None:
     assert_section(megatron_reports, section)
@@ -225,5 +225,5 @@ def test_megatron_adapter(megatron_reports: list[dict[str, dict]], section: str)
 
 def test_missing_megatron_is_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "megatron.core.models.gpt", None)  # makes the import fail
-    with pytest.raises(ImportError, match=r"pip install 'flce\[megatron\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[megatron\]'"):
         flce_megatron.apply(torch.nn.Linear(2, 2))

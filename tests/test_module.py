@@ -3,6 +3,8 @@ autograd behaviour (which inputs get gradients, repeated calls, repeated backwar
 
 from __future__ import annotations
 
+import copy
+import io
 import re
 import sys
 import types
@@ -118,6 +120,28 @@ def test_class_weight_is_a_buffer_that_moves_with_the_module(generator: torch.Ge
     assert "'reduction': 'mean'" in repr(module) and "backend=None" in repr(module)
 
 
+@pytest.mark.parametrize("variant", ["auto", "full"])
+def test_model_with_the_loss_as_a_submodule_saves_and_loads(variant: str, generator: torch.Generator) -> None:
+    """torch.save(model) pickles get_impl's class, which is made at run time: it comes back as the
+    same class, with its options and class weights, and computes the same loss."""
+    cw = random_class_weight(V, generator)
+    model = torch.nn.Module()
+    model.head = torch.nn.Linear(H, V, bias=False)
+    model.loss = flce.get_impl("cpu", backend="reference", variant=variant)(class_weight=cw, softcap=20.0,
+                                                                           reduction="sum")
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded.loss) is type(model.loss)
+    assert loaded.loss.config.softcap == 20.0 and loaded.loss.config.reduction == "sum"
+    torch.testing.assert_close(loaded.loss.class_weight, cw, rtol=0, atol=0)
+    hidden, _, target, _ = make_inputs((7,), H, V, generator=generator)
+    torch.testing.assert_close(loaded.loss(hidden, loaded.head.weight, target),
+                               model.loss(hidden, model.head.weight, target), rtol=0, atol=0)
+    assert type(copy.deepcopy(model.loss)) is type(model.loss)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("wanted", ["hidden", "weight", "bias"])
 def test_gradients_only_where_asked(wanted: str, reduction: str, generator: torch.Generator) -> None:
@@ -198,6 +222,16 @@ def test_info_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     assert re.search(r"^\s+reference\s+any\s+0\s+yes\s+pure PyTorch", out, re.MULTILINE), out
     assert "selected for a default-options float32 call: reference" in out
     assert out.rstrip().endswith("autotune for cpu: 3 entries"), "the autotune helper's lines close the report"
+
+
+@pytest.mark.parametrize("device", ["garbage", "cuda:x"])
+def test_info_command_with_a_bad_device_is_a_usage_error(capsys: pytest.CaptureFixture[str], device: str) -> None:
+    from flce.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["info", "--device", device])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--device: device={device!r}" in err and "Traceback" not in err
 
 
 def test_info_command_reports_passed_over_backends(capsys: pytest.CaptureFixture[str],

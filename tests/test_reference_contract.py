@@ -15,8 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
+    Grads,
     Upstream,
     assert_close_per_design,
+    assert_same_argmax,
     flce_grads,
     make_inputs,
     random_class_weight,
@@ -76,7 +78,14 @@ def upstream_for(options: dict[str, Any], token_shape: tuple[int, ...], generato
                            entropy=options.get("return_entropy", False), generator=generator)
 
 
-def compare_outputs(out: torch.Tensor | LCEOutput, ref: LCEOutput, options: dict[str, Any], dtype: torch.dtype) -> None:
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # hidden, weight, target, bias
+
+
+def compare_outputs(out: torch.Tensor | LCEOutput, ref: LCEOutput, options: dict[str, Any], dtype: torch.dtype,
+                    inputs: Inputs) -> None:
+    """``out`` against the oracle's ``ref`` for the call on ``inputs``. Predicted tokens may differ
+    where two logits tie closer than the kernel can order them (see assert_same_argmax); the token
+    accuracy is then checked against flce's own (validated) predictions."""
     kind = forward_kind(options)
     returns = [name for name in LCEOutput._fields[1:] if options.get(f"return_{name}", False)]
     if not returns:
@@ -85,15 +94,35 @@ def compare_outputs(out: torch.Tensor | LCEOutput, ref: LCEOutput, options: dict
         return
     assert isinstance(out, LCEOutput), f"return_* set: expected LCEOutput, got {type(out)}"
     assert_close_per_design(out.loss, ref.loss, kind=kind, dtype=dtype, name="loss")
+    hidden, weight, target, bias = inputs
+    expected_accuracy = ref.token_accuracy
+    if "predicted_tokens" in returns:
+        assert out.predicted_tokens.dtype == torch.int64
+        assert out.predicted_tokens.shape == ref.predicted_tokens.shape
+        assert_same_argmax(out.predicted_tokens, ref.predicted_tokens, hidden, weight, bias, options,
+                           logits_dtype=dtype)
+        expected_accuracy = accuracy_of(out.predicted_tokens, target, options)
     for name in LCEOutput._fields[1:]:
         got = getattr(out, name)
         if name not in returns:
             assert got is None, f"{name} was not asked for but is {got}"
-        elif name == "predicted_tokens":
-            assert got.dtype == torch.int64
-            torch.testing.assert_close(got, ref.predicted_tokens, rtol=0, atol=0)
-        else:
+        elif name == "token_accuracy":
+            assert_close_per_design(got, expected_accuracy, kind=kind, dtype=dtype, name=name)
+        elif name != "predicted_tokens":
             assert_close_per_design(got, getattr(ref, name), kind=kind, dtype=dtype, name=name)
+
+
+def accuracy_of(predicted: torch.Tensor, target: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
+    """The token accuracy, reduced as the oracle reduces it, of given predictions."""
+    valid = target != options.get("ignore_index", -100)
+    correct = ((predicted == target) & valid).double()
+    count = valid.sum().double()
+    reduction = options.get("reduction", "mean")
+    if reduction == "none":
+        return correct
+    if reduction == "sum":
+        return correct.sum()
+    return torch.where(count > 0, correct.sum() / count.clamp_min(1.0), 0.0)
 
 
 def compare_grads(grads, ref_grads, *, large: bool = False) -> None:
@@ -114,7 +143,7 @@ def run_case(options: dict[str, Any], generator: torch.Generator, *, bias: bool,
     module = flce.get_impl("cpu", variant=variant)(**options)
     out, grads = flce_grads(module, hidden, weight, target, b, upstream)
     ref, ref_grads = reference_grads(hidden, weight, target, b, upstream, **options)
-    compare_outputs(out, ref, options, torch.float32)
+    compare_outputs(out, ref, options, torch.float32, (hidden, weight, target, b))
     compare_grads(grads, ref_grads)
 
 
@@ -146,7 +175,7 @@ def test_low_precision_forward(case: str, reduction: str, dtype: torch.dtype, ge
     out = flce.linear_cross_entropy(hidden, weight, target, b, **options)
     # The oracle sees exactly the rounded low-precision inputs, upcast to float64.
     ref = reference_loss(hidden, weight, target, b, **options)
-    compare_outputs(out, ref, options, dtype)
+    compare_outputs(out, ref, options, dtype, (hidden, weight, target, b))
     loss = out if isinstance(out, torch.Tensor) else out.loss
     assert loss.dtype == torch.float32, "low-precision inputs give float32 losses (softmax math is fp32)"
 
@@ -210,7 +239,7 @@ def test_leading_dimensions(reduction: str, generator: torch.Generator) -> None:
         assert getattr(out, name).shape == shape
     assert out.loss.shape == (shape if reduction == "none" else ())
     assert grads.hidden.shape == hidden.shape
-    compare_outputs(out, ref, options, torch.float32)
+    compare_outputs(out, ref, options, torch.float32, (hidden, weight, target, b))
     compare_grads(grads, ref_grads)
 
 
@@ -229,7 +258,7 @@ def test_non_contiguous_inputs(generator: torch.Generator) -> None:
     out = flce.linear_cross_entropy(hidden, weight, target, bias, **options)
     (out.loss.double() * upstream.loss).sum().add((out.logprobs.double() * upstream.logprobs).sum()).backward()
     ref, ref_grads = reference_grads(hidden, weight, target, bias, upstream, **options)
-    compare_outputs(out, ref, options, torch.float32)
+    compare_outputs(out, ref, options, torch.float32, (hidden, weight, target, bias))
     assert_close_per_design(leaves[0].grad[:, ::2], ref_grads.hidden, kind="grad_hidden", dtype=torch.float32,
                             name="grad hidden")
     assert_close_per_design(leaves[1].grad[::2].T, ref_grads.weight, kind="grad_weight", dtype=torch.float32,
@@ -349,16 +378,46 @@ def test_deferred_saved_logits_equal_recomputed(case: str, reduction: str, gener
             return apply_eager(flat, dataclasses.replace(call, plan=plan))
         results.append(flce_grads(run, hidden, weight, target, b, upstream))
     recomputed_out, recomputed_grads = results[-1]
+    rounding = fp32_rounding_bounds(hidden, weight, target, b, upstream, options)
     for saved_out, saved_grads in results[:-1]:
         for name in ("loss", "logprobs"):
             torch.testing.assert_close(getattr(saved_out, name), getattr(recomputed_out, name), rtol=0, atol=0)
         for name in ("hidden", "weight", "bias"):
-            torch.testing.assert_close(getattr(saved_grads, name), getattr(recomputed_grads, name),
-                                       rtol=1e-6, atol=1e-7)
+            difference = (getattr(saved_grads, name).double() - getattr(recomputed_grads, name).double()).abs()
+            ratio = float((difference / getattr(rounding, name).clamp_min(1e-300)).max())
+            assert ratio <= 1.0, f"grad {name}: saved and recomputed logits differ by {ratio:.2f} x the fp32 bound"
     ref, ref_grads = reference_grads(hidden, weight, target, b, upstream, **options)
     for saved_out, saved_grads in results:
-        compare_outputs(saved_out, ref, options, torch.float32)
+        compare_outputs(saved_out, ref, options, torch.float32, (hidden, weight, target, b))
         compare_grads(saved_grads, ref_grads)
+
+
+def fp32_rounding_bounds(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor,
+                         upstream: Upstream, options: dict[str, Any]) -> Grads:
+    """Per element, how far two float32 evaluations of each gradient may differ by rounding alone.
+
+    Each gradient element is a sum of n products of the logit gradient ``G = dL/du`` with an input
+    (grad hidden: n = V terms ``G[i, j] W[j, k]``; grad weight: n = N tokens ``G[i, j] x[i, k]``;
+    grad bias: n = N terms ``G[i, j]``). Summed in float32 in any order, each result is off by at
+    most ``n u S`` (u = 2**-24 and S the sum of the terms' magnitudes); each term carries the
+    error of its logit (a length-H dot product: ``H u`` relative to the logit's scale, which the
+    inputs keep below 4 here) and of a few roundings of the softmax, so two evaluations differ by
+    at most ``2 (n + 4 H + 8) u S``."""
+    hidden_size, vocab = weight.shape[1], weight.shape[0]
+    x = hidden.detach().double().reshape(-1, hidden_size)
+    w = weight.detach().double()
+    u = x @ w.T + bias.detach().double()
+    # The oracle on the logits themselves (hidden = u, weight = I) gives dL/du.
+    _, logit_grads = reference_grads(u.reshape(*target.shape, vocab), torch.eye(vocab, dtype=torch.float64),
+                                     target, None, upstream, **options)
+    g = logit_grads.hidden.reshape(-1, vocab).abs()
+    unit = 2.0**-24
+
+    def bound(n_terms: int, magnitude: torch.Tensor) -> torch.Tensor:
+        return 2 * (n_terms + 4 * hidden_size + 8) * unit * magnitude
+
+    return Grads(hidden=bound(vocab, g @ w.abs()).reshape(hidden.shape), weight=bound(x.shape[0], g.T @ x.abs()),
+                 bias=bound(x.shape[0], g.sum(0)))
 
 
 def test_gradients_through_logprobs_and_entropy_only(generator: torch.Generator) -> None:
@@ -381,7 +440,7 @@ def test_fp64_inputs_match_oracle_tightly(generator: torch.Generator) -> None:
     upstream = upstream_for(options, TOKENS, generator)
     out, grads = flce_grads(flce.get_impl("cpu")(**options), hidden, weight, target, b, upstream)
     ref, ref_grads = reference_grads(hidden, weight, target, b, upstream, **options)
-    compare_outputs(out, ref, options, torch.float64)
+    compare_outputs(out, ref, options, torch.float64, (hidden, weight, target, b))
     for name in ("hidden", "weight", "bias"):
         assert_close_per_design(getattr(grads, name), getattr(ref_grads, name), kind="grad", dtype=torch.float64,
                                 name=f"grad {name}")
@@ -432,7 +491,7 @@ def test_cpu_cache_blocks_bf16(case: str, reduction: str, generator: torch.Gener
     monkeypatch.setattr(kernels, "CPU_BLOCK_BYTES", 2 * VOCAB * 4)
     blocked = flce_grads(module, hidden, weight, target, b, upstream)
     ref = reference_loss(hidden, weight, target, b, **options)
-    compare_outputs(blocked[0], ref, options, torch.bfloat16)
+    compare_outputs(blocked[0], ref, options, torch.bfloat16, (hidden, weight, target, b))
     for name in ("loss", "logprobs"):
         torch.testing.assert_close(getattr(blocked[0], name), getattr(whole[0], name), rtol=0, atol=0)
     for name in ("hidden", "weight", "bias"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -159,6 +160,38 @@ def is_flce_file(path: Path) -> bool:
     return loaded.status == OK or (loaded.problem or "").startswith("schema=")
 
 
+# A top-level `schema:` key at the start of a line: what a cache file says it is, even when the YAML
+# after it is truncated or corrupt.
+_SCHEMA_LINE = re.compile(r"^schema\s*:", re.MULTILINE)
+
+
+def claims_to_be_a_cache(path: Path) -> bool:
+    """True for a file that says it is an flce cache (flce's header, or a top-level ``schema`` key),
+    whatever state the rest is in, and for an empty one (nothing to lose). Only such files may be
+    moved aside and replaced by a save; any other file is someone else's."""
+    if is_flce_file(path):
+        return True
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    return not text.strip() or bool(_SCHEMA_LINE.search(text))
+
+
+class NotACacheError(ValueError):
+    """A save would replace a file that is not an flce cache."""
+
+
+def _refuse_foreign(path: Path, loaded: CacheFile) -> None:
+    # Only an existing file can be someone else's: a path that cannot exist (under a regular file)
+    # is an unwritable location, reported as such by the write.
+    if loaded.status == INVALID and path.is_file() and not claims_to_be_a_cache(path):
+        raise NotACacheError(
+            f"{path} is not an flce autotune cache ({loaded.problem}); refusing to replace it: pass "
+            "another --cache path (or FLCE_AUTOTUNE_CACHE), or move the file away yourself"
+        )
+
+
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``<path>.lock`` (created with its folder when missing)."""
@@ -211,12 +244,15 @@ class UpdateResult:
 
 
 def update_file(path: str | os.PathLike, new_entries: list[Entry]) -> UpdateResult:
-    """Merge entries into the file under its lock. A file that is not a valid cache is moved to
-    ``<name>.corrupt-<timestamp>`` first (its valid entries, if any, are carried over).
-    Raises OSError when the location cannot be written."""
+    """Merge entries into the file under its lock. A cache file that is corrupt, of another schema
+    or holds invalid entries is moved to ``<name>.corrupt-<timestamp>`` first (its valid entries,
+    if any, are carried over). Raises NotACacheError, touching nothing, when the file is not an flce
+    cache at all, and OSError when the location cannot be written."""
     path = Path(path).expanduser().absolute()
+    _refuse_foreign(path, read_file(path))  # before the lock: no <name>.lock beside someone else's file
     with locked(path):
         current = read_file(path)
+        _refuse_foreign(path, current)
         comments = leading_comments(path) if current.usable else []
         moved = None
         if current.status == INVALID or current.skipped:
@@ -259,13 +295,50 @@ def _without_source(entry: Entry) -> Entry:
     return entry if entry.source is None else replace(entry, source=None)
 
 
+def check_writable(path: Path) -> None:
+    """Raise, before anything is measured, what a save to ``path`` would raise: OSError when its
+    folder cannot be written, NotACacheError when the file there is someone else's."""
+    path = Path(path).expanduser().absolute()
+    _refuse_foreign(path, read_file(path))  # before the lock: no <name>.lock beside someone else's file
+    with locked(path):
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+
+
+def save_target(cache: str | os.PathLike | None = None, log: Callable[[str], None] = print) -> Path:
+    """Where a tune will write, checked before it measures: ``cache`` itself when given (an explicit
+    path is honoured or the tune fails), else the first writable of ``FLCE_AUTOTUNE_CACHE`` and the
+    user cache. Raises OSError when nothing can be written, NotACacheError for a foreign file."""
+    targets = locations.write_targets(cache)
+    if cache is not None:
+        targets = targets[:1]
+    failures = []
+    for position, target in enumerate(targets):
+        try:
+            check_writable(target.path)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            failures.append(f"{target.path}: {reason}")
+            if position + 1 < len(targets):
+                following = targets[position + 1]
+                log(f"flce-autotune: cannot write {target.path} ({reason}); "
+                    f"writing to {following.path} ({following.describe()}) instead")
+            continue
+        return target.path.expanduser().absolute()
+    raise OSError(f"no writable autotune cache location ({'; '.join(failures)})")
+
+
 def save_entries(
     entries: list[Entry], cache: str | os.PathLike | None = None, log: Callable[[str], None] = print
 ) -> UpdateResult:
-    """Merge entries into the first writable location (``cache``, ``FLCE_AUTOTUNE_CACHE``, the
-    user cache), saying through ``log`` when a location is skipped or a bad file is moved aside.
-    Raises OSError when no location can be written."""
+    """Merge entries into ``cache`` when given (no other location), else into the first writable
+    of ``FLCE_AUTOTUNE_CACHE`` and the user cache, saying through ``log`` when a location is skipped
+    or a bad cache file is moved aside. Raises OSError when no location can be written, and
+    NotACacheError for a file that is not an flce cache."""
     targets = locations.write_targets(cache)
+    if cache is not None:
+        targets = targets[:1]
     failures = []
     for position, target in enumerate(targets):
         try:

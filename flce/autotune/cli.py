@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -31,6 +32,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except _UsageError as exc:
         parser.error(str(exc))  # exits with status 2
+    except BrokenPipeError:
+        # The reader went away (`flce-autotune show | head`): stop quietly, as cat does. stdout is
+        # pointed at devnull so that the interpreter's own flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command a closed pipe stopped
     return 2
 
 
@@ -57,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--memory-budget", default=None,
                       help="working memory any candidate may use beyond inputs and gradients, e.g. 512MiB, 2GiB")
     tune.add_argument("--quick", action="store_true", help="a small search space and few repeats (seconds on a CPU)")
-    tune.add_argument("--cache", default=None, help="cache file to write (default: lookup order above)")
+    tune.add_argument("--cache", default=None,
+                      help="cache file to write; if it cannot be written, tune fails before measuring (default: "
+                           f"${locations.CACHE_ENV}, else the user cache, the first writable)")
     tune.add_argument("--backend", default=None,
                       help="backend to tune; default: the one flce dispatches to on this device")
     tune.add_argument("--variant", default=",".join(VARIANT_NAMES), help="variants, comma-separated (plain,full)")
@@ -65,8 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     tune.set_defaults(run=_tune)
 
-    show = verbs.add_parser("show", help="print the cached entries as a table")
+    show = verbs.add_parser("show", help="print the cached entries of this machine's devices as a table")
     show.add_argument("--cache", default=None, help="one cache file (default: every file in lookup order)")
+    show.add_argument("--all", action="store_true",
+                      help="also entries for devices this machine does not have (e.g. the shipped GPU defaults)")
     show.set_defaults(run=_show)
 
     clear = verbs.add_parser("clear", help="delete flce's cache file (nothing else, no question asked)")
@@ -100,12 +110,18 @@ def _tune(args: argparse.Namespace) -> int:
     if request.repeats is not None and request.repeats < 1:
         raise _UsageError(f"--repeats={request.repeats}: expected an int >= 1")
     progress = Progress(enabled=not args.no_progress)
-    saver = save_progressively(args.cache, progress.write)
+    # Where the entries go is settled before anything is measured: an explicit --cache is honoured
+    # or the command fails now, and a file that is not an flce cache is never replaced.
+    try:
+        target = cache_files.save_target(args.cache, lambda line: print(line, file=sys.stderr))
+    except (OSError, cache_files.NotACacheError) as exc:
+        print(f"flce-autotune: {exc}", file=sys.stderr)
+        return 1
+    saver = save_progressively(str(target), progress.write)
     try:
         tuner = Tuner(request, progress, on_result=saver)
     except (ValueError, RuntimeError) as exc:
         raise _UsageError(str(exc)) from None
-    target = locations.write_targets(args.cache)[0].path
     print(f"flce-autotune: tuning backend {tuner.space.backend!r} on {device_name(device)!r} ({device}); "
           f"{len(tuner.shapes())} shape(s); writing to {target}", file=sys.stderr)
     interrupted, save_error = False, None
@@ -113,7 +129,7 @@ def _tune(args: argparse.Namespace) -> int:
         tuner.run()
     except KeyboardInterrupt:
         interrupted = True
-    except OSError as exc:  # no writable cache location
+    except (OSError, cache_files.NotACacheError) as exc:  # the location changed since it was checked
         save_error = str(exc)
     results = tuner.results
     print(summary_table(results))
@@ -160,6 +176,7 @@ def summary_table(results: list) -> str:
 def _show(args: argparse.Namespace) -> int:
     sources = ([locations.Source("argument", _path(args.cache))] if args.cache is not None
                else locations.lookup_sources())
+    here = None if args.all else local_device_names()
     for source in sources:
         loaded = cache_files.read_file(source.path)
         if loaded.status == cache_files.ABSENT:
@@ -169,12 +186,28 @@ def _show(args: argparse.Namespace) -> int:
             print(f"{source.path} ({source.describe()}): ignored: {loaded.problem}")
             continue
         count = len(loaded.entries)
-        print(f"{source.path} ({source.describe()}): {count} entr{'y' if count == 1 else 'ies'}")
+        shown = loaded.entries if here is None else [e for e in loaded.entries if e.device in here]
+        other = count - len(shown)
+        elsewhere = f" ({other} for devices not on this machine: --all shows them)" if other else ""
+        print(f"{source.path} ({source.describe()}): {count} entr{'y' if count == 1 else 'ies'}{elsewhere}")
         for problem in loaded.skipped:
-            print(f"  ignored {problem}")
-        if loaded.entries:
-            print(entries_table(loaded.entries))
+            print(f"  ignored invalid {problem}")
+        if shown:
+            print(entries_table(shown))
     return 0
+
+
+def local_device_names() -> set[str]:
+    """The autotune names of the devices this process can use: the CPU and every accelerator."""
+    names = {device_name(torch.device("cpu"))}
+    for device_type in ("cuda", "npu", "xpu"):
+        try:
+            module = torch.get_device_module(device_type)
+            count = module.device_count() if module.is_available() else 0
+        except Exception:  # a device type whose module is missing or broken has no devices here
+            count = 0
+        names.update(device_name(torch.device(device_type, index)) for index in range(count))
+    return names
 
 
 def entries_table(entries: list[Entry]) -> str:

@@ -22,6 +22,15 @@ Scalar = int | float | str | bool | None
 ShapeKey = tuple[str, str, str, str, int, int]
 
 
+# Knobs that count or size something (rows, vocabulary columns, warps, stages, tiles, splits): any
+# backend that reads one needs a positive int, so any other value makes the entry invalid, reported
+# like every other invalid field. Knobs not listed here are checked by the planner that reads them.
+POSITIVE_INT_KNOBS = frozenset({
+    "tokens_per_chunk", "block_v", "num_warps", "grad_vocab_block",
+    "gemm_block_m", "gemm_block_n", "gemm_block_k", "gemm_group_m", "gemm_warps", "gemm_stages", "gemm_splits",
+})
+
+
 class SchemaError(ValueError):
     """A file or entry that does not follow the schema; the message says where and what."""
 
@@ -111,6 +120,9 @@ def entry_from_dict(raw: Any, source: str | None = None) -> Entry:
     bad = {k: v for k, v in params.items() if not _is_scalar(v)}
     if bad:
         raise SchemaError(f"params {bad!r}: expected numbers, strings, booleans or null")
+    bad = {k: v for k, v in params.items() if k in POSITIVE_INT_KNOBS and not (_is_int(v) and v > 0)}
+    if bad:
+        raise SchemaError(f"params {', '.join(f'{k}={v!r}' for k, v in bad.items())}: expected a positive int")
     limit = raw.get("logits_save_limit_bytes")
     if limit is not None and (not _is_int(limit) or limit < 0):
         raise SchemaError(f"logits_save_limit_bytes={limit!r}: expected null or a byte count >= 0")

@@ -13,9 +13,15 @@ For every (dtype, H, V, tokens, variant) it measures, with fresh random inputs:
 
 Times are medians of forward+backward calls, from device events on accelerators (the L2 cache
 emptied before each call) and ``time.perf_counter`` on the CPU, on the benchmark tools' inputs for
-the shape (both from :mod:`flce.testing.measure`). The heuristic is kept unless a candidate beats it by more than
-the noise margin, so a tuned entry is never slower than the heuristic as measured; a kept heuristic
-is stored as the knob values it chose (the space's ``heuristic``), so the entry states what ran.
+the shape (both from :mod:`flce.testing.measure`). Every time is checked before it is used: it may
+not be below half the floor (else it is measured again, and discarded if it stays so), and its
+repeats should agree (else it is measured again and the steadiest attempt kept). A candidate that
+beats the heuristic, and kept logits that beat recomputing them, must do so again in a second,
+interleaved measurement, so one noisy run neither picks a candidate nor sets the logits-save limit
+(an inconclusive keep-versus-recompute leaves the limit to the planner). The heuristic is kept unless
+a candidate beats it by more than the noise margin, so a tuned entry is never slower than the
+heuristic as measured; a kept heuristic is stored as the knob values it chose (the space's
+``heuristic``), so the entry states what ran.
 
 Every configuration runs as a user's call would, without ``memory_budget`` (so the heuristic
 measured is the one dispatch uses); the budget only decides which configurations may be chosen.
@@ -44,6 +50,15 @@ from flce.engine.memory import MiB, default_logits_save_limit, total_memory_byte
 
 # A candidate must beat the heuristic by this fraction to replace it; same for keeping logits.
 NOISE_MARGIN = 0.02
+# Plausibility of a measurement. A forward+backward cannot take less than this fraction of the
+# three GEMMs it contains (a GEMM faster than cuBLAS's is at most a few tens of percent faster);
+# below it the timing is wrong (a concurrent process, a clock that skipped), not the kernel fast.
+MIN_FLOOR_RATIO = 0.5
+# The timed repeats of one measurement should agree: (upper - lower quartile) / median at most this
+# (with fewer than 4 repeats, (max - min) / median). Otherwise it is measured again, up to
+# MEASURE_ATTEMPTS times, and the steadiest attempt is kept.
+MAX_REPEAT_SPREAD = 0.25
+MEASURE_ATTEMPTS = 3
 # Relative tolerance of a candidate's loss / hidden gradient against the heuristic's, per dtype.
 _AGREEMENT_RTOL = {torch.float32: 1e-4, torch.float64: 1e-8}
 _LOW_PRECISION_RTOL = 3e-2
@@ -110,6 +125,7 @@ class Tuner:
         self._versions = versions()
         self._device_name = device_name(request.device)
         self.results: list[ShapeResult] = []  # filled as shapes finish, also when run() is interrupted
+        self._floor: float | None = None  # the current shape's floor, which _checked_time compares against
 
     def shapes(self) -> list[TuneShape]:
         r = self.request
@@ -150,6 +166,7 @@ class Tuner:
 
         self.progress.step(f"{label}: floor")
         result.floor_ms = self._floor_ms(shape, inputs)
+        self._floor = result.floor_ms
 
         self.progress.step(f"{label}: heuristic")
         after_heuristic = len(candidates) + (2 if self.space.tunes_logits_save_limit else 0)
@@ -187,6 +204,10 @@ class Tuner:
                 f"budget of {_size(budget)}")
             self.progress.advance(2 if self.space.tunes_logits_save_limit else 0)
             return result
+        if best_params is not None and heuristic_fits:
+            best = self._confirm_winner(shape, inputs, best_params, baseline, budget, result)
+            if best is baseline:
+                best_params = None
         result.best_ms = best.ms
         result.peak_mib = None if best.working_bytes is None else best.working_bytes / MiB
         result.peak_kind = best.peak_kind
@@ -216,6 +237,21 @@ class Tuner:
             measured={k: v for k, v in measured.items() if v is not None},
         )
         return result
+
+    def _confirm_winner(self, shape: TuneShape, inputs: WorkloadInputs, params: Params, baseline: _Run, budget: int,
+                        result: ShapeResult) -> _Run:
+        """Time the heuristic and the winning candidate once more, in turn: the candidate is kept
+        only if it beats the heuristic by the noise margin again (its second time is the one stored)."""
+        try:
+            again_heuristic = self._run(shape, inputs, None, deferred=False, budget=None)
+            again = self._run(shape, inputs, params, deferred=False, budget=budget, reference=baseline)
+        except _Skip as skip:
+            result.skipped[f"confirmation {skip.reason}"] += 1
+            return baseline
+        if again.ms < again_heuristic.ms * (1 - NOISE_MARGIN):
+            return again
+        result.skipped["win not confirmed"] += 1
+        return baseline
 
     def _budget(self, shape: TuneShape, heuristic: _Run) -> int:
         """--memory-budget, else the default logits-save limit or the heuristic's working memory."""
@@ -248,7 +284,19 @@ class Tuner:
         except _Skip as skip:
             result.skipped[f"keep logits {skip.reason}"] += 1
             return 0, None, recompute.ms
-        if keep.ms >= recompute.ms * (1 - NOISE_MARGIN):
+        keep_wins = keep.ms < recompute.ms * (1 - NOISE_MARGIN)
+        # A second, interleaved round: the limit moves away from the planner's default only when both
+        # rounds agree, so one noisy run cannot set it (to 0, or to keeping logits that do not pay).
+        try:
+            recompute_again = self._run(shape, inputs, params, deferred=True, budget=None, limit=0)
+            keep_again = self._run(shape, inputs, params, deferred=True, budget=None, limit=logits_bytes)
+        except _Skip as skip:
+            result.skipped[f"logits confirmation {skip.reason}"] += 1
+            return None, keep.ms, recompute.ms
+        if keep_wins != (keep_again.ms < recompute_again.ms * (1 - NOISE_MARGIN)):
+            result.skipped["logits-save limit inconclusive"] += 1
+            return None, keep.ms, recompute.ms
+        if not keep_wins:
             return 0, keep.ms, recompute.ms
         # Logits this size or a little larger (the bucket's neighbours) are kept; the budget still holds.
         return min(max(default_logits_save_limit(shape.device), logits_bytes), budget - working), keep.ms, recompute.ms
@@ -264,7 +312,7 @@ class Tuner:
             try:
                 workload = Workload(shape, inputs, self.space.backend, deferred=True)
                 with override_params({**(params or {}), **overlay}, backend=self.space.backend), torch.no_grad():
-                    ms, _ = time_call(workload.forward, shape.device, self.warmup, self.repeats)
+                    ms, _, _ = time_call(workload.forward, shape.device, self.warmup, self.repeats)
             except Exception as exc:  # a path that fails to compile here is skipped, as candidates are
                 release_memory(shape.device)
                 result.skipped["forward only failed"] += 1
@@ -296,11 +344,18 @@ class Tuner:
                 torch.mm(grad_logits, w)
                 torch.mm(grad_logits.t(), x)
 
-            ms, _ = time_call(gemms, shape.device, self.warmup, self.repeats)
+            # At least one warm-up (the first GEMM of a process pays for thread pools and kernel
+            # selection), and the smallest of the attempts: noise only ever adds time.
+            attempts = []
+            for _ in range(MEASURE_ATTEMPTS):
+                ms, _, spread = time_call(gemms, shape.device, max(1, self.warmup), self.repeats)
+                attempts.append(ms)
+                if spread <= MAX_REPEAT_SPREAD:
+                    break
         except torch.OutOfMemoryError:
             release_memory(shape.device)
             return None
-        return ms
+        return min(attempts)
 
     def _run(self, shape: TuneShape, inputs: WorkloadInputs, params: Params | None, *, deferred: bool,
              budget: int | None, limit: int | None = None, reference: _Run | None = None) -> _Run:
@@ -315,10 +370,12 @@ class Tuner:
             workload = Workload(shape, inputs, self.space.backend, deferred)
             with override_params(params, limit, backend=self.space.backend):
                 loss, grad_hidden = workload.values()  # also the first (compiling) call
-                ms, peak = time_call(workload, shape.device, self.warmup, self.repeats, reset=inputs.clear_grads)
+                ms, peak = self._checked_time(workload, shape, inputs)
         except torch.OutOfMemoryError:
             release_memory(shape.device)
             raise _Skip("out of memory") from None
+        except _Skip:
+            raise
         except Exception as exc:  # a candidate that fails to compile or launch is skipped, not fatal
             release_memory(shape.device)
             first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
@@ -332,6 +389,31 @@ class Tuner:
             _check_agreement(shape.dtype, reference, loss, grad_hidden)
         return _Run(ms=ms, working_bytes=working, peak_kind=kind, loss=loss,
                     grad_hidden=grad_hidden if reference is None else None)
+
+    def _checked_time(self, workload: Workload, shape: TuneShape, inputs: WorkloadInputs) -> tuple[float, int | None]:
+        """_time, measured again (up to MEASURE_ATTEMPTS times) while it is below MIN_FLOOR_RATIO x
+        the floor or its repeats disagree. Of the plausible attempts the steadiest is kept (noise
+        alone discards nothing: the confirmation rounds guard the decisions); raises _Skip when no
+        attempt is plausible."""
+        plausible: list[tuple[float, float, int | None]] = []
+        problem = ""
+        floor = self._floor
+        for _ in range(MEASURE_ATTEMPTS):
+            ms, peak, spread = time_call(workload, shape.device, self.warmup, self.repeats, reset=inputs.clear_grads)
+            if floor and ms < MIN_FLOOR_RATIO * floor:
+                # Either time may be the wrong one; noise only ever adds time, so the floor is
+                # measured again too and the smaller floor kept.
+                floor = self._floor = min(floor, self._floor_ms(shape, inputs) or floor)
+            if floor and ms < MIN_FLOOR_RATIO * floor:
+                problem = f"{ms:.4g} ms is {ms / floor:.2f}x the floor of {floor:.4g} ms (at least {MIN_FLOOR_RATIO}x)"
+                continue
+            plausible.append((spread, ms, peak))
+            if spread <= MAX_REPEAT_SPREAD:
+                break
+        if not plausible:
+            raise _Skip("implausible timing", f"{problem}, {MEASURE_ATTEMPTS} times")
+        _, ms, peak = min(plausible, key=lambda attempt: attempt[0])
+        return ms, peak
 
     def _heuristic_params(self, shape: TuneShape) -> Params | None:
         """The knobs the backend's planner picks without the cache, when its space says."""

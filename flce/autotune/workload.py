@@ -5,6 +5,7 @@ timer and peak memory."""
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -80,16 +81,30 @@ class Workload:
 
 
 def time_call(fn: Callable, device: torch.device, warmup: int, repeats: int,
-              reset: Callable[[], None] | None = None) -> tuple[float, int | None]:
-    """Median milliseconds of ``fn`` and, with ``reset`` (which frees what the previous call left
+              reset: Callable[[], None] | None = None) -> tuple[float, int | None, float]:
+    """Median milliseconds of ``fn``; with ``reset`` (which frees what the previous call left
     behind, such as gradients) on accelerators with allocator statistics, the peak bytes of one more
-    call above what was allocated before it and what it leaves allocated."""
-    ms = measure.counted_timing(fn, device, warmup=warmup, repeats=repeats).median_ms
+    call above what was allocated before it and what it leaves allocated; and how far the timed
+    repeats disagree (:func:`spread`)."""
+    timing = measure.counted_timing(fn, device, warmup=warmup, repeats=repeats)
+    ms, disagreement = timing.median_ms, spread(timing)
     if reset is None:
-        return ms, None
+        return ms, None, disagreement
     reset()
     gc.collect()
-    return ms, measure.peak_bytes_above(fn, device)
+    return ms, measure.peak_bytes_above(fn, device), disagreement
+
+
+def spread(timing: measure.Timing) -> float:
+    """How far the repeats of one measurement disagree, relative to their median: the interquartile
+    range (the full range with fewer than 4 repeats, where quartiles say nothing)."""
+    median = timing.median_ms
+    if median <= 0:
+        return 0.0 if timing.max_ms <= 0 else math.inf
+    if len(timing.samples_ms) < 4:
+        return (timing.max_ms - timing.min_ms) / median
+    lower, upper = timing.quartiles_ms
+    return (upper - lower) / median
 
 
 def release_memory(device: torch.device) -> None:

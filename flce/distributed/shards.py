@@ -46,6 +46,11 @@ _cache: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], VocabShard]] = weak
 
 def group_size(group: Any) -> int:
     """World size of ``group``, with an error that names the option when it is not a usable group."""
+    if dist.is_available() and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group={group!r}: expected a torch.distributed ProcessGroup (e.g. from "
+            f"torch.distributed.new_group) or None, got {type(group).__name__}"
+        )
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"process_group={group!r}: torch.distributed is not initialized; call "

@@ -156,7 +156,8 @@ def _find_gpt_model(model: torch.nn.Module) -> torch.nn.Module:
         from megatron.core.models.gpt import GPTModel
     except ImportError as exc:
         raise ImportError(
-            f"flce.integrations.megatron needs megatron-core (pip install 'flce[megatron]'): {exc}"
+            "flce.integrations.megatron needs megatron-core (pip install megatron-core, or from a flce "
+            f"checkout pip install -e '.[megatron]'): {exc}"
         ) from None
     inner, seen = model, []
     while not isinstance(inner, GPTModel):

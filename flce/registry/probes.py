@@ -6,6 +6,7 @@ the selection functions) replaces what the real probes would report.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ def _probe_cuda() -> tuple[bool, str]:
 def _probe_npu() -> tuple[bool, str]:
     # Never import torch_npu unless it is installed: importing it has side effects on torch.
     if importlib.util.find_spec("torch_npu") is None:
-        return False, "torch_npu is not installed (pip install flce[ascend])"
+        return False, "torch_npu is not installed (from a flce checkout: pip install -e '.[ascend]'; README, Install)"
     try:
         import torch_npu  # noqa: F401
     except Exception as exc:  # a broken CANN install raises all kinds of errors
@@ -84,8 +85,31 @@ def _probe_npu() -> tuple[bool, str]:
 
 def _probe_triton() -> tuple[bool, str]:
     if importlib.util.find_spec("triton") is None:
-        return False, "triton is not installed (pip install flce[triton])"
+        return False, "triton is not installed (from a flce checkout: pip install -e '.[triton]'; README, Install)"
+    clash = triton_flavour_clash()
+    if clash is not None:
+        return False, clash
     return True, "triton importable"
+
+
+def triton_flavour_clash() -> str | None:
+    """Why Triton cannot be trusted when both flavours are installed, else None.
+
+    The distributions ``triton`` (NVIDIA) and ``triton-ascend`` both install the ``triton``
+    package: with both, the files of whichever came last overwrite part of the other's, and the
+    result is neither. pip cannot refuse the combination (``flce[triton,ascend]`` installs both),
+    so flce refuses to run Triton kernels on it. Read once per process, by the cached probe."""
+    versions = {}
+    for name in ("triton", "triton-ascend"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if len(versions) < 2:
+        return None
+    return (f"both triton {versions['triton']} and triton-ascend {versions['triton-ascend']} are installed; they "
+            "provide the same `triton` package and overwrite each other: pip uninstall -y triton triton-ascend, then "
+            "reinstall the one for this machine (flce extra 'triton' for NVIDIA GPUs, 'ascend' for Ascend NPUs)")
 
 
 def _probe_interpret() -> tuple[bool, str]:

@@ -29,7 +29,8 @@ def triton_has_ascend_backend() -> tuple[bool, str]:
     """Whether the installed triton is triton-ascend, found on disk without importing triton."""
     spec = importlib.util.find_spec("triton")
     if spec is None:
-        return False, "triton-ascend is not installed (pip install flce[ascend])"
+        return False, ("triton-ascend is not installed (from a flce checkout: pip install -e '.[ascend]'; "
+                       "README, Install)")
     for location in spec.submodule_search_locations or ():
         if os.path.isdir(os.path.join(location, "backends", "ascend")):
             return True, f"triton-ascend {_distribution_version('triton-ascend')}"

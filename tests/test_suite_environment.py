@@ -1,0 +1,28 @@
+"""The suite tests the same thing whatever the user's shell exports (tests/conftest.py clears the
+variables that steer flce and moves the user cache aside)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_exported_steering_variables_do_not_change_the_suite(tmp_path: Path) -> None:
+    """With FLCE_BACKEND, faked probes and a cache file exported, tests that check selection and
+    chunk planning still pass: they run on what they set up, not on the user's environment."""
+    user_cache = tmp_path / "user-cache.yaml"
+    user_cache.write_text("this file must not be read or written by the tests\n")
+    env = {**os.environ, "FLCE_BACKEND": "reference", "FLCE_PROBE_OVERRIDE": "cuda=1,triton=1",
+           "FLCE_AUTOTUNE_CACHE": str(user_cache), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    selected = ["test_module.py::test_info_command_reports_passed_over_backends",
+                "test_reference_contract.py::test_plan_respects_memory_budget",
+                "test_registry.py"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selected],
+                          cwd=TESTS, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert user_cache.read_text() == "this file must not be read or written by the tests\n"
+    assert not (tmp_path / "xdg").exists(), "the suite wrote into the user's cache directory"
