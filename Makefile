@@ -25,7 +25,7 @@ ASCEND_STAMP := $(ASCEND_VENV)/.installed-torch$(TORCH_VERSION)-triton-ascend$(T
 PYTHON_PREREQ := $(filter $(VENV)/bin/python,$(PYTHON))
 ASCEND_PREREQ := $(if $(filter 1,$(ASCEND)),ascend-venv)
 
-.PHONY: install ascend-venv demo test lint info bench-cpu
+.PHONY: install ascend-venv trainer-packages demo test lint info bench-cpu
 
 $(VENV)/bin/python:
 	$(BASE_PYTHON) -m venv $(VENV)
@@ -53,8 +53,15 @@ $(ASCEND_STAMP):
 demo: install
 	$(PYTHON) tools/demo.py
 
+# The RL trainers whose own log-prob functions tests/test_trainer_dropins.py checks flce's drop-ins
+# against: their code only (--no-deps: verl's dependencies pull ray, TRL's datasets and pandas).
+TRAINER_PACKAGES := verl==0.9.1 trl==1.16.0
+
+trainer-packages: install
+	$(PYTHON) -m pip install -q --no-deps $(TRAINER_PACKAGES)
+
 # pytest exits 5 when it collected no tests: that is a failure here, not a pass.
-test: install $(ASCEND_PREREQ)
+test: install trainer-packages $(ASCEND_PREREQ)
 	@FLCE_REQUIRE_ASCEND_VENV=$(ASCEND) $(PYTHON) -m pytest -rfEs $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
