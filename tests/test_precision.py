@@ -22,7 +22,7 @@ def _inputs(n: int, h: int, v: int, scale: float, dtype: torch.dtype, generator:
 def _errors(x, w, t, **options) -> tuple[float, float, float]:
     """Relative errors of loss, grad_hidden, grad_weight against float64 (random upstream gradient)."""
     out = flce.linear_cross_entropy(x, w, t, **options)
-    upstream = torch.linspace(0.5, 1.5, out.numel()).reshape(out.shape)
+    upstream = torch.linspace(0.5, 1.5, out.numel(), device=out.device).reshape(out.shape)
     gx, gw = torch.autograd.grad((out * upstream.to(out.dtype)).sum(), (x, w))
     xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     options.pop("precision", None), options.pop("memory_budget", None)
@@ -30,7 +30,7 @@ def _errors(x, w, t, **options) -> tuple[float, float, float]:
     rx, rw = torch.autograd.grad((want * upstream.double()).sum(), (xd, wd))
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float((a.double() - b).norm() / b.norm())
+        return float((a.detach().double() - b).norm() / b.norm())
 
     return rel(out, want.detach()), rel(gx, rx), rel(gw, rw)
 
