@@ -25,7 +25,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("flce.distributed",),
     ("flce.module",),
     ("flce", "flce.__main__", "flce.integrations",
-     "flce.autotune.tuner", "flce.autotune.workload", "flce.autotune.cli", "flce.autotune.__main__"),
+     "flce.autotune.tuner", "flce.autotune.workload", "flce.autotune.measurement", "flce.autotune.cli",
+     "flce.autotune.__main__"),
 ]
 
 

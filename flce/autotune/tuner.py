@@ -33,14 +33,22 @@ larger, so a tuned entry never needs much more memory than the heuristic unless 
 from __future__ import annotations
 
 import datetime
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
 from flce.autotune.devices import device_name, dtype_name
 from flce.autotune.lookup import override_params
+from flce.autotune.measurement import (
+    Run,
+    Skip,
+    check_agreement,
+    element_size,
+    params_text,
+    round4,
+    size_text,
+    versions,
+)
 from flce.autotune.progress import Progress
 from flce.autotune.requests import Params, ShapeResult, TuneRequest
 from flce.autotune.schema import Entry, Scalar
@@ -59,25 +67,6 @@ MIN_FLOOR_RATIO = 0.5
 # MEASURE_ATTEMPTS times, and the steadiest attempt is kept.
 MAX_REPEAT_SPREAD = 0.25
 MEASURE_ATTEMPTS = 3
-# Relative tolerance of a candidate's loss / hidden gradient against the heuristic's, per dtype.
-_AGREEMENT_RTOL = {torch.float32: 1e-4, torch.float64: 1e-8}
-_LOW_PRECISION_RTOL = 3e-2
-
-
-@dataclass
-class _Run:
-    ms: float
-    working_bytes: int | None
-    peak_kind: str
-    loss: float
-    grad_hidden: torch.Tensor | None
-
-
-class _Skip(Exception):
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(detail or reason)
-        self.reason = reason
-        self.detail = detail
 
 
 def resolve_backend(device: torch.device, backend: str | None) -> TuningSpace:
@@ -96,19 +85,6 @@ def resolve_backend(device: torch.device, backend: str | None) -> TuningSpace:
         raise ValueError(f"backend={backend!r} has no tuning space registered (tunable: {tunable_backends()}); "
                          "register one with flce.autotune.register_tuning_space or pass --backend")
     return space
-
-
-def versions() -> dict[str, str]:
-    import flce
-
-    found = {"flce": flce.__version__, "torch": torch.__version__.split("+")[0]}
-    try:
-        import triton
-
-        found["triton"] = triton.__version__
-    except Exception:  # triton is optional; a broken install must not stop a tune
-        found["triton"] = "none"
-    return found
 
 
 class Tuner:
@@ -172,7 +148,7 @@ class Tuner:
         after_heuristic = len(candidates) + (2 if self.space.tunes_logits_save_limit else 0)
         try:
             baseline = self._run(shape, inputs, None, deferred=False, budget=None)
-        except _Skip as skip:
+        except Skip as skip:
             result.skipped[f"heuristic {skip.reason}"] += 1
             result.first_error = result.first_error or f"heuristic: {skip.detail or skip.reason}"
             self.progress.advance(after_heuristic)
@@ -185,14 +161,14 @@ class Tuner:
         best_params: Params | None = None
         best = baseline if heuristic_fits else None
         for params in candidates:
-            self.progress.step(f"{label}: {_params_text(params)}")
+            self.progress.step(f"{label}: {params_text(params)}")
             result.tried += 1
             try:
                 run = self._run(shape, inputs, params, deferred=False, budget=budget, reference=baseline)
-            except _Skip as skip:
+            except Skip as skip:
                 result.skipped[skip.reason] += 1
                 if skip.detail and result.first_error is None:
-                    result.first_error = f"{_params_text(params)}: {skip.detail}"
+                    result.first_error = f"{params_text(params)}: {skip.detail}"
                 continue
             # A heuristic that fits keeps its place unless beaten by more than the noise margin.
             beats_heuristic = not heuristic_fits or run.ms < baseline.ms * (1 - NOISE_MARGIN)
@@ -200,8 +176,8 @@ class Tuner:
                 best, best_params = run, params
         if best is None:
             result.first_error = result.first_error or (
-                f"neither the heuristic ({_size(baseline.working_bytes)}) nor any candidate fits the memory "
-                f"budget of {_size(budget)}")
+                f"neither the heuristic ({size_text(baseline.working_bytes)}) nor any candidate fits the memory "
+                f"budget of {size_text(budget)}")
             self.progress.advance(2 if self.space.tunes_logits_save_limit else 0)
             return result
         if best_params is not None and heuristic_fits:
@@ -218,12 +194,12 @@ class Tuner:
                                                                    result)
         overlay, inference_ms = self._inference_overlay(shape, inputs, best_params, label, result)
         measured: dict[str, Scalar] = {
-            "ms": _round(best.ms), "heuristic_ms": _round(baseline.ms), "floor_ms": _round(result.floor_ms),
-            "speedup": _round(baseline.ms / best.ms), "peak_mib": _round(result.peak_mib),
+            "ms": round4(best.ms), "heuristic_ms": round4(baseline.ms), "floor_ms": round4(result.floor_ms),
+            "speedup": round4(baseline.ms / best.ms), "peak_mib": round4(result.peak_mib),
             "peak": result.peak_kind, "chosen": "heuristic" if best_params is None else "candidate",
             "candidates": result.tried, "skipped": sum(result.skipped.values()),
-            "keep_logits_ms": _round(save_ms), "recompute_logits_ms": _round(recompute_ms),
-            **{f"inference_ms_{_params_text(o)}": _round(ms) for o, ms in inference_ms},
+            "keep_logits_ms": round4(save_ms), "recompute_logits_ms": round4(recompute_ms),
+            **{f"inference_ms_{params_text(o)}": round4(ms) for o, ms in inference_ms},
             "memory_budget_bytes": budget, "budget_from": "argument" if self.request.memory_budget else "default",
             "repeats": self.repeats,
             **self._versions,
@@ -238,14 +214,14 @@ class Tuner:
         )
         return result
 
-    def _confirm_winner(self, shape: TuneShape, inputs: WorkloadInputs, params: Params, baseline: _Run, budget: int,
-                        result: ShapeResult) -> _Run:
+    def _confirm_winner(self, shape: TuneShape, inputs: WorkloadInputs, params: Params, baseline: Run, budget: int,
+                        result: ShapeResult) -> Run:
         """Time the heuristic and the winning candidate once more, in turn: the candidate is kept
         only if it beats the heuristic by the noise margin again (its second time is the one stored)."""
         try:
             again_heuristic = self._run(shape, inputs, None, deferred=False, budget=None)
             again = self._run(shape, inputs, params, deferred=False, budget=budget, reference=baseline)
-        except _Skip as skip:
+        except Skip as skip:
             result.skipped[f"confirmation {skip.reason}"] += 1
             return baseline
         if again.ms < again_heuristic.ms * (1 - NOISE_MARGIN):
@@ -253,25 +229,25 @@ class Tuner:
         result.skipped["win not confirmed"] += 1
         return baseline
 
-    def _budget(self, shape: TuneShape, heuristic: _Run) -> int:
+    def _budget(self, shape: TuneShape, heuristic: Run) -> int:
         """--memory-budget, else the default logits-save limit or the heuristic's working memory."""
         if self.request.memory_budget is not None:
             return self.request.memory_budget
         return max(default_logits_save_limit(shape.device), heuristic.working_bytes or 0)
 
     def _logits_save_limit(
-        self, shape: TuneShape, inputs: WorkloadInputs, params: Params | None, chosen: _Run, budget: int, label: str,
+        self, shape: TuneShape, inputs: WorkloadInputs, params: Params | None, chosen: Run, budget: int, label: str,
         result: ShapeResult,
     ) -> tuple[int | None, float | None, float | None]:
         """Time the deferred schedule keeping forward's logits and recomputing them. Keeping wins
         only when it is faster by the noise margin and the logits fit the budget; the limit then
         admits this shape's logits, else it is 0 (always recompute)."""
-        logits_bytes = shape.tokens * shape.vocab * _element_size(shape.dtype)
+        logits_bytes = shape.tokens * shape.vocab * element_size(shape.dtype)
         working = chosen.working_bytes or 0
         self.progress.step(f"{label}: recompute logits")
         try:
             recompute = self._run(shape, inputs, params, deferred=True, budget=None, limit=0)
-        except _Skip as skip:
+        except Skip as skip:
             result.skipped[f"recompute {skip.reason}"] += 1
             self.progress.advance(1)
             return None, None, None
@@ -281,7 +257,7 @@ class Tuner:
             return 0, None, recompute.ms
         try:
             keep = self._run(shape, inputs, params, deferred=True, budget=None, limit=logits_bytes)
-        except _Skip as skip:
+        except Skip as skip:
             result.skipped[f"keep logits {skip.reason}"] += 1
             return 0, None, recompute.ms
         keep_wins = keep.ms < recompute.ms * (1 - NOISE_MARGIN)
@@ -290,7 +266,7 @@ class Tuner:
         try:
             recompute_again = self._run(shape, inputs, params, deferred=True, budget=None, limit=0)
             keep_again = self._run(shape, inputs, params, deferred=True, budget=None, limit=logits_bytes)
-        except _Skip as skip:
+        except Skip as skip:
             result.skipped[f"logits confirmation {skip.reason}"] += 1
             return None, keep.ms, recompute.ms
         if keep_wins != (keep_again.ms < recompute_again.ms * (1 - NOISE_MARGIN)):
@@ -308,7 +284,7 @@ class Tuner:
         of the chosen params; the fastest overlay (the first unless beaten by the noise margin)."""
         timed: list[tuple[Params, float]] = []
         for overlay in self.space.inference_overlays:
-            self.progress.step(f"{label}: forward only {_params_text(overlay)}")
+            self.progress.step(f"{label}: forward only {params_text(overlay)}")
             try:
                 workload = Workload(shape, inputs, self.space.backend, deferred=True)
                 with override_params({**(params or {}), **overlay}, backend=self.space.backend), torch.no_grad():
@@ -316,7 +292,7 @@ class Tuner:
             except Exception as exc:  # a path that fails to compile here is skipped, as candidates are
                 release_memory(shape.device)
                 result.skipped["forward only failed"] += 1
-                result.first_error = result.first_error or f"forward only {_params_text(overlay)}: {exc}"[:300]
+                result.first_error = result.first_error or f"forward only {params_text(overlay)}: {exc}"[:300]
                 continue
             timed.append((overlay, ms))
         if not timed:
@@ -332,7 +308,7 @@ class Tuner:
     def _floor_ms(self, shape: TuneShape, inputs: WorkloadInputs) -> float | None:
         """The three GEMMs of forward+backward at full size; skipped when the [tokens, V] logits and
         their gradient would take more than a quarter of the device's memory."""
-        logits_bytes = shape.tokens * shape.vocab * _element_size(shape.dtype)
+        logits_bytes = shape.tokens * shape.vocab * element_size(shape.dtype)
         if 2 * logits_bytes > total_memory_bytes(shape.device) // 4:
             return None
         x, w = inputs.hidden.detach(), inputs.weight.detach()
@@ -358,14 +334,14 @@ class Tuner:
         return min(attempts)
 
     def _run(self, shape: TuneShape, inputs: WorkloadInputs, params: Params | None, *, deferred: bool,
-             budget: int | None, limit: int | None = None, reference: _Run | None = None) -> _Run:
-        """Time one configuration; raises _Skip (with the reason) instead of failing. ``budget``
+             budget: int | None, limit: int | None = None, reference: Run | None = None) -> Run:
+        """Time one configuration; raises Skip (with the reason) instead of failing. ``budget``
         skips it when its estimated or measured working memory is larger."""
         estimate = None
         if self.space.working_bytes is not None:
             estimate = self.space.working_bytes(shape, params or self._heuristic_params(shape) or {})
             if budget is not None and estimate > budget:
-                raise _Skip("over budget")
+                raise Skip("over budget")
         try:
             workload = Workload(shape, inputs, self.space.backend, deferred)
             with override_params(params, limit, backend=self.space.backend):
@@ -373,27 +349,27 @@ class Tuner:
                 ms, peak = self._checked_time(workload, shape, inputs)
         except torch.OutOfMemoryError:
             release_memory(shape.device)
-            raise _Skip("out of memory") from None
-        except _Skip:
+            raise Skip("out of memory") from None
+        except Skip:
             raise
         except Exception as exc:  # a candidate that fails to compile or launch is skipped, not fatal
             release_memory(shape.device)
             first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
-            raise _Skip("failed", f"{type(exc).__name__}: {first_line}") from None
+            raise Skip("failed", f"{type(exc).__name__}: {first_line}") from None
         working, kind = estimate, "estimated" if estimate is not None else "unknown"
         if peak is not None:
             working, kind = max(0, peak), "measured"
         if budget is not None and working is not None and working > budget:
-            raise _Skip("over budget")
+            raise Skip("over budget")
         if reference is not None:
-            _check_agreement(shape.dtype, reference, loss, grad_hidden)
-        return _Run(ms=ms, working_bytes=working, peak_kind=kind, loss=loss,
+            check_agreement(shape.dtype, reference, loss, grad_hidden)
+        return Run(ms=ms, working_bytes=working, peak_kind=kind, loss=loss,
                     grad_hidden=grad_hidden if reference is None else None)
 
     def _checked_time(self, workload: Workload, shape: TuneShape, inputs: WorkloadInputs) -> tuple[float, int | None]:
         """_time, measured again (up to MEASURE_ATTEMPTS times) while it is below MIN_FLOOR_RATIO x
         the floor or its repeats disagree. Of the plausible attempts the steadiest is kept (noise
-        alone discards nothing: the confirmation rounds guard the decisions); raises _Skip when no
+        alone discards nothing: the confirmation rounds guard the decisions); raises Skip when no
         attempt is plausible."""
         plausible: list[tuple[float, float, int | None]] = []
         problem = ""
@@ -411,7 +387,7 @@ class Tuner:
             if spread <= MAX_REPEAT_SPREAD:
                 break
         if not plausible:
-            raise _Skip("implausible timing", f"{problem}, {MEASURE_ATTEMPTS} times")
+            raise Skip("implausible timing", f"{problem}, {MEASURE_ATTEMPTS} times")
         _, ms, peak = min(plausible, key=lambda attempt: attempt[0])
         return ms, peak
 
@@ -421,38 +397,3 @@ class Tuner:
             return None
         with override_params(None, backend=self.space.backend):
             return dict(self.space.heuristic(shape))
-
-
-def _check_agreement(dtype: torch.dtype, reference: _Run, loss: float, grad_hidden: torch.Tensor | None) -> None:
-    """A candidate must compute what the heuristic computes: chunking may only reorder sums."""
-    rtol = _AGREEMENT_RTOL.get(dtype, _LOW_PRECISION_RTOL)
-    if not math.isfinite(loss) or abs(loss - reference.loss) > rtol * max(1.0, abs(reference.loss)):
-        raise _Skip("wrong result", f"loss {loss} vs heuristic {reference.loss}")
-    if grad_hidden is not None and reference.grad_hidden is not None:
-        ref = reference.grad_hidden.double()
-        error = float((grad_hidden.double() - ref).norm() / ref.norm().clamp_min(1e-30))
-        if not error <= rtol:
-            raise _Skip("wrong result", f"hidden gradient relative error {error:.2e} > {rtol:.0e}")
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _size(value: int | None) -> str:
-    if value is None:
-        return "unknown size"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if value >= scale:
-            return f"{value / scale:.1f} {unit}"
-    return f"{value} B"
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else float(f"{value:.4g}")
-
-
-def _params_text(params: Mapping[str, Scalar] | None) -> str:
-    if not params:
-        return "heuristic"
-    return " ".join(f"{k}={v}" for k, v in params.items())
