@@ -18,11 +18,14 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 
 from flce.autotune import locations
 from flce.autotune.schema import HEADER, Entry, SchemaError, ShapeKey, document_of, merge, parse_document
+
+T = TypeVar("T")
 
 try:
     import fcntl
@@ -306,17 +309,17 @@ def check_writable(path: Path) -> None:
         os.unlink(probe)
 
 
-def save_target(cache: str | os.PathLike | None = None, log: Callable[[str], None] = print) -> Path:
-    """Where a tune will write, checked before it measures: ``cache`` itself when given (an explicit
-    path is honoured or the tune fails), else the first writable of ``FLCE_AUTOTUNE_CACHE`` and the
-    user cache. Raises OSError when nothing can be written, NotACacheError for a foreign file."""
+def _first_writable(cache: str | os.PathLike | None, log: Callable[[str], None],
+                    attempt: Callable[[Path], T]) -> T:
+    """attempt(path) at ``cache`` alone when given, else at each of ``FLCE_AUTOTUNE_CACHE`` and the user
+    cache in turn until one does not raise OSError (saying so through ``log`` when one is skipped)."""
     targets = locations.write_targets(cache)
     if cache is not None:
         targets = targets[:1]
     failures = []
     for position, target in enumerate(targets):
         try:
-            check_writable(target.path)
+            return attempt(target.path)
         except OSError as exc:
             reason = exc.strerror or str(exc)
             failures.append(f"{target.path}: {reason}")
@@ -324,9 +327,18 @@ def save_target(cache: str | os.PathLike | None = None, log: Callable[[str], Non
                 following = targets[position + 1]
                 log(f"flce-autotune: cannot write {target.path} ({reason}); "
                     f"writing to {following.path} ({following.describe()}) instead")
-            continue
-        return target.path.expanduser().absolute()
     raise OSError(f"no writable autotune cache location ({'; '.join(failures)})")
+
+
+def save_target(cache: str | os.PathLike | None = None, log: Callable[[str], None] = print) -> Path:
+    """Where a tune will write, checked before it measures: ``cache`` itself when given (an explicit
+    path is honoured or the tune fails), else the first writable of ``FLCE_AUTOTUNE_CACHE`` and the
+    user cache. Raises OSError when nothing can be written, NotACacheError for a foreign file."""
+    def writable(path: Path) -> Path:
+        check_writable(path)
+        return path.expanduser().absolute()
+
+    return _first_writable(cache, log, writable)
 
 
 def save_entries(
@@ -336,23 +348,11 @@ def save_entries(
     of ``FLCE_AUTOTUNE_CACHE`` and the user cache, saying through ``log`` when a location is skipped
     or a bad cache file is moved aside. Raises OSError when no location can be written, and
     NotACacheError for a file that is not an flce cache."""
-    targets = locations.write_targets(cache)
-    if cache is not None:
-        targets = targets[:1]
-    failures = []
-    for position, target in enumerate(targets):
-        try:
-            result = update_file(target.path, entries)
-        except OSError as exc:
-            reason = exc.strerror or str(exc)
-            failures.append(f"{target.path}: {reason}")
-            if position + 1 < len(targets):
-                following = targets[position + 1]
-                log(f"flce-autotune: cannot write {target.path} ({reason}); "
-                    f"writing to {following.path} ({following.describe()}) instead")
-            continue
+    def update(path: Path) -> UpdateResult:
+        result = update_file(path, entries)
         if result.moved_aside is not None:
-            log(f"flce-autotune: {target.path} was not a usable cache ({result.problem}); "
+            log(f"flce-autotune: {path} was not a usable cache ({result.problem}); "
                 f"moved it to {result.moved_aside} and wrote a fresh one")
         return result
-    raise OSError(f"no writable autotune cache location ({'; '.join(failures)})")
+
+    return _first_writable(cache, log, update)
