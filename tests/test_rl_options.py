@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import make_inputs
 from test_distributed import Checker, assert_section, run_ranks
 
 import flce
@@ -53,16 +54,16 @@ def formula(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bi
     return out
 
 
-def inputs(generator: torch.Generator, shape: tuple[int, ...], hidden_size: int, vocab: int, dtype: torch.dtype,
-           bias: bool = False) -> dict[str, Any]:
-    def randn(*size: int, scale: float) -> torch.Tensor:
-        return (torch.randn(*size, generator=generator, dtype=torch.float64) * scale).to(dtype).requires_grad_()
-
+def inputs(generator: torch.Generator, shape: tuple[int, ...], hidden_size: int, vocab: int,
+           dtype: torch.dtype, bias: bool = False) -> dict[str, Any]:
+    """helpers.make_inputs (logits of std ~2, no ignored targets) as the keywords of a call, leaves requiring grad."""
+    hidden, weight, target, b = make_inputs(shape, hidden_size, vocab, dtype=dtype, bias=bias, ignore_fraction=0.0,
+                                            generator=generator)
     return {
-        "hidden": randn(*shape, hidden_size, scale=1.0),
-        "weight": randn(vocab, hidden_size, scale=2.0 / hidden_size**0.5),
-        "bias": randn(vocab, scale=0.3) if bias else None,
-        "target": torch.randint(0, vocab, shape, generator=generator),
+        "hidden": hidden.requires_grad_(),
+        "weight": weight.requires_grad_(),
+        "bias": None if b is None else b.requires_grad_(),
+        "target": target,
     }
 
 

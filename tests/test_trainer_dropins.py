@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import make_inputs
 from test_distributed import Checker, assert_section, run_ranks
 
 from flce.integrations import areal as flce_areal
@@ -119,17 +120,17 @@ def formula(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, b
     }
 
 
-def make_inputs(generator: torch.Generator, shape: tuple[int, ...], hidden_size: int, vocab: int,
-                dtype: torch.dtype, bias: bool = False) -> dict[str, torch.Tensor | None]:
-    """Logits of std ~2 (peaked enough that entropy and log-probs vary), labels in [0, V)."""
-    def randn(*size: int, scale: float) -> torch.Tensor:
-        return (torch.randn(*size, generator=generator, dtype=torch.float64) * scale).to(dtype).requires_grad_()
-
+def trainer_inputs(generator: torch.Generator, shape: tuple[int, ...], hidden_size: int, vocab: int,
+                   dtype: torch.dtype, bias: bool = False) -> dict[str, Any]:
+    """helpers.make_inputs (logits of std ~2, labels in [0, V)) under the trainers' keyword names,
+    leaves requiring grad."""
+    hidden, weight, target, b = make_inputs(shape, hidden_size, vocab, dtype=dtype, bias=bias, ignore_fraction=0.0,
+                                            generator=generator)
     return {
-        "hidden": randn(*shape, hidden_size, scale=1.0),
-        "weight": randn(vocab, hidden_size, scale=2.0 / hidden_size**0.5),
-        "bias": randn(vocab, scale=0.5) if bias else None,
-        "targets": torch.randint(0, vocab, shape, generator=generator),
+        "hidden": hidden.requires_grad_(),
+        "weight": weight.requires_grad_(),
+        "bias": None if b is None else b.requires_grad_(),
+        "targets": target,
     }
 
 
@@ -161,7 +162,7 @@ def test_verl_signature_is_verls() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_verl_matches_verls_torch_path(generator: torch.Generator, dtype: torch.dtype, temperature: float) -> None:
     verl_function = verl_torch_functional().FusedLinearForPPOFunction
-    inputs = make_inputs(generator, (2, 9), 48, 300, dtype)
+    inputs = trainer_inputs(generator, (2, 9), 48, 300, dtype)
     hidden, weight, labels = inputs["hidden"], inputs["weight"], inputs["targets"]
     upstream = (torch.randn(18, generator=generator, dtype=torch.float64),
                 torch.randn(18, generator=generator, dtype=torch.float64))
@@ -191,7 +192,7 @@ def test_verl_matches_verls_torch_path(generator: torch.Generator, dtype: torch.
 @pytest.mark.parametrize("reduction", ["sum", "mean", "MEAN"])
 def test_verl_reductions(generator: torch.Generator, reduction: str) -> None:
     verl_function = verl_torch_functional().FusedLinearForPPOFunction
-    inputs = make_inputs(generator, (14,), 32, 200, torch.float32)
+    inputs = trainer_inputs(generator, (14,), 32, 200, torch.float32)
     hidden, weight, labels = inputs["hidden"], inputs["weight"], inputs["targets"]
     upstream = (torch.randn((), generator=generator, dtype=torch.float64),
                 torch.randn(14, generator=generator, dtype=torch.float64))
@@ -207,7 +208,7 @@ def test_verl_reductions(generator: torch.Generator, reduction: str) -> None:
 
 def test_verl_ignored_labels(generator: torch.Generator) -> None:
     verl_function = verl_torch_functional().FusedLinearForPPOFunction
-    inputs = make_inputs(generator, (12,), 32, 150, torch.float32)
+    inputs = trainer_inputs(generator, (12,), 32, 150, torch.float32)
     hidden, weight, labels = inputs["hidden"], inputs["weight"], inputs["targets"]
     ignored = torch.zeros(12, dtype=torch.bool)
     ignored[[0, 5, 6, 11]] = True
@@ -241,7 +242,7 @@ def _rank_generator(name: str) -> torch.Generator:
 
 def _sharded_inputs(name: str, shard_sizes: tuple[int, ...], rank: int) -> dict[str, Any]:
     generator = _rank_generator(name)
-    full = make_inputs(generator, (3, 5), 32, sum(shard_sizes), torch.float32)
+    full = trainer_inputs(generator, (3, 5), 32, sum(shard_sizes), torch.float32)
     start = sum(shard_sizes[:rank])
     rows = slice(start, start + shard_sizes[rank])
     upstream = (torch.randn(15, generator=generator, dtype=torch.float64),
@@ -323,7 +324,7 @@ def test_areal_signatures() -> None:
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_areal_matches_formula(generator: torch.Generator, dtype: torch.dtype, temperature: float) -> None:
-    inputs = make_inputs(generator, (3, 7), 40, 260, dtype)
+    inputs = trainer_inputs(generator, (3, 7), 40, 260, dtype)
     hidden, weight, labels = inputs["hidden"], inputs["weight"], inputs["targets"]
     tol = FP64_TOL if dtype == torch.float64 else FP32_TOL
     upstream = (torch.randn(3, 7, generator=generator, dtype=torch.float64),
@@ -349,7 +350,7 @@ def test_areal_matches_formula(generator: torch.Generator, dtype: torch.dtype, t
 
 
 def test_areal_ignored_labels(generator: torch.Generator) -> None:
-    inputs = make_inputs(generator, (10,), 24, 90, torch.float32)
+    inputs = trainer_inputs(generator, (10,), 24, 90, torch.float32)
     hidden, weight, labels = inputs["hidden"], inputs["weight"], inputs["targets"]
     ignored = torch.arange(10) % 3 == 0
     logprobs, entropy, max_logits = flce_areal.linear_cross_entropy_logprobs_entropy(
@@ -394,7 +395,7 @@ def test_trl_matches_trls_function(trl_chunked: types.ModuleType, generator: tor
     has_bias = options.pop("bias", False)
     softcap, logit_scale = options.pop("softcap", None), options.pop("logit_scale", 1.0)
     temperature = options.pop("temperature")
-    inputs = make_inputs(generator, (20,), 48, 310, dtype, bias=has_bias)
+    inputs = trainer_inputs(generator, (20,), 48, 310, dtype, bias=has_bias)
     hidden, weight, bias, targets = inputs["hidden"], inputs["weight"], inputs["bias"], inputs["targets"]
     targets[:6] = _argmax_tokens(hidden[:6], weight, bias, logit_scale)
     params = [t for t in (hidden, weight, bias) if t is not None]
@@ -428,7 +429,7 @@ def test_trl_matches_trls_function(trl_chunked: types.ModuleType, generator: tor
 
 
 def test_trl_outputs_and_errors(trl_chunked: types.ModuleType, generator: torch.Generator) -> None:
-    inputs = make_inputs(generator, (8,), 16, 64, torch.float32)
+    inputs = trainer_inputs(generator, (8,), 16, 64, torch.float32)
     hidden, weight, targets = inputs["hidden"], inputs["weight"], inputs["targets"]
     args = (hidden, weight, None, targets, 1.0, 16)
     for outputs in [("log_probs",), ("entropy",), ("is_top1", "log_sum_sq_probs")]:
