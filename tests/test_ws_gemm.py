@@ -19,7 +19,8 @@ import torch
 _COMPILE = """
 import json, sys
 from flce.backends.cuda.ws_gemm_ops import compile_for_hopper
-compiled = compile_for_hopper(sys.argv[1] == "1", sys.argv[2] == "1", row_stats=sys.argv[3] == "1")
+a_mmajor, b_kmajor, row_stats, store_tile, accumulate = (flag == "1" for flag in sys.argv[1:])
+compiled = compile_for_hopper(a_mmajor, b_kmajor, row_stats=row_stats, store_tile=store_tile, accumulate=accumulate)
 sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}))
 """
 
@@ -27,11 +28,12 @@ sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.meta
 LAYOUTS = {"logits": (False, True), "grad_hidden": (False, False), "grad_weight": (True, False)}
 
 
-def _compile(a_mmajor: bool, b_kmajor: bool, row_stats: bool) -> dict:
+def _compile(a_mmajor: bool, b_kmajor: bool, row_stats: bool, store_tile: bool = False,
+             accumulate: bool = False) -> dict:
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    flags = [str(int(f)) for f in (a_mmajor, b_kmajor, row_stats)]
+    flags = [str(int(f)) for f in (a_mmajor, b_kmajor, row_stats, store_tile, accumulate)]
     done = subprocess.run([sys.executable, "-c", _COMPILE, *flags], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -64,6 +66,34 @@ def test_ws_row_stats_compiles_for_hopper() -> None:
     assert "cp.async.bulk.tensor.2d.global.shared::cta" not in ptx
     assert "ex2.approx" in ptx
     assert "bar.sync \t0, 256" not in ptx and "bar.sync \t2, 128" in ptx
+
+
+_TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+_TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
+
+
+def test_ws_gemm_accumulate_compiles_for_hopper() -> None:
+    """grad_weight += G.T @ x: besides A and B, C's tile comes in by TMA (one more expect-tx barrier
+    wait, in the main loop), and goes out by the TMA store as before."""
+    plain = _compile(*LAYOUTS["grad_weight"], row_stats=False)["ptx"]
+    result = _compile(*LAYOUTS["grad_weight"], row_stats=False, accumulate=True)
+    ptx = result["ptx"]
+    assert ptx.count(_TMA_LOAD) > plain.count(_TMA_LOAD)  # C's fetch
+    assert ptx.count("mbarrier.arrive.expect_tx") > plain.count("mbarrier.arrive.expect_tx")
+    assert _TMA_STORE in ptx and "cp.async.bulk.wait_group.read \t0" in ptx
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 8
+    assert result["shared"] <= 227 * 1024
+
+
+def test_ws_row_stats_storing_logits_compiles_for_hopper() -> None:
+    """The forward that keeps the logits: the statistics kernel plus a TMA store of each tile from
+    the shared buffer its statistics chunks read."""
+    result = _compile(False, True, row_stats=True, store_tile=True)
+    ptx = result["ptx"]
+    assert _TMA_STORE in ptx and "fence.proxy.async.shared::cta" in ptx
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
+    assert "ex2.approx" in ptx and "bar.sync \t0, 256" not in ptx
+    assert result["shared"] <= 227 * 1024
 
 
 def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -100,6 +130,95 @@ def test_ws_gemm_products_match_float64(tokens: int, hidden: int, vocab: int) ->
         assert _rel(out, ref) < 1e-2, name
         fresh = fn(*args)  # allocates its own (padded) output
         assert fresh.shape == shape and _rel(fresh, ref) < 1e-2, name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32001), (2048, 4096, 1000), (70, 512, 520)])
+def test_ws_gemm_accumulates_like_addmm(tokens: int, hidden: int, vocab: int) -> None:
+    """grad_weight += G.T @ x in the kernel: the sum of the old values and the product, rounded once,
+    checked against float64 (and never the product alone, nor the old values alone)."""
+    from flce.backends.cuda.ws_gemm_ops import padded_empty, ws_matmul, ws_supported
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    g = padded_empty(tokens, vocab, torch.bfloat16, x.device).normal_()
+    if not ws_supported(g.T, x):
+        pytest.skip(f"ws_matmul needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    out = padded_empty(vocab, hidden, torch.bfloat16, x.device).normal_(std=30.0)
+    before = out.double()
+    product = _reference(g.T, x)
+    assert ws_matmul(g.T, x, out, accumulate=True) is out
+    assert _rel(out, before + product) < 1e-2
+    assert _rel(out, product) > 0.1 and _rel(out, before) > 0.1  # both terms are in the sum
+    with pytest.raises(ValueError, match="accumulate=True needs the out tensor"):
+        ws_matmul(g.T, x, accumulate=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32000), (130, 4096, 520)])
+def test_ws_row_stats_writes_the_logits(tokens: int, hidden: int, vocab: int) -> None:
+    """With logits_out the statistics kernel also stores every logits tile (no tile left unwritten:
+    the buffer starts as NaN), and the statistics are those of the stored logits."""
+    from flce.backends.cuda.ws_gemm_ops import padded_empty, ws_row_stats, ws_supported
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device="cuda") * 3 / hidden ** 0.5).to(torch.bfloat16)
+    if not ws_supported(x, w.T):
+        pytest.skip(f"ws_row_stats needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    logits = padded_empty(tokens, vocab, torch.bfloat16, x.device).fill_(float("nan"))
+    row_max, sum_exp, target_z = ws_row_stats(x, w, target, logits_out=logits)
+    assert _rel(logits, _reference(x, w.T)) < 1e-2
+    z = logits.double()
+    # The kernel keeps the max in base 2 (z * log2 e) and converts back: fp32 rounding, no more.
+    torch.testing.assert_close(row_max.double(), z.max(1).values, rtol=1e-6, atol=0)
+    torch.testing.assert_close((row_max.double() + sum_exp.double().log()), torch.logsumexp(z, 1),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(target_z.double(), z.gather(1, target[:, None])[:, 0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="logits_out"):
+        ws_row_stats(x, w, target, logits_out=torch.empty(tokens, vocab + 1, device="cuda", dtype=x.dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("hidden,vocab", [(1024, 32000), (2048, 151936)])
+def test_ws_training_through_flce_matches_float64(hidden: int, vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flce's training call on Hopper: each chunk's logits from the ws statistics GEMM (which keeps
+    them; the default), the gradient products on the ws GEMM (the grad_gemm_kernel knob; grad_weight
+    accumulated over several chunks), all counted; the loss and both gradients within 1.5x of eager
+    bf16's error against float64."""
+    from helpers import lm_head_inputs
+
+    import flce
+    from flce.autotune import override_params
+    from flce.backends.cuda import ops
+    from flce.testing import reference_loss
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the ws kernel needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    stats_calls, gemm_calls = [], []
+    real_stats, real_gemm = ops.ws_partial_row_stats, ops.ws_matmul
+    monkeypatch.setattr(ops, "ws_partial_row_stats",
+                        lambda *a, **k: stats_calls.append(a[4] is not None) or real_stats(*a, **k))
+    monkeypatch.setattr(ops, "ws_matmul", lambda *a, **k: gemm_calls.append(k["accumulate"]) or real_gemm(*a, **k))
+    x, w, _, t = lm_head_inputs(3000, hidden, vocab, torch.bfloat16, "cuda", with_bias=False)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    budget = 1024 * vocab * 2  # 1024-row chunks: three of them, the last partial
+    with override_params({"grad_gemm_kernel": "warp_specialized"}, backend="cuda"):
+        loss = flce.linear_cross_entropy(x, w, t, memory_budget=budget)
+        gx, gw = torch.autograd.grad(loss, (x, w))
+    assert stats_calls == [True] * 3, "every chunk's logits come from the ws statistics GEMM"
+    assert gemm_calls == [False, False, False, True, False, True], "G @ W per chunk, G.T @ x accumulated"
+    xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    ref = reference_loss(xd, wd, t)
+    ref_gx, ref_gw = torch.autograd.grad(ref, (xd, wd))
+    xe, we = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    eager = torch.nn.functional.cross_entropy((xe @ we.t()).float(), t)
+    eager_gx, eager_gw = torch.autograd.grad(eager, (xe, we))
+    for name, got, want, base in (("loss", loss, ref, eager), ("grad_hidden", gx, ref_gx, eager_gx),
+                                  ("grad_weight", gw, ref_gw, eager_gw)):
+        err = float((got.double() - want).norm() / want.norm())
+        eager_err = float((base.double() - want).norm() / want.norm())
+        assert err <= 1.5 * eager_err + 1e-6, (name, err, eager_err)
 
 
 @pytest.mark.cuda
@@ -147,8 +266,8 @@ def test_ws_row_stats_plain_loss_matches_float64(tokens: int, hidden: int, vocab
 
 def test_ws_stats_eligibility_is_the_plain_statistics() -> None:
     """Only what the ws kernel computes goes to it: a bias, softcap, temperature, class weights,
-    entropy, label smoothing, argmax or kept logits keep the fused Triton GEMM (and CPU tensors
-    never qualify)."""
+    entropy, label smoothing, argmax, or kept logits a TMA store cannot write keep the fused Triton
+    GEMM (and CPU tensors never qualify)."""
     from flce.backends.cuda.ws_gemm_ops import ws_stats_eligible
     from flce.config import LCEConfig
 
@@ -163,7 +282,10 @@ def test_ws_stats_eligibility_is_the_plain_statistics() -> None:
                     LCEConfig(label_smoothing=0.1), LCEConfig(return_token_accuracy=True)):
             assert not ws_stats_eligible(x, w, None, cfg, None), cfg
         assert not ws_stats_eligible(x, w, torch.zeros(32, device="cuda", dtype=torch.bfloat16), LCEConfig(), None)
-        assert not ws_stats_eligible(x, w, None, LCEConfig(), torch.empty(8, 32, device="cuda", dtype=x.dtype))
+        assert ws_stats_eligible(x, w, None, LCEConfig(), torch.empty(8, 32, device="cuda", dtype=x.dtype))
+        unaligned = torch.empty(8, 33, device="cuda", dtype=x.dtype)[:, :32].T.contiguous().T  # column-major
+        assert not ws_stats_eligible(x, w, None, LCEConfig(), unaligned)
+        assert not ws_stats_eligible(x, w, None, LCEConfig(), torch.empty(8, 32, device="cuda"))  # fp32 logits
 
 
 @pytest.mark.cuda

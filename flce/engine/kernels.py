@@ -52,6 +52,10 @@ class RowKernels(Protocol):
         """d loss / d u for raw logits u (semantics.py's formula, chained through cap and T),
         written over logits (returned)."""
 
+    def matmul_(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+        """out = a @ b (accumulate: out += a @ b) for operands in out's dtype, fp32 sums rounded once:
+        the gradient products G @ W and G.T @ x. rows.torch_matmul_ where the backend has no faster GEMM."""
+
     def accumulate_fp32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """acc += a @ b with fp32 accumulation, for low-precision a and b, without a full-size temporary."""
 

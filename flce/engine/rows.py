@@ -69,6 +69,15 @@ def block_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return gemm_logits(hidden, w, None if bias is None else bias[cols], buffer.view(hidden.shape[0], w.shape[0]))
 
 
+def torch_matmul_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """out = a @ b, or out += a @ b with ``accumulate``, by torch (cuBLAS on CUDA): fp32 sums rounded
+    once to out's dtype. What RowKernels.matmul_ does on a backend without a GEMM of its own."""
+    if accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
+
+
 class GradAccumulator:
     """Turns each chunk's grad-logits into grad_hidden rows and grad_weight / grad_bias sums."""
 
@@ -95,14 +104,12 @@ class GradAccumulator:
         # fp32 gradients of precision="accurate" enter the GEMMs as 16-bit operands.
         grad_logits = grad_logits.to(self.flat.weight.dtype)
         if self.grad_hidden is not None:
-            torch.mm(grad_logits, self.flat.weight, out=self.grad_hidden[rows])
+            self.kernels.matmul_(grad_logits, self.flat.weight, self.grad_hidden[rows], False)
         if self.weight_acc is not None:
             if self.weight_acc.dtype != grad_logits.dtype:
                 self.kernels.accumulate_fp32_(self.weight_acc, grad_logits.t(), x_rows)
-            elif self.weight_written:
-                self.weight_acc.addmm_(grad_logits.t(), x_rows)
             else:
-                torch.mm(grad_logits.t(), x_rows, out=self.weight_acc)
+                self.kernels.matmul_(grad_logits.t(), x_rows, self.weight_acc, self.weight_written)
                 self.weight_written = True
 
     def result(self) -> Grads:

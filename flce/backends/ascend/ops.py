@@ -26,6 +26,7 @@ import torch
 
 from flce.config import LCEConfig
 from flce.engine.memory import total_memory_bytes
+from flce.engine.rows import torch_matmul_
 from flce.semantics import (
     GradCoefficients,
     PartialRowStats,
@@ -332,6 +333,9 @@ class AscendChunkKernels:
             tensor, scale.float().reshape(()), n, WIDE_OFFSETS=n >= INT32_LIMIT, BLOCK=block,
         )
         return tensor
+
+    def matmul_(self, a, b, out, accumulate) -> None:
+        torch_matmul_(a, b, out, accumulate)
 
     def accumulate_fp32_(self, acc, a, b) -> None:
         # Each block's GEMM runs in the operands' dtype on the cube units (fp32 sums inside) and is

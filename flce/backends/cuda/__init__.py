@@ -37,21 +37,24 @@ def _supports(cfg: LCEConfig, dtype: torch.dtype, hidden_size: int, vocab: int) 
     return True, "supported"
 
 
-_default_kernels = None
+# The kernels of calls the cache holds nothing for, one object per gradient-GEMM choice.
+_default_kernels: dict = {}
 
 
 def _plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequest) -> EngineCall:
     """The kernels (with the cache's tuned launches and tiles) and the plan for one call."""
     from flce.backends.cuda.ops import TritonChunkKernels
-    from flce.backends.cuda.plan import WARP_SPECIALIZED, plan_chunks, tuned_knobs
+    from flce.backends.cuda.plan import DEFAULT_GRAD_GEMM_KERNEL, WARP_SPECIALIZED, plan_chunks, tuned_knobs
 
-    global _default_kernels
     tuned = tuned_knobs(flat, variant)
+    grad_gemm_kernel = tuned.grad_gemm_kernel or DEFAULT_GRAD_GEMM_KERNEL
     if tuned.launch is None and tuned.gemm is None and tuned.stats_kernel is None:
-        _default_kernels = _default_kernels or TritonChunkKernels()
-        kernels = _default_kernels
+        kernels = _default_kernels.get(grad_gemm_kernel)
+        if kernels is None:
+            kernels = _default_kernels[grad_gemm_kernel] = TritonChunkKernels(grad_gemm_kernel=grad_gemm_kernel)
     else:
-        kernels = TritonChunkKernels(tuned.launch, tuned.gemm, tuned.stats_kernel or WARP_SPECIALIZED)
+        kernels = TritonChunkKernels(tuned.launch, tuned.gemm, tuned.stats_kernel or WARP_SPECIALIZED,
+                                     grad_gemm_kernel)
     return EngineCall(kernels=kernels, cfg=cfg, plan=plan_chunks(flat, cfg, request, tuned),
                       plain=variant == "plain", token_shape=flat.token_shape)
 

@@ -16,9 +16,11 @@ from triton.runtime.errors import PTXASError
 from flce.backends.cuda import kernels
 from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_grad, gemm_row_stats
 from flce.backends.cuda.plan import MAX_BLOCK_V, WARP_SPECIALIZED, LaunchParams, fallback_scan_block
-from flce.backends.cuda.ws_gemm_ops import ws_partial_row_stats, ws_stats_eligible
+from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_matmul_supported, ws_partial_row_stats, ws_stats_eligible
 from flce.config import LCEConfig
 from flce.engine.all_rows import scan_vocab_blocks
+from flce.engine.plans import CUBLAS
+from flce.engine.rows import torch_matmul_
 from flce.semantics import GradCoefficients, PartialRowStats
 
 _SCALE_BLOCK = 8192
@@ -47,13 +49,28 @@ class TritonChunkKernels:
     """The chunk kernels of the CUDA backend (also run by the Triton interpreter on CPU tensors).
     ``launch``: tuned block size and warps, else a heuristic per launch; ``gemm``: tuned tiles of
     the fused GEMM, else :func:`default_gemm_config`; ``stats_kernel``: the fused statistics GEMM's
-    kernel, "warp_specialized" (ws_gemm_ops, where it applies) or "triton" (gemm_ops)."""
+    kernel, "warp_specialized" (ws_gemm_ops, where it applies) or "triton" (gemm_ops);
+    ``grad_gemm_kernel``: the gradient products' GEMM (matmul_), "warp_specialized" or "cublas"."""
 
     def __init__(self, launch: LaunchParams | None = None, gemm: GemmConfig | None = None,
-                 stats_kernel: str = WARP_SPECIALIZED) -> None:
+                 stats_kernel: str = WARP_SPECIALIZED, grad_gemm_kernel: str = CUBLAS) -> None:
         self.launch = launch
         self.gemm = gemm
         self.stats_kernel = stats_kernel
+        self.grad_gemm_kernel = grad_gemm_kernel
+
+    def matmul_(self, a, b, out, accumulate) -> None:
+        key = ("ws_gemm", a.device, a.dtype)
+        if (self.grad_gemm_kernel == WARP_SPECIALIZED and key not in _failed_gemm_configs
+                and ws_matmul_supported(a, b, out)):
+            try:
+                ws_matmul(a, b, out, accumulate=accumulate)
+                return
+            except (triton.CompilationError, triton.OutOfResources, PTXASError) as error:
+                _failed_gemm_configs.add(key)
+                _log.warning("flce: the warp-specialised GEMM failed on %s %s (%s); the gradient products use "
+                             "cuBLAS instead", a.device, a.dtype, error)
+        torch_matmul_(a, b, out, accumulate)
 
     def gemm_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,
                        logits_out=None) -> PartialRowStats:
@@ -63,7 +80,7 @@ class TritonChunkKernels:
             # Hopper, plain statistics: the warp-specialised Gluon GEMM (0.94-1.02x one cuBLAS GEMM
             # against 1.01-1.07x for gemm_row_stats; docs/ws_gemm_notes.md).
             try:
-                return ws_partial_row_stats(hidden, weight, target, vocab_offset)
+                return ws_partial_row_stats(hidden, weight, target, vocab_offset, logits_out)
             except (triton.CompilationError, triton.OutOfResources, PTXASError) as error:
                 _failed_gemm_configs.add(ws_key)
                 _log.warning("flce: the warp-specialised forward kernel failed on %s %s (%s); using the fused "

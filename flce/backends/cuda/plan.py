@@ -19,6 +19,7 @@ from flce.engine.memory import MiB, default_logits_save_limit, logits_save_limit
 from flce.engine.plans import CUBLAS, FUSED, GEMM_PATHS, AllRows, Plan, PlanRequest, TokenChunks, VocabBlocks
 from flce.engine.rows import logits_bytes_per_row, logits_dtype
 from flce.inputs import FlatInputs
+from flce.semantics import needs_argmax, needs_expected_z, needs_weighted_sum_z
 
 # Default working memory of one chunk's logits when gradients are computed. Larger chunks mean fewer
 # read-modify-writes of the V x H weight gradient (one per chunk); this keeps the default call
@@ -36,6 +37,13 @@ ROW_MULTIPLE = 256
 # Triton GEMM on the H200 and H100, docs/ws_gemm_notes.md), else the Triton GEMM.
 WARP_SPECIALIZED = "warp_specialized"
 STATS_KERNELS = (WARP_SPECIALIZED, "triton")
+# The gradient products G @ W and G.T @ x (knob grad_gemm_kernel): the warp-specialised GEMM (with the
+# weight gradient's read-modify-write fetched during its main loop) or cuBLAS. cuBLAS by default: on the
+# H100 the ws products made the default call slower (1.24-1.26x the floor against 1.15-1.18x at
+# 16384x2048x151936; its accumulating G.T @ x of one chunk 7% slower than cuBLAS's addmm, and G @ W of a
+# 1536-row chunk has 96 tiles for 132 SMs; docs/ws_gemm_notes.md). flce-autotune measures both on Hopper.
+GRAD_GEMM_KERNELS = (WARP_SPECIALIZED, CUBLAS)
+DEFAULT_GRAD_GEMM_KERNEL = CUBLAS
 # Widest row-kernel block a tuned launch may ask for.
 MAX_BLOCK_V = 4096
 
@@ -66,6 +74,7 @@ class TunedKnobs:
     grad_vocab_block: int | None = None
     gemm: GemmConfig | None = None
     stats_kernel: str | None = None
+    grad_gemm_kernel: str | None = None
 
 
 def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
@@ -86,18 +95,22 @@ def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
             1, 2, 4, 8, 16, 32):
         launch = LaunchParams(block_v=block_v, num_warps=num_warps)
 
-    def path(name: str) -> str | None:
+    def choice(name: str, allowed: tuple[str, ...]) -> str | None:
         value = params.get(name)
-        return value if value in GEMM_PATHS else None
+        return value if value in allowed else None
+
+    def path(name: str) -> str | None:
+        return choice(name, GEMM_PATHS)
 
     return TunedKnobs(tokens_per_chunk=positive_int("tokens_per_chunk"), launch=launch,
                       logits_save_limit=limit if isinstance(limit, int) and limit >= 0 else None,
                       forward_stats=path("forward_stats"), forward_logits=path("forward_logits"),
                       backward_grad=path("backward_grad"),
                       gemm=GemmConfig.from_params(params),
-                      grad_schedule=params["grad_schedule"] if params.get("grad_schedule") in GRAD_SCHEDULES else None,
+                      grad_schedule=choice("grad_schedule", GRAD_SCHEDULES),
                       grad_vocab_block=positive_int("grad_vocab_block"),
-                      stats_kernel=params["stats_kernel"] if params.get("stats_kernel") in STATS_KERNELS else None)
+                      stats_kernel=choice("stats_kernel", STATS_KERNELS),
+                      grad_gemm_kernel=choice("grad_gemm_kernel", GRAD_GEMM_KERNELS))
 
 
 # Below this many tokens the fused forward has few row blocks to spread over the SMs and its fixed
@@ -141,6 +154,28 @@ def fused_grad_default(flat: FlatInputs) -> bool:
             and w.shape[1] % 8 == 0 and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
+def hopper_16bit(device: torch.device, dtype: torch.dtype, hidden: int, vocab: int) -> bool:
+    """sm_90 with 16-bit operands whose rows (H) and logits rows (V) are 16-byte aligned: where the
+    warp-specialised GEMM takes every product of the loss."""
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and vocab % 8 == 0
+            and hidden % 8 == 0 and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def ws_statistics_apply(cfg: LCEConfig, has_bias: bool) -> bool:
+    """What the warp-specialised statistics epilogue computes: plain logits (no bias, softcap,
+    temperature or class weights) and the plain loss's statistics only."""
+    return (not has_bias and cfg.softcap is None and cfg.temperature == 1.0 and cfg.class_weight is None
+            and not (needs_expected_z(cfg) or needs_weighted_sum_z(cfg) or needs_argmax(cfg)))
+
+
+def ws_forward_logits_default(flat: FlatInputs, cfg: LCEConfig) -> bool:
+    """Where the cache says nothing: each token chunk's logits from the warp-specialised statistics
+    GEMM, which also writes them, where it applies on Hopper."""
+    vocab, hidden = flat.weight.shape
+    return (ws_statistics_apply(cfg, flat.bias is not None)
+            and hopper_16bit(flat.hidden.device, flat.weight.dtype, hidden, vocab))
+
+
 def fallback_scan_block(n_rows: int, element_size: int) -> int:
     """Columns per block of the row-kernel scan that stands in for a fused statistics GEMM that
     failed to compile: the inference budget's blocks, never narrower than MIN_VOCAB_BLOCK."""
@@ -174,7 +209,10 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest, tuned: T
     else:
         tokens = chunk_rows(n_rows, max_rows)
     fused_stats = fused_forward_default(flat) if tuned.forward_stats is None else tuned.forward_stats == FUSED
-    forward_logits = tuned.forward_logits if tuned.forward_logits is not None else CUBLAS
+    if tuned.forward_logits is not None:
+        forward_logits = tuned.forward_logits
+    else:
+        forward_logits = fused_path(ws_forward_logits_default(flat, cfg))
     if cfg.return_logit_stats:
         # The fused statistics GEMM keeps no row min or sum of z; the row-kernel scan does.
         fused_stats, forward_logits = False, CUBLAS

@@ -3,8 +3,10 @@ and under a memory budget the two lean schedules at the largest size that fits."
 
 from __future__ import annotations
 
+import torch
+
 from flce.autotune.spaces import TuneShape, TuningSpace, chunk_candidates, register_tuning_space
-from flce.engine.plans import CUBLAS, GEMM_PATHS
+from flce.engine.plans import CUBLAS, FUSED, GEMM_PATHS
 
 # The space is registered when the backend is (at `import flce`); what it reads from the launchers
 # and the planner, which import triton, is imported when the tuner first asks.
@@ -12,17 +14,23 @@ from flce.engine.plans import CUBLAS, GEMM_PATHS
 
 def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
     """Chunk rows x row-kernel launches on the cuBLAS forward, and chunk rows x fused-GEMM tiles with
-    the chunk's statistics and logits from the fused forward (forward_logits)."""
+    the chunk's statistics and logits from the fused Triton forward (forward_logits). On Hopper also
+    the warp-specialised forward (which also writes the logits), and each forward's gradient
+    products on cuBLAS and on the warp-specialised GEMM (grad_gemm_kernel)."""
     from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config
+    from flce.backends.cuda.plan import GRAD_GEMM_KERNELS, WARP_SPECIALIZED, hopper_16bit
 
     launches = [(4096, 8)] if quick else [(4096, 8), (4096, 16), (2048, 8)]
     tiles = [default_gemm_config(shape.device, shape.dtype)]
     if not quick:
         tiles += [GemmConfig(128, 256, 64, 16, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4)]
     rows = chunk_candidates(shape.tokens, quick, smallest=512)
-    return ([{"tokens_per_chunk": n, "block_v": block_v, "num_warps": warps}
-             for n in rows for block_v, warps in launches]
-            + [{"tokens_per_chunk": n, "forward_logits": "fused", **t.as_params()} for n in rows for t in tiles])
+    forwards = ([{"forward_logits": CUBLAS, "block_v": block_v, "num_warps": warps} for block_v, warps in launches]
+                + [{"forward_logits": FUSED, "stats_kernel": "triton", **t.as_params()} for t in tiles])
+    if hopper_16bit(torch.device(shape.device), shape.dtype, shape.hidden, shape.vocab):
+        forwards.append({"forward_logits": FUSED, "stats_kernel": WARP_SPECIALIZED})
+        forwards = [dict(f, grad_gemm_kernel=kernel) for f in forwards for kernel in GRAD_GEMM_KERNELS]
+    return [{"tokens_per_chunk": n, **forward} for n in rows for forward in forwards]
 
 
 def _tuning_budget_candidates(shape: TuneShape, budget: int) -> list[dict]:
@@ -59,12 +67,15 @@ def _tuning_heuristic(shape: TuneShape) -> dict:
     call). The gradient schedule is left out: the planner picks it per call from the budget."""
     from flce.backends.cuda.gemm_ops import default_gemm_config
     from flce.backends.cuda.ops import launch_params
-    from flce.backends.cuda.plan import DEFAULT_CHUNK_BUDGET, chunk_rows
+    from flce.backends.cuda.plan import DEFAULT_CHUNK_BUDGET, DEFAULT_GRAD_GEMM_KERNEL, chunk_rows, hopper_16bit
 
     row_bytes = shape.vocab * shape.dtype.itemsize
     launch = launch_params(shape.vocab)
+    hopper = hopper_16bit(torch.device(shape.device), shape.dtype, shape.hidden, shape.vocab)
     return {"tokens_per_chunk": chunk_rows(shape.tokens, max(1, DEFAULT_CHUNK_BUDGET // row_bytes)),
-            "block_v": launch.block_v, "num_warps": launch.num_warps, "forward_logits": CUBLAS,
+            "block_v": launch.block_v, "num_warps": launch.num_warps,
+            # a plain training call's defaults (plan.ws_forward_logits_default)
+            "forward_logits": FUSED if hopper else CUBLAS, "grad_gemm_kernel": DEFAULT_GRAD_GEMM_KERNEL,
             **default_gemm_config(shape.device, shape.dtype).as_params()}
 
 

@@ -23,6 +23,11 @@ Partitions (``gl.warp_specialize``):
   the last step the accumulator goes to bf16 in shared memory and out by a TMA store that runs on
   while the next tile's main loop starts; the store buffer is only waited on at the next epilogue.
 
+ACCUMULATE (C += A @ B, the weight gradient summed over token chunks): each warpgroup's C half tile
+is fetched by TMA into its store buffer a few K steps into the tile's main loop (by then the previous
+tile's store has left the buffer), so the read half of the read-modify-write overlaps the wgmma
+instead of stalling the epilogue; the epilogue adds it to the accumulator in fp32 and rounds once.
+
 Tile order: persistent programs (one per SM) take tiles ``pid, pid + programs, ...`` of a grouped
 order (GROUP_M row blocks x all column blocks), so the ~132 tiles in flight at one time share a few
 A row blocks and B column blocks in L2.
@@ -114,6 +119,11 @@ def _retire_step(empty, acc, step, kk):
     return acc
 
 
+# ACCUMULATE: the K step at which C's tile is fetched. Step 0 would wait on the previous tile's store
+# (issued just before); two steps on it has long left the buffer, and the fetch still has the rest of
+# the main loop to land.
+ACCUMULATE_PREFETCH_STEP = gl.constexpr(2)
+
 # Row statistics: a warpgroup's [64, 256] bf16 half tile is reduced in 16 chunks of 16 rows x 64
 # columns (row block r = chunk // 4, column quarter q = chunk % 4), small enough for one chunk to hide
 # under one K step's wgmma (~1000 cycles for the two warpgroups).
@@ -170,20 +180,27 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
 
 
 @gluon.jit
-def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, WG: gl.constexpr,
-                        A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
+def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs,
+                        WG: gl.constexpr, A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                        ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr):
+                        ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr, STORE_TILE: gl.constexpr,
+                        ACCUMULATE: gl.constexpr):
     """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
 
     Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
     operations span its own 4 warps only; the two warpgroups meet only at ``empty`` (count 2).
 
-    ROW_STATS: the tile goes to shared memory as bf16 (the logits PyTorch would materialise) and is
+    ROW_STATS: the tile goes to shared memory in the inputs' dtype (the logits PyTorch would materialise) and is
     reduced to statistics in STATS_CHUNKS chunks. With INTERLEAVE (at least STATS_CHUNKS K steps a
     tile) one chunk runs during each of the program's next tile's first K steps, while that step's
     wgmma runs, so the exp2s and reductions overlap the tensor cores; the last tile's chunks, and
-    every tile's without INTERLEAVE, run right after its main loop."""
+    every tile's without INTERLEAVE, run right after its main loop. STORE_TILE: the tile in shared
+    memory also goes out by a TMA store (the logits a later row kernel turns into the
+    gradient), which reads the buffer beside the statistics chunks and is waited on only before the
+    next tile overwrites it.
+
+    ACCUMULATE (not with ROW_STATS): C's half tile is fetched into tile_smem at K step
+    ACCUMULATE_PREFETCH_STEP (``c_ready[WG]`` completes one phase a tile) and added in the epilogue."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -199,8 +216,11 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, s
     step = 0  # K steps consumed so far over all of this program's tiles: the ring position
     prev_m = -1  # ROW_STATS: first row and column tile of the tile waiting in tile_smem (-1: none)
     prev_n = 0
+    tiles_done = 0  # ACCUMULATE: the phase of c_ready this tile's C fetch completes
+    prefetch_at = gl.minimum(ACCUMULATE_PREFETCH_STEP, k_steps - 1)
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M + WG * HALF_M
         acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
         first = 0
         if ROW_STATS and INTERLEAVE:
@@ -213,16 +233,26 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, s
             first = STATS_CHUNKS
         for kk in range(first, k_steps):
             acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, kk, WG, A_MMAJOR, B_KMAJOR, HALF_M)
+            if ACCUMULATE:
+                if kk == prefetch_at:
+                    tma.store_wait(0)  # the previous tile's store has left tile_smem (long since)
+                    mbarrier.expect(c_ready.index(WG), c_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(c_desc, [off_m, pid_n * BLOCK_N], c_ready.index(WG), tile_smem)
             acc = _retire_step(empty, acc, step, kk)
             step += 1
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k_steps > 0)
-        off_m = pid_m * BLOCK_M + WG * HALF_M
         if ROW_STATS:
-            out = acc.to(gl.bfloat16)
+            out = acc.to(tile_smem.dtype)
+            if STORE_TILE:
+                tma.store_wait(0)  # the previous tile's logits store has left tile_smem
             gl.thread_barrier()  # every warp of this warpgroup has read the previous tile's chunks
             tile_smem.store(out)
+            if STORE_TILE:
+                fence_async_shared()
             gl.thread_barrier()  # the whole half tile is stored before any warp reads a chunk
+            if STORE_TILE:
+                tma.async_copy_shared_to_global(c_desc, [off_m, pid_n * BLOCK_N], tile_smem)
             if INTERLEAVE:
                 prev_m = off_m
                 prev_n = pid_n
@@ -231,17 +261,22 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, s
                     carry = _stats_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, part_max_ptr,
                                          part_sum_ptr, target_ptr, target_z_ptr, BLOCK_N)
         else:
+            if ACCUMULATE:
+                mbarrier.wait(c_ready.index(WG), tiles_done & 1)
+                acc = acc + tile_smem.load(acc_layout).to(gl.float32)
+                gl.thread_barrier()  # every warp has read C before any overwrites it
             out = acc.to(c_desc.dtype)
             tma.store_wait(0)  # the previous tile's store has left tile_smem
             tile_smem.store(out)
             fence_async_shared()
             tma.async_copy_shared_to_global(c_desc, [off_m, pid_n * BLOCK_N], tile_smem)
+        tiles_done += 1
     if ROW_STATS:
         if INTERLEAVE:
             for c in gl.static_range(STATS_CHUNKS):
                 carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, part_max_ptr,
                                      part_sum_ptr, target_ptr, target_z_ptr, BLOCK_N)
-    else:
+    if STORE_TILE or not ROW_STATS:
         tma.store_wait(0)
 
 
@@ -250,12 +285,14 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr,
+                    STORE_TILE: gl.constexpr, ACCUMULATE: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
     """C = A @ B, or with ROW_STATS C's row statistics (_stats_chunk, BLOCK_N a multiple of 64); grid = (persistent
     programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
     warp are workers). a_desc block [BLOCK_M, BLOCK_K] (or [BLOCK_K, BLOCK_M] with A_MMAJOR);
     b_desc [BLOCK_N, BLOCK_K] with B_KMAJOR (or [BLOCK_K, BLOCK_N]); c_desc [BLOCK_M / 2, BLOCK_N],
-    one warpgroup's half tile (None with ROW_STATS).
+    one warpgroup's half tile (with ROW_STATS: the logits' descriptor under STORE_TILE, else None).
+    ACCUMULATE: C += A @ B (C read through c_desc; not with ROW_STATS).
 
     ROW_STATS only (unused otherwise; INTERLEAVE needs >= STATS_CHUNKS K steps a tile):
     part_max_ptr, part_sum_ptr  [cdiv(N, BLOCK_N), M] fp32 partials
@@ -268,23 +305,28 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
     # The output tile, one half per consumer warpgroup: read by the TMA store, or (ROW_STATS, bf16)
     # by the consumers' statistics chunks.
-    if ROW_STATS:
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], gl.bfloat16)
-        c_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, BLOCK_N], c_layout)
+    if ROW_STATS and not STORE_TILE:
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], dtype)
+        c_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, BLOCK_N], c_layout)
     else:
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ACCUMULATE's C fetch
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(2):
+        mbarrier.init(c_ready.index(i), count=1)
 
     stats_ptrs = (part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr)
     gl.warp_specialize([
-        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, 0,
-                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, INTERLEAVE)),
-        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, stats_ptrs, 1,
-                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, INTERLEAVE)),
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, 0,
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, INTERLEAVE,
+                               STORE_TILE, ACCUMULATE)),
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, 1,
+                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, INTERLEAVE,
+                               STORE_TILE, ACCUMULATE)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                            A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

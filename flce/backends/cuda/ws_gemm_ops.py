@@ -69,6 +69,12 @@ def ws_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(_tma_ready(t) or _tma_ready(t.T) for t in (a, b))
 
 
+def ws_matmul_supported(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ws_matmul(a, b, out) runs here: ws_supported(a, b) and out row-major in a's dtype
+    with 16-byte aligned rows."""
+    return ws_supported(a, b) and out.dtype == a.dtype and _tma_ready(out)
+
+
 def padded_empty(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised [rows, cols] tensor whose row stride is rounded up to 16 bytes (a view of a
     wider buffer when cols * element size is not a multiple of 16), so TMA can store into it."""
@@ -86,7 +92,7 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> object:
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple, config: WsGemmConfig,
-            row_stats: bool) -> None:
+            row_stats: bool, store_tile: bool = False, accumulate: bool = False) -> None:
     from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
 
     cfg = config
@@ -102,16 +108,18 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, GROUP_M=cfg.group_m,
         NUM_STAGES=cfg.stages, ROW_STATS=row_stats,
         INTERLEAVE=row_stats and triton.cdiv(k, cfg.block_k) >= _STATS_CHUNKS,
+        STORE_TILE=store_tile, ACCUMULATE=accumulate,
         CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs,
         num_warps=4, maxnreg=cfg.max_regs,
     )
 
 
 def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
-              config: WsGemmConfig = DEFAULT_CONFIG) -> torch.Tensor:
+              config: WsGemmConfig = DEFAULT_CONFIG, accumulate: bool = False) -> torch.Tensor:
     """``a @ b`` (fp32 accumulation, rounded once to a's dtype) into ``out`` [M, N] (row-major,
     16-byte aligned rows, a's dtype; a padded_empty when None), for a [M, K] and b [K, N] of one
-    dtype, each row- or column-major."""
+    dtype, each row- or column-major. ``accumulate``: out += a @ b (out read in the kernel, the sum
+    taken in fp32 and rounded once, as torch.addmm does)."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"ws_matmul: a {tuple(a.shape)} @ b {tuple(b.shape)}: expected [M, K] @ [K, N]")
     if not ws_supported(a, b):
@@ -121,6 +129,8 @@ def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     m, k = a.shape
     n = b.shape[1]
     if out is None:
+        if accumulate:
+            raise ValueError("ws_matmul: accumulate=True needs the out tensor to add into")
         out = padded_empty(m, n, a.dtype, a.device)
     if out.shape != (m, n) or not _tma_ready(out) or out.dtype != a.dtype:
         raise ValueError(f"ws_matmul: out {tuple(out.shape)} {out.dtype} strides {out.stride()}: expected "
@@ -128,17 +138,18 @@ def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     if m == 0 or n == 0:
         return out
     if k == 0:
-        return out.zero_()
+        return out if accumulate else out.zero_()
     c_desc = _descriptor(out, [config.block_m // 2, config.block_n])
-    _launch(a, b, c_desc, (out, out, out, out), config, row_stats=False)
+    _launch(a, b, c_desc, (out, out, out, out), config, row_stats=False, accumulate=accumulate)
     return out
 
 
-def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
-                 config: WsGemmConfig = ROW_STATS_CONFIG) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row statistics of the logits z = x @ w.T (each rounded to x's dtype) without writing them:
-    (row_max, sum_exp, target_z), [N] fp32 each, as semantics.PartialRowStats's fields for the plain
-    loss (sum_exp = sum exp(z - row_max); target_z = 0 where target is outside [0, V)).
+def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, config: WsGemmConfig = ROW_STATS_CONFIG,
+                 logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row statistics of the logits z = x @ w.T (each rounded to x's dtype): (row_max, sum_exp,
+    target_z), [N] fp32 each, as semantics.PartialRowStats's fields for the plain loss (sum_exp =
+    sum exp(z - row_max); target_z = 0 where target is outside [0, V)). The logits are written into
+    ``logits_out`` ([N, V], x's dtype, 16-byte aligned rows) when given, and nowhere otherwise.
 
     The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
     vocabulary order by gemm_kernels' merge kernel."""
@@ -149,6 +160,13 @@ def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
                          f"{tuple(target.shape)}: expected x [N, H] and w [V, H] row-major bf16/fp16 on an sm_90 "
                          "GPU (16-byte aligned rows) and target [N]")
     n, vocab = x.shape[0], w.shape[0]
+    c_desc = None
+    if logits_out is not None:
+        if logits_out.shape != (n, vocab) or not _tma_ready(logits_out) or logits_out.dtype != x.dtype:
+            raise ValueError(f"ws_row_stats: logits_out {tuple(logits_out.shape)} {logits_out.dtype} strides "
+                             f"{logits_out.stride()}: expected [{n}, {vocab}] row-major {x.dtype} with 16-byte "
+                             "aligned rows")
+        c_desc = _descriptor(logits_out, [config.block_m // 2, config.block_n])
     row_max = torch.empty(n, dtype=torch.float32, device=x.device)
     sum_exp = torch.empty_like(row_max)
     target_z = torch.zeros_like(row_max)
@@ -157,7 +175,8 @@ def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     tiles_n = triton.cdiv(vocab, config.block_n)
     part_max = torch.empty(tiles_n, n, dtype=torch.float32, device=x.device)
     part_sum = torch.empty_like(part_max)
-    _launch(x, w.T, None, (part_max, part_sum, target.long().contiguous(), target_z), config, row_stats=True)
+    _launch(x, w.T, c_desc, (part_max, part_sum, target.long().contiguous(), target_z), config, row_stats=True,
+            store_tile=c_desc is not None)
     block = 256
     gemm_kernels._merge_splits_kernel[(triton.cdiv(n, block),)](
         part_max, part_sum, part_sum, part_sum, part_sum, row_max, sum_exp, row_max, row_max, row_max, n, tiles_n,
@@ -169,19 +188,23 @@ def ws_stats_eligible(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                       logits_out: torch.Tensor | None) -> bool:
     """Whether ws_partial_row_stats computes what the fused forward (gemm_ops.gemm_row_stats) would:
     plain logits (no bias, softcap, temperature or class weights), only the max / sum-exp / target
-    statistics (no entropy, label smoothing or argmax), no logits kept, on an sm_90 GPU."""
-    plain = (bias is None and logits_out is None and cfg.softcap is None and cfg.temperature == 1.0
+    statistics (no entropy, label smoothing or argmax), on an sm_90 GPU; logits kept only into a
+    buffer a TMA store can write (the inputs' dtype, 16-byte aligned rows)."""
+    keeps_storable = logits_out is None or (_tma_ready(logits_out) and logits_out.dtype == hidden.dtype)
+    plain = (bias is None and keeps_storable and cfg.softcap is None and cfg.temperature == 1.0
              and cfg.class_weight is None)
     only_lse = not (needs_expected_z(cfg) or needs_weighted_sum_z(cfg) or needs_argmax(cfg))
     return plain and only_lse and hidden.shape[-1] == weight.shape[-1] and ws_supported(hidden, weight.T)
 
 
 def ws_partial_row_stats(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_offset: int,
+                         logits_out: torch.Tensor | None = None,
                          config: WsGemmConfig = ROW_STATS_CONFIG) -> PartialRowStats:
     """gemm_row_stats's PartialRowStats for the cases ws_stats_eligible accepts: this shard's
-    (vocab_offset..) statistics, target_z 0 where the target is in another shard or ignored."""
+    (vocab_offset..) statistics, target_z 0 where the target is in another shard or ignored; the
+    logits written into ``logits_out`` when given."""
     local = target - vocab_offset if vocab_offset else target
-    row_max, sum_exp, target_z = ws_row_stats(hidden, weight, local, config)
+    row_max, sum_exp, target_z = ws_row_stats(hidden, weight, local, config, logits_out)
     return PartialRowStats(row_max=row_max, sum_exp=sum_exp, target_z=target_z)
 
 
@@ -201,7 +224,8 @@ def lm_head_grad_weight(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor | No
 
 
 def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | None = None,
-                       dtype: str = "bfloat16", row_stats: bool = False) -> object:
+                       dtype: str = "bfloat16", row_stats: bool = False, store_tile: bool = False,
+                       accumulate: bool = False) -> object:
     """Compile the kernel for sm_90a without a GPU (triton.compile on a Gluon source), for the CPU
     tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``)."""
     import inspect
@@ -225,7 +249,7 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
              "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "target_ptr": "*i64", "target_z_ptr": "*fp32"}
     constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
                  "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
-                 "INTERLEAVE": row_stats,
+                 "INTERLEAVE": row_stats, "STORE_TILE": store_tile, "ACCUMULATE": accumulate,
                  "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
     names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
     signature = {name: "constexpr" if name in constants else types[name] for name in names}

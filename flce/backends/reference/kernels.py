@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from flce.config import LCEConfig
+from flce.engine.rows import torch_matmul_
 from flce.semantics import (
     GradCoefficients,
     PartialRowStats,
@@ -181,6 +182,9 @@ class ReferenceKernels:
         if tensor.device.type == "cpu" and bool(scale == 1):
             return tensor
         return tensor.mul_(scale)  # scale stays fp32: no rounding of grad_output to bf16
+
+    def matmul_(self, a, b, out, accumulate) -> None:
+        torch_matmul_(a, b, out, accumulate)
 
     def accumulate_fp32_(self, acc, a, b) -> None:
         for start in range(0, acc.shape[0], _FP32_ACCUMULATE_ROWS):

@@ -1,0 +1,85 @@
+"""Where the default training call's time goes, kernel by kernel (torch.profiler), one GPU, bf16.
+
+For each shape and each forward_logits choice (cuBLAS + row kernel, or the fused statistics GEMM
+that keeps the logits): the call's CUDA kernels grouped by name, milliseconds per call, beside the
+three cuBLAS GEMMs of the floor timed in the same process.
+
+    python tools/profiling/training_breakdown.py [--shapes 16384x2048x151936] [--knob grad_gemm_kernel=cublas]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flce
+from flce.autotune import override_params
+from flce.testing.measure import median_ms, parse_shape, shape_inputs
+
+CALLS = 3
+
+
+def kernel_table(fn) -> list[tuple[str, float, int]]:
+    """(kernel name, ms per call, launches per call) of CALLS calls of fn, largest first."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals[event.name[:90]]
+            entry[0] += event.device_time_total / 1e3 / CALLS
+            entry[1] += 1
+    return sorted(((name, ms, count // CALLS) for name, (ms, count) in totals.items()), key=lambda r: -r[1])
+
+
+def cublas_floor(x: torch.Tensor, w: torch.Tensor) -> list[float]:
+    """ms of x @ W.T, G @ W, G.T @ x by cuBLAS, G a random [N, V] gradient."""
+    g = torch.randn(x.shape[0], w.shape[0], device="cuda", dtype=x.dtype)
+    xd, wd = x.detach(), w.detach()
+    return [median_ms(lambda: xd @ wd.T), median_ms(lambda: g @ wd), median_ms(lambda: g.T @ xd)]
+
+
+def profile_shape(label: str, extra: dict) -> None:
+    tokens, hidden, vocab = parse_shape(label)
+    x, w, t, _ = shape_inputs(tokens, hidden, vocab)
+    floor = cublas_floor(x, w)
+    print(f"\n## {label}: cuBLAS x@W.T {floor[0]:.2f} ms, G@W {floor[1]:.2f}, G.T@x {floor[2]:.2f}, "
+          f"floor {sum(floor):.2f}")
+    for forward in ("cublas", "fused"):
+        knobs = {"forward_logits": forward, **extra}
+
+        def step(knobs=knobs):
+            with override_params(knobs, backend="cuda"):
+                loss = flce.linear_cross_entropy(x, w, t)
+                return torch.autograd.grad(loss, (x, w))
+
+        total = median_ms(step)
+        rows = kernel_table(step)
+        print(f"\n### knobs {knobs}: {total:.2f} ms = {total / sum(floor):.3f}x floor; "
+              f"kernels {sum(r[1] for r in rows):.2f} ms")
+        print("| kernel | ms per call | launches |\n|---|---|---|")
+        for name, ms, count in rows[:12]:
+            print(f"| `{name}` | {ms:.3f} | {count} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="8192x4096x128256,16384x2048x151936")
+    parser.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE")
+    args = parser.parse_args()
+    extra = dict(item.split("=", 1) for item in args.knob)
+    print(torch.cuda.get_device_name(), torch.__version__)
+    for label in args.shapes.split(","):
+        profile_shape(label, extra)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
