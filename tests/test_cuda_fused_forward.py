@@ -455,3 +455,38 @@ def test_persistent_gradient_kernel_compiles_for_hopper(coefficients):
     assert "wgmma.mma_async" in ptx
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx  # TMA loads
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx  # TMA stores
+
+
+@interpreter_only
+def test_interpreter_split_merge_across_split_blocks():
+    """The merge of per-split partials (gemm_ops.merge_splits) at more splits than one step of the
+    kernel loads (70 > 32) and rows past a row block (40 > 32): the max, sum-exp, weighted sum,
+    sum-exp-z and argmax of all splits folded in vocabulary order, against the same fold in float64;
+    a row's maximum in two splits of different step blocks keeps the earlier split's index."""
+    from flce.backends.cuda.gemm_ops import merge_splits
+    from flce.config import LCEConfig
+    from flce.semantics import PartialRowStats
+
+    splits, n = 70, 40
+    part_max = torch.randn(splits, n) * 30
+    part_sum = torch.rand(splits, n) + 0.5
+    part_sum_y = torch.randn(splits, n)
+    part_weighted = torch.randn(splits, n)
+    part_argmax = torch.randint(0, 10**6, (splits, n))
+    top = part_max.max(0).values + 1.0
+    part_max[5, 3], part_max[50, 3] = top[3], top[3]  # a tie across step blocks: split 5 wins
+    cfg = LCEConfig(return_entropy=True, label_smoothing=0.1, return_token_accuracy=True)
+    stats = PartialRowStats.allocate(n, cfg, torch.device("cpu"))
+    merge_splits(stats, part_max, part_sum, part_sum_y, part_weighted, part_argmax)
+    ln2 = 0.6931471805599453
+    row_max = part_max.double().max(0).values
+    scale = torch.exp2(part_max.double() - row_max)
+    torch.testing.assert_close(stats.row_max.double(), row_max * ln2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stats.sum_exp.double(), (part_sum.double() * scale).sum(0), rtol=1e-5, atol=0)
+    torch.testing.assert_close(stats.sum_exp_z.double(), (part_sum_y.double() * scale).sum(0) * ln2,
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats.weighted_sum_z.double(), part_weighted.double().sum(0) * ln2,
+                               rtol=1e-5, atol=1e-5)
+    first = (part_max == part_max.max(0).values).float().argmax(0)  # first split holding the max
+    assert torch.equal(stats.argmax, part_argmax.gather(0, first[None])[0])
+    assert int(stats.argmax[3]) == int(part_argmax[5, 3])

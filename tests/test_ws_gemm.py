@@ -209,7 +209,7 @@ def test_ws_training_through_flce_matches_float64(hidden: int, vocab: int, monke
     assert stats_calls == [True] * 3, "every chunk's logits come from the ws statistics GEMM"
     assert gemm_calls == [False, False, False, True, False, True], "G @ W per chunk, G.T @ x accumulated"
     xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
-    ref = reference_loss(xd, wd, t)
+    ref = reference_loss(xd, wd, t).loss
     ref_gx, ref_gw = torch.autograd.grad(ref, (xd, wd))
     xe, we = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
     eager = torch.nn.functional.cross_entropy((xe @ we.t()).float(), t)

@@ -22,7 +22,9 @@ from flce.semantics import GradCoefficients, PartialRowStats, needs_argmax, need
 # registers, and several waves amortise the last, partly empty one.
 _WAVES = 8
 _MAX_SPLITS = 256
-_MERGE_BLOCK = 256
+# The split merge's tile: 32 rows (coalesced 128-byte loads a split) x 32 splits a step.
+_MERGE_ROWS = 32
+_MERGE_SPLITS = 32
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -165,21 +167,25 @@ def gemm_row_stats(
         HAS_BIAS=bias is not None, HAS_SOFTCAP=cfg.softcap is not None,
         BLOCK_K=min(1024, max(16, triton.next_power_of_2(hidden))), num_warps=4,
     )
-    _merge_splits(stats, part_max, part_sum, part_sum_y, part_weighted, part_argmax)
+    merge_splits(stats, part_max, part_sum, part_sum_y, part_weighted, part_argmax)
     return stats
 
 
-def _merge_splits(stats: PartialRowStats, part_max, part_sum, part_sum_y, part_weighted, part_argmax) -> None:
-    """Fold the [splits, n] base-2 partials into ``stats`` (natural-log units), in vocabulary order."""
+def merge_splits(stats: PartialRowStats, part_max, part_sum, part_sum_y=None, part_weighted=None,
+                 part_argmax=None) -> None:
+    """Fold the [splits, n] base-2 partials into ``stats`` (natural-log units), in vocabulary order;
+    the optional partials are read where ``stats`` has the matching field."""
     splits, n = part_max.shape
-    unused = stats.row_max
-    gemm_kernels._merge_splits_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
-        part_max, part_sum, part_sum_y, part_weighted, part_argmax,
-        stats.row_max, stats.sum_exp, stats.sum_exp_z if stats.sum_exp_z is not None else unused,
-        stats.weighted_sum_z if stats.weighted_sum_z is not None else unused,
-        stats.argmax if stats.argmax is not None else unused, n, splits,
+    unused = part_max
+    gemm_kernels._merge_splits_kernel[(triton.cdiv(n, _MERGE_ROWS),)](
+        part_max, part_sum, part_sum_y if part_sum_y is not None else unused,
+        part_weighted if part_weighted is not None else unused,
+        part_argmax if part_argmax is not None else unused,
+        stats.row_max, stats.sum_exp, stats.sum_exp_z if stats.sum_exp_z is not None else stats.row_max,
+        stats.weighted_sum_z if stats.weighted_sum_z is not None else stats.row_max,
+        stats.argmax if stats.argmax is not None else stats.row_max, n, splits,
         NEED_SUM_EXP_Z=stats.sum_exp_z is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
-        NEED_ARGMAX=stats.argmax is not None, BLOCK=_MERGE_BLOCK, num_warps=4,
+        NEED_ARGMAX=stats.argmax is not None, BLOCK=_MERGE_ROWS, SPLIT_BLOCK=_MERGE_SPLITS, num_warps=4,
     )
 
 

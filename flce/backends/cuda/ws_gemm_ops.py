@@ -152,8 +152,8 @@ def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, config:
     ``logits_out`` ([N, V], x's dtype, 16-byte aligned rows) when given, and nowhere otherwise.
 
     The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
-    vocabulary order by gemm_kernels' merge kernel."""
-    from flce.backends.cuda import gemm_kernels
+    vocabulary order by gemm_ops.merge_splits."""
+    from flce.backends.cuda.gemm_ops import merge_splits
 
     if not ws_supported(x, w.T) or x.shape[1] != w.shape[1] or target.shape != (x.shape[0],):
         raise ValueError(f"ws_row_stats: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, target "
@@ -177,10 +177,7 @@ def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, config:
     part_sum = torch.empty_like(part_max)
     _launch(x, w.T, c_desc, (part_max, part_sum, target.long().contiguous(), target_z), config, row_stats=True,
             store_tile=c_desc is not None)
-    block = 256
-    gemm_kernels._merge_splits_kernel[(triton.cdiv(n, block),)](
-        part_max, part_sum, part_sum, part_sum, part_sum, row_max, sum_exp, row_max, row_max, row_max, n, tiles_n,
-        NEED_SUM_EXP_Z=False, NEED_WEIGHTED_SUM_Z=False, NEED_ARGMAX=False, BLOCK=block, num_warps=4)
+    merge_splits(PartialRowStats(row_max=row_max, sum_exp=sum_exp, target_z=target_z), part_max, part_sum)
     return row_max, sum_exp, target_z
 
 
