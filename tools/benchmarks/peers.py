@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -289,7 +290,9 @@ def main() -> None:
                      "best_ratio": floor3 / best3, "peak_mib": 0.0, "fwd_ms": floor1, "fwd_ratio": 1.0,
                      "fwd_best_ratio": floor1 / best1, "fwd_peak_mib": 0.0})
         for name, method in methods.items():
+            start = time.perf_counter()
             row = measure(case, name, method, device)
+            row["wall_s"] = round(time.perf_counter() - start, 1)  # compile and tuning included
             if "error" not in row:
                 row["ratio"] = row["fwd_bwd_ms"] / floor3
                 row["best_ratio"] = row["fwd_bwd_ms"] / best3
