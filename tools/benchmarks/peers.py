@@ -10,7 +10,8 @@ and peak memory above the gradients ((V*H + BT*H) * element size); forward-only 
 Inputs, timing and peak memory come from flce.testing.measure (the same as every tool and the tuner).
 
 Peers are used when importable: Liger-Kernel, Cut Cross-Entropy; torch's F.linear_cross_entropy
-when this torch has it.
+when this torch has it; the CuTe-DSL peers of cute_peers.py (quack's linear cross-entropy, Liger's CuTe
+paths) where nvidia-cutlass-dsl imports, and then quack's GEMM joins the best-GEMM floor.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import gc
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from cute_peers import liger_cute_methods, quack_gemm, quack_methods
 
 import flce
 from flce.testing.measure import MiB, median_ms, parse_shape, peak_mib_above, publish, shape_inputs
@@ -126,6 +129,9 @@ def peer_methods() -> dict[str, Callable]:
         methods["cce"] = lambda x, w, t: cce(x, w, t, ignore_index=-100)
     except Exception as exc:
         print(f"cut-cross-entropy unavailable: {exc}", file=sys.stderr)
+    if "liger" in methods:
+        methods.update(liger_cute_methods())
+    methods.update(quack_methods())
     if hasattr(F, "linear_cross_entropy"):
         methods["torch_native_chunked"] = lambda x, w, t: F.linear_cross_entropy(x, w, t, ignore_index=-100)
     return methods
@@ -162,14 +168,25 @@ def measure(case: Case, name: str, method: Callable, device: str) -> dict:
         torch.cuda.empty_cache()
         row["peak_mib"] = peak_mib_above(fwd_bwd)  # above the gradients it returns
         row["fwd_bwd_ms"] = bench_ms(fwd_bwd)
+    except Exception as exc:
+        row["error"] = failure(exc)
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:  # forward-only on its own: a peer may fail one and run the other
         fwd_only()
         row["fwd_peak_mib"] = peak_mib_above(fwd_only)
         row["fwd_ms"] = bench_ms(fwd_only)
     except Exception as exc:
-        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        row["fwd_error"] = failure(exc)
     gc.collect()
     torch.cuda.empty_cache()
     return row
+
+
+def failure(exc: Exception) -> str:
+    """A table cell for a call that raised: the exception's type and its first line."""
+    lines = str(exc).strip().splitlines() or [""]
+    return f"fails: {type(exc).__name__}: {lines[0][:140]}"
 
 
 def floors(case: Case, device: str) -> tuple[float, float]:
@@ -184,7 +201,8 @@ def floors(case: Case, device: str) -> tuple[float, float]:
 
 def best_gemm_floors(case: Case, device: str) -> tuple[float, float, list[str]]:
     """Each product timed with the fastest GEMM available here (cuBLAS; flce's warp-specialised Gluon
-    GEMM on Hopper): (3-product floor ms, forward floor ms, one table row per product with TFLOP/s)."""
+    GEMM on Hopper; quack's autotuned GEMM where it imports): (3-product floor ms, forward floor ms,
+    one table row per product with ms and TFLOP/s per GEMM)."""
     from flce.backends.cuda.ws_gemm_ops import (
         lm_head_grad_hidden,
         lm_head_grad_weight,
@@ -195,18 +213,32 @@ def best_gemm_floors(case: Case, device: str) -> tuple[float, float, list[str]]:
     x, w, _ = make_inputs(case, device)
     x, w = x.detach(), w.detach()
     g = torch.randn(case.tokens, case.vocab, device=device, dtype=case.dtype) / case.vocab
-    products = {"x @ W.T": (lambda: x @ w.t(), lambda: lm_head_logits(x, w)),
-                "G @ W": (lambda: g @ w, lambda: lm_head_grad_hidden(g, w)),
-                "G.T @ x": (lambda: g.t() @ x, lambda: lm_head_grad_weight(g, x))}
+    quack = quack_gemm()
+    ws = ws_supported(x, w.t())
+    products = {"x @ W.T": ((x, w.t()), lm_head_logits, (x, w)), "G @ W": ((g, w), lm_head_grad_hidden, (g, w)),
+                "G.T @ x": ((g.t(), x), lm_head_grad_weight, (g, x))}
     tflop = 2 * case.tokens * case.hidden * case.vocab / 1e9
     best, lines = {}, []
-    for name, (cublas, ws) in products.items():
-        cublas_ms = bench_ms(cublas)
-        ws_ms = bench_ms(ws) if ws_supported(x, w.t()) else None
-        best[name] = min(cublas_ms, ws_ms or cublas_ms)
-        ws_text = "-" if ws_ms is None else f"{ws_ms:.2f} ms, {tflop / ws_ms:.0f}"
-        lines.append(f"| {case.label} | {name} | {cublas_ms:.2f} ms, {tflop / cublas_ms:.0f} | {ws_text} |")
+    for name, ((a, b), ws_fn, ws_args) in products.items():
+        times = gemm_times(case, name, a, b, (lambda f=ws_fn, args=ws_args: f(*args)) if ws else None, quack)
+        best[name] = min(times.values())
+        cells = [f"{times[k]:.2f} ms, {tflop / times[k]:.0f}" if k in times else "-" for k in ("cuBLAS", "ws", "quack")]
+        lines.append(f"| {case.label} | {name} | {' | '.join(cells)} |")
     return sum(best.values()), best["x @ W.T"], lines
+
+
+def gemm_times(case: Case, product: str, a: torch.Tensor, b: torch.Tensor, ws: Callable | None,
+               quack: Callable | None) -> dict[str, float]:
+    """Milliseconds of ``a @ b`` by cuBLAS, flce's ws GEMM and quack's GEMM, each where it runs."""
+    times = {"cuBLAS": bench_ms(lambda: a @ b)}
+    if ws is not None:
+        times["ws"] = bench_ms(ws)
+    if quack is not None:
+        try:
+            times["quack"] = bench_ms(lambda: quack(a, b))
+        except Exception as exc:
+            print(f"quack gemm {product} at {case.label} {failure(exc)}", file=sys.stderr)
+    return times
 
 
 def markdown(rows: list[dict], header: str, gemm_lines: list[str]) -> str:
@@ -215,22 +247,25 @@ def markdown(rows: list[dict], header: str, gemm_lines: list[str]) -> str:
     lines = [header, "", columns, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['method']} | {r['error']} | | | | | | | |")
-            continue
-        lines.append(
-            f"| {r['shape']} | {r['method']} | {r['fwd_bwd_ms']:.2f} | {r['ratio']:.3f}x | {r['best_ratio']:.3f}x | "
-            f"{r['peak_mib']:.0f} | {r['fwd_ms']:.2f} | {r['fwd_ratio']:.3f}x | {r['fwd_best_ratio']:.3f}x | "
-            f"{r['fwd_peak_mib']:.0f} |"
-        )
-    lines += ["", "Each product alone (ms, TFLOP/s); the best-GEMM floor sums the faster of the two:", "",
-              "| shape | product | cuBLAS | flce warp-specialised GEMM |", "|---|---|---|---|", *gemm_lines]
+            train = f"{r['error']} | | |"
+        else:
+            train = f"{r['fwd_bwd_ms']:.2f} | {r['ratio']:.3f}x | {r['best_ratio']:.3f}x | {r['peak_mib']:.0f}"
+        if "fwd_error" in r:
+            forward = f"{r['fwd_error']} | | |"
+        else:
+            forward = (f"{r['fwd_ms']:.2f} | {r['fwd_ratio']:.3f}x | {r['fwd_best_ratio']:.3f}x | "
+                       f"{r['fwd_peak_mib']:.0f}")
+        lines.append(f"| {r['shape']} | {r['method']} | {train} | {forward} |")
+    lines += ["", "Each product alone (ms, TFLOP/s); the best-GEMM floor sums the fastest per product:", "",
+              "| shape | product | cuBLAS | flce warp-specialised GEMM | quack GEMM |", "|---|---|---|---|---|",
+              *gemm_lines]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
-    parser.add_argument("--methods", default=None, help="comma-separated subset of method names")
+    parser.add_argument("--methods", default=None, help="comma-separated method names, run in this order")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     parser.add_argument("--json", default=None)
@@ -239,30 +274,37 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     methods = all_methods()
     if args.methods:
-        methods = {k: v for k, v in methods.items() if k in args.methods.split(",")}
+        wanted = args.methods.split(",")
+        print(f"not available here: {[k for k in wanted if k not in methods]}", file=sys.stderr)
+        methods = {k: methods[k] for k in wanted if k in methods}  # in the order asked
     rows, gemm_lines = [], []
     for shape in args.shapes.split(","):
         case = Case(*parse_shape(shape), dtype)
         floor3, floor1 = floors(case, device)
         best3, best1, lines = best_gemm_floors(case, device)
         gemm_lines += lines
+        print("\n".join(lines), flush=True)
         gc.collect()
         torch.cuda.empty_cache()
         rows.append({"shape": case.label, "method": "3-GEMM floor", "fwd_bwd_ms": floor3, "ratio": 1.0,
                      "best_ratio": floor3 / best3, "peak_mib": 0.0, "fwd_ms": floor1, "fwd_ratio": 1.0,
                      "fwd_best_ratio": floor1 / best1, "fwd_peak_mib": 0.0})
         for name, method in methods.items():
+            start = time.perf_counter()
             row = measure(case, name, method, device)
+            row["wall_s"] = round(time.perf_counter() - start, 1)  # compile and tuning included
             if "error" not in row:
                 row["ratio"] = row["fwd_bwd_ms"] / floor3
-                row["fwd_ratio"] = row["fwd_ms"] / floor1
                 row["best_ratio"] = row["fwd_bwd_ms"] / best3
+            if "fwd_error" not in row:
+                row["fwd_ratio"] = row["fwd_ms"] / floor1
                 row["fwd_best_ratio"] = row["fwd_ms"] / best1
             rows.append(row)
             print(json.dumps(row), flush=True)
     gpu = torch.cuda.get_device_name()
     header = (f"### {gpu}, {args.dtype}, {datetime.date.today()} — torch {torch.__version__}\n\n"
-              f"Command: `python tools/benchmarks/peers.py --shapes {args.shapes}`")
+              f"Command: `python tools/benchmarks/peers.py --shapes {args.shapes}"
+              f"{f' --methods {args.methods}' if args.methods else ''}`")
     publish(markdown(rows, header, gemm_lines).rstrip("\n"), args.markdown)
     if args.json:
         with open(args.json, "w") as f:
