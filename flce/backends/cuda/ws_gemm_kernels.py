@@ -190,12 +190,12 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
     Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
     operations span its own 4 warps only; the two warpgroups meet only at ``empty`` (count 2).
 
-    ROW_STATS: the tile goes to shared memory in the inputs' dtype (the logits PyTorch would materialise) and is
-    reduced to statistics in STATS_CHUNKS chunks. With INTERLEAVE (at least STATS_CHUNKS K steps a
-    tile) one chunk runs during each of the program's next tile's first K steps, while that step's
-    wgmma runs, so the exp2s and reductions overlap the tensor cores; the last tile's chunks, and
-    every tile's without INTERLEAVE, run right after its main loop. STORE_TILE: the tile in shared
-    memory also goes out by a TMA store (the logits a later row kernel turns into the
+    ROW_STATS: the tile goes to shared memory in the inputs' dtype (the logits PyTorch would
+    materialise) and is reduced to statistics in STATS_CHUNKS chunks. With INTERLEAVE (at least
+    STATS_CHUNKS K steps a tile) one chunk runs during each of the program's next tile's first K
+    steps, while that step's wgmma runs, so the exp2s and reductions overlap the tensor cores; the last
+    tile's chunks, and every tile's without INTERLEAVE, run right after its main loop. STORE_TILE: the
+    tile in shared memory also goes out by a TMA store (the logits a later row kernel turns into the
     gradient), which reads the buffer beside the statistics chunks and is waited on only before the
     next tile overwrites it.
 
@@ -303,8 +303,8 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
 
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
-    # The output tile, one half per consumer warpgroup: read by the TMA store, or (ROW_STATS, bf16)
-    # by the consumers' statistics chunks.
+    # The output tile, one half per consumer warpgroup: read by the TMA store, and (ROW_STATS, in the
+    # inputs' dtype) by the consumers' statistics chunks; under ACCUMULATE first written by C's fetch.
     if ROW_STATS and not STORE_TILE:
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], dtype)
         c_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, BLOCK_N], c_layout)
