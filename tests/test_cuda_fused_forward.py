@@ -490,3 +490,45 @@ def test_interpreter_split_merge_across_split_blocks():
     first = (part_max == part_max.max(0).values).float().argmax(0)  # first split holding the max
     assert torch.equal(stats.argmax, part_argmax.gather(0, first[None])[0])
     assert int(stats.argmax[3]) == int(part_argmax[5, 3])
+
+
+def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
+    """On Hopper (the check patched here; the GPU tests run the real thing): a training call's chunk
+    logits default to the warp-specialised statistics GEMM where its epilogue applies, and to cuBLAS
+    with a bias, softcap, temperature, label smoothing, precision="accurate" or off Hopper; the
+    gradient products stay on cuBLAS; flce-autotune times the ws forward and both gradient kernels."""
+    from flce.autotune import spaces
+    from flce.backends.cuda import plan
+    from flce.config import LCEConfig
+    from flce.engine.plans import PlanRequest, TokenChunks
+    from flce.inputs import FlatInputs
+
+    training = PlanRequest(training=True)
+    flat = _meta_inputs(16384, 2048, 151936)
+    monkeypatch.setattr(plan, "hopper_16bit", lambda *args: True)
+    chosen = plan.plan_chunks(flat, LCEConfig(), training)
+    assert isinstance(chosen, TokenChunks) and chosen.forward_logits == "fused"
+    for cfg in (LCEConfig(softcap=30.0), LCEConfig(temperature=0.7), LCEConfig(label_smoothing=0.1),
+                LCEConfig(precision="accurate")):
+        assert plan.plan_chunks(flat, cfg, training).forward_logits == "cublas", cfg
+    biased = FlatInputs(hidden=flat.hidden, weight=flat.weight, target=flat.target, bias=torch.empty(
+        151936, dtype=torch.bfloat16, device="meta"), token_shape=flat.token_shape)
+    assert plan.plan_chunks(biased, LCEConfig(), training).forward_logits == "cublas"
+    assert plan.DEFAULT_GRAD_GEMM_KERNEL == "cublas"
+
+    space = spaces.tuning_space("cuda")
+    shape = spaces.TuneShape(torch.device("cpu"), torch.bfloat16, hidden=2048, vocab=151936, tokens=16384,
+                             variant="plain")
+    candidates = space.candidates(shape, True)
+    assert {c["grad_gemm_kernel"] for c in candidates} == {"warp_specialized", "cublas"}
+    ws_forward = [c for c in candidates if c.get("stats_kernel") == "warp_specialized"]
+    assert ws_forward and all(c["forward_logits"] == "fused" for c in ws_forward)
+    assert space.heuristic(shape)["forward_logits"] == "fused"
+    for knobs in candidates:  # what the cache would hold parses back to the same choices
+        with override_params(knobs, backend="cuda"):
+            tuned = plan.tuned_knobs(flat, "plain")
+        assert (tuned.forward_logits, tuned.grad_gemm_kernel) == (knobs["forward_logits"], knobs["grad_gemm_kernel"])
+
+    monkeypatch.setattr(plan, "hopper_16bit", lambda *args: False)
+    assert plan.plan_chunks(flat, LCEConfig(), training).forward_logits == "cublas"
+    assert "grad_gemm_kernel" not in space.candidates(shape, True)[0]
