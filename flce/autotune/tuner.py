@@ -181,9 +181,9 @@ class Tuner:
             self.progress.advance(2 if self.space.tunes_logits_save_limit else 0)
             return result
         if best_params is not None and heuristic_fits:
-            best = self._confirm_winner(shape, inputs, best_params, baseline, budget, result)
-            if best is baseline:
-                best_params = None
+            best, baseline = self._confirm_winner(shape, inputs, best_params, baseline, budget, result)
+            best_params = None if best is baseline else best_params
+            result.heuristic_ms = baseline.ms
         result.best_ms = best.ms
         result.peak_mib = None if best.working_bytes is None else best.working_bytes / MiB
         result.peak_kind = best.peak_kind
@@ -215,19 +215,19 @@ class Tuner:
         return result
 
     def _confirm_winner(self, shape: TuneShape, inputs: WorkloadInputs, params: Params, baseline: Run, budget: int,
-                        result: ShapeResult) -> Run:
-        """Time the heuristic and the winning candidate once more, in turn: the candidate is kept
-        only if it beats the heuristic by the noise margin again (its second time is the one stored)."""
+                        result: ShapeResult) -> tuple[Run, Run]:
+        """Time the heuristic and the winning candidate once more, in turn; keep the candidate only if it wins
+        by the noise margin again. Returns (chosen, heuristic) runs of that one round, stored side by side."""
         try:
             again_heuristic = self._run(shape, inputs, None, deferred=False, budget=None)
             again = self._run(shape, inputs, params, deferred=False, budget=budget, reference=baseline)
         except Skip as skip:
             result.skipped[f"confirmation {skip.reason}"] += 1
-            return baseline
+            return baseline, baseline
         if again.ms < again_heuristic.ms * (1 - NOISE_MARGIN):
-            return again
+            return again, again_heuristic
         result.skipped["win not confirmed"] += 1
-        return baseline
+        return baseline, baseline
 
     def _budget(self, shape: TuneShape, heuristic: Run) -> int:
         """--memory-budget, else the default logits-save limit or the heuristic's working memory."""
