@@ -192,6 +192,20 @@ def make_inputs(
     return place(hidden), place(weight), target.to(device), None if b is None else place(b)
 
 
+def leaf_inputs(generator: torch.Generator, shape: tuple[int, ...], hidden_size: int, vocab: int,
+                dtype: torch.dtype, bias: bool = False, target_key: str = "target") -> dict[str, Any]:
+    """make_inputs (logits of std ~2, no ignored targets) as the keywords of a call, the target under
+    ``target_key`` (the trainers call it "targets"), hidden / weight / bias as leaves requiring grad."""
+    hidden, weight, target, b = make_inputs(shape, hidden_size, vocab, dtype=dtype, bias=bias, ignore_fraction=0.0,
+                                            generator=generator)
+    return {
+        "hidden": hidden.requires_grad_(),
+        "weight": weight.requires_grad_(),
+        "bias": None if b is None else b.requires_grad_(),
+        target_key: target,
+    }
+
+
 def random_class_weight(vocab: int, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Positive class weights in [0.25, 2), never all equal."""
     return (torch.rand(vocab, generator=generator, dtype=torch.float64) * 1.75 + 0.25).to(dtype)

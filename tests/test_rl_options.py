@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import zlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import make_inputs
+from helpers import leaf_inputs
 from test_distributed import Checker, assert_section, run_ranks
 
 import flce
@@ -54,19 +53,6 @@ def formula(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bi
     return out
 
 
-def inputs(generator: torch.Generator, shape: tuple[int, ...], hidden_size: int, vocab: int,
-           dtype: torch.dtype, bias: bool = False) -> dict[str, Any]:
-    """helpers.make_inputs (logits of std ~2, no ignored targets) as the keywords of a call, leaves requiring grad."""
-    hidden, weight, target, b = make_inputs(shape, hidden_size, vocab, dtype=dtype, bias=bias, ignore_fraction=0.0,
-                                            generator=generator)
-    return {
-        "hidden": hidden.requires_grad_(),
-        "weight": weight.requires_grad_(),
-        "bias": None if b is None else b.requires_grad_(),
-        "target": target,
-    }
-
-
 def grads_of(outputs: list[torch.Tensor], upstream: list[torch.Tensor], leaves: list[torch.Tensor]) -> list:
     total = sum((o.double() * u).sum() for o, u in zip(outputs, upstream, strict=True))
     return list(torch.autograd.grad(total, leaves))
@@ -91,7 +77,7 @@ CASES = {
 def test_selected_logprobs_and_logit_stats(generator: torch.Generator, dtype: torch.dtype, case: str) -> None:
     options = dict(CASES[case])
     has_bias = options.pop("bias", False)
-    data = inputs(generator, (3, 5), 40, 120, dtype, bias=has_bias)
+    data = leaf_inputs(generator, (3, 5), 40, 120, dtype, bias=has_bias)
     hidden, weight, bias, target = data["hidden"], data["weight"], data["bias"], data["target"]
     target[0, 1] = target[2, 4] = -100
     selected = torch.randint(0, 120, (3, 5, 4), generator=generator)
@@ -122,7 +108,7 @@ def test_selected_logprobs_and_logit_stats(generator: torch.Generator, dtype: to
 
 
 def test_selected_logprobs_alone_and_errors(generator: torch.Generator) -> None:
-    data = inputs(generator, (9,), 16, 50, torch.float32)
+    data = leaf_inputs(generator, (9,), 16, 50, torch.float32)
     hidden, weight, target = data["hidden"], data["weight"], data["target"]
     selected = torch.randint(0, 50, (9, 3), generator=generator)
     out = flce.linear_cross_entropy(hidden, weight, target, selected_ids=selected)
@@ -144,7 +130,7 @@ def test_selected_logprobs_alone_and_errors(generator: torch.Generator) -> None:
 
 
 def test_logit_stats_of_extreme_rows(generator: torch.Generator) -> None:
-    data = inputs(generator, (6,), 8, 30, torch.float32)
+    data = leaf_inputs(generator, (6,), 8, 30, torch.float32)
     hidden, weight, target = data["hidden"], data["weight"], data["target"]
     with torch.no_grad():
         hidden[2] *= 50  # a very peaked row: max and min far apart
@@ -172,7 +158,7 @@ def check_batch_invariance(generator: torch.Generator, device: torch.device, dty
     """The same 7 tokens alone, at offset 11 of 40, and at offset 250 of 300 with a memory budget
     that would otherwise force several chunks: every per-token output and grad_hidden row bitwise
     equal, and the log-probs those of the float64 formula."""
-    data = inputs(generator, (7,), hidden_size, vocab, dtype, bias=True)
+    data = leaf_inputs(generator, (7,), hidden_size, vocab, dtype, bias=True)
     tokens, target = data["hidden"].detach().to(device), data["target"].to(device)
     weight, bias = (data[name].detach().to(device).requires_grad_() for name in ("weight", "bias"))
     selected = torch.randint(0, vocab, (7, 2), generator=generator).to(device)
@@ -221,7 +207,7 @@ def section_sharded_options(checker: Checker, rank: int, world_size: int) -> Non
     base = int(os.environ.get("FLCE_TEST_SEED", "0"))
     generator = torch.Generator().manual_seed(zlib.crc32(b"sharded_options") + 1_000_003 * base)
     sizes = tuple(23 + 41 * r for r in range(world_size))
-    full = inputs(generator, (4, 3), 24, sum(sizes), torch.float32, bias=True)
+    full = leaf_inputs(generator, (4, 3), 24, sum(sizes), torch.float32, bias=True)
     full["target"][1, 2] = -100
     selected = torch.randint(0, sum(sizes), (4, 3, 5), generator=generator)
     start = sum(sizes[:rank])
@@ -264,7 +250,7 @@ def test_cuda_row_kernel_keeps_logit_stats(generator: torch.Generator, monkeypat
     token chunks."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     monkeypatch.setattr("flce.backends.cuda.ops.MAX_BLOCK_V", 64)
-    data = inputs(generator, (10,), 16, 203, torch.float32, bias=True)
+    data = leaf_inputs(generator, (10,), 16, 203, torch.float32, bias=True)
     hidden, weight, bias = (data[name].detach().to(device).requires_grad_() for name in ("hidden", "weight", "bias"))
     target = data["target"].to(device)
     target[4] = -100

@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import make_inputs
+from helpers import leaf_inputs
 from test_distributed import Checker, assert_section, run_ranks
 
 from flce.integrations import areal as flce_areal
@@ -122,16 +122,8 @@ def formula(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, b
 
 def trainer_inputs(generator: torch.Generator, shape: tuple[int, ...], hidden_size: int, vocab: int,
                    dtype: torch.dtype, bias: bool = False) -> dict[str, Any]:
-    """helpers.make_inputs (logits of std ~2, labels in [0, V)) under the trainers' keyword names,
-    leaves requiring grad."""
-    hidden, weight, target, b = make_inputs(shape, hidden_size, vocab, dtype=dtype, bias=bias, ignore_fraction=0.0,
-                                            generator=generator)
-    return {
-        "hidden": hidden.requires_grad_(),
-        "weight": weight.requires_grad_(),
-        "bias": None if b is None else b.requires_grad_(),
-        "targets": target,
-    }
+    """helpers.leaf_inputs under the trainers' keyword names (labels in [0, V) as "targets")."""
+    return leaf_inputs(generator, shape, hidden_size, vocab, dtype, bias, target_key="targets")
 
 
 def grads(outputs: tuple[torch.Tensor, ...], upstream: tuple[torch.Tensor, ...],

@@ -142,6 +142,15 @@ def counted_timing(fn: Callable[[], object], device: torch.device, *, warmup: in
     return Timing(tuple(start.elapsed_time(end) for start, end in events))
 
 
+def cublas_products_ms(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[float, float, float]:
+    """Median ms (:func:`median_ms`) of the three products any implementation of the loss must do, by
+    cuBLAS (torch.mm): ``x @ W.T``, ``G @ W``, ``G.T @ x`` for hidden x [N, H], weight W [V, H] and a
+    random gradient G [N, V] in their dtype. Their sum is the floor a training call is measured against."""
+    x, w = hidden.detach(), weight.detach()
+    g = torch.randn(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+    return median_ms(lambda: x @ w.T), median_ms(lambda: g @ w), median_ms(lambda: g.T @ x)
+
+
 class InterleavedTimings(NamedTuple):
     wall: dict[str, Timing]  # elapsed time of each call (after a device synchronize)
     cpu: dict[str, Timing]  # this process's CPU time (all threads) over the same calls

@@ -21,7 +21,7 @@ import torch
 
 import flce
 from flce.autotune import override_params
-from flce.testing.measure import median_ms, parse_shape, peak_mib_above, publish, shape_inputs
+from flce.testing.measure import cublas_products_ms, median_ms, parse_shape, peak_mib_above, publish, shape_inputs
 
 SHAPES = "4096x4096x32000,8192x4096x128256,16384x2048x151936"
 VARIANTS = {  # label: the knobs set for the call (everything else: the planner's heuristics)
@@ -30,13 +30,6 @@ VARIANTS = {  # label: the knobs set for the call (everything else: the planner'
     "cuBLAS logits + ws grads": {"forward_logits": "cublas", "grad_gemm_kernel": "warp_specialized"},
     "ws logits + ws grads": {"forward_logits": "fused", "grad_gemm_kernel": "warp_specialized"},
 }
-
-
-def cublas_floor_ms(x: torch.Tensor, w: torch.Tensor) -> float:
-    """x @ W.T, G @ W, G.T @ x by cuBLAS, G a random [N, V] gradient in the inputs' dtype."""
-    g = torch.randn(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
-    xd, wd = x.detach(), w.detach()
-    return median_ms(lambda: xd @ wd.T) + median_ms(lambda: g @ wd) + median_ms(lambda: g.T @ xd)
 
 
 def training_rows(label: str, rounds: int) -> list[str]:
@@ -51,7 +44,7 @@ def training_rows(label: str, rounds: int) -> list[str]:
     ratios: dict[str, list[float]] = {name: [] for name in VARIANTS}
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(rounds):
-        floor = cublas_floor_ms(x, w)
+        floor = sum(cublas_products_ms(x, w))
         for name, knobs in VARIANTS.items():
             ms = median_ms(lambda knobs=knobs: step(knobs))
             times[name].append(ms)

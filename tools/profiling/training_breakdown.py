@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import flce
 from flce.autotune import override_params
-from flce.testing.measure import median_ms, parse_shape, shape_inputs
+from flce.testing.measure import cublas_products_ms, median_ms, parse_shape, shape_inputs
 
 CALLS = 3
 
@@ -39,17 +39,10 @@ def kernel_table(fn) -> list[tuple[str, float, int]]:
     return sorted(((name, ms, count // CALLS) for name, (ms, count) in totals.items()), key=lambda r: -r[1])
 
 
-def cublas_floor(x: torch.Tensor, w: torch.Tensor) -> list[float]:
-    """ms of x @ W.T, G @ W, G.T @ x by cuBLAS, G a random [N, V] gradient."""
-    g = torch.randn(x.shape[0], w.shape[0], device="cuda", dtype=x.dtype)
-    xd, wd = x.detach(), w.detach()
-    return [median_ms(lambda: xd @ wd.T), median_ms(lambda: g @ wd), median_ms(lambda: g.T @ xd)]
-
-
 def profile_shape(label: str, extra: dict) -> None:
     tokens, hidden, vocab = parse_shape(label)
     x, w, t, _ = shape_inputs(tokens, hidden, vocab)
-    floor = cublas_floor(x, w)
+    floor = cublas_products_ms(x, w)
     print(f"\n## {label}: cuBLAS x@W.T {floor[0]:.2f} ms, G@W {floor[1]:.2f}, G.T@x {floor[2]:.2f}, "
           f"floor {sum(floor):.2f}")
     for forward in ("cublas", "fused"):
