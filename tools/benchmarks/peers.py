@@ -6,6 +6,7 @@ and peak memory above the gradients ((V*H + BT*H) * element size); forward-only 
 
     python tools/benchmarks/peers.py                       # all shapes, every method importable here
     python tools/benchmarks/peers.py --shapes 8192x4096x128256 --methods flce,liger --markdown out.md
+    python tools/benchmarks/peers.py --methods flce,quack --rounds 3   # interleaved, median (range)
 
 Inputs, timing and peak memory come from flce.testing.measure (the same as every tool and the tuner).
 
@@ -21,6 +22,7 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -241,6 +243,34 @@ def gemm_times(case: Case, product: str, a: torch.Tensor, b: torch.Tensor, ws: C
     return times
 
 
+def summary(measured: list[dict], best3: float, best1: float) -> dict:
+    """One table row from a method's rounds: median ms, the median and range of the per-round ratios to
+    that round's floor, the ratio to the best-GEMM floor and the largest peak (an error in any round is
+    the row's error)."""
+    row = {"shape": measured[0]["shape"], "method": measured[0]["method"]}
+    for prefix, floor_key, best in (("", "floor_ms", best3), ("fwd_", "fwd_floor_ms", best1)):
+        ms_key = "fwd_ms" if prefix else "fwd_bwd_ms"
+        errors = [r[prefix + "error"] for r in measured if prefix + "error" in r]
+        if errors:
+            row[prefix + "error"] = errors[0]
+            continue
+        ms = statistics.median(r[ms_key] for r in measured)
+        ratios = [r[ms_key] / r[floor_key] for r in measured]
+        row[ms_key] = ms
+        row[prefix + "ratio"] = statistics.median(ratios)
+        row[prefix + "ratio_range"] = (min(ratios), max(ratios))
+        row[prefix + "best_ratio"] = ms / best
+        row[prefix + "peak_mib"] = max(r[prefix + "peak_mib"] for r in measured)
+    return row
+
+
+def ratio_cell(row: dict, prefix: str) -> str:
+    """``1.065x``, or over rounds that differ ``1.065x (1.058-1.071)``: the median and the range."""
+    low, high = row[prefix + "ratio_range"]
+    spread = f" ({low:.3f}-{high:.3f})" if high > low else ""
+    return f"{row[prefix + 'ratio']:.3f}x{spread}"
+
+
 def markdown(rows: list[dict], header: str, gemm_lines: list[str]) -> str:
     columns = ("| shape | method | fwd+bwd ms | x floor | x best floor | MiB above grads | fwd ms | fwd x 1 GEMM | "
                "fwd x best GEMM | fwd MiB |")
@@ -249,11 +279,11 @@ def markdown(rows: list[dict], header: str, gemm_lines: list[str]) -> str:
         if "error" in r:
             train = f"{r['error']} | | |"
         else:
-            train = f"{r['fwd_bwd_ms']:.2f} | {r['ratio']:.3f}x | {r['best_ratio']:.3f}x | {r['peak_mib']:.0f}"
+            train = f"{r['fwd_bwd_ms']:.2f} | {ratio_cell(r, '')} | {r['best_ratio']:.3f}x | {r['peak_mib']:.0f}"
         if "fwd_error" in r:
             forward = f"{r['fwd_error']} | | |"
         else:
-            forward = (f"{r['fwd_ms']:.2f} | {r['fwd_ratio']:.3f}x | {r['fwd_best_ratio']:.3f}x | "
+            forward = (f"{r['fwd_ms']:.2f} | {ratio_cell(r, 'fwd_')} | {r['fwd_best_ratio']:.3f}x | "
                        f"{r['fwd_peak_mib']:.0f}")
         lines.append(f"| {r['shape']} | {r['method']} | {train} | {forward} |")
     lines += ["", "Each product alone (ms, TFLOP/s); the best-GEMM floor sums the fastest per product:", "",
@@ -269,7 +299,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure each shape's floor and methods this many times, in turn; ratios are "
+                             "reported as the median over rounds with their range")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: expected an int >= 1")
     device = "cuda"
     dtype = getattr(torch, args.dtype)
     methods = all_methods()
@@ -280,31 +315,32 @@ def main() -> None:
     rows, gemm_lines = [], []
     for shape in args.shapes.split(","):
         case = Case(*parse_shape(shape), dtype)
-        floor3, floor1 = floors(case, device)
         best3, best1, lines = best_gemm_floors(case, device)
         gemm_lines += lines
         print("\n".join(lines), flush=True)
         gc.collect()
         torch.cuda.empty_cache()
-        rows.append({"shape": case.label, "method": "3-GEMM floor", "fwd_bwd_ms": floor3, "ratio": 1.0,
-                     "best_ratio": floor3 / best3, "peak_mib": 0.0, "fwd_ms": floor1, "fwd_ratio": 1.0,
-                     "fwd_best_ratio": floor1 / best1, "fwd_peak_mib": 0.0})
-        for name, method in methods.items():
-            start = time.perf_counter()
-            row = measure(case, name, method, device)
-            row["wall_s"] = round(time.perf_counter() - start, 1)  # compile and tuning included
-            if "error" not in row:
-                row["ratio"] = row["fwd_bwd_ms"] / floor3
-                row["best_ratio"] = row["fwd_bwd_ms"] / best3
-            if "fwd_error" not in row:
-                row["fwd_ratio"] = row["fwd_ms"] / floor1
-                row["fwd_best_ratio"] = row["fwd_ms"] / best1
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        # Each round measures the floor and then every method, so a method's ratio is to the floor of its
+        # own round and the methods alternate with each other (compiling and tuning happen in round 1).
+        rounds: dict[str, list[dict]] = {"3-GEMM floor": [], **{name: [] for name in methods}}
+        for _ in range(args.rounds):
+            floor3, floor1 = floors(case, device)
+            rounds["3-GEMM floor"].append({"shape": case.label, "method": "3-GEMM floor", "fwd_bwd_ms": floor3,
+                                           "peak_mib": 0.0, "fwd_ms": floor1, "fwd_peak_mib": 0.0})
+            for name, method in methods.items():
+                start = time.perf_counter()
+                row = measure(case, name, method, device)
+                row["wall_s"] = round(time.perf_counter() - start, 1)  # compile and tuning included
+                row["floor_ms"], row["fwd_floor_ms"] = floor3, floor1
+                rounds[name].append(row)
+                print(json.dumps(row), flush=True)
+            rounds["3-GEMM floor"][-1].update(floor_ms=floor3, fwd_floor_ms=floor1)
+        rows += [summary(measured, best3, best1) for measured in rounds.values()]
     gpu = torch.cuda.get_device_name()
     header = (f"### {gpu}, {args.dtype}, {datetime.date.today()} — torch {torch.__version__}\n\n"
               f"Command: `python tools/benchmarks/peers.py --shapes {args.shapes}"
-              f"{f' --methods {args.methods}' if args.methods else ''}`")
+              f"{f' --methods {args.methods}' if args.methods else ''}"
+              f"{f' --rounds {args.rounds}' if args.rounds > 1 else ''}`")
     publish(markdown(rows, header, gemm_lines).rstrip("\n"), args.markdown)
     if args.json:
         with open(args.json, "w") as f:
