@@ -193,8 +193,9 @@ def test_tuned_knobs_read_the_fused_forward_entries():
         knobs = tuned_knobs(flat, "plain")
     assert knobs.forward_stats is None and knobs.gemm is None  # unusable values fall back to the heuristic
     for value, expected in (("triton", "triton"), ("warp_specialized", "warp_specialized"), ("ws", None)):
-        with override_params(dict(SMALL_TILES, stats_kernel=value), backend="cuda"):
-            assert tuned_knobs(flat, "plain").stats_kernel == expected
+        with override_params(dict(SMALL_TILES, stats_kernel=value, logits_kernel=value), backend="cuda"):
+            knobs = tuned_knobs(flat, "plain")
+        assert (knobs.stats_kernel, knobs.logits_kernel) == (expected, expected)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -521,8 +522,12 @@ def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
                              variant="plain")
     candidates = space.candidates(shape, True)
     assert {c["grad_gemm_kernel"] for c in candidates} == {"warp_specialized", "cublas"}
-    ws_forward = [c for c in candidates if c.get("stats_kernel") == "warp_specialized"]
+    ws_forward = [c for c in candidates if c.get("logits_kernel") == "warp_specialized"]
     assert ws_forward and all(c["forward_logits"] == "fused" for c in ws_forward)
+    # stats_kernel is the forward-only overlays' knob: a training candidate never sets it, so the
+    # overlay the tuner adds to the winner cannot change the kernel its training time was measured on
+    assert not any("stats_kernel" in c for c in candidates)
+    assert all("logits_kernel" not in overlay for overlay in space.inference_overlays)
     assert space.heuristic(shape)["forward_logits"] == "fused"
     for knobs in candidates:  # what the cache would hold parses back to the same choices
         with override_params(knobs, backend="cuda"):
@@ -532,3 +537,23 @@ def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
     monkeypatch.setattr(plan, "hopper_16bit", lambda *args: False)
     assert plan.plan_chunks(flat, LCEConfig(), training).forward_logits == "cublas"
     assert "grad_gemm_kernel" not in space.candidates(shape, True)[0]
+
+
+@pytest.mark.parametrize("stats_kernel, logits_kernel",
+                         [("triton", "warp_specialized"), ("warp_specialized", "triton")])
+def test_statistics_and_chunk_logits_take_their_own_kernel(monkeypatch, stats_kernel, logits_kernel):
+    """stats_kernel picks the fused statistics GEMM where only statistics are taken, logits_kernel where
+    the GEMM also writes a training chunk's logits (the tuner measures the two in different calls)."""
+    from flce.backends.cuda import ops
+    from flce.config import LCEConfig
+
+    used = []
+    monkeypatch.setattr(ops, "ws_stats_eligible", lambda *args: True)
+    monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *args: used.append("warp_specialized"))
+    monkeypatch.setattr(ops, "gemm_row_stats", lambda *args: used.append("triton"))
+    kernels = ops.TritonChunkKernels(stats_kernel=stats_kernel, logits_kernel=logits_kernel)
+    x, w, _, t = lm_head_inputs(8, 16, 64, torch.bfloat16, "cpu", with_bias=False)
+    cfg = LCEConfig()
+    kernels.gemm_row_stats(x, w, None, t, cfg, 0)
+    kernels.gemm_row_stats(x, w, None, t, cfg, 0, logits_out=torch.empty(8, 64, dtype=torch.bfloat16))
+    assert used == [stats_kernel, logits_kernel]

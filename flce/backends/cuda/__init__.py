@@ -48,13 +48,13 @@ def _plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequ
 
     tuned = tuned_knobs(flat, variant)
     grad_gemm_kernel = tuned.grad_gemm_kernel or DEFAULT_GRAD_GEMM_KERNEL
-    if tuned.launch is None and tuned.gemm is None and tuned.stats_kernel is None:
+    if tuned.launch is None and tuned.gemm is None and tuned.stats_kernel is None and tuned.logits_kernel is None:
         kernels = _default_kernels.get(grad_gemm_kernel)
         if kernels is None:
             kernels = _default_kernels[grad_gemm_kernel] = TritonChunkKernels(grad_gemm_kernel=grad_gemm_kernel)
     else:
         kernels = TritonChunkKernels(tuned.launch, tuned.gemm, tuned.stats_kernel or WARP_SPECIALIZED,
-                                     grad_gemm_kernel)
+                                     grad_gemm_kernel, tuned.logits_kernel or WARP_SPECIALIZED)
     return EngineCall(kernels=kernels, cfg=cfg, plan=plan_chunks(flat, cfg, request, tuned),
                       plain=variant == "plain", token_shape=flat.token_shape)
 

@@ -48,15 +48,18 @@ _failed_gemm_configs: set[tuple] = set()
 class TritonChunkKernels:
     """The chunk kernels of the CUDA backend (also run by the Triton interpreter on CPU tensors).
     ``launch``: tuned block size and warps, else a heuristic per launch; ``gemm``: tuned tiles of
-    the fused GEMM, else :func:`default_gemm_config`; ``stats_kernel``: the fused statistics GEMM's
-    kernel, "warp_specialized" (ws_gemm_ops, where it applies) or "triton" (gemm_ops);
-    ``grad_gemm_kernel``: the gradient products' GEMM (matmul_), "warp_specialized" or "cublas"."""
+    the fused GEMM, else :func:`default_gemm_config`; ``stats_kernel`` / ``logits_kernel``: the fused
+    statistics GEMM's kernel where it takes statistics only / where it also writes the logits,
+    "warp_specialized" (ws_gemm_ops, where it applies) or "triton" (gemm_ops); ``grad_gemm_kernel``:
+    the gradient products' GEMM (matmul_), "warp_specialized" or "cublas"."""
 
     def __init__(self, launch: LaunchParams | None = None, gemm: GemmConfig | None = None,
-                 stats_kernel: str = WARP_SPECIALIZED, grad_gemm_kernel: str = CUBLAS) -> None:
+                 stats_kernel: str = WARP_SPECIALIZED, grad_gemm_kernel: str = CUBLAS,
+                 logits_kernel: str = WARP_SPECIALIZED) -> None:
         self.launch = launch
         self.gemm = gemm
         self.stats_kernel = stats_kernel
+        self.logits_kernel = logits_kernel
         self.grad_gemm_kernel = grad_gemm_kernel
 
     def matmul_(self, a, b, out, accumulate) -> None:
@@ -75,7 +78,8 @@ class TritonChunkKernels:
     def gemm_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,
                        logits_out=None) -> PartialRowStats:
         ws_key = ("ws_stats", hidden.device, hidden.dtype)
-        if (self.stats_kernel == WARP_SPECIALIZED and ws_key not in _failed_gemm_configs
+        kernel = self.stats_kernel if logits_out is None else self.logits_kernel
+        if (kernel == WARP_SPECIALIZED and ws_key not in _failed_gemm_configs
                 and ws_stats_eligible(hidden, weight, bias, cfg, logits_out)):
             # Hopper, plain statistics: the warp-specialised Gluon GEMM (0.94-1.02x one cuBLAS GEMM
             # against 1.01-1.07x for gemm_row_stats; docs/ws_gemm_notes.md).

@@ -32,9 +32,11 @@ INFERENCE_CHUNK_BUDGET = 64 * MiB
 MIN_VOCAB_BLOCK = 512
 # Chunk rows are rounded down to this multiple: cuBLAS's 256-row GEMM tiles stay full.
 ROW_MULTIPLE = 256
-# The fused statistics GEMM's kernels (knob stats_kernel): the warp-specialised Gluon GEMM where it
-# applies (Hopper, plain statistics; 0.94-1.02x one cuBLAS GEMM forward-only against 1.01-1.07x for the
-# Triton GEMM on the H200 and H100, docs/ws_gemm_notes.md), else the Triton GEMM.
+# The fused statistics GEMM's kernels: the warp-specialised Gluon GEMM where it applies (Hopper, plain
+# statistics; 0.94-1.02x one cuBLAS GEMM forward-only against 1.01-1.07x for the Triton GEMM on the H200
+# and H100, docs/ws_gemm_notes.md), else the Triton GEMM. Two knobs, because the tuner measures them in
+# different calls: stats_kernel where only statistics are taken (forward-only calls, a statistics pass
+# before the gradient), logits_kernel where the GEMM also writes a training chunk's logits.
 WARP_SPECIALIZED = "warp_specialized"
 STATS_KERNELS = (WARP_SPECIALIZED, "triton")
 # The gradient products G @ W and G.T @ x (knob grad_gemm_kernel): the warp-specialised GEMM (with the
@@ -74,6 +76,7 @@ class TunedKnobs:
     grad_vocab_block: int | None = None
     gemm: GemmConfig | None = None
     stats_kernel: str | None = None
+    logits_kernel: str | None = None
     grad_gemm_kernel: str | None = None
 
 
@@ -110,6 +113,7 @@ def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
                       grad_schedule=choice("grad_schedule", GRAD_SCHEDULES),
                       grad_vocab_block=positive_int("grad_vocab_block"),
                       stats_kernel=choice("stats_kernel", STATS_KERNELS),
+                      logits_kernel=choice("logits_kernel", STATS_KERNELS),
                       grad_gemm_kernel=choice("grad_gemm_kernel", GRAD_GEMM_KERNELS))
 
 

@@ -26,9 +26,9 @@ def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
         tiles += [GemmConfig(128, 256, 64, 16, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4)]
     rows = chunk_candidates(shape.tokens, quick, smallest=512)
     forwards = ([{"forward_logits": CUBLAS, "block_v": block_v, "num_warps": warps} for block_v, warps in launches]
-                + [{"forward_logits": FUSED, "stats_kernel": "triton", **t.as_params()} for t in tiles])
+                + [{"forward_logits": FUSED, "logits_kernel": "triton", **t.as_params()} for t in tiles])
     if hopper_16bit(torch.device(shape.device), shape.dtype, shape.hidden, shape.vocab):
-        forwards.append({"forward_logits": FUSED, "stats_kernel": WARP_SPECIALIZED})
+        forwards.append({"forward_logits": FUSED, "logits_kernel": WARP_SPECIALIZED})
         forwards = [dict(f, grad_gemm_kernel=kernel) for f in forwards for kernel in GRAD_GEMM_KERNELS]
     return [{"tokens_per_chunk": n, **forward} for n in rows for forward in forwards]
 
