@@ -185,7 +185,7 @@ def test_ws_training_through_flce_matches_float64(hidden: int, vocab: int, monke
     them; the default), the gradient products on the ws GEMM (the grad_gemm_kernel knob; grad_weight
     accumulated over several chunks), all counted; the loss and both gradients within 1.5x of eager
     bf16's error against float64."""
-    from helpers import lm_head_inputs
+    from helpers import lm_head_inputs, relative_error
 
     import flce
     from flce.autotune import override_params
@@ -216,8 +216,7 @@ def test_ws_training_through_flce_matches_float64(hidden: int, vocab: int, monke
     eager_gx, eager_gw = torch.autograd.grad(eager, (xe, we))
     for name, got, want, base in (("loss", loss, ref, eager), ("grad_hidden", gx, ref_gx, eager_gx),
                                   ("grad_weight", gw, ref_gw, eager_gw)):
-        err = float((got.double() - want).norm() / want.norm())
-        eager_err = float((base.double() - want).norm() / want.norm())
+        err, eager_err = relative_error(got, want), relative_error(base, want)
         assert err <= 1.5 * eager_err + 1e-6, (name, err, eager_err)
 
 
@@ -293,7 +292,7 @@ def test_ws_stats_eligibility_is_the_plain_statistics() -> None:
 def test_ws_forward_through_flce_matches_float64(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """flce's fused forward takes the ws kernel for the plain statistics on Hopper (counted), and its
     loss, z-loss and log-probs stay within 1.5x of eager bf16's error against the float64 oracle."""
-    from helpers import lm_head_inputs
+    from helpers import lm_head_inputs, relative_error
 
     import flce
     from flce.autotune import override_params
@@ -323,6 +322,5 @@ def test_ws_forward_through_flce_matches_float64(vocab: int, monkeypatch: pytest
              "logprobs": torch.where(valid, logprobs.gather(1, t.clamp(0)[:, None])[:, 0], 0.0)}
     for name, value in eager.items():
         ref = getattr(want, name).detach().double()
-        err = float((getattr(out, name).detach().double() - ref).norm() / ref.norm())
-        eager_err = float((value.double() - ref).norm() / ref.norm())
+        err, eager_err = relative_error(getattr(out, name).detach(), ref), relative_error(value, ref)
         assert err <= 1.5 * eager_err + 1e-6, (name, err, eager_err)

@@ -57,10 +57,6 @@ def check_agreement(dtype: torch.dtype, reference: Run, loss: float, grad_hidden
             raise Skip("wrong result", f"hidden gradient relative error {error:.2e} > {rtol:.0e}")
 
 
-def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def size_text(value: int | None) -> str:
     if value is None:
         return "unknown size"

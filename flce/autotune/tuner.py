@@ -43,7 +43,6 @@ from flce.autotune.measurement import (
     Run,
     Skip,
     check_agreement,
-    element_size,
     params_text,
     round4,
     size_text,
@@ -242,7 +241,7 @@ class Tuner:
         """Time the deferred schedule keeping forward's logits and recomputing them. Keeping wins
         only when it is faster by the noise margin and the logits fit the budget; the limit then
         admits this shape's logits, else it is 0 (always recompute)."""
-        logits_bytes = shape.tokens * shape.vocab * element_size(shape.dtype)
+        logits_bytes = shape.tokens * shape.vocab * shape.dtype.itemsize
         working = chosen.working_bytes or 0
         self.progress.step(f"{label}: recompute logits")
         try:
@@ -308,7 +307,7 @@ class Tuner:
     def _floor_ms(self, shape: TuneShape, inputs: WorkloadInputs) -> float | None:
         """The three GEMMs of forward+backward at full size; skipped when the [tokens, V] logits and
         their gradient would take more than a quarter of the device's memory."""
-        logits_bytes = shape.tokens * shape.vocab * element_size(shape.dtype)
+        logits_bytes = shape.tokens * shape.vocab * shape.dtype.itemsize
         if 2 * logits_bytes > total_memory_bytes(shape.device) // 4:
             return None
         x, w = inputs.hidden.detach(), inputs.weight.detach()

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from flce.backends.cuda.plan import ws_statistics_apply
 from flce.config import LCEConfig
-from flce.semantics import PartialRowStats, needs_argmax, needs_expected_z, needs_weighted_sum_z
+from flce.semantics import PartialRowStats
 
 _GL_DTYPES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -188,10 +189,8 @@ def ws_stats_eligible(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     statistics (no entropy, label smoothing or argmax), on an sm_90 GPU; logits kept only into a
     buffer a TMA store can write (the inputs' dtype, 16-byte aligned rows)."""
     keeps_storable = logits_out is None or (_tma_ready(logits_out) and logits_out.dtype == hidden.dtype)
-    plain = (bias is None and keeps_storable and cfg.softcap is None and cfg.temperature == 1.0
-             and cfg.class_weight is None)
-    only_lse = not (needs_expected_z(cfg) or needs_weighted_sum_z(cfg) or needs_argmax(cfg))
-    return plain and only_lse and hidden.shape[-1] == weight.shape[-1] and ws_supported(hidden, weight.T)
+    return (ws_statistics_apply(cfg, bias is not None) and keeps_storable and hidden.shape[-1] == weight.shape[-1]
+            and ws_supported(hidden, weight.T))
 
 
 def ws_partial_row_stats(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_offset: int,
