@@ -346,7 +346,8 @@ def _scripted_timings(monkeypatch: pytest.MonkeyPatch, script: Callable[[dict, i
 
     def scripted(fn, device, warmup, repeats, reset=None):
         ms, peak, spread = real_time(fn, device, warmup, repeats, reset)
-        if not isinstance(fn, tuner.Workload) or not lookup._overrides:  # the floor's GEMMs are left alone
+        workload = getattr(fn, "__self__", fn)  # a Workload, or its forward-only method
+        if not isinstance(workload, tuner.Workload) or not lookup._overrides:  # the floor's GEMMs are left alone
             return ms, peak, spread
         override = lookup._overrides[-1]
         key = (override.params, override.logits_save_limit_bytes)
@@ -454,6 +455,39 @@ def test_tuner_times_forward_only_overlays_and_stores_the_fastest(
     measured = result.entry.measured
     assert measured["inference_ms_mode=slow"] > 50 > measured["inference_ms_mode=same"]
     assert "inference_ms_mode=fail" not in measured
+
+
+@pytest.mark.parametrize(("rounds", "chosen"), [((500, 500), {"mode": "fast"}), ((500, 1000), {}),
+                                                 ((500, None), {})])
+def test_a_forward_only_overlay_must_win_twice(cache_env: Path, isolated_registry: None,
+                                               monkeypatch: pytest.MonkeyPatch, rounds: tuple, chosen: dict) -> None:
+    """An overlay that beats the first one in its round is timed again beside it; it is stored only if
+    it wins that round too (a quick tune once stored a forward-only path 5% slower on the same GPU).
+    A confirmation round whose forward fails keeps the first overlay."""
+    register_backend(Backend(name="flaky", device_types=("cpu",), priority=-10,
+                             is_available=lambda probe: (True, "test backend"),
+                             supports=lambda cfg, dtype, h, v: (True, "everything"), run=_flaky_run))
+    space = spaces.TuningSpace("flaky", candidates=lambda shape, quick: [], tunes_logits_save_limit=False,
+                               inference_overlays=({}, {"mode": "fast"}))
+    monkeypatch.setitem(spaces._spaces, "flaky", space)
+
+    def script(params: dict, limit: int | None, seen: int) -> float | None:
+        if params.get("mode") != "fast":
+            return 1000.0  # the first overlay (and the training call)
+        if rounds[seen] is None:
+            raise RuntimeError("kernel does not compile")
+        return rounds[seen]
+
+    _scripted_timings(monkeypatch, script)
+    (result,) = Tuner(TuneRequest(**FLAKY_REQUEST)).run()
+    assert result.entry is not None and result.entry.params == chosen, result.skipped
+    measured = result.entry.measured
+    assert measured["inference_ms_mode=fast"] == 500
+    confirmed = rounds[1] is not None
+    assert ("inference_ms_confirm mode=fast" in measured) == confirmed
+    expected = ({} if chosen else {"forward-only win not confirmed": 1}) if confirmed else {
+        "forward only failed": 1, "forward-only confirmation failed": 1}
+    assert dict(result.skipped) == expected
 
 
 # Entry points and concurrent tuners --------------------------------------------------------------

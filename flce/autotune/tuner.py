@@ -16,9 +16,10 @@ emptied before each call) and ``time.perf_counter`` on the CPU, on the benchmark
 the shape (both from :mod:`flce.testing.measure`). Every time is checked before it is used: it may
 not be below half the floor (else it is measured again, and discarded if it stays so), and its
 repeats should agree (else it is measured again and the steadiest attempt kept). A candidate that
-beats the heuristic, and kept logits that beat recomputing them, must do so again in a second,
-interleaved measurement, so one noisy run neither picks a candidate nor sets the logits-save limit
-(an inconclusive keep-versus-recompute leaves the limit to the planner). The heuristic is kept unless
+beats the heuristic, kept logits that beat recomputing them, and a forward-only overlay that beats
+the space's first, must do so again in a second, interleaved measurement, so one noisy run neither
+picks a candidate or an overlay nor sets the logits-save limit (an inconclusive keep-versus-recompute
+leaves the limit to the planner). The heuristic is kept unless
 a candidate beats it by more than the noise margin, so a tuned entry is never slower than the
 heuristic as measured; a kept heuristic is stored as the knob values it chose (the space's
 ``heuristic``), so the entry states what ran.
@@ -52,8 +53,17 @@ from flce.autotune.progress import Progress
 from flce.autotune.requests import Params, ShapeResult, TuneRequest
 from flce.autotune.schema import Entry, Scalar
 from flce.autotune.spaces import TuneShape, TuningSpace, tunable_backends, tuning_space
-from flce.autotune.workload import Workload, WorkloadInputs, make_inputs, release_memory, time_call
-from flce.engine.memory import MiB, default_logits_save_limit, total_memory_bytes
+from flce.autotune.workload import (
+    MAX_REPEAT_SPREAD,
+    MEASURE_ATTEMPTS,
+    Workload,
+    WorkloadInputs,
+    floor_ms,
+    make_inputs,
+    release_memory,
+    time_call,
+)
+from flce.engine.memory import MiB, default_logits_save_limit
 
 # A candidate must beat the heuristic by this fraction to replace it; same for keeping logits.
 NOISE_MARGIN = 0.02
@@ -61,11 +71,6 @@ NOISE_MARGIN = 0.02
 # three GEMMs it contains (a GEMM faster than cuBLAS's is at most a few tens of percent faster);
 # below it the timing is wrong (a concurrent process, a clock that skipped), not the kernel fast.
 MIN_FLOOR_RATIO = 0.5
-# The timed repeats of one measurement should agree: (upper - lower quartile) / median at most this
-# (with fewer than 4 repeats, (max - min) / median). Otherwise it is measured again, up to
-# MEASURE_ATTEMPTS times, and the steadiest attempt is kept.
-MAX_REPEAT_SPREAD = 0.25
-MEASURE_ATTEMPTS = 3
 
 
 def resolve_backend(device: torch.device, backend: str | None) -> TuningSpace:
@@ -140,7 +145,7 @@ class Tuner:
         inputs = make_inputs(shape, self.request.seed)
 
         self.progress.step(f"{label}: floor")
-        result.floor_ms = self._floor_ms(shape, inputs)
+        result.floor_ms = floor_ms(shape, inputs, self.warmup, self.repeats)
         self._floor = result.floor_ms
 
         self.progress.step(f"{label}: heuristic")
@@ -198,7 +203,7 @@ class Tuner:
             "peak": result.peak_kind, "chosen": "heuristic" if best_params is None else "candidate",
             "candidates": result.tried, "skipped": sum(result.skipped.values()),
             "keep_logits_ms": round4(save_ms), "recompute_logits_ms": round4(recompute_ms),
-            **{f"inference_ms_{params_text(o)}": round4(ms) for o, ms in inference_ms},
+            **{f"inference_ms_{name}": round4(ms) for name, ms in inference_ms},
             "memory_budget_bytes": budget, "budget_from": "argument" if self.request.memory_budget else "default",
             "repeats": self.repeats,
             **self._versions,
@@ -278,59 +283,55 @@ class Tuner:
 
     def _inference_overlay(
         self, shape: TuneShape, inputs: WorkloadInputs, params: Params | None, label: str, result: ShapeResult,
-    ) -> tuple[Params, list[tuple[Params, float]]]:
+    ) -> tuple[Params, list[tuple[str, float]]]:
         """Time a forward-only call (no gradient) with each of the space's inference overlays on top
-        of the chosen params; the fastest overlay (the first unless beaten by the noise margin)."""
+        of the chosen params; the first overlay stands unless another beats it by the noise margin in
+        this round and again in a second round that times the two in turn. Returns the overlay and the
+        times to store (the confirmation round's under "confirm ...")."""
         timed: list[tuple[Params, float]] = []
         for overlay in self.space.inference_overlays:
             self.progress.step(f"{label}: forward only {params_text(overlay)}")
-            try:
-                workload = Workload(shape, inputs, self.space.backend, deferred=True)
-                with override_params({**(params or {}), **overlay}, backend=self.space.backend), torch.no_grad():
-                    ms, _, _ = time_call(workload.forward, shape.device, self.warmup, self.repeats)
-            except Exception as exc:  # a path that fails to compile here is skipped, as candidates are
-                release_memory(shape.device)
-                result.skipped["forward only failed"] += 1
-                result.first_error = result.first_error or f"forward only {params_text(overlay)}: {exc}"[:300]
-                continue
-            timed.append((overlay, ms))
+            ms = self._forward_only_ms(shape, inputs, params, overlay, result)
+            if ms is not None:
+                timed.append((overlay, ms))
         if not timed:
-            return {}, timed
-        best_overlay, best_ms = timed[0]
+            return {}, []
+        first, first_ms = timed[0]
+        best_overlay, best_ms = first, first_ms
         for overlay, ms in timed[1:]:
             if ms < best_ms * (1 - NOISE_MARGIN):
                 best_overlay, best_ms = overlay, ms
-        return dict(best_overlay), timed
+        stored = [(params_text(o), ms) for o, ms in timed]
+        if best_overlay is first:
+            return dict(first), stored
+        # One round once picked a path 5% slower on the same GPU (docs/benchmarks.md): it must win again.
+        first_again = self._forward_only_ms(shape, inputs, params, first, result)
+        best_again = self._forward_only_ms(shape, inputs, params, best_overlay, result)
+        if first_again is None or best_again is None:
+            result.skipped["forward-only confirmation failed"] += 1
+            return dict(first), stored
+        stored += [(f"confirm {params_text(first)}", first_again), (f"confirm {params_text(best_overlay)}", best_again)]
+        if best_again < first_again * (1 - NOISE_MARGIN):
+            return dict(best_overlay), stored
+        result.skipped["forward-only win not confirmed"] += 1
+        return dict(first), stored
+
+    def _forward_only_ms(self, shape: TuneShape, inputs: WorkloadInputs, params: Params | None, overlay: Params,
+                         result: ShapeResult) -> float | None:
+        """A forward-only call's time with ``overlay`` on top of ``params``; None (counted, the first error
+        kept) where the path fails here, as a failing candidate is skipped."""
+        try:
+            workload = Workload(shape, inputs, self.space.backend, deferred=True)
+            with override_params({**(params or {}), **overlay}, backend=self.space.backend), torch.no_grad():
+                ms, _, _ = time_call(workload.forward, shape.device, self.warmup, self.repeats)
+        except Exception as exc:  # a path that fails to compile here is skipped, as candidates are
+            release_memory(shape.device)
+            result.skipped["forward only failed"] += 1
+            result.first_error = result.first_error or f"forward only {params_text(overlay)}: {exc}"[:300]
+            return None
+        return ms
 
     # Measurements ----------------------------------------------------------------------------
-
-    def _floor_ms(self, shape: TuneShape, inputs: WorkloadInputs) -> float | None:
-        """The three GEMMs of forward+backward at full size; skipped when the [tokens, V] logits and
-        their gradient would take more than a quarter of the device's memory."""
-        logits_bytes = shape.tokens * shape.vocab * shape.dtype.itemsize
-        if 2 * logits_bytes > total_memory_bytes(shape.device) // 4:
-            return None
-        x, w = inputs.hidden.detach(), inputs.weight.detach()
-        try:
-            grad_logits = torch.randn(shape.tokens, shape.vocab, dtype=shape.dtype, device=shape.device)
-
-            def gemms() -> None:
-                torch.mm(x, w.t())
-                torch.mm(grad_logits, w)
-                torch.mm(grad_logits.t(), x)
-
-            # At least one warm-up (the first GEMM of a process pays for thread pools and kernel
-            # selection), and the smallest of the attempts: noise only ever adds time.
-            attempts = []
-            for _ in range(MEASURE_ATTEMPTS):
-                ms, _, spread = time_call(gemms, shape.device, max(1, self.warmup), self.repeats)
-                attempts.append(ms)
-                if spread <= MAX_REPEAT_SPREAD:
-                    break
-        except torch.OutOfMemoryError:
-            release_memory(shape.device)
-            return None
-        return min(attempts)
 
     def _run(self, shape: TuneShape, inputs: WorkloadInputs, params: Params | None, *, deferred: bool,
              budget: int | None, limit: int | None = None, reference: Run | None = None) -> Run:
@@ -378,7 +379,7 @@ class Tuner:
             if floor and ms < MIN_FLOOR_RATIO * floor:
                 # Either time may be the wrong one; noise only ever adds time, so the floor is
                 # measured again too and the smaller floor kept.
-                floor = self._floor = min(floor, self._floor_ms(shape, inputs) or floor)
+                floor = self._floor = min(floor, floor_ms(shape, inputs, self.warmup, self.repeats) or floor)
             if floor and ms < MIN_FLOOR_RATIO * floor:
                 problem = f"{ms:.4g} ms is {ms / floor:.2f}x the floor of {floor:.4g} ms (at least {MIN_FLOOR_RATIO}x)"
                 continue

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from flce.autotune.spaces import TuneShape
+from flce.engine.memory import total_memory_bytes
 from flce.testing import measure
+
+# The timed repeats of one measurement should agree: (upper - lower quartile) / median at most this
+# (with fewer than 4 repeats, (max - min) / median). Otherwise it is measured again, up to
+# MEASURE_ATTEMPTS times, and the steadiest attempt is kept.
+MAX_REPEAT_SPREAD = 0.25
+MEASURE_ATTEMPTS = 3
 
 
 @dataclass
@@ -113,3 +120,32 @@ def release_memory(device: torch.device) -> None:
         module = torch.get_device_module(device.type)
         if hasattr(module, "empty_cache"):
             module.empty_cache()
+
+
+def floor_ms(shape: TuneShape, inputs: WorkloadInputs, warmup: int, repeats: int) -> float | None:
+    """The three GEMMs of forward+backward at full size; None when the [tokens, V] logits and their
+    gradient would take more than a quarter of the device's memory."""
+    logits_bytes = shape.tokens * shape.vocab * shape.dtype.itemsize
+    if 2 * logits_bytes > total_memory_bytes(shape.device) // 4:
+        return None
+    x, w = inputs.hidden.detach(), inputs.weight.detach()
+    try:
+        grad_logits = torch.randn(shape.tokens, shape.vocab, dtype=shape.dtype, device=shape.device)
+
+        def gemms() -> None:
+            torch.mm(x, w.t())
+            torch.mm(grad_logits, w)
+            torch.mm(grad_logits.t(), x)
+
+        # At least one warm-up (the first GEMM of a process pays for thread pools and kernel
+        # selection), and the smallest of the attempts: noise only ever adds time.
+        attempts = []
+        for _ in range(MEASURE_ATTEMPTS):
+            ms, _, disagreement = time_call(gemms, shape.device, max(1, warmup), repeats)
+            attempts.append(ms)
+            if disagreement <= MAX_REPEAT_SPREAD:
+                break
+    except torch.OutOfMemoryError:
+        release_memory(shape.device)
+        return None
+    return min(attempts)
