@@ -78,6 +78,29 @@ def test_interpreter_plain_fp16_and_chunks(monkeypatch):
     assert (w.grad.double() - wd.grad).norm() / wd.grad.norm() < 5e-3
 
 
+def test_interpreter_gradient_pass_splits_rows_into_column_spans(monkeypatch):
+    """plain_grad_ runs each row as several programs of GRAD_BLOCKS_PER_PROGRAM column blocks (the last
+    one ragged); every span writes (softmax - onehot) * scale with the row's lse, ignored rows zero."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test: runs where there is no GPU")
+    from flce.backends.cuda import ops
+    from flce.backends.cuda.plan import LaunchParams
+
+    monkeypatch.setattr(ops, "GRAD_BLOCKS_PER_PROGRAM", 2)
+    n, v = 6, 150  # 16-column blocks, 32-column spans: 5 programs a row, the last 22 columns wide
+    logits = torch.randn(n, v, dtype=torch.float32) * 3
+    target = torch.randint(0, v, (n,))
+    target[2] = -100
+    scale = torch.rand(n) + 0.5
+    lse = torch.logsumexp(logits.double(), 1)
+    onehot = torch.nn.functional.one_hot(target.clamp(min=0), v)
+    expected = (torch.softmax(logits.double(), 1) - onehot) * scale[:, None]
+    expected[2] = 0
+    out = ops.TritonChunkKernels(launch=LaunchParams(block_v=16, num_warps=1)).plain_grad_(
+        logits.clone(), target, -100, lse.float(), scale)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
