@@ -229,8 +229,13 @@ def test_gpu_fused_inference_bf16(vocab, fused_calls):
     for name, eager_value in eager.items():
         assert _rel(getattr(out, name), getattr(want, name)) <= 1.5 * _rel(eager_value, getattr(want, name)) + 1e-6
     valid = t >= 0
-    agree = (out.predicted_tokens[valid] == z.argmax(1)[valid]).float().mean()
-    assert agree > 0.999  # the same rounded logits: only exact ties may resolve differently
+    picked = z.gather(1, out.predicted_tokens.clamp(0)[:, None]).squeeze(1)
+    top = z.max(1).values
+    # The fused GEMM sums in another order than cuBLAS, so a logit may round to the neighbouring bf16 value
+    # (an H200 run had 1 of ~800 rows pick differently): another pick is allowed only within one bf16 step
+    # of eager's top logit, a near-tie, and only rarely.
+    assert ((top - picked)[valid] <= top.abs()[valid] * 2**-7).all()
+    assert (out.predicted_tokens[valid] == z.argmax(1)[valid]).float().mean() > 0.99
 
 
 @pytest.mark.cuda
