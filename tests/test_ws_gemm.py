@@ -324,3 +324,73 @@ def test_ws_forward_through_flce_matches_float64(vocab: int, monkeypatch: pytest
         ref = getattr(want, name).detach().double()
         err, eager_err = relative_error(getattr(out, name).detach(), ref), relative_error(value, ref)
         assert err <= 1.5 * eager_err + 1e-6, (name, err, eager_err)
+
+
+def _exact_extreme_inputs(tokens: int, hidden: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 (hidden, weight, target) whose logits reach +-15360 and are exact in bf16 and in any fp32
+    summation order: each row of hidden holds +-1 at two columns, every weight a multiple of 64 in
+    [-7680, 7680], so each logit is a multiple of 64 of at most 240 * 64 (eight significant bits).
+    Every implementation then sees the same logits and only the softmax and the gradients' rounding
+    can differ: a bf16 bound holds however far the logits are from zero."""
+    x = torch.zeros(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    rows = torch.arange(tokens, device="cuda")
+    first = torch.randint(0, hidden, (tokens,), device="cuda")
+    second = (first + torch.randint(1, hidden, (tokens,), device="cuda")) % hidden  # another column
+    signs = torch.randint(0, 2, (2, tokens), device="cuda") * 2 - 1
+    x[rows, first] = signs[0].to(x.dtype)
+    x[rows, second] = signs[1].to(x.dtype)
+    w = (torch.randint(-120, 121, (vocab, hidden), device="cuda") * 64).to(torch.bfloat16)
+    t = torch.randint(0, vocab, (tokens,), device="cuda")
+    t[::11] = -100
+    t[1] = vocab - 1  # the last, partial column tile
+    return x, w, t
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grad_gemm_kernel", ["cublas", "warp_specialized"])
+@pytest.mark.parametrize("hidden,vocab", [(5120, 129920), (8192, 32001)])
+def test_training_at_extreme_logits_and_all_ignored_rows(hidden: int, vocab: int, grad_gemm_kernel: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Hopper training call (ws chunk logits where the rows are TMA-storable, V % 8 == 0; the fused
+    Triton GEMM at V = 32001) at logits of +-1e4, H = 5120 / 8192, V no tile divides: finite, the loss
+    at fp32 accuracy and both gradients within bf16 rounding of the float64 oracle; a call whose rows
+    are all ignored gives the oracle's loss and gradients of exactly zero."""
+    from helpers import relative_error
+
+    import flce
+    from flce.autotune import override_params
+    from flce.backends.cuda import ops
+    from flce.testing import reference_loss
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the ws kernel needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    stats_calls = []
+    real_stats = ops.ws_partial_row_stats
+    monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *a, **k: stats_calls.append(1) or real_stats(*a, **k))
+    x, w, t = _exact_extreme_inputs(2500, hidden, vocab)
+    budget = 1024 * vocab * 2  # 1024-row chunks: three of them, the last partial
+    xd, wd = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    xe, we = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    with override_params({"grad_gemm_kernel": grad_gemm_kernel}, backend="cuda"):
+        loss = flce.linear_cross_entropy(x, w, t, memory_budget=budget)
+        gx, gw = torch.autograd.grad(loss, (x, w))
+        if vocab % 8 == 0:
+            assert len(stats_calls) == 3, "every chunk's logits come from the ws statistics GEMM"
+        ignored = torch.full_like(t, -100)
+        none_loss = flce.linear_cross_entropy(x, w, ignored, memory_budget=budget)
+        none_gx, none_gw = torch.autograd.grad(none_loss, (x, w))
+    ref = reference_loss(xd, wd, t).loss
+    ref_gx, ref_gw = torch.autograd.grad(ref, (xd, wd))
+    eager = torch.nn.functional.cross_entropy((xe @ we.t()).float(), t)
+    eager_gx, eager_gw = torch.autograd.grad(eager, (xe, we))
+    # Exact logits leave eager with fp32 rounding in the loss (flce: fp32 sums in another order) and one
+    # bf16 rounding of each gradient element (2**-9 relative); a wrong tile, row or lse is off by O(1).
+    for name, got, want, base, floor in (("loss", loss, ref, eager, 1e-5), ("grad_hidden", gx, ref_gx, eager_gx, 2**-8),
+                                         ("grad_weight", gw, ref_gw, eager_gw, 2**-8)):
+        assert torch.isfinite(got).all(), name
+        err, eager_err = relative_error(got, want), relative_error(base, want)
+        assert err <= max(1.5 * eager_err, floor), (name, err, eager_err)
+    torch.testing.assert_close(none_loss.double(), reference_loss(xd, wd, ignored).loss.detach(), rtol=0, atol=0)
+    assert not none_gx.any() and not none_gw.any()
