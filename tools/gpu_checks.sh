@@ -12,6 +12,8 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+# Serially: the float64 oracles at V = 130k-150k hold up to ~30 GB each, so pytest-xdist workers on one
+# GPU run out of memory (4 workers on an H100, 2026-11-25: 3 of 82 tests did, in 106 s).
 python3 -m pytest -p no:cacheprovider tests -m cuda -q 2>&1 | tail -25 | tee "$OUT/tests.txt"
 python3 -m pytest -p no:cacheprovider tests/test_compile.py tests/test_cuda_graphs.py -q 2>&1 | tail -5 | tee -a "$OUT/tests.txt"
 python3 tools/benchmarks/peers.py --json "$OUT/bench.json" --markdown "$OUT/bench.md" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
