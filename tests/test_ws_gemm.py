@@ -369,8 +369,6 @@ def test_training_at_extreme_logits_and_all_ignored_rows(hidden: int, vocab: int
     monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *a, **k: stats_calls.append(1) or real_stats(*a, **k))
     x, w, t = _exact_extreme_inputs(2500, hidden, vocab)
     budget = 1024 * vocab * 2  # 1024-row chunks: three of them, the last partial
-    xd, wd = x.double().requires_grad_(True), w.double().requires_grad_(True)
-    xe, we = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     x.requires_grad_(True)
     w.requires_grad_(True)
     with override_params({"grad_gemm_kernel": grad_gemm_kernel}, backend="cuda"):
@@ -381,10 +379,12 @@ def test_training_at_extreme_logits_and_all_ignored_rows(hidden: int, vocab: int
         ignored = torch.full_like(t, -100)
         none_loss = flce.linear_cross_entropy(x, w, ignored, memory_budget=budget)
         none_gx, none_gw = torch.autograd.grad(none_loss, (x, w))
+    xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
     with torch.no_grad():
         none_ref = reference_loss(xd, wd, ignored).loss
     ref = reference_loss(xd, wd, t).loss
     ref_gx, ref_gw = torch.autograd.grad(ref, (xd, wd))
+    xe, we = x.detach().requires_grad_(True), w.detach().requires_grad_(True)  # eager's leaves, no copies
     eager = torch.nn.functional.cross_entropy((xe @ we.t()).float(), t)
     eager_gx, eager_gw = torch.autograd.grad(eager, (xe, we))
     # Exact logits leave eager with fp32 rounding in the loss (flce: fp32 sums in another order) and one
