@@ -500,8 +500,9 @@ def test_interpreter_split_merge_across_split_blocks():
 
 def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
     """On Hopper (the check patched here; the GPU tests run the real thing): a training call's chunk
-    logits default to the warp-specialised statistics GEMM where its epilogue applies, and to cuBLAS
-    with a bias, softcap, temperature, label smoothing, precision="accurate" or off Hopper; the
+    logits default to the warp-specialised statistics GEMM where its epilogue applies (the plain and
+    the RL statistics: temperature, entropy), and to cuBLAS with a bias, softcap, label smoothing,
+    precision="accurate" or off Hopper; the
     gradient products stay on cuBLAS; flce-autotune times the ws forward and both gradient kernels."""
     from flce.autotune import spaces
     from flce.backends.cuda import plan
@@ -514,8 +515,9 @@ def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
     monkeypatch.setattr(plan, "hopper_16bit", lambda *args: True)
     chosen = plan.plan_chunks(flat, LCEConfig(), training)
     assert isinstance(chosen, TokenChunks) and chosen.forward_logits == "fused"
-    for cfg in (LCEConfig(softcap=30.0), LCEConfig(temperature=0.7), LCEConfig(label_smoothing=0.1),
-                LCEConfig(precision="accurate")):
+    rl = LCEConfig(reduction="none", return_logprobs=True, return_entropy=True, temperature=0.7)
+    assert plan.plan_chunks(flat, rl, training).forward_logits == "fused"
+    for cfg in (LCEConfig(softcap=30.0), LCEConfig(label_smoothing=0.1), LCEConfig(precision="accurate")):
         assert plan.plan_chunks(flat, cfg, training).forward_logits == "cublas", cfg
     biased = FlatInputs(hidden=flat.hidden, weight=flat.weight, target=flat.target, bias=torch.empty(
         151936, dtype=torch.bfloat16, device="meta"), token_shape=flat.token_shape)

@@ -19,8 +19,9 @@ import torch
 _COMPILE = """
 import json, sys
 from flce.backends.cuda.ws_gemm_ops import compile_for_hopper
-a_mmajor, b_kmajor, row_stats, store_tile, accumulate = (flag == "1" for flag in sys.argv[1:])
-compiled = compile_for_hopper(a_mmajor, b_kmajor, row_stats=row_stats, store_tile=store_tile, accumulate=accumulate)
+a_mmajor, b_kmajor, row_stats, store_tile, accumulate, expected_z = (flag == "1" for flag in sys.argv[1:])
+compiled = compile_for_hopper(a_mmajor, b_kmajor, row_stats=row_stats, store_tile=store_tile, accumulate=accumulate,
+                              expected_z=expected_z)
 sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}))
 """
 
@@ -29,11 +30,11 @@ LAYOUTS = {"logits": (False, True), "grad_hidden": (False, False), "grad_weight"
 
 
 def _compile(a_mmajor: bool, b_kmajor: bool, row_stats: bool, store_tile: bool = False,
-             accumulate: bool = False) -> dict:
+             accumulate: bool = False, expected_z: bool = False) -> dict:
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    flags = [str(int(f)) for f in (a_mmajor, b_kmajor, row_stats, store_tile, accumulate)]
+    flags = [str(int(f)) for f in (a_mmajor, b_kmajor, row_stats, store_tile, accumulate, expected_z)]
     done = subprocess.run([sys.executable, "-c", _COMPILE, *flags], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -94,6 +95,19 @@ def test_ws_row_stats_storing_logits_compiles_for_hopper() -> None:
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
     assert "ex2.approx" in ptx and "bar.sync \t0, 256" not in ptx
     assert result["shared"] <= 227 * 1024
+
+
+def test_ws_row_stats_entropy_compiles_for_hopper() -> None:
+    """The RL statistics (temperature, the entropy's sum of exp2(y - max) * y): the same kernel with one
+    more partial written per row block, with and without kept logits."""
+    plain = _compile(False, True, row_stats=True)["ptx"]
+    for store_tile in (False, True):
+        result = _compile(False, True, row_stats=True, store_tile=store_tile, expected_z=True)
+        ptx = result["ptx"]
+        assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
+        assert ptx.count("st.global") > plain.count("st.global")  # the expected-z partials
+        assert (_TMA_STORE in ptx) == store_tile
+        assert "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
 
 
 def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -197,7 +211,7 @@ def test_ws_training_through_flce_matches_float64(hidden: int, vocab: int, monke
     stats_calls, gemm_calls = [], []
     real_stats, real_gemm = ops.ws_partial_row_stats, ops.ws_matmul
     monkeypatch.setattr(ops, "ws_partial_row_stats",
-                        lambda *a, **k: stats_calls.append(a[4] is not None) or real_stats(*a, **k))
+                        lambda *a, **k: stats_calls.append(a[5] is not None) or real_stats(*a, **k))
     monkeypatch.setattr(ops, "ws_matmul", lambda *a, **k: gemm_calls.append(k["accumulate"]) or real_gemm(*a, **k))
     x, w, _, t = lm_head_inputs(3000, hidden, vocab, torch.bfloat16, "cuda", with_bias=False)
     x.requires_grad_(True)
@@ -263,10 +277,94 @@ def test_ws_row_stats_plain_loss_matches_float64(tokens: int, hidden: int, vocab
     assert abs(float(loss - ref)) / abs(float(ref)) < 1e-3
 
 
-def test_ws_stats_eligibility_is_the_plain_statistics() -> None:
-    """Only what the ws kernel computes goes to it: a bias, softcap, temperature, class weights,
-    entropy, label smoothing, argmax, or kept logits a TMA store cannot write keep the fused Triton
-    GEMM (and CPU tensors never qualify)."""
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32001), (130, 4096, 520)])
+def test_ws_row_stats_entropy_at_temperature_matches_float64(tokens: int, hidden: int, vocab: int) -> None:
+    """The RL statistics at temperature 0.7: max, lse, target logit and expected logit (the entropy's
+    statistic) of z = bf16(x @ w.T) / T against float64, with (K = 4096) and without (K = 200) the
+    statistics interleaved with the next tile's wgmma."""
+    from flce.backends.cuda.ws_gemm_ops import ws_partial_row_stats, ws_supported
+    from flce.config import LCEConfig
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device="cuda") * 3 / hidden ** 0.5).to(torch.bfloat16)
+    if not ws_supported(x, w.T):
+        pytest.skip(f"ws_row_stats needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    target[::7] = -100
+    target[1] = vocab - 1
+    temperature = 0.7
+    cfg = LCEConfig(reduction="none", return_logprobs=True, return_entropy=True, temperature=temperature)
+    stats = ws_partial_row_stats(x, w, target, 0, cfg)
+    z = (x.double() @ w.double().T).to(torch.bfloat16).double() / temperature
+    valid = target >= 0
+    # One bf16 step of the row's largest |u| (a logit rounded the other way), divided by T as z is.
+    step = z.abs().amax(1) * 2.0 ** -7
+    assert torch.equal(stats.target_z[~valid], torch.zeros_like(stats.target_z[~valid]))
+    picked = z.gather(1, target.clamp(min=0)[:, None])[:, 0]
+    assert ((stats.target_z.double() - picked).abs() <= step)[valid].all()
+    assert ((stats.row_max.double() - z.max(1).values).abs() <= step).all()
+    lse = stats.row_max.double() + stats.sum_exp.double().log()
+    assert ((lse - torch.logsumexp(z, 1)).abs() <= step + 1e-5).all()
+    expected_z = (torch.softmax(z, 1) * z).sum(1)
+    got = stats.sum_exp_z.double() / stats.sum_exp.double()
+    assert ((got - expected_z).abs() <= step + 1e-4 * expected_z.abs()).all()
+    # An entropy far from zero (a spread softmax), so the check above is not met by any small number.
+    assert float((lse - expected_z).min()) > 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("vocab,keep_logits", [(32001, False), (151936, True)])
+def test_ws_rl_call_through_flce_matches_float64(vocab: int, keep_logits: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RL call (reduction="none", log-probs and entropy at temperature 0.7, the objective
+    -(adv * logp).mean() - 0.01 * entropy.mean()) takes the ws statistics GEMM on Hopper (counted; with
+    the logits kept at V = 151936, the GEMM also writes them), and its outputs and gradients stay within
+    1.5x of eager bf16's error against the float64 oracle."""
+    from helpers import lm_head_inputs, relative_error
+
+    import flce
+    from flce.autotune import override_params
+    from flce.backends.cuda import ops
+    from flce.testing import reference_loss
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the ws kernel needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    kept = []
+    real = ops.ws_partial_row_stats
+    monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *a, **k: kept.append(a[5] is not None) or real(*a, **k))
+    x, w, _, t = lm_head_inputs(3000, 1024, vocab, torch.bfloat16, "cuda", with_bias=False, ignore_some=False)
+    adv = torch.randn(3000, device="cuda")
+    options = {"reduction": "none", "return_logprobs": True, "return_entropy": True, "temperature": 0.7}
+    budget = {} if keep_logits else {"memory_budget": 64 << 20}
+
+    def objective(out) -> torch.Tensor:
+        return -(adv.to(out.logprobs.dtype) * out.logprobs).mean() - 0.01 * out.entropy.mean()
+
+    with override_params({"forward_stats": "fused"}, backend="cuda"):
+        out = flce.linear_cross_entropy(x, w, t, **options, **budget)
+        gx, gw = torch.autograd.grad(objective(out), (x, w))
+    assert kept and any(kept) == keep_logits, kept
+    xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    want = reference_loss(xd, wd, t, **options)
+    ref_gx, ref_gw = torch.autograd.grad(objective(want), (xd, wd))
+    xe, we = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    logprobs = torch.log_softmax((xe @ we.t()).float() / 0.7, 1)
+    eager_logp = logprobs.gather(1, t[:, None])[:, 0]
+    eager_entropy = -(logprobs.exp() * logprobs).sum(1)
+    eager_j = -(adv * eager_logp).mean() - 0.01 * eager_entropy.mean()
+    eager_gx, eager_gw = torch.autograd.grad(eager_j, (xe, we))
+    for name, got, ref, base in (("logprobs", out.logprobs, want.logprobs, eager_logp),
+                                 ("entropy", out.entropy, want.entropy, eager_entropy),
+                                 ("grad_hidden", gx, ref_gx, eager_gx), ("grad_weight", gw, ref_gw, eager_gw)):
+        err, eager_err = relative_error(got.detach(), ref.detach()), relative_error(base.detach(), ref.detach())
+        assert err <= 1.5 * eager_err + 1e-6, (name, err, eager_err)
+
+
+def test_ws_stats_eligibility_is_what_the_epilogue_computes() -> None:
+    """Only what the ws kernel computes goes to it (the plain statistics and the RL ones: temperature,
+    entropy): a bias, softcap, class weights, label smoothing, argmax, or kept logits a TMA store cannot
+    write keep the fused Triton GEMM (and CPU tensors never qualify)."""
     from flce.backends.cuda.ws_gemm_ops import ws_stats_eligible
     from flce.config import LCEConfig
 
@@ -277,7 +375,9 @@ def test_ws_stats_eligibility_is_the_plain_statistics() -> None:
         x, w = x.cuda(), w.cuda()
         assert ws_stats_eligible(x, w, None, LCEConfig(reduction="none", return_logprobs=True,
                                                        lse_square_scale=1e-4), None)
-        for cfg in (LCEConfig(softcap=30.0), LCEConfig(temperature=0.7), LCEConfig(return_entropy=True),
+        assert ws_stats_eligible(x, w, None, LCEConfig(reduction="none", return_logprobs=True, return_entropy=True,
+                                                       temperature=0.7), None)
+        for cfg in (LCEConfig(softcap=30.0), LCEConfig(class_weight=torch.ones(32, device="cuda")),
                     LCEConfig(label_smoothing=0.1), LCEConfig(return_token_accuracy=True)):
             assert not ws_stats_eligible(x, w, None, cfg, None), cfg
         assert not ws_stats_eligible(x, w, torch.zeros(32, device="cuda", dtype=torch.bfloat16), LCEConfig(), None)

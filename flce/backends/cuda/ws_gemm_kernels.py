@@ -139,52 +139,69 @@ def _stats_layout():
 
 
 @gluon.jit
-def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, part_max_ptr, part_sum_ptr,
-                 target_ptr, target_z_ptr, BLOCK_N: gl.constexpr):
-    """Chunk ``chunk`` of a warpgroup's bf16 logits half tile (first row off_m, column tile pid_n;
-    ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's running
-    (max of y = z * log2(e), sum of exp2(y - max), target logit, target) ``carry``; the last column
-    quarter writes the block's partials (base 2, as gemm_kernels' row statistics, merged by its
-    _merge_splits_kernel) and, where the target is in this tile, its logit z to target_z[row]."""
+def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
+                 BLOCK_N: gl.constexpr, EXPECTED_Z: gl.constexpr):
+    """Chunk ``chunk`` of a warpgroup's logits half tile u (in the inputs' dtype; first row off_m, column
+    tile pid_n; ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's
+    running ``carry``: (max of y, sum of exp2(y - max), target's u, target, sum of exp2(y - max) * u)
+    with y = u * y_scale (y_scale = log2(e) / temperature > 0, so max y = y_scale * max u). The last
+    column quarter writes the block's partials, base 2 as gemm_kernels' row statistics (merged by its
+    _merge_splits_kernel): max, sum and, with EXPECTED_Z (the entropy's statistic), the sum times y;
+    and, where the target is in this tile, its logit z = u * z_scale (z_scale = 1 / temperature)."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
     r: gl.constexpr = chunk // QUARTERS
     q: gl.constexpr = chunk % QUARTERS
+    part_max_ptr, part_sum_ptr, part_sum_y_ptr, target_ptr, target_z_ptr = stats_ptrs
     rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
     cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
-    z = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
-    z = gl.where(gl.expand_dims(cols < N, 0), z.load(layout).to(gl.float32), float("-inf"))
-    part_max = gl.max(z, axis=1) * 1.4426950408889634
+    u = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
+    z = gl.where(gl.expand_dims(cols < N, 0), u.load(layout).to(gl.float32), float("-inf"))
+    part_max = gl.max(z, axis=1) * y_scale
     shift = gl.where(part_max > float("-inf"), part_max, 0.0)  # a quarter past N: all -inf, sum 0
-    part_sum = gl.sum(gl.exp2(z * 1.4426950408889634 - gl.expand_dims(shift, 1)), axis=1)
+    e = gl.exp2(z * y_scale - gl.expand_dims(shift, 1))
+    part_sum = gl.sum(e, axis=1)
     row_ok = (rows < M) & valid
     if q == 0:
         target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
     else:
         target = carry[3]
     part_target = gl.sum(gl.where(gl.expand_dims(cols, 0) == gl.expand_dims(target, 1), z, 0.0), axis=1)
+    if EXPECTED_Z:
+        # Columns past N: e = 0 and z = -inf; the floor at -3e38 makes their product 0, not NaN, and
+        # keeps z the only copy of the chunk in registers (with u beside it the consumers spilled).
+        part_sum_u = gl.sum(e * gl.maximum(z, -3.0e38), axis=1)
+    else:
+        part_sum_u = part_sum
     if q == 0:
-        running_max, running_sum, target_z = part_max, part_sum, part_target
+        running_max, running_sum, target_u, running_sum_u = part_max, part_sum, part_target, part_sum_u
     else:
         running_max = gl.maximum(carry[0], part_max)
-        running_sum = (carry[1] * gl.exp2(carry[0] - running_max)
-                       + part_sum * gl.exp2(gl.where(part_max > float("-inf"), part_max, running_max) - running_max))
-        target_z = carry[2] + part_target
+        carry_scale = gl.exp2(carry[0] - running_max)
+        part_scale = gl.exp2(gl.where(part_max > float("-inf"), part_max, running_max) - running_max)
+        running_sum = carry[1] * carry_scale + part_sum * part_scale
+        target_u = carry[2] + part_target
+        if EXPECTED_Z:
+            running_sum_u = carry[4] * carry_scale + part_sum_u * part_scale
+        else:
+            running_sum_u = running_sum
     if q == QUARTERS - 1:
         part = pid_n.to(gl.int64) * M + rows
         gl.store(part_max_ptr + part, running_max, mask=row_ok)
         gl.store(part_sum_ptr + part, running_sum, mask=row_ok)
+        if EXPECTED_Z:
+            gl.store(part_sum_y_ptr + part, running_sum_u * y_scale, mask=row_ok)
         in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
-        gl.store(target_z_ptr + rows, target_z, mask=in_tile)
-    return running_max, running_sum, target_z, target
+        gl.store(target_z_ptr + rows, target_u * z_scale, mask=in_tile)
+    return running_max, running_sum, target_u, target, running_sum_u
 
 
 @gluon.jit
-def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs,
+def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale, z_scale,
                         WG: gl.constexpr, A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                         ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr, STORE_TILE: gl.constexpr,
-                        ACCUMULATE: gl.constexpr):
+                        ACCUMULATE: gl.constexpr, EXPECTED_Z: gl.constexpr):
     """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
 
     Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
@@ -209,10 +226,10 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     tile_smem = c_smem.index(WG)
-    part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr = stats_ptrs
     row_vector: gl.constexpr = gl.SliceLayout(1, _stats_layout())
     carry = (gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.float32, row_vector),
-             gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.int64, row_vector))
+             gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.int64, row_vector),
+             gl.zeros([STATS_ROWS], gl.float32, row_vector))
     step = 0  # K steps consumed so far over all of this program's tiles: the ring position
     prev_m = -1  # ROW_STATS: first row and column tile of the tile waiting in tile_smem (-1: none)
     prev_n = 0
@@ -226,8 +243,8 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
         if ROW_STATS and INTERLEAVE:
             for c in gl.static_range(STATS_CHUNKS):
                 acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
-                carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, part_max_ptr,
-                                     part_sum_ptr, target_ptr, target_z_ptr, BLOCK_N)
+                carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
+                                     z_scale, BLOCK_N, EXPECTED_Z)
                 acc = _retire_step(empty, acc, step, c)
                 step += 1
             first = STATS_CHUNKS
@@ -258,8 +275,8 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                 prev_n = pid_n
             else:
                 for c in gl.static_range(STATS_CHUNKS):
-                    carry = _stats_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, part_max_ptr,
-                                         part_sum_ptr, target_ptr, target_z_ptr, BLOCK_N)
+                    carry = _stats_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, stats_ptrs, y_scale,
+                                         z_scale, BLOCK_N, EXPECTED_Z)
         else:
             if ACCUMULATE:
                 mbarrier.wait(c_ready.index(WG), tiles_done & 1)
@@ -274,18 +291,19 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
     if ROW_STATS:
         if INTERLEAVE:
             for c in gl.static_range(STATS_CHUNKS):
-                carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, part_max_ptr,
-                                     part_sum_ptr, target_ptr, target_z_ptr, BLOCK_N)
+                carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
+                                     z_scale, BLOCK_N, EXPECTED_Z)
     if STORE_TILE or not ROW_STATS:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr,
+def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, part_sum_y_ptr, target_ptr,
+                    target_z_ptr, y_scale, z_scale,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr,
-                    STORE_TILE: gl.constexpr, ACCUMULATE: gl.constexpr,
+                    STORE_TILE: gl.constexpr, ACCUMULATE: gl.constexpr, EXPECTED_Z: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
     """C = A @ B, or with ROW_STATS C's row statistics (_stats_chunk, BLOCK_N a multiple of 64); grid = (persistent
     programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
@@ -296,7 +314,10 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
 
     ROW_STATS only (unused otherwise; INTERLEAVE needs >= STATS_CHUNKS K steps a tile):
     part_max_ptr, part_sum_ptr  [cdiv(N, BLOCK_N), M] fp32 partials
-    target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)"""
+    part_sum_y_ptr              the same, written with EXPECTED_Z (the entropy's sum exp2(y - max) * y)
+    target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)
+    y_scale = log2(e) / temperature, z_scale = 1 / temperature: the statistics of z = u / T for the
+    logits u (rounded to the inputs' dtype) of a temperature T; the plain loss passes T = 1."""
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_KMAJOR else b_desc.block_type.shape[0]
     HALF_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = a_desc.dtype
@@ -319,14 +340,14 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
     for i in gl.static_range(2):
         mbarrier.init(c_ready.index(i), count=1)
 
-    stats_ptrs = (part_max_ptr, part_sum_ptr, target_ptr, target_z_ptr)
+    stats_ptrs = (part_max_ptr, part_sum_ptr, part_sum_y_ptr, target_ptr, target_z_ptr)
     gl.warp_specialize([
-        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, 0,
-                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, INTERLEAVE,
-                               STORE_TILE, ACCUMULATE)),
-        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, 1,
-                               A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS, INTERLEAVE,
-                               STORE_TILE, ACCUMULATE)),
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
+                               z_scale, 0, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS,
+                               INTERLEAVE, STORE_TILE, ACCUMULATE, EXPECTED_Z)),
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
+                               z_scale, 1, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS,
+                               INTERLEAVE, STORE_TILE, ACCUMULATE, EXPECTED_Z)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                            A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -14,6 +14,7 @@ the rule raise ValueError rather than silently copying; callers fall back to cuB
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from flce.config import LCEConfig
 from flce.semantics import PartialRowStats
 
 _GL_DTYPES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,8 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> object:
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple, config: WsGemmConfig,
-            row_stats: bool, store_tile: bool = False, accumulate: bool = False) -> None:
+            row_stats: bool, store_tile: bool = False, accumulate: bool = False, inv_temperature: float = 1.0,
+            expected_z: bool = False) -> None:
     from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
 
     cfg = config
@@ -105,11 +108,11 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple,
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count)
     _ws_gemm_kernel[(programs,)](
-        a_desc, b_desc, c_desc, m, n, k, *stats_ptrs,
+        a_desc, b_desc, c_desc, m, n, k, *stats_ptrs, _LOG2E * inv_temperature, inv_temperature,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, GROUP_M=cfg.group_m,
         NUM_STAGES=cfg.stages, ROW_STATS=row_stats,
         INTERLEAVE=row_stats and triton.cdiv(k, cfg.block_k) >= _STATS_CHUNKS,
-        STORE_TILE=store_tile, ACCUMULATE=accumulate,
+        STORE_TILE=store_tile, ACCUMULATE=accumulate, EXPECTED_Z=expected_z,
         CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs,
         num_warps=4, maxnreg=cfg.max_regs,
     )
@@ -141,16 +144,24 @@ def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     if k == 0:
         return out if accumulate else out.zero_()
     c_desc = _descriptor(out, [config.block_m // 2, config.block_n])
-    _launch(a, b, c_desc, (out, out, out, out), config, row_stats=False, accumulate=accumulate)
+    _launch(a, b, c_desc, (out,) * 5, config, row_stats=False, accumulate=accumulate)
     return out
 
 
 def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, config: WsGemmConfig = ROW_STATS_CONFIG,
                  logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row statistics of the logits z = x @ w.T (each rounded to x's dtype): (row_max, sum_exp,
-    target_z), [N] fp32 each, as semantics.PartialRowStats's fields for the plain loss (sum_exp =
+    """The plain loss's row statistics of the logits z = x @ w.T (each rounded to x's dtype):
+    (row_max, sum_exp, target_z), [N] fp32 each, as semantics.PartialRowStats's fields (sum_exp =
     sum exp(z - row_max); target_z = 0 where target is outside [0, V)). The logits are written into
-    ``logits_out`` ([N, V], x's dtype, 16-byte aligned rows) when given, and nowhere otherwise.
+    ``logits_out`` ([N, V], x's dtype, 16-byte aligned rows) when given, and nowhere otherwise."""
+    stats = _row_stats(x, w, target, LCEConfig(), config, logits_out)
+    return stats.row_max, stats.sum_exp, stats.target_z
+
+
+def _row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, config: WsGemmConfig,
+               logits_out: torch.Tensor | None) -> PartialRowStats:
+    """PartialRowStats of z = (x @ w.T) / cfg.temperature for what ws_statistics_apply accepts (the
+    plain statistics, and sum_exp_z where cfg asks for the entropy).
 
     The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
     vocabulary order by gemm_ops.merge_splits."""
@@ -160,6 +171,9 @@ def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, config:
         raise ValueError(f"ws_row_stats: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, target "
                          f"{tuple(target.shape)}: expected x [N, H] and w [V, H] row-major bf16/fp16 on an sm_90 "
                          "GPU (16-byte aligned rows) and target [N]")
+    if not ws_statistics_apply(cfg, has_bias=False):
+        raise ValueError("ws_row_stats: the warp-specialised epilogue computes the plain statistics and the "
+                         f"entropy's at a temperature only, not those of {cfg}")
     n, vocab = x.shape[0], w.shape[0]
     c_desc = None
     if logits_out is not None:
@@ -168,40 +182,40 @@ def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, config:
                              f"{logits_out.stride()}: expected [{n}, {vocab}] row-major {x.dtype} with 16-byte "
                              "aligned rows")
         c_desc = _descriptor(logits_out, [config.block_m // 2, config.block_n])
-    row_max = torch.empty(n, dtype=torch.float32, device=x.device)
-    sum_exp = torch.empty_like(row_max)
-    target_z = torch.zeros_like(row_max)
+    stats = PartialRowStats.allocate(n, cfg, x.device)
+    stats.target_z.zero_()  # the kernel writes the rows whose target it finds
     if n == 0:
-        return row_max, sum_exp, target_z
+        return stats
     tiles_n = triton.cdiv(vocab, config.block_n)
     part_max = torch.empty(tiles_n, n, dtype=torch.float32, device=x.device)
     part_sum = torch.empty_like(part_max)
-    _launch(x, w.T, c_desc, (part_max, part_sum, target.long().contiguous(), target_z), config, row_stats=True,
-            store_tile=c_desc is not None)
-    merge_splits(PartialRowStats(row_max=row_max, sum_exp=sum_exp, target_z=target_z), part_max, part_sum)
-    return row_max, sum_exp, target_z
+    part_sum_y = torch.empty_like(part_max) if stats.sum_exp_z is not None else part_sum
+    _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_y, target.long().contiguous(), stats.target_z), config,
+            row_stats=True, store_tile=c_desc is not None, inv_temperature=1.0 / cfg.temperature,
+            expected_z=stats.sum_exp_z is not None)
+    merge_splits(stats, part_max, part_sum, part_sum_y)
+    return stats
 
 
 def ws_stats_eligible(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: LCEConfig,
                       logits_out: torch.Tensor | None) -> bool:
     """Whether ws_partial_row_stats computes what the fused forward (gemm_ops.gemm_row_stats) would:
-    plain logits (no bias, softcap, temperature or class weights), only the max / sum-exp / target
-    statistics (no entropy, label smoothing or argmax), on an sm_90 GPU; logits kept only into a
-    buffer a TMA store can write (the inputs' dtype, 16-byte aligned rows)."""
+    logits without a bias, softcap or class weights, at any temperature; the max / sum-exp / target
+    statistics and the entropy's (no label smoothing or argmax), on an sm_90 GPU; logits kept only
+    into a buffer a TMA store can write (the inputs' dtype, 16-byte aligned rows)."""
     keeps_storable = logits_out is None or (_tma_ready(logits_out) and logits_out.dtype == hidden.dtype)
     return (ws_statistics_apply(cfg, bias is not None) and keeps_storable and hidden.shape[-1] == weight.shape[-1]
             and ws_supported(hidden, weight.T))
 
 
 def ws_partial_row_stats(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_offset: int,
-                         logits_out: torch.Tensor | None = None,
+                         cfg: LCEConfig, logits_out: torch.Tensor | None = None,
                          config: WsGemmConfig = ROW_STATS_CONFIG) -> PartialRowStats:
     """gemm_row_stats's PartialRowStats for the cases ws_stats_eligible accepts: this shard's
     (vocab_offset..) statistics, target_z 0 where the target is in another shard or ignored; the
     logits written into ``logits_out`` when given."""
     local = target - vocab_offset if vocab_offset else target
-    row_max, sum_exp, target_z = ws_row_stats(hidden, weight, local, config, logits_out)
-    return PartialRowStats(row_max=row_max, sum_exp=sum_exp, target_z=target_z)
+    return _row_stats(hidden, weight, local, cfg, config, logits_out)
 
 
 def lm_head_logits(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -221,7 +235,7 @@ def lm_head_grad_weight(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor | No
 
 def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | None = None,
                        dtype: str = "bfloat16", row_stats: bool = False, store_tile: bool = False,
-                       accumulate: bool = False) -> object:
+                       accumulate: bool = False, expected_z: bool = False) -> object:
     """Compile the kernel for sm_90a without a GPU (triton.compile on a Gluon source), for the CPU
     tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``)."""
     import inspect
@@ -242,10 +256,11 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
     types = {"a_desc": descriptor([cfg.block_k, cfg.block_m] if a_mmajor else [cfg.block_m, cfg.block_k]),
              "b_desc": descriptor([cfg.block_n, cfg.block_k] if b_kmajor else [cfg.block_k, cfg.block_n]),
              "c_desc": descriptor([cfg.block_m // 2, cfg.block_n]), "M": "i32", "N": "i32", "K": "i32",
-             "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "target_ptr": "*i64", "target_z_ptr": "*fp32"}
+             "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_sum_y_ptr": "*fp32", "target_ptr": "*i64",
+             "target_z_ptr": "*fp32", "y_scale": "fp32", "z_scale": "fp32"}
     constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
                  "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
-                 "INTERLEAVE": row_stats, "STORE_TILE": store_tile, "ACCUMULATE": accumulate,
+                 "INTERLEAVE": row_stats, "STORE_TILE": store_tile, "ACCUMULATE": accumulate, "EXPECTED_Z": expected_z,
                  "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
     names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
     signature = {name: "constexpr" if name in constants else types[name] for name in names}

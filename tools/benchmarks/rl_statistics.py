@@ -1,0 +1,119 @@
+"""The RL statistics (log-probs and entropy at a temperature) on the warp-specialised statistics GEMM
+against the fused Triton one, side by side (issue 20), one GPU, bf16, one process.
+
+The RL call of the issue: ``reduction="none"``, log-probs and entropy at temperature 0.7, objective
+``-(adv * logp).mean() - 0.01 * entropy.mean()``. Per shape, in each of ``--rounds`` rounds, the
+references first (one cuBLAS ``x @ W.T``; with ``--training`` the three cuBLAS products, the floor),
+then each variant in turn, so the kernels alternate:
+
+* forward only (``no_grad``), ratio to one cuBLAS GEMM: the statistics GEMM by ``stats_kernel``;
+* with ``--training``: the RL call fwd+bwd within 512 MiB (nothing of the logits kept: a statistics
+  pass, then recomputed vocabulary blocks) and with the default memory (the logits kept where the
+  save limit allows: the chunk GEMM also writes them), ratio to the floor, with MiB above the
+  gradients.
+
+The last columns: how far the ws variant's outputs (log-probs, entropy; gradients) are from the Triton
+one's, as relative Frobenius norms.
+
+    python tools/benchmarks/rl_statistics.py [--shapes 8192x4096x128256,...] [--training 16384x4096x151936]
+                                             [--rounds 3] [--markdown out.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+
+import torch
+
+import flce
+from flce.autotune import override_params
+from flce.testing.measure import cublas_products_ms, median_ms, parse_shape, peak_mib_above, publish, shape_inputs
+
+RL = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_entropy": True}
+KERNELS = {"ws": "warp_specialized", "Triton": "triton"}
+TRAINING_BUDGETS = {"512 MiB": 512 << 20, "default": None}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _cell(values: list[float]) -> str:
+    """Median ratio with the rounds' range."""
+    return f"{statistics.median(values):.3f}x ({min(values):.3f}-{max(values):.3f})"
+
+
+def forward_rows(label: str, rounds: int) -> list[str]:
+    x, w, t, _ = shape_inputs(*parse_shape(label), requires_grad=False)
+
+    def forward(kernel: str):
+        with torch.no_grad(), override_params({"forward_stats": "fused", "stats_kernel": kernel}, backend="cuda"):
+            return flce.linear_cross_entropy(x, w, t, **RL)
+
+    ratios: dict[str, list[float]] = {name: [] for name in KERNELS}
+    for _ in range(rounds):
+        gemm = median_ms(lambda: x @ w.T, rep_ms=600)
+        for name, kernel in KERNELS.items():
+            ratios[name].append(median_ms(lambda kernel=kernel: forward(kernel), rep_ms=600) / gemm)
+    ws, tri = forward(KERNELS["ws"]), forward(KERNELS["Triton"])
+    diff = f"{_rel(ws.logprobs, tri.logprobs):.1e} / {_rel(ws.entropy, tri.entropy):.1e}"
+    return [f"| {label} | forward only | {name} | {_cell(ratios[name])} | | {diff if name == 'ws' else ''} |"
+            for name in KERNELS]
+
+
+def training_rows(label: str, rounds: int) -> list[str]:
+    x, w, t, g = shape_inputs(*parse_shape(label))
+    adv = torch.randn(x.shape[0], device=x.device, generator=g)
+
+    def step(kernel: str, budget: int | None):
+        knobs = {"stats_kernel": kernel, "logits_kernel": kernel}
+        with override_params(knobs, backend="cuda"):
+            out = flce.linear_cross_entropy(x, w, t, memory_budget=budget, **RL)
+            objective = -(adv * out.logprobs).mean() - 0.01 * out.entropy.mean()
+            return (out.logprobs.detach(), out.entropy.detach(), *torch.autograd.grad(objective, (x, w)))
+
+    cases = [(b, k) for b in TRAINING_BUDGETS for k in KERNELS]
+    ratios: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
+    for _ in range(rounds):
+        floor = sum(cublas_products_ms(x, w))
+        for budget, name in cases:
+            fn = lambda b=TRAINING_BUDGETS[budget], k=KERNELS[name]: step(k, b)  # noqa: E731
+            ratios[(budget, name)].append(median_ms(fn, warmup_ms=200, rep_ms=1500) / floor)
+    rows = []
+    for budget, limit in TRAINING_BUDGETS.items():
+        ws, tri = step(KERNELS["ws"], limit), step(KERNELS["Triton"], limit)
+        diff = " / ".join(f"{_rel(a, b):.1e}" for a, b in zip(ws, tri, strict=True))
+        del ws, tri
+        for name, kernel in KERNELS.items():
+            peak = peak_mib_above(lambda kernel=kernel, limit=limit: step(kernel, limit))
+            rows.append(f"| {label} | RL fwd+bwd, {budget} | {name} | {_cell(ratios[(budget, name)])} | {peak:.0f} | "
+                        f"{diff if name == 'ws' else ''} |")
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="8192x4096x128256,16384x2048x151936,16384x4096x151936")
+    parser.add_argument("--training", default="16384x4096x151936", help="shapes of the fwd+bwd rows ('' for none)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {stamp}, {args.rounds} rounds", "",
+             "| shape N x H x V | call | statistics GEMM | x one cuBLAS GEMM (forward) / x the floor, median "
+             "(range) | MiB above grads | ws vs Triton: rel. diff logp / entropy (/ grad_hidden / grad_weight) |",
+             "|---|---|---|---|---|---|"]
+    for label in filter(None, args.shapes.split(",")):
+        lines += forward_rows(label, args.rounds)
+        torch.cuda.empty_cache()
+    for label in filter(None, args.training.split(",")):
+        lines += training_rows(label, args.rounds)
+        torch.cuda.empty_cache()
+    publish("\n".join(lines), args.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
