@@ -6,7 +6,8 @@ The RL call of the issue: ``reduction="none"``, log-probs and entropy at tempera
 references first (one cuBLAS ``x @ W.T``; with ``--training`` the three cuBLAS products, the floor),
 then each variant in turn, so the kernels alternate:
 
-* forward only (``no_grad``), ratio to one cuBLAS GEMM: the statistics GEMM by ``stats_kernel``;
+* forward only (``no_grad``), ratio to one cuBLAS GEMM: the statistics GEMM by ``stats_kernel``, and
+  for reference the ws GEMM with the log-probs alone and with the plain loss;
 * with ``--training``: the RL call fwd+bwd within 512 MiB (nothing of the logits kept: a statistics
   pass, then recomputed vocabulary blocks) and with the default memory (the logits kept where the
   save limit allows: the chunk GEMM also writes them), ratio to the floor, with MiB above the
@@ -45,22 +46,33 @@ def _cell(values: list[float]) -> str:
     return f"{statistics.median(values):.3f}x ({min(values):.3f}-{max(values):.3f})"
 
 
+# Forward-only variants: (options, statistics GEMM). The plain loss and the log-probs alone on the ws
+# GEMM show, in the same process, what the temperature and the entropy's sum add to its epilogue.
+FORWARD_VARIANTS = {
+    "ws": (RL, "warp_specialized"),
+    "Triton": (RL, "triton"),
+    "ws, log-probs only": ({"reduction": "none", "temperature": 0.7, "return_logprobs": True}, "warp_specialized"),
+    "ws, plain loss": ({}, "warp_specialized"),
+}
+
+
 def forward_rows(label: str, rounds: int) -> list[str]:
     x, w, t, _ = shape_inputs(*parse_shape(label), requires_grad=False)
 
-    def forward(kernel: str):
+    def forward(name: str):
+        options, kernel = FORWARD_VARIANTS[name]
         with torch.no_grad(), override_params({"forward_stats": "fused", "stats_kernel": kernel}, backend="cuda"):
-            return flce.linear_cross_entropy(x, w, t, **RL)
+            return flce.linear_cross_entropy(x, w, t, **options)
 
-    ratios: dict[str, list[float]] = {name: [] for name in KERNELS}
+    ratios: dict[str, list[float]] = {name: [] for name in FORWARD_VARIANTS}
     for _ in range(rounds):
         gemm = median_ms(lambda: x @ w.T, rep_ms=600)
-        for name, kernel in KERNELS.items():
-            ratios[name].append(median_ms(lambda kernel=kernel: forward(kernel), rep_ms=600) / gemm)
-    ws, tri = forward(KERNELS["ws"]), forward(KERNELS["Triton"])
+        for name in FORWARD_VARIANTS:
+            ratios[name].append(median_ms(lambda name=name: forward(name), rep_ms=600) / gemm)
+    ws, tri = forward("ws"), forward("Triton")
     diff = f"{_rel(ws.logprobs, tri.logprobs):.1e} / {_rel(ws.entropy, tri.entropy):.1e}"
     return [f"| {label} | forward only | {name} | {_cell(ratios[name])} | | {diff if name == 'ws' else ''} |"
-            for name in KERNELS]
+            for name in FORWARD_VARIANTS]
 
 
 def training_rows(label: str, rounds: int) -> list[str]:
