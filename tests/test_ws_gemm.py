@@ -19,9 +19,9 @@ import torch
 _COMPILE = """
 import json, sys
 from flce.backends.cuda.ws_gemm_ops import compile_for_hopper
-a_mmajor, b_kmajor, row_stats, store_tile, accumulate, expected_z = (flag == "1" for flag in sys.argv[1:])
+a_mmajor, b_kmajor, row_stats, store_tile, accumulate, expected_z, argmax = (flag == "1" for flag in sys.argv[1:])
 compiled = compile_for_hopper(a_mmajor, b_kmajor, row_stats=row_stats, store_tile=store_tile, accumulate=accumulate,
-                              expected_z=expected_z)
+                              expected_z=expected_z, argmax=argmax)
 sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}))
 """
 
@@ -30,11 +30,11 @@ LAYOUTS = {"logits": (False, True), "grad_hidden": (False, False), "grad_weight"
 
 
 def _compile(a_mmajor: bool, b_kmajor: bool, row_stats: bool, store_tile: bool = False,
-             accumulate: bool = False, expected_z: bool = False) -> dict:
+             accumulate: bool = False, expected_z: bool = False, argmax: bool = False) -> dict:
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    flags = [str(int(f)) for f in (a_mmajor, b_kmajor, row_stats, store_tile, accumulate, expected_z)]
+    flags = [str(int(f)) for f in (a_mmajor, b_kmajor, row_stats, store_tile, accumulate, expected_z, argmax)]
     done = subprocess.run([sys.executable, "-c", _COMPILE, *flags], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -97,17 +97,19 @@ def test_ws_row_stats_storing_logits_compiles_for_hopper() -> None:
     assert result["shared"] <= 227 * 1024
 
 
-def test_ws_row_stats_entropy_compiles_for_hopper() -> None:
-    """The RL statistics (temperature, the entropy's sum of exp2(y - max) * y): the same kernel with one
-    more partial written per row block, with and without kept logits."""
+@pytest.mark.parametrize("store_tile,expected_z,argmax",
+                         [(False, True, False), (True, True, True), (True, False, True)])
+def test_ws_row_stats_entropy_and_argmax_compile_for_hopper(store_tile: bool, expected_z: bool, argmax: bool) -> None:
+    """The RL statistics (temperature, the entropy's sum of exp2(y - max) * y) and the argmax (token
+    accuracy): the same kernel with more partials written per row block, with and without kept logits."""
     plain = _compile(False, True, row_stats=True)["ptx"]
-    for store_tile in (False, True):
-        result = _compile(False, True, row_stats=True, store_tile=store_tile, expected_z=True)
-        ptx = result["ptx"]
-        assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
-        assert ptx.count("st.global") > plain.count("st.global")  # the expected-z partials
-        assert (_TMA_STORE in ptx) == store_tile
-        assert "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
+    result = _compile(False, True, row_stats=True, store_tile=store_tile, expected_z=expected_z, argmax=argmax)
+    ptx = result["ptx"]
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
+    assert ptx.count("st.global") > plain.count("st.global")  # the extra partials
+    assert ("st.global.b64" in ptx) == argmax  # the int64 argmax partials (the others are 32-bit)
+    assert (_TMA_STORE in ptx) == store_tile
+    assert "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
 
 
 def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -280,9 +282,10 @@ def test_ws_row_stats_plain_loss_matches_float64(tokens: int, hidden: int, vocab
 @pytest.mark.cuda
 @pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32001), (130, 4096, 520)])
 def test_ws_row_stats_entropy_at_temperature_matches_float64(tokens: int, hidden: int, vocab: int) -> None:
-    """The RL statistics at temperature 0.7: max, lse, target logit and expected logit (the entropy's
-    statistic) of z = bf16(x @ w.T) / T against float64, with (K = 4096) and without (K = 200) the
-    statistics interleaved with the next tile's wgmma."""
+    """The RL statistics at temperature 0.7: max, lse, target logit, expected logit (the entropy's
+    statistic) and the argmax (predicted tokens) of z = bf16(x @ w.T) / T against float64, with
+    (K = 4096) and without (K = 200) the statistics interleaved with the next tile's wgmma; a row of
+    equal logits (a zero hidden row) picks the first column."""
     from flce.backends.cuda.ws_gemm_ops import ws_partial_row_stats, ws_supported
     from flce.config import LCEConfig
 
@@ -293,8 +296,10 @@ def test_ws_row_stats_entropy_at_temperature_matches_float64(tokens: int, hidden
     target = torch.randint(0, vocab, (tokens,), device="cuda")
     target[::7] = -100
     target[1] = vocab - 1
+    x[5] = 0  # every logit 0: row max 0, argmax 0 (ties across columns, quarters and tiles)
     temperature = 0.7
-    cfg = LCEConfig(reduction="none", return_logprobs=True, return_entropy=True, temperature=temperature)
+    cfg = LCEConfig(reduction="none", return_logprobs=True, return_entropy=True, return_predicted_tokens=True,
+                    temperature=temperature)
     stats = ws_partial_row_stats(x, w, target, 0, cfg)
     z = (x.double() @ w.double().T).to(torch.bfloat16).double() / temperature
     valid = target >= 0
@@ -312,6 +317,14 @@ def test_ws_row_stats_entropy_at_temperature_matches_float64(tokens: int, hidden
     # Entropies far from zero on average (a spread softmax), so the check above is not met by any small
     # number (the most peaked rows of this draw have entropies of 0.08-0.3).
     assert float((lse - expected_z).mean()) > 1.0
+    # The argmax: a logit one bf16 step from the max at most (a near-tie that rounding may flip), and
+    # exactly torch's first argmax wherever the top two are further apart.
+    top2 = z.topk(2, dim=1).values
+    assert ((top2[:, 0] - z.gather(1, stats.argmax[:, None])[:, 0]) <= step).all()
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * step
+    assert float(clear.double().mean()) > 0.5
+    assert torch.equal(stats.argmax[clear], z.argmax(1)[clear])
+    assert int(stats.argmax[5]) == 0
 
 
 @pytest.mark.cuda
@@ -336,7 +349,8 @@ def test_ws_rl_call_through_flce_matches_float64(vocab: int, keep_logits: bool,
     monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *a, **k: kept.append(a[5] is not None) or real(*a, **k))
     x, w, _, t = lm_head_inputs(3000, 1024, vocab, torch.bfloat16, "cuda", with_bias=False, ignore_some=False)
     adv = torch.randn(3000, device="cuda")
-    options = {"reduction": "none", "return_logprobs": True, "return_entropy": True, "temperature": 0.7}
+    options = {"reduction": "none", "return_logprobs": True, "return_entropy": True, "temperature": 0.7,
+               "return_predicted_tokens": True}
     budget = {} if keep_logits else {"memory_budget": 64 << 20}
 
     def objective(out) -> torch.Tensor:
@@ -360,12 +374,18 @@ def test_ws_rl_call_through_flce_matches_float64(vocab: int, keep_logits: bool,
                                  ("grad_hidden", gx, ref_gx, eager_gx), ("grad_weight", gw, ref_gw, eager_gw)):
         err, eager_err = relative_error(got.detach(), ref.detach()), relative_error(base.detach(), ref.detach())
         assert err <= 1.5 * eager_err + 1e-6, (name, err, eager_err)
+    # Predicted tokens from bf16 logits: the float64 logit at each pick within a bf16 step of the row's max.
+    with torch.no_grad():
+        z = xd @ wd.t()
+        top = z.max(1).values
+        assert ((top - z.gather(1, out.predicted_tokens[:, None])[:, 0]) <= top.abs() * 2.0 ** -7).all()
+        assert float((out.predicted_tokens == want.predicted_tokens).double().mean()) > 0.9
 
 
 def test_ws_stats_eligibility_is_what_the_epilogue_computes() -> None:
-    """Only what the ws kernel computes goes to it (the plain statistics and the RL ones: temperature,
-    entropy): a bias, softcap, class weights, label smoothing, argmax, or kept logits a TMA store cannot
-    write keep the fused Triton GEMM (and CPU tensors never qualify)."""
+    """Only what the ws kernel computes goes to it (the plain statistics, the RL ones: temperature,
+    entropy, and the argmax): a bias, softcap, class weights, label smoothing, or kept logits a TMA
+    store cannot write keep the fused Triton GEMM (and CPU tensors never qualify)."""
     from flce.backends.cuda.ws_gemm_ops import ws_stats_eligible
     from flce.config import LCEConfig
 
@@ -378,8 +398,9 @@ def test_ws_stats_eligibility_is_what_the_epilogue_computes() -> None:
                                                        lse_square_scale=1e-4), None)
         assert ws_stats_eligible(x, w, None, LCEConfig(reduction="none", return_logprobs=True, return_entropy=True,
                                                        temperature=0.7), None)
+        assert ws_stats_eligible(x, w, None, LCEConfig(return_token_accuracy=True, return_predicted_tokens=True), None)
         for cfg in (LCEConfig(softcap=30.0), LCEConfig(class_weight=torch.ones(32, device="cuda")),
-                    LCEConfig(label_smoothing=0.1), LCEConfig(return_token_accuracy=True)):
+                    LCEConfig(label_smoothing=0.1)):
             assert not ws_stats_eligible(x, w, None, cfg, None), cfg
         assert not ws_stats_eligible(x, w, torch.zeros(32, device="cuda", dtype=torch.bfloat16), LCEConfig(), None)
         assert ws_stats_eligible(x, w, None, LCEConfig(), torch.empty(8, 32, device="cuda", dtype=x.dtype))

@@ -6,8 +6,9 @@ The RL call of the issue: ``reduction="none"``, log-probs and entropy at tempera
 references first (one cuBLAS ``x @ W.T``; with ``--training`` the three cuBLAS products, the floor),
 then each variant in turn, so the kernels alternate:
 
-* forward only (``no_grad``), ratio to one cuBLAS GEMM: the statistics GEMM by ``stats_kernel``, and
-  for reference the ws GEMM with the log-probs alone and with the plain loss;
+* forward only (``no_grad``), ratio to one cuBLAS GEMM: the statistics GEMM by ``stats_kernel``, also
+  with the predicted tokens (the argmax), and for reference the ws GEMM with the log-probs alone and
+  with the plain loss;
 * with ``--training``: the RL call fwd+bwd within 512 MiB (nothing of the logits kept: a statistics
   pass, then recomputed vocabulary blocks) and with the default memory (the logits kept where the
   save limit allows: the chunk GEMM also writes them), ratio to the floor, with MiB above the
@@ -46,11 +47,14 @@ def _cell(values: list[float]) -> str:
     return f"{statistics.median(values):.3f}x ({min(values):.3f}-{max(values):.3f})"
 
 
-# Forward-only variants: (options, statistics GEMM). The plain loss and the log-probs alone on the ws
-# GEMM show, in the same process, what the temperature and the entropy's sum add to its epilogue.
+# Forward-only variants: (options, statistics GEMM). The RL statistics with the argmax (predicted
+# tokens) on both GEMMs; the plain loss and the log-probs alone on the ws GEMM show, in the same
+# process, what the temperature and the entropy's sum add to its epilogue.
 FORWARD_VARIANTS = {
     "ws": (RL, "warp_specialized"),
     "Triton": (RL, "triton"),
+    "ws, + predicted tokens": ({**RL, "return_predicted_tokens": True}, "warp_specialized"),
+    "Triton, + predicted tokens": ({**RL, "return_predicted_tokens": True}, "triton"),
     "ws, log-probs only": ({"reduction": "none", "temperature": 0.7, "return_logprobs": True}, "warp_specialized"),
     "ws, plain loss": ({}, "warp_specialized"),
 }

@@ -140,24 +140,27 @@ def _stats_layout():
 
 @gluon.jit
 def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
-                 BLOCK_N: gl.constexpr, EXPECTED_Z: gl.constexpr):
+                 BLOCK_N: gl.constexpr, EXPECTED_Z: gl.constexpr, ARGMAX: gl.constexpr):
     """Chunk ``chunk`` of a warpgroup's logits half tile u (in the inputs' dtype; first row off_m, column
     tile pid_n; ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's
-    running ``carry``: (max of y, sum of exp2(y - max), target's u, target, sum of exp2(y - max) * u)
-    with y = u * y_scale (y_scale = log2(e) / temperature > 0, so max y = y_scale * max u). The last
-    column quarter writes the block's partials, base 2 as gemm_kernels' row statistics (merged by its
-    _merge_splits_kernel): max, sum and, with EXPECTED_Z (the entropy's statistic), the sum times y;
-    and, where the target is in this tile, its logit z = u * z_scale (z_scale = 1 / temperature)."""
+    running ``carry``: (max of y, sum of exp2(y - max), target's u, target, sum of exp2(y - max) * u,
+    first column holding the max) with y = u * y_scale (y_scale = log2(e) / temperature > 0, so max y =
+    y_scale * max u, at the same columns). The last column quarter writes the block's partials, base 2
+    as gemm_kernels' row statistics (merged by its _merge_splits_kernel): max, sum, with EXPECTED_Z (the
+    entropy's statistic) the sum times y, with ARGMAX (token accuracy, predicted tokens) the first
+    column of the max; and, where the target is in this tile, its logit z = u * z_scale (z_scale =
+    1 / temperature)."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
     r: gl.constexpr = chunk // QUARTERS
     q: gl.constexpr = chunk % QUARTERS
-    part_max_ptr, part_sum_ptr, part_sum_y_ptr, target_ptr, target_z_ptr = stats_ptrs
+    part_max_ptr, part_sum_ptr, part_sum_y_ptr, part_argmax_ptr, target_ptr, target_z_ptr = stats_ptrs
     rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
     cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
     u = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
     z = gl.where(gl.expand_dims(cols < N, 0), u.load(layout).to(gl.float32), float("-inf"))
-    part_max = gl.max(z, axis=1) * y_scale
+    top = gl.max(z, axis=1)
+    part_max = top * y_scale
     shift = gl.where(part_max > float("-inf"), part_max, 0.0)  # a quarter past N: all -inf, sum 0
     e = gl.exp2(z * y_scale - gl.expand_dims(shift, 1))
     part_sum = gl.sum(e, axis=1)
@@ -173,9 +176,18 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
         part_sum_u = gl.sum(e * gl.maximum(z, -3.0e38), axis=1)
     else:
         part_sum_u = part_sum
-    if q == 0:
-        running_max, running_sum, target_u, running_sum_u = part_max, part_sum, part_target, part_sum_u
+    if ARGMAX:
+        first = gl.where(z == gl.expand_dims(top, 1), gl.expand_dims(cols, 0), 2147483647)
+        part_arg = gl.min(first, axis=1).to(gl.int64)
     else:
+        part_arg = target
+    if q == 0:
+        running_max, running_sum, target_u, running_sum_u, best = part_max, part_sum, part_target, part_sum_u, part_arg
+    else:
+        if ARGMAX:  # strictly greater: an earlier quarter keeps a tie, so the first maximal column wins
+            best = gl.where(part_max > carry[0], part_arg, carry[5])
+        else:
+            best = part_arg
         running_max = gl.maximum(carry[0], part_max)
         carry_scale = gl.exp2(carry[0] - running_max)
         part_scale = gl.exp2(gl.where(part_max > float("-inf"), part_max, running_max) - running_max)
@@ -191,9 +203,11 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
         gl.store(part_sum_ptr + part, running_sum, mask=row_ok)
         if EXPECTED_Z:
             gl.store(part_sum_y_ptr + part, running_sum_u * y_scale, mask=row_ok)
+        if ARGMAX:
+            gl.store(part_argmax_ptr + part, best.to(gl.int64), mask=row_ok)
         in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
         gl.store(target_z_ptr + rows, target_u * z_scale, mask=in_tile)
-    return running_max, running_sum, target_u, target, running_sum_u
+    return running_max, running_sum, target_u, target, running_sum_u, best
 
 
 @gluon.jit
@@ -201,7 +215,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                         WG: gl.constexpr, A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                         ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr, STORE_TILE: gl.constexpr,
-                        ACCUMULATE: gl.constexpr, EXPECTED_Z: gl.constexpr):
+                        ACCUMULATE: gl.constexpr, EXPECTED_Z: gl.constexpr, ARGMAX: gl.constexpr):
     """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
 
     Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
@@ -229,7 +243,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
     row_vector: gl.constexpr = gl.SliceLayout(1, _stats_layout())
     carry = (gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.float32, row_vector),
              gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.int64, row_vector),
-             gl.zeros([STATS_ROWS], gl.float32, row_vector))
+             gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.int64, row_vector))
     step = 0  # K steps consumed so far over all of this program's tiles: the ring position
     prev_m = -1  # ROW_STATS: first row and column tile of the tile waiting in tile_smem (-1: none)
     prev_n = 0
@@ -244,7 +258,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             for c in gl.static_range(STATS_CHUNKS):
                 acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
                 carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
-                                     z_scale, BLOCK_N, EXPECTED_Z)
+                                     z_scale, BLOCK_N, EXPECTED_Z, ARGMAX)
                 acc = _retire_step(empty, acc, step, c)
                 step += 1
             first = STATS_CHUNKS
@@ -276,7 +290,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             else:
                 for c in gl.static_range(STATS_CHUNKS):
                     carry = _stats_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, stats_ptrs, y_scale,
-                                         z_scale, BLOCK_N, EXPECTED_Z)
+                                         z_scale, BLOCK_N, EXPECTED_Z, ARGMAX)
         else:
             if ACCUMULATE:
                 mbarrier.wait(c_ready.index(WG), tiles_done & 1)
@@ -292,19 +306,19 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
         if INTERLEAVE:
             for c in gl.static_range(STATS_CHUNKS):
                 carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
-                                     z_scale, BLOCK_N, EXPECTED_Z)
+                                     z_scale, BLOCK_N, EXPECTED_Z, ARGMAX)
     if STORE_TILE or not ROW_STATS:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, part_sum_y_ptr, target_ptr,
-                    target_z_ptr, y_scale, z_scale,
+def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, part_sum_y_ptr, part_argmax_ptr,
+                    target_ptr, target_z_ptr, y_scale, z_scale,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr,
                     STORE_TILE: gl.constexpr, ACCUMULATE: gl.constexpr, EXPECTED_Z: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                    ARGMAX: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
     """C = A @ B, or with ROW_STATS C's row statistics (_stats_chunk, BLOCK_N a multiple of 64); grid = (persistent
     programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
     warp are workers). a_desc block [BLOCK_M, BLOCK_K] (or [BLOCK_K, BLOCK_M] with A_MMAJOR);
@@ -315,6 +329,7 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
     ROW_STATS only (unused otherwise; INTERLEAVE needs >= STATS_CHUNKS K steps a tile):
     part_max_ptr, part_sum_ptr  [cdiv(N, BLOCK_N), M] fp32 partials
     part_sum_y_ptr              the same, written with EXPECTED_Z (the entropy's sum exp2(y - max) * y)
+    part_argmax_ptr             [cdiv(N, BLOCK_N), M] int64, written with ARGMAX: each block's first max column
     target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)
     y_scale = log2(e) / temperature, z_scale = 1 / temperature: the statistics of z = u / T for the
     logits u (rounded to the inputs' dtype) of a temperature T; the plain loss passes T = 1."""
@@ -340,14 +355,14 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
     for i in gl.static_range(2):
         mbarrier.init(c_ready.index(i), count=1)
 
-    stats_ptrs = (part_max_ptr, part_sum_ptr, part_sum_y_ptr, target_ptr, target_z_ptr)
+    stats_ptrs = (part_max_ptr, part_sum_ptr, part_sum_y_ptr, part_argmax_ptr, target_ptr, target_z_ptr)
     gl.warp_specialize([
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
                                z_scale, 0, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS,
-                               INTERLEAVE, STORE_TILE, ACCUMULATE, EXPECTED_Z)),
+                               INTERLEAVE, STORE_TILE, ACCUMULATE, EXPECTED_Z, ARGMAX)),
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
                                z_scale, 1, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS,
-                               INTERLEAVE, STORE_TILE, ACCUMULATE, EXPECTED_Z)),
+                               INTERLEAVE, STORE_TILE, ACCUMULATE, EXPECTED_Z, ARGMAX)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                            A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
