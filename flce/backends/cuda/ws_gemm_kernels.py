@@ -204,7 +204,7 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
         if EXPECTED_Z:
             gl.store(part_sum_y_ptr + part, running_sum_u * y_scale, mask=row_ok)
         if ARGMAX:
-            gl.store(part_argmax_ptr + part, best.to(gl.int64), mask=row_ok)
+            gl.store(part_argmax_ptr + part, best, mask=row_ok)
         in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
         gl.store(target_z_ptr + rows, target_u * z_scale, mask=in_tile)
     return running_max, running_sum, target_u, target, running_sum_u, best

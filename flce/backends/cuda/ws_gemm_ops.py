@@ -173,8 +173,8 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, cfg: LCEC
                          f"{tuple(target.shape)}: expected x [N, H] and w [V, H] row-major bf16/fp16 on an sm_90 "
                          "GPU (16-byte aligned rows) and target [N]")
     if not ws_statistics_apply(cfg, has_bias=False):
-        raise ValueError("ws_row_stats: the warp-specialised epilogue computes the plain statistics and the "
-                         f"entropy's at a temperature only, not those of {cfg}")
+        raise ValueError("ws_row_stats: the warp-specialised epilogue computes the plain, entropy and argmax "
+                         f"statistics at a temperature, without a softcap, class weights or label smoothing: {cfg}")
     n, vocab = x.shape[0], w.shape[0]
     c_desc = None
     if logits_out is not None:
