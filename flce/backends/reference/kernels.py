@@ -137,7 +137,11 @@ class ReferenceKernels:
             if stats.sum_exp_z is not None:
                 stats.sum_exp_z[rows] = exp.mul_(z).sum(1)
             if stats.weighted_sum_z is not None:
-                stats.weighted_sum_z[rows] = z.sum(1) if class_weight is None else z @ class_weight
+                # Not z @ class_weight: BLAS's matrix-vector kernels round differently for different row
+                # counts, so the answer would depend on the block size (a product and a row sum do not;
+                # exp's storage is free by now).
+                weighted = z if class_weight is None else torch.mul(z, class_weight, out=exp)
+                stats.weighted_sum_z[rows] = weighted.sum(1)
             if stats.argmax is not None:
                 stats.argmax[rows] = argmax + vocab_offset
             if stats.row_min is not None:
