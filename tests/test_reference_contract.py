@@ -342,7 +342,13 @@ def test_small_memory_budget_equals_large(case: str, reduction: str, generator: 
     large_loss = large_out if isinstance(large_out, torch.Tensor) else large_out.loss
     torch.testing.assert_close(small_loss, large_loss, rtol=1e-6, atol=1e-6)
     for name in ("hidden", "weight", "bias"):
-        torch.testing.assert_close(getattr(small_grads, name), getattr(large_grads, name), rtol=1e-5, atol=1e-6)
+        want = getattr(large_grads, name)
+        # The weight and bias gradients sum the same 40 products per entry in another order (14 chunks
+        # against one GEMM): an entry that cancels is off by a few ulps of the largest terms, not of
+        # itself (1.1e-6 and 1.5e-6 at entries of 0.006 and 0.02, drawn seeds 1017 and 1014, under a
+        # fixed atol of 1e-6).
+        atol = max(1e-6, 64 * torch.finfo(want.dtype).eps * float(want.abs().max()))
+        torch.testing.assert_close(getattr(small_grads, name), want, rtol=1e-5, atol=atol)
 
 
 def test_plan_respects_memory_budget(generator: torch.Generator) -> None:
