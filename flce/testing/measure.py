@@ -151,6 +151,12 @@ def cublas_products_ms(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[floa
     return median_ms(lambda: x @ w.T), median_ms(lambda: g @ w), median_ms(lambda: g.T @ x)
 
 
+def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float64: how far one implementation's output is
+    from another's (or from an oracle's)."""
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
 class InterleavedTimings(NamedTuple):
     wall: dict[str, Timing]  # elapsed time of each call (after a device synchronize)
     cpu: dict[str, Timing]  # this process's CPU time (all threads) over the same calls

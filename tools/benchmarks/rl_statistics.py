@@ -31,15 +31,19 @@ import torch
 
 import flce
 from flce.autotune import override_params
-from flce.testing.measure import cublas_products_ms, median_ms, parse_shape, peak_mib_above, publish, shape_inputs
+from flce.testing.measure import (
+    cublas_products_ms,
+    median_ms,
+    parse_shape,
+    peak_mib_above,
+    publish,
+    relative_difference,
+    shape_inputs,
+)
 
 RL = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_entropy": True}
 KERNELS = {"ws": "warp_specialized", "Triton": "triton"}
 TRAINING_BUDGETS = {"512 MiB": 512 << 20, "default": None}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _cell(values: list[float]) -> str:
@@ -74,7 +78,7 @@ def forward_rows(label: str, rounds: int) -> list[str]:
         for name in FORWARD_VARIANTS:
             ratios[name].append(median_ms(lambda name=name: forward(name), rep_ms=600) / gemm)
     ws, tri = forward("ws"), forward("Triton")
-    diff = f"{_rel(ws.logprobs, tri.logprobs):.1e} / {_rel(ws.entropy, tri.entropy):.1e}"
+    diff = f"{relative_difference(ws.logprobs, tri.logprobs):.1e} / {relative_difference(ws.entropy, tri.entropy):.1e}"
     return [f"| {label} | forward only | {name} | {_cell(ratios[name])} | | {diff if name == 'ws' else ''} |"
             for name in FORWARD_VARIANTS]
 
@@ -100,7 +104,7 @@ def training_rows(label: str, rounds: int) -> list[str]:
     rows = []
     for budget, limit in TRAINING_BUDGETS.items():
         ws, tri = step(KERNELS["ws"], limit), step(KERNELS["Triton"], limit)
-        diff = " / ".join(f"{_rel(a, b):.1e}" for a, b in zip(ws, tri, strict=True))
+        diff = " / ".join(f"{relative_difference(a, b):.1e}" for a, b in zip(ws, tri, strict=True))
         del ws, tri
         for name, kernel in KERNELS.items():
             peak = peak_mib_above(lambda kernel=kernel, limit=limit: step(kernel, limit))

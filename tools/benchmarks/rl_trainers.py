@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import flce
-from flce.testing.measure import MiB, median_ms, peak_mib_above, publish
+from flce.testing.measure import MiB, median_ms, peak_mib_above, publish, relative_difference
 
 TEMPERATURE = 0.7
 ENTROPY_COEF = 0.01
@@ -198,10 +198,6 @@ def float64_reference(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, adv: to
     return out
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.double() - expected).norm() / expected.norm())
-
-
 # --------------------------------------------------------------------------- timing
 
 def shape_rows(label: str, implementations: dict[str, LogprobFn | str]) -> list[str]:
@@ -242,10 +238,10 @@ def shape_rows(label: str, implementations: dict[str, LogprobFn | str]) -> list[
             fwd_ms, fwd_mib = median_ms(forward), peak_mib_above(forward)
             step_ms, step_mib = median_ms(step), peak_mib_above(step)
             grad_x, grad_w, logp, entropy = step()
-            agreement = (f"{rel_err(logp[:CHECKED_ROWS], ref['logprobs']):.1e} / "
-                         f"{rel_err(entropy[:CHECKED_ROWS], ref['entropy']):.1e} / "
-                         f"{rel_err(grad_x[:CHECKED_ROWS], ref['grad_hidden']):.1e} / "
-                         f"{rel_err(grad_w, ref['grad_weight']):.1e}")
+            agreement = (f"{relative_difference(logp[:CHECKED_ROWS], ref['logprobs']):.1e} / "
+                         f"{relative_difference(entropy[:CHECKED_ROWS], ref['entropy']):.1e} / "
+                         f"{relative_difference(grad_x[:CHECKED_ROWS], ref['grad_hidden']):.1e} / "
+                         f"{relative_difference(grad_w, ref['grad_weight']):.1e}")
             del grad_x, grad_w, logp, entropy
         except Exception as exc:  # a peer that fails at this shape is reported, not fatal
             rows.append(f"| {label} | {name} | failed: {type(exc).__name__}: {str(exc)[:120]} | | | | | | |")
@@ -257,7 +253,7 @@ def shape_rows(label: str, implementations: dict[str, LogprobFn | str]) -> list[
     with torch.no_grad():
         stats = flce.linear_cross_entropy(xd[:CHECKED_ROWS], wd, t[:CHECKED_ROWS], reduction="none",
                                           temperature=TEMPERATURE, return_logit_stats=True).logit_stats
-    errors = " / ".join(f"{rel_err(stats[:, i], ref['logit_stats'][:, i]):.1e}" for i in range(3))
+    errors = " / ".join(f"{relative_difference(stats[:, i], ref['logit_stats'][:, i]):.1e}" for i in range(3))
     rows.append(f"| {label} | return_logit_stats vs float64 (max / min / mean of z) | {errors} | | | | | | |")
     return rows
 

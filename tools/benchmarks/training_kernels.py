@@ -21,7 +21,15 @@ import torch
 
 import flce
 from flce.autotune import override_params
-from flce.testing.measure import cublas_products_ms, median_ms, parse_shape, peak_mib_above, publish, shape_inputs
+from flce.testing.measure import (
+    cublas_products_ms,
+    median_ms,
+    parse_shape,
+    peak_mib_above,
+    publish,
+    relative_difference,
+    shape_inputs,
+)
 
 SHAPES = "4096x4096x32000,8192x4096x128256,16384x2048x151936"
 VARIANTS = {  # label: the knobs set for the call (everything else: the planner's heuristics)
@@ -53,7 +61,7 @@ def training_rows(label: str, rounds: int) -> list[str]:
     rows = []
     for name, knobs in VARIANTS.items():
         got = step(knobs)
-        diffs = [float((a.double() - b.double()).norm() / b.double().norm()) for a, b in zip(got, base, strict=True)]
+        diffs = [relative_difference(a, b) for a, b in zip(got, base, strict=True)]
         peak = peak_mib_above(lambda knobs=knobs: step(knobs))
         rows.append(f"| {label} | {name} | {' / '.join(f'{m:.2f}' for m in times[name])} | "
                     f"{' / '.join(f'{r:.3f}x' for r in ratios[name])} | {peak:.0f} | "
