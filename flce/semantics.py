@@ -8,10 +8,15 @@ With z the capped, temperature-scaled logits of one row, p = softmax(z), y the
 target and w the class weights (all ones when there are none), the gradient of
 every differentiable output with respect to z has the form
 
-    grad_z[c] = p[c] * (a - h * z[c]) - (c == y) * d - e * w[c]
+    grad_z[c] = p[c] * (a - h * (z[c] - lse)) - (c == y) * d - e * w[c]
 
 for four per-row scalars (a, h, d, e) computed by :func:`grad_coefficients`.
 A grad kernel only needs those, the row's lse and its target.
+
+The entropy's term is written with z - lse = log p, not z: at large logits (|z| ~ 100 at a low
+temperature) ``a - h * z`` would subtract two fp32 numbers of size |z| whose difference is the
+gradient, and keep only ~|z| * 6e-8 of absolute precision; log p and the entropy are small where p
+is not. For the same reason the scans sum exp(z - max) * (z - max), not exp(z - max) * z.
 """
 
 from __future__ import annotations
@@ -27,14 +32,14 @@ from flce.config import LCEConfig
 class PartialRowStats:
     """One scan's statistics, combinable across vocabulary shards.
 
-    sum_exp and sum_exp_z are relative to row_max; target_z is 0 on a shard
+    sum_exp and sum_exp_dz are relative to row_max; target_z is 0 on a shard
     that does not hold the target; argmax is a global vocabulary index.
     """
 
     row_max: torch.Tensor  # [n] fp32
     sum_exp: torch.Tensor  # [n] fp32, sum exp(z - row_max)
     target_z: torch.Tensor  # [n] fp32
-    sum_exp_z: torch.Tensor | None = None  # [n] fp32, sum exp(z - row_max) * z   (entropy)
+    sum_exp_dz: torch.Tensor | None = None  # [n] fp32, sum exp(z - row_max) * (z - row_max) (entropy)
     weighted_sum_z: torch.Tensor | None = None  # [n] fp32, sum w[c] * z[c]      (smoothing)
     argmax: torch.Tensor | None = None  # [n] int64                              (metrics)
     row_min: torch.Tensor | None = None  # [n] fp32, min z                       (logit stats)
@@ -48,7 +53,7 @@ class PartialRowStats:
 
         return PartialRowStats(
             row_max=f32(), sum_exp=f32(), target_z=f32(),
-            sum_exp_z=f32() if needs_expected_z(cfg) else None,
+            sum_exp_dz=f32() if needs_sum_exp_dz(cfg) else None,
             weighted_sum_z=f32() if needs_weighted_sum_z(cfg) else None,
             argmax=torch.empty(n_rows, dtype=torch.int64, device=device) if needs_argmax(cfg) else None,
             row_min=f32() if needs_logit_stats(cfg) else None,
@@ -68,7 +73,7 @@ def merge_partial_stats(a: PartialRowStats, b: PartialRowStats) -> PartialRowSta
         row_max=row_max,
         sum_exp=rescaled(a.sum_exp, b.sum_exp),
         target_z=a.target_z + b.target_z,
-        sum_exp_z=rescaled(a.sum_exp_z, b.sum_exp_z),
+        sum_exp_dz=rescaled(shifted_sum_exp_dz(a, row_max), shifted_sum_exp_dz(b, row_max)),
         weighted_sum_z=None if a.weighted_sum_z is None else a.weighted_sum_z + b.weighted_sum_z,
         # Strictly greater: a's columns come first, so ties keep a's (first) index.
         argmax=None if a.argmax is None else torch.where(b.row_max > a.row_max, b.argmax, a.argmax),
@@ -77,11 +82,22 @@ def merge_partial_stats(a: PartialRowStats, b: PartialRowStats) -> PartialRowSta
     )
 
 
+def shifted_sum_exp_dz(p: PartialRowStats, new_max: torch.Tensor) -> torch.Tensor | None:
+    """p's sum exp(z - max) * (z - max) with the differences taken from new_max >= p.row_max (the sum
+    still relative to p's max): + (max - new_max) * sum_exp; 0 where p has no columns (max = -inf)."""
+    if p.sum_exp_dz is None:
+        return None
+    shift = torch.where(p.sum_exp > 0, p.row_max - new_max, 0.0)
+    return p.sum_exp_dz + shift * p.sum_exp
+
+
 @dataclass
 class RowStats:
     lse: torch.Tensor  # [n] fp32
     target_z: torch.Tensor  # [n] fp32
-    expected_z: torch.Tensor | None = None  # [n] fp32, E_p[z]
+    entropy: torch.Tensor | None = None  # [n] fp32, log sum exp(z - max) - E_p[z - max]
+    # [n] fp32, lse - E_p[z] with the stored (rounded) lse: the entropy as the gradient kernels see it
+    lse_minus_mean_z: torch.Tensor | None = None
     weighted_sum_z: torch.Tensor | None = None
     argmax: torch.Tensor | None = None
     # (max z, min z, sum z) per row: the logit statistics (return_logit_stats), else None.
@@ -92,10 +108,17 @@ class RowStats:
     @staticmethod
     def from_partial(p: PartialRowStats) -> RowStats:
         with_stats = p.row_min is not None
+        log_sum_exp = torch.log(p.sum_exp)
+        lse = p.row_max + log_sum_exp
+        mean_dz = None if p.sum_exp_dz is None else p.sum_exp_dz / p.sum_exp
         return RowStats(
-            lse=p.row_max + torch.log(p.sum_exp),
+            lse=lse,
             target_z=p.target_z,
-            expected_z=None if p.sum_exp_z is None else p.sum_exp_z / p.sum_exp,
+            # The output from the small terms alone; the gradient's with lse - max taken from the rounded
+            # lse (exact in fp32), so that the kernels' z - lse and it carry the same rounding of lse,
+            # which cancels (at |lse| ~ 500 that rounding is 2-3x the entropy's own fp32 error).
+            entropy=None if mean_dz is None else log_sum_exp - mean_dz,
+            lse_minus_mean_z=None if mean_dz is None else (lse - p.row_max) - mean_dz,
             weighted_sum_z=p.weighted_sum_z,
             argmax=p.argmax,
             row_max=p.row_max if with_stats else None,
@@ -109,7 +132,7 @@ def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def needs_expected_z(cfg: LCEConfig) -> bool:
+def needs_sum_exp_dz(cfg: LCEConfig) -> bool:
     return cfg.return_entropy
 
 
@@ -209,7 +232,7 @@ def extras(stats: RowStats, terms: RowTerms, target: torch.Tensor, cfg: LCEConfi
     if cfg.return_logprobs:
         out["logprobs"] = torch.where(valid, stats.target_z - stats.lse, 0.0)
     if cfg.return_entropy:
-        out["entropy"] = torch.where(valid, stats.lse - stats.expected_z, 0.0)
+        out["entropy"] = torch.where(valid, stats.entropy, 0.0)
     if cfg.return_logit_stats:
         max_min_mean = torch.stack([stats.row_max, stats.row_min, stats.sum_z / vocab], dim=-1)
         out["logit_stats"] = torch.where(valid.unsqueeze(-1), max_min_mean, 0.0)
@@ -275,6 +298,7 @@ def grad_coefficients(
         d = d - g_lp
     h = None
     if grad_entropy is not None:
+        # d entropy / d z = -p (z - E[z]) = -p ((z - lse) + (lse - E[z])): the kernels multiply h by z - lse.
         h = grad_entropy.to(dtype) * valid
-        a = a + h * stats.expected_z
+        a = a - h * stats.lse_minus_mean_z
     return GradCoefficients(a=a, h=h, d=d, e=e)

@@ -213,7 +213,7 @@ def _combine(parts):
     """Shard statistics combined as a vocab-parallel wrapper does (first shard wins argmax ties)."""
     row_max = torch.stack([p.row_max for p in parts]).max(0).values
     sum_exp = sum(p.sum_exp * torch.exp(p.row_max - row_max) for p in parts)
-    sum_exp_z = sum(p.sum_exp_z * torch.exp(p.row_max - row_max) for p in parts)
+    sum_exp_dz = sum((p.sum_exp_dz + (p.row_max - row_max) * p.sum_exp) * torch.exp(p.row_max - row_max) for p in parts)
     argmax, best = parts[0].argmax.clone(), parts[0].row_max.clone()
     for p in parts[1:]:
         argmax = torch.where(p.row_max > best, p.argmax, argmax)
@@ -221,7 +221,7 @@ def _combine(parts):
     return {
         "lse": row_max + torch.log(sum_exp),
         "target_z": sum(p.target_z for p in parts),
-        "expected_z": sum_exp_z / sum_exp,
+        "entropy": torch.log(sum_exp) - sum_exp_dz / sum_exp,
         "weighted_sum_z": sum(p.weighted_sum_z for p in parts),
         "argmax": argmax,
     }
@@ -245,7 +245,8 @@ def test_vocab_shards_match_the_whole_vocabulary():
     torch.testing.assert_close(stats["lse"].double(), torch.logsumexp(z, 1), rtol=1e-5, atol=1e-5)
     want_target_z = torch.where(valid, z.gather(1, target.clamp(0)[:, None])[:, 0], 0.0)
     torch.testing.assert_close(stats["target_z"].double(), want_target_z, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(stats["expected_z"].double(), (z.softmax(1) * z).sum(1), rtol=1e-5, atol=1e-5)
+    entropy = torch.logsumexp(z, 1) - (z.softmax(1) * z).sum(1)
+    torch.testing.assert_close(stats["entropy"].double(), entropy, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stats["weighted_sum_z"].double(), z @ class_weight, rtol=1e-5, atol=1e-4)
     assert torch.equal(stats["argmax"], z.argmax(1))
 
@@ -262,9 +263,10 @@ def test_vocab_shards_match_the_whole_vocabulary():
 
     # And the whole row's gradient is the formula of flce.semantics, chained through cap and T.
     a, h, d, e = (c.double()[:, None] for c in vars(coeffs).values())
-    p = torch.exp(z - lse.double()[:, None])
+    log_p = z - lse.double()[:, None]
+    p = torch.exp(log_p)
     onehot = torch.nn.functional.one_hot(target.clamp(0), V).double() * valid[:, None]
-    grad_z = p * (a - h * z) - onehot * d - e * class_weight[None, :]
+    grad_z = p * (a - h * log_p) - onehot * d - e * class_weight[None, :]
     tanh = torch.tanh(hidden @ weight.t() / 3.0)
     torch.testing.assert_close(whole.cpu().double(), grad_z * (1 - tanh**2) / 0.8, rtol=1e-4, atol=1e-5)
 

@@ -97,14 +97,14 @@ def test_opcheck_backward(case: str, generator: torch.Generator) -> None:
     x, w, b, t = _inputs(generator, bias=has_bias, grads=(False, False, False))
     kwargs = _op_kwargs(variant, cfg, b, grads)
     outputs = torch.ops.flce.chunked_forward(x, w, b, t, cfg.class_weight, **kwargs)
-    lse, target_z, expected_z = outputs[9:12]
+    lse, target_z, lse_minus_mean_z = outputs[9:12]
     assert lse.shape == (N,), "the deferred schedule must hand its row statistics to backward"
     grad_loss = torch.randn(outputs[0].shape, generator=generator)
     grad_logprobs = torch.randn(N, generator=generator) if cfg.return_logprobs else None
     grad_entropy = torch.randn(N, generator=generator) if cfg.return_entropy else None
     torch.library.opcheck(
         torch.ops.flce.chunked_backward.default,
-        (x, w, b, t, cfg.class_weight, lse, target_z, expected_z, grad_loss, grad_logprobs, grad_entropy), kwargs,
+        (x, w, b, t, cfg.class_weight, lse, target_z, lse_minus_mean_z, grad_loss, grad_logprobs, grad_entropy), kwargs,
     )
 
 

@@ -476,21 +476,23 @@ def test_interpreter_split_merge_across_split_blocks():
     splits, n = 70, 40
     part_max = torch.randn(splits, n) * 30
     part_sum = torch.rand(splits, n) + 0.5
-    part_sum_y = torch.randn(splits, n)
+    part_sum_dz = torch.randn(splits, n)
     part_weighted = torch.randn(splits, n)
     part_argmax = torch.randint(0, 10**6, (splits, n))
     top = part_max.max(0).values + 1.0
     part_max[5, 3], part_max[50, 3] = top[3], top[3]  # a tie across step blocks: split 5 wins
     cfg = LCEConfig(return_entropy=True, label_smoothing=0.1, return_token_accuracy=True)
     stats = PartialRowStats.allocate(n, cfg, torch.device("cpu"))
-    merge_splits(stats, part_max, part_sum, part_sum_y, part_weighted, part_argmax)
+    merge_splits(stats, part_max, part_sum, part_sum_dz, part_weighted, part_argmax)
     ln2 = 0.6931471805599453
     row_max = part_max.double().max(0).values
     scale = torch.exp2(part_max.double() - row_max)
     torch.testing.assert_close(stats.row_max.double(), row_max * ln2, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(stats.sum_exp.double(), (part_sum.double() * scale).sum(0), rtol=1e-5, atol=0)
-    torch.testing.assert_close(stats.sum_exp_z.double(), (part_sum_y.double() * scale).sum(0) * ln2,
-                               rtol=1e-5, atol=1e-5)
+    # Each split's sum of exp * (z - its max * ln 2) moved to the row's max (in fp32 as the kernel does).
+    moved = part_max * ln2 - (part_max.max(0).values * ln2)
+    want_dz = ((part_sum_dz.double() + moved.double() * part_sum.double()) * scale).sum(0)
+    torch.testing.assert_close(stats.sum_exp_dz.double(), want_dz, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(stats.weighted_sum_z.double(), part_weighted.double().sum(0) * ln2,
                                rtol=1e-5, atol=1e-5)
     first = (part_max == part_max.max(0).values).float().argmax(0)  # first split holding the max

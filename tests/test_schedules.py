@@ -99,14 +99,15 @@ def test_merge_partial_stats_is_the_stats_of_the_union() -> None:
     def partial(cols: slice, offset: int) -> PartialRowStats:
         block = z[:, cols]
         row_max = block.max(1).values
-        e = torch.exp(block - row_max[:, None])
+        shifted = block - row_max[:, None]
+        e = torch.exp(shifted)
         return PartialRowStats(row_max=row_max, sum_exp=e.sum(1), target_z=torch.zeros(6),
-                               sum_exp_z=(e * block).sum(1), weighted_sum_z=block.sum(1),
+                               sum_exp_dz=(e * shifted).sum(1), weighted_sum_z=block.sum(1),
                                argmax=block.argmax(1) + offset)
 
     merged = RowStats.from_partial(merge_partial_stats(partial(slice(0, 17), 0), partial(slice(17, 40), 17)))
     whole = RowStats.from_partial(partial(slice(0, 40), 0))
     torch.testing.assert_close(merged.lse, whole.lse)
-    torch.testing.assert_close(merged.expected_z, whole.expected_z)
+    torch.testing.assert_close(merged.entropy, whole.entropy)
     torch.testing.assert_close(merged.weighted_sum_z, whole.weighted_sum_z)
     assert torch.equal(merged.argmax, whole.argmax)

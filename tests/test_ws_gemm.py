@@ -19,9 +19,9 @@ import torch
 _COMPILE = """
 import json, sys
 from flce.backends.cuda.ws_gemm_ops import compile_for_hopper
-a_mmajor, b_kmajor, row_stats, store_tile, accumulate, expected_z, argmax = (flag == "1" for flag in sys.argv[1:])
+a_mmajor, b_kmajor, row_stats, store_tile, accumulate, sum_exp_dz, argmax = (flag == "1" for flag in sys.argv[1:])
 compiled = compile_for_hopper(a_mmajor, b_kmajor, row_stats=row_stats, store_tile=store_tile, accumulate=accumulate,
-                              expected_z=expected_z, argmax=argmax)
+                              sum_exp_dz=sum_exp_dz, argmax=argmax)
 sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}))
 """
 
@@ -30,11 +30,11 @@ LAYOUTS = {"logits": (False, True), "grad_hidden": (False, False), "grad_weight"
 
 
 def _compile(a_mmajor: bool, b_kmajor: bool, row_stats: bool, store_tile: bool = False,
-             accumulate: bool = False, expected_z: bool = False, argmax: bool = False) -> dict:
+             accumulate: bool = False, sum_exp_dz: bool = False, argmax: bool = False) -> dict:
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    flags = [str(int(f)) for f in (a_mmajor, b_kmajor, row_stats, store_tile, accumulate, expected_z, argmax)]
+    flags = [str(int(f)) for f in (a_mmajor, b_kmajor, row_stats, store_tile, accumulate, sum_exp_dz, argmax)]
     done = subprocess.run([sys.executable, "-c", _COMPILE, *flags], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -97,13 +97,13 @@ def test_ws_row_stats_storing_logits_compiles_for_hopper() -> None:
     assert result["shared"] <= 227 * 1024
 
 
-@pytest.mark.parametrize("store_tile,expected_z,argmax",
+@pytest.mark.parametrize("store_tile,sum_exp_dz,argmax",
                          [(False, True, False), (True, True, True), (True, False, True)])
-def test_ws_row_stats_entropy_and_argmax_compile_for_hopper(store_tile: bool, expected_z: bool, argmax: bool) -> None:
-    """The RL statistics (temperature, the entropy's sum of exp2(y - max) * y) and the argmax (token
+def test_ws_row_stats_entropy_and_argmax_compile_for_hopper(store_tile: bool, sum_exp_dz: bool, argmax: bool) -> None:
+    """The RL statistics (temperature, the entropy's sum of exp2(y - max) * (z - max ln 2)) and the argmax (token
     accuracy): the same kernel with more partials written per row block, with and without kept logits."""
     plain = _compile(False, True, row_stats=True)["ptx"]
-    result = _compile(False, True, row_stats=True, store_tile=store_tile, expected_z=expected_z, argmax=argmax)
+    result = _compile(False, True, row_stats=True, store_tile=store_tile, sum_exp_dz=sum_exp_dz, argmax=argmax)
     ptx = result["ptx"]
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
     assert ptx.count("st.global") > plain.count("st.global")  # the extra partials
@@ -282,12 +282,13 @@ def test_ws_row_stats_plain_loss_matches_float64(tokens: int, hidden: int, vocab
 @pytest.mark.cuda
 @pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32001), (130, 4096, 520)])
 def test_ws_row_stats_entropy_at_temperature_matches_float64(tokens: int, hidden: int, vocab: int) -> None:
-    """The RL statistics at temperature 0.7: max, lse, target logit, expected logit (the entropy's
-    statistic) and the argmax (predicted tokens) of z = bf16(x @ w.T) / T against float64, with
+    """The RL statistics at temperature 0.7: max, lse, target logit, entropy (from the sum of
+    exp(z - max) * (z - max)) and the argmax (predicted tokens) of z = bf16(x @ w.T) / T against float64, with
     (K = 4096) and without (K = 200) the statistics interleaved with the next tile's wgmma; a row of
     equal logits (a zero hidden row) picks the first column."""
     from flce.backends.cuda.ws_gemm_ops import ws_partial_row_stats, ws_supported
     from flce.config import LCEConfig
+    from flce.semantics import RowStats
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(vocab, hidden, device="cuda") * 3 / hidden ** 0.5).to(torch.bfloat16)
@@ -311,12 +312,12 @@ def test_ws_row_stats_entropy_at_temperature_matches_float64(tokens: int, hidden
     assert ((stats.row_max.double() - z.max(1).values).abs() <= step).all()
     lse = stats.row_max.double() + stats.sum_exp.double().log()
     assert ((lse - torch.logsumexp(z, 1)).abs() <= step + 1e-5).all()
-    expected_z = (torch.softmax(z, 1) * z).sum(1)
-    got = stats.sum_exp_z.double() / stats.sum_exp.double()
-    assert ((got - expected_z).abs() <= step + 1e-4 * expected_z.abs()).all()
+    entropy = torch.logsumexp(z, 1) - (torch.softmax(z, 1) * z).sum(1)
+    got = RowStats.from_partial(stats).entropy.double()
+    assert ((got - entropy).abs() <= step + 1e-4 * entropy.abs()).all()
     # Entropies far from zero on average (a spread softmax), so the check above is not met by any small
     # number (the most peaked rows of this draw have entropies of 0.08-0.3).
-    assert float((lse - expected_z).mean()) > 1.0
+    assert float(entropy.mean()) > 1.0
     # The argmax: a logit one bf16 step from the max at most (a near-tie that rounding may flip), and
     # exactly torch's first argmax wherever the top two are further apart.
     top2 = z.topk(2, dim=1).values

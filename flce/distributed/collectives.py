@@ -6,7 +6,7 @@ with two all-reduces (payload bytes, fp32 statistics):
 1. MAX of the row maxima: ``4n`` bytes, or ``8n`` when the argmax is needed, because
    the row max and the first index attaining it then travel packed in one int64 key;
 2. SUM of one fused buffer holding the rescaled sum-exp, the target logit and,
-   when asked, the rescaled sum of ``exp(z - max) * z`` (entropy) and the weighted
+   when asked, the rescaled sum of ``exp(z - max) * (z - max)`` (entropy) and the weighted
    sum of z (label smoothing): ``4kn`` bytes with k in 2..4.
 
 Backward all-reduces (SUM) the ``[N, H]`` grad of hidden once. Nothing here
@@ -24,7 +24,14 @@ import torch
 import torch.distributed as dist
 
 from flce.config import LCEConfig
-from flce.semantics import PartialRowStats, needs_argmax, needs_expected_z, needs_logit_stats, needs_weighted_sum_z
+from flce.semantics import (
+    PartialRowStats,
+    needs_argmax,
+    needs_logit_stats,
+    needs_sum_exp_dz,
+    needs_weighted_sum_z,
+    shifted_sum_exp_dz,
+)
 
 _TWO_POW_32 = 1 << 32
 _INT32_MAGNITUDE = 0x7FFFFFFF
@@ -90,7 +97,7 @@ def _op_name(op: dist.ReduceOp) -> str:
 def combine_row_stats(partial: PartialRowStats, group: Any) -> PartialRowStats:
     """The global row statistics from every shard's partial ones (semantics.PartialRowStats).
 
-    Every rank gets the same result: the global row max, sum-exp and sum-exp-z
+    Every rank gets the same result: the global row max, sum-exp and sum-exp-dz
     relative to it, the target logit (held by one shard, 0 on the others), the
     weighted sum of z, the argmax as the first global index attaining the max, and (logit
     statistics) the row min and sum of z.
@@ -110,8 +117,8 @@ def combine_row_stats(partial: PartialRowStats, group: Any) -> PartialRowStats:
 
     scale = torch.exp(row_max - global_max)
     parts = [partial.sum_exp * scale, partial.target_z.to(row_max.dtype)]
-    if partial.sum_exp_z is not None:
-        parts.append(partial.sum_exp_z * scale)
+    if partial.sum_exp_dz is not None:
+        parts.append(shifted_sum_exp_dz(partial, global_max) * scale)
     if partial.weighted_sum_z is not None:
         parts.append(partial.weighted_sum_z.to(row_max.dtype))
     if partial.sum_z is not None:
@@ -124,7 +131,7 @@ def combine_row_stats(partial: PartialRowStats, group: Any) -> PartialRowStats:
         row_max=global_max,
         sum_exp=sum_exp,
         target_z=target_z,
-        sum_exp_z=next(summed) if partial.sum_exp_z is not None else None,
+        sum_exp_dz=next(summed) if partial.sum_exp_dz is not None else None,
         weighted_sum_z=next(summed) if partial.weighted_sum_z is not None else None,
         argmax=global_argmax,
         row_min=row_min,
@@ -182,7 +189,7 @@ def payload_bytes_per_step(
     is not included. No term depends on the vocabulary.
     """
     s = torch.empty((), dtype=stats_dtype).element_size()
-    k = 2 + int(needs_expected_z(cfg)) + int(needs_weighted_sum_z(cfg)) + 2 * int(needs_logit_stats(cfg))
+    k = 2 + int(needs_sum_exp_dz(cfg)) + int(needs_weighted_sum_z(cfg)) + 2 * int(needs_logit_stats(cfg))
     if not needs_argmax(cfg):
         max_bytes = tokens * s
     elif stats_dtype == torch.float32:

@@ -39,7 +39,7 @@ from flce.engine.schedule import planned_call, run_backward, run_forward
 from flce.inputs import FlatInputs, _check_target_range
 from flce.outputs import LCEOutput
 from flce.registry import Backend, registered_backends
-from flce.semantics import RowStats, denominators, needs_expected_z, statistics_dtype
+from flce.semantics import RowStats, denominators, needs_sum_exp_dz, statistics_dtype
 
 # torch's functional collectives (all_reduce, wait_tensor): ops that name their group by string.
 _c10d = torch.ops._c10d_functional
@@ -60,11 +60,11 @@ _KEYWORDS = ("str backend, str variant, str? group_name, bool grad_hidden, bool 
              + ", ".join(f"{kind} {name}" for name, kind in PRIMITIVE_OPTION_TYPES.items()))
 _INPUTS = "Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight"
 _FORWARD_SCHEMA = f"({_INPUTS}, *, {_KEYWORDS}) -> ({', '.join(['Tensor'] * 12)})"
-_BACKWARD_SCHEMA = (f"({_INPUTS}, Tensor lse, Tensor target_z, Tensor expected_z, Tensor? grad_loss, "
+_BACKWARD_SCHEMA = (f"({_INPUTS}, Tensor lse, Tensor target_z, Tensor lse_minus_mean_z, Tensor? grad_loss, "
                     f"Tensor? grad_logprobs, Tensor? grad_entropy, *, {_KEYWORDS}) -> (Tensor, Tensor, Tensor)")
 # Output positions of flce::chunked_forward: the six user outputs (flat, empty where not asked), the
 # unscaled gradients of hidden, weight, bias (in-forward schedules, empty otherwise), and the row
-# statistics lse, target_z, expected_z [N] that a deferred backward needs (empty otherwise).
+# statistics lse, target_z, lse_minus_mean_z [N] that a deferred backward needs (empty otherwise).
 _USER_OUTPUTS = slice(0, 6)
 _GRADS = slice(6, 9)
 _STATS = slice(9, 12)
@@ -121,7 +121,7 @@ def _chunked_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target
         return empty(stat_dtype) if value is None else value.to(stat_dtype)
 
     return (*flat_outputs(state, call.cfg, hidden), *(empty() if g is None else g for g in grads),
-            *(stat(name) for name in ("lse", "target_z", "expected_z")))
+            *(stat(name) for name in ("lse", "target_z", "lse_minus_mean_z")))
 
 
 def _chunked_forward_fake(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
@@ -148,7 +148,7 @@ def _chunked_forward_fake(hidden: Tensor, weight: Tensor, bias: Tensor | None, t
     stats = (
         per_row(keep_stats, stat_dtype),
         per_row(keep_stats, stat_dtype),
-        per_row(keep_stats and kw["variant"] != "plain" and needs_expected_z(cfg), stat_dtype),
+        per_row(keep_stats and kw["variant"] != "plain" and needs_sum_exp_dz(cfg), stat_dtype),
     )
     return (
         per_row(True, rows=row_reduced),
@@ -163,7 +163,7 @@ def _chunked_forward_fake(hidden: Tensor, weight: Tensor, bias: Tensor | None, t
 
 
 def _chunked_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
-                      class_weight: Tensor | None, lse: Tensor, target_z: Tensor, expected_z: Tensor,
+                      class_weight: Tensor | None, lse: Tensor, target_z: Tensor, lse_minus_mean_z: Tensor,
                       grad_loss: Tensor | None, grad_logprobs: Tensor | None, grad_entropy: Tensor | None,
                       **kw: object) -> tuple[Tensor, Tensor, Tensor]:
     """Deferred backward: gradients of hidden, weight, bias (empty where not wanted) from forward's
@@ -173,11 +173,12 @@ def _chunked_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targe
     wanted = _wanted(kw, bias)
     call = _engine_call(kw["backend"], flat, cfg, kw["variant"], kw["group_name"], wanted)
     call = EngineCall(call.kernels, call.cfg, recomputing(call.plan), call.plain, call.token_shape, call.sharding)
-    with_expected_z = not call.plain and needs_expected_z(call.cfg)
+    with_mean_z = not call.plain and needs_sum_exp_dz(call.cfg)
     empty = hidden.new_empty(0)
     state = ForwardState(loss=empty, z_loss=empty, extras={},
                          denoms=denominators(target, call.cfg, statistics_dtype(weight.dtype)),
-                         stats=RowStats(lse=lse, target_z=target_z, expected_z=expected_z if with_expected_z else None))
+                         stats=RowStats(lse=lse, target_z=target_z,
+                                        lse_minus_mean_z=lse_minus_mean_z if with_mean_z else None))
     grads = run_backward(call, flat, state, wanted, grad_loss,
                          grad_logprobs if call.cfg.return_logprobs else None,
                          grad_entropy if call.cfg.return_entropy else None)
@@ -252,9 +253,9 @@ def _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy):
             # functional collective, so that the compiled backward graph holds it.
             grads = (_c10d.wait_tensor(_c10d.all_reduce(grads[0], "sum", group_name)), *grads[1:])
     else:
-        hidden, weight, bias, target, class_weight, lse, target_z, expected_z = ctx.saved_tensors
+        hidden, weight, bias, target, class_weight, lse, target_z, lse_minus_mean_z = ctx.saved_tensors
         results = torch.ops.flce.chunked_backward(
-            hidden, weight, bias, target, class_weight, lse, target_z, expected_z,
+            hidden, weight, bias, target, class_weight, lse, target_z, lse_minus_mean_z,
             grad_loss, grad_logprobs, grad_entropy, **ctx.kw,
         )
         grads = tuple(g if a else None for g, a in zip(results, asked, strict=True))

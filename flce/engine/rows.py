@@ -139,7 +139,8 @@ def slice_stats(stats: RowStats, rows: slice) -> RowStats:
     def part(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[rows]
 
-    return RowStats(lse=stats.lse[rows], target_z=stats.target_z[rows], expected_z=part(stats.expected_z),
+    return RowStats(lse=stats.lse[rows], target_z=stats.target_z[rows], entropy=part(stats.entropy),
+                    lse_minus_mean_z=part(stats.lse_minus_mean_z),
                     weighted_sum_z=part(stats.weighted_sum_z), argmax=part(stats.argmax),
                     row_max=part(stats.row_max), row_min=part(stats.row_min), sum_z=part(stats.sum_z))
 
@@ -164,7 +165,7 @@ def concat_stats(chunks: list[RowStats], target: torch.Tensor) -> RowStats:
         return None if parts[0] is None else torch.cat(parts)
 
     return RowStats(
-        lse=cat("lse"), target_z=cat("target_z"), expected_z=cat("expected_z"),
+        lse=cat("lse"), target_z=cat("target_z"), entropy=cat("entropy"), lse_minus_mean_z=cat("lse_minus_mean_z"),
         weighted_sum_z=cat("weighted_sum_z"), argmax=cat("argmax"),
         row_max=cat("row_max"), row_min=cat("row_min"), sum_z=cat("sum_z"),
     )

@@ -108,17 +108,18 @@ def backward(call: EngineCall, flat: FlatInputs, state: ForwardState, wanted: Gr
 def grad_logits(logits: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, lse: torch.Tensor,
                 coeffs: GradCoefficients) -> torch.Tensor:
     """d loss / d u of one chunk's raw logits u [n, V], out of place: semantics.py's
-    p * (a - h z) - onehot * d - e * w with z = cap(u) / T, chained through the cap and T."""
+    p * (a - h (z - lse)) - onehot * d - e * w with z = cap(u) / T, chained through the cap and T."""
     math = statistics_dtype(logits.dtype)
     u = logits.to(math)
     capped = u if cfg.softcap is None else cfg.softcap * torch.tanh(u / cfg.softcap)
     z = capped / cfg.temperature if cfg.temperature != 1.0 else capped
-    p = torch.exp(z - lse.to(math).unsqueeze(-1))
+    log_p = z - lse.to(math).unsqueeze(-1)
+    p = torch.exp(log_p)
 
     def col(x: torch.Tensor) -> torch.Tensor:
         return x.to(math).unsqueeze(-1)
 
-    grad = p * col(coeffs.a) if coeffs.h is None else p * (col(coeffs.a) - col(coeffs.h) * z)
+    grad = p * col(coeffs.a) if coeffs.h is None else p * (col(coeffs.a) - col(coeffs.h) * log_p)
     columns = torch.arange(u.shape[-1], device=u.device)
     grad = grad - (columns == target.unsqueeze(-1)).to(math) * col(coeffs.d)
     if coeffs.e is not None:

@@ -121,12 +121,12 @@ def _row_stats_kernel(
     class_weight_ptr,             # [vocab] fp32 class weights of this shard (read if HAS_CLASS_WEIGHT)
     row_max_ptr, sum_exp_ptr,     # [n_rows] fp32: max z, sum exp(z - max z)
     target_z_ptr,                 # [n_rows] fp32: z[target], 0 when the target is not in this shard
-    sum_exp_z_ptr,                # [n_rows] fp32: sum exp(z - max z) * z          (NEED_SUM_EXP_Z)
+    sum_exp_dz_ptr,               # [n_rows] fp32: sum exp(z - max z) * (z - max z) (NEED_SUM_EXP_DZ)
     weighted_sum_z_ptr,           # [n_rows] fp32: sum w[c] * z[c]                 (NEED_WEIGHTED_SUM_Z)
     argmax_ptr,                   # [n_rows] int64: first index of max z, global   (NEED_ARGMAX)
     n_rows, vocab, vocab_offset, softcap, inv_temperature,
     HAS_SOFTCAP: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
-    NEED_SUM_EXP_Z: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
+    NEED_SUM_EXP_DZ: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Full-feature scan: the partial row statistics of flce.semantics.PartialRowStats in one
@@ -152,7 +152,7 @@ def _row_stats_kernel(
 
         running_max = float("-inf")
         sum_exp = 0.0
-        sum_exp_z = 0.0
+        sum_exp_dz = 0.0
         weighted_sum_z = 0.0
         best = 0
         for start in range(0, vocab, BLOCK_V):
@@ -170,9 +170,12 @@ def _row_stats_kernel(
             new_max = tl.maximum(running_max, block_max)
             rescale = tl.exp(running_max - new_max)
             e = tl.where(mask, tl.exp(z - new_max), 0.0)
+            if NEED_SUM_EXP_DZ:
+                # Relative to the running max: the earlier sum moves by (old max - new max) times
+                # the earlier sum of exp (nothing before the first block: its max is -inf).
+                moved = tl.where(sum_exp > 0.0, running_max - new_max, 0.0)
+                sum_exp_dz = (sum_exp_dz + moved * sum_exp) * rescale + tl.sum(e * (z - new_max), 0)
             sum_exp = sum_exp * rescale + tl.sum(e, 0)
-            if NEED_SUM_EXP_Z:
-                sum_exp_z = sum_exp_z * rescale + tl.sum(e * z, 0)
             if NEED_WEIGHTED_SUM_Z:
                 if HAS_CLASS_WEIGHT:
                     w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0)
@@ -186,8 +189,8 @@ def _row_stats_kernel(
             running_max = new_max
         tl.store(row_max_ptr + row, running_max)
         tl.store(sum_exp_ptr + row, sum_exp)
-        if NEED_SUM_EXP_Z:
-            tl.store(sum_exp_z_ptr + row, sum_exp_z)
+        if NEED_SUM_EXP_DZ:
+            tl.store(sum_exp_dz_ptr + row, sum_exp_dz)
         if NEED_WEIGHTED_SUM_Z:
             tl.store(weighted_sum_z_ptr + row, weighted_sum_z)
         if NEED_ARGMAX:
@@ -209,7 +212,7 @@ def _full_grad_kernel(
     HAS_H: tl.constexpr, HAS_E: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """grad_z[c] = p[c] * (a - h * z[c]) - (c == y) * d - e * w[c], chained through the
+    """grad_z[c] = p[c] * (a - h * (z[c] - lse)) - (c == y) * d - e * w[c], chained through the
     temperature and the softcap to d / d u, one pass over each row."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -242,9 +245,10 @@ def _full_grad_kernel(
                 z = softcap * tanh
             if HAS_TEMPERATURE:
                 z = z * inv_temperature
-            p = tl.exp(z - lse)
+            log_p = z - lse
+            p = tl.exp(log_p)
             if HAS_H:
-                g = p * (a - h * z)
+                g = p * (a - h * log_p)
             else:
                 g = p * a
             g = tl.where(cols == target_col, g - d, g)

@@ -289,12 +289,12 @@ class AscendChunkKernels:
         _kernels()._row_stats_kernel[grid_for(n, self.props)](
             logits, logits.stride(0), target, weight if weight is not None else unused,
             stats.row_max, stats.sum_exp, stats.target_z,
-            stats.sum_exp_z if stats.sum_exp_z is not None else unused,
+            stats.sum_exp_dz if stats.sum_exp_dz is not None else unused,
             stats.weighted_sum_z if stats.weighted_sum_z is not None else unused,
             stats.argmax if stats.argmax is not None else unused,
             n, vocab, vocab_offset, float(cfg.softcap or 1.0), 1.0 / cfg.temperature,
             HAS_SOFTCAP=cfg.softcap is not None, HAS_TEMPERATURE=cfg.temperature != 1.0,
-            HAS_CLASS_WEIGHT=weight is not None, NEED_SUM_EXP_Z=stats.sum_exp_z is not None,
+            HAS_CLASS_WEIGHT=weight is not None, NEED_SUM_EXP_DZ=stats.sum_exp_dz is not None,
             NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None, NEED_ARGMAX=stats.argmax is not None,
             WIDE_OFFSETS=needs_wide_offsets(logits), BLOCK_V=self._block("row_stats", logits),
         )

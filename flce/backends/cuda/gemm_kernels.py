@@ -20,6 +20,9 @@ would not sum to one, which the entropy and z-loss gradients amplify).
 Statistics are kept in base 2 (``y = z * log2(e)``): ``exp2(y - m)`` is one fused multiply-add and
 one MUFU instruction per logit, the epilogue's whole cost on the plain path. The host converts
 back: ``row_max = m / log2(e)``; the sums of ``exp2(y - m)`` are the sums of ``exp(z - max)``.
+The entropy's sum is the exception: ``sum exp2(y - m) * (z - r)`` with z the natural logit exactly as
+the gradient kernels compute it and r = m * ln(2) the row max the merge will report, so that the
+gradient's ``z - lse`` and the entropy share every rounding (semantics.py says why that matters).
 
 Program order (GROUP_M): consecutive programs take GROUP_M row blocks x SPLITS splits, so the SMs
 working at one time share the same few x row blocks and W tiles in L2.
@@ -30,7 +33,7 @@ Shared arguments:
              USE_TMA, a tensor descriptor of block [BLOCK_M, BLOCK_K]
     w        [V, K] this shard's weight; a pointer (stride_wv) or a descriptor of block [BLOCK_N, BLOCK_K]
     bias_ptr [V] (read when HAS_BIAS)
-    part_*   [SPLITS, M] outputs: max of y, sum exp2(y - max), sum exp2(y - max) * y,
+    part_*   [SPLITS, M] outputs: max of y, sum exp2(y - max), sum exp2(y - max) * (z - max * ln 2),
              sum w[c] * y[c], first argmax (global index, int64)
 """
 
@@ -95,10 +98,10 @@ def _logits_tile(x, w, off_m, off_n, M, V, K, stride_xm, stride_wv,
 @triton.jit
 def _gemm_row_stats_kernel(
     x, w, bias_ptr, class_weight_ptr, logits_ptr, stride_lm,
-    part_max_ptr, part_sum_ptr, part_sum_y_ptr, part_weighted_y_ptr, part_argmax_ptr,
+    part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_weighted_y_ptr, part_argmax_ptr,
     M, V, K, stride_xm, stride_wv, vocab_offset, softcap, inv_temperature, tiles_per_split,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
-    NEED_SUM_EXP_Z: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
+    NEED_SUM_EXP_DZ: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
     STORE_LOGITS: tl.constexpr, LOGITS_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -116,7 +119,7 @@ def _gemm_row_stats_kernel(
 
     running_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     running_sum = tl.zeros((BLOCK_M,), tl.float32)
-    running_sum_y = tl.zeros((BLOCK_M,), tl.float32)
+    running_sum_dz = tl.zeros((BLOCK_M,), tl.float32)
     weighted_y = tl.zeros((BLOCK_M,), tl.float32)
     best_index = tl.zeros((BLOCK_M,), tl.int64)
     for tile in range(first_tile, last_tile):
@@ -132,18 +135,20 @@ def _gemm_row_stats_kernel(
             tl.store(logits_ptr + rows.to(tl.int64)[:, None] * stride_lm + cols[None, :], u,
                      mask=row_ok[:, None] & col_ok[None, :])
         u = u.to(tl.float32)
-        if HAS_SOFTCAP:
-            y = _capped_scaled(u, softcap, inv_temperature * LOG2E, HAS_SOFTCAP)
-        else:
-            y = u * (inv_temperature * LOG2E)
-        y = tl.where(col_ok[None, :], y, float("-inf"))
+        capped = _capped_scaled(u, softcap, 1.0, HAS_SOFTCAP)
+        y = tl.where(col_ok[None, :], capped * (inv_temperature * LOG2E), float("-inf"))
         tile_max = tl.max(y, 1)
         new_max = tl.maximum(running_max, tile_max)
         rescale = tl.exp2(running_max - new_max)
         e = tl.exp2(y - new_max[:, None])
+        if NEED_SUM_EXP_DZ:
+            # Natural z - r, r = max * ln 2: the earlier sum moves by its old r - new r (nothing
+            # before the first tile, where running_sum is 0 and the running max -inf).
+            reference = new_max * LN2
+            moved = tl.where(running_sum > 0.0, running_max * LN2 - reference, 0.0)
+            dz = tl.where(col_ok[None, :], capped * inv_temperature - reference[:, None], 0.0)
+            running_sum_dz = (running_sum_dz + moved * running_sum) * rescale + tl.sum(e * dz, 1)
         running_sum = running_sum * rescale + tl.sum(e, 1)
-        if NEED_SUM_EXP_Z:
-            running_sum_y = running_sum_y * rescale + tl.sum(e * tl.where(col_ok[None, :], y, 0.0), 1)
         if NEED_WEIGHTED_SUM_Z:
             if HAS_CLASS_WEIGHT:
                 cw = tl.load(class_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -159,8 +164,8 @@ def _gemm_row_stats_kernel(
     out = split.to(tl.int64) * M + rows
     tl.store(part_max_ptr + out, running_max, mask=row_ok)
     tl.store(part_sum_ptr + out, running_sum, mask=row_ok)
-    if NEED_SUM_EXP_Z:
-        tl.store(part_sum_y_ptr + out, running_sum_y, mask=row_ok)
+    if NEED_SUM_EXP_DZ:
+        tl.store(part_sum_dz_ptr + out, running_sum_dz, mask=row_ok)
     if NEED_WEIGHTED_SUM_Z:
         tl.store(part_weighted_y_ptr + out, weighted_y, mask=row_ok)
     if NEED_ARGMAX:
@@ -214,7 +219,7 @@ def _grad_of_logits(
     HAS_H: tl.constexpr, HAS_E: tl.constexpr, LOGITS_DTYPE: tl.constexpr,
 ):
     """d loss / d u (fp32) of the fp32 logits tile u at (rows, cols): rounded as cuBLAS would write
-    it, then semantics.py's ``grad_z = p (a - h z) - [c == y] d - e w[c]`` chained through cap and T.
+    it, then semantics.py's ``grad_z = p (a - h (z - lse)) - [c == y] d - e w[c]`` chained through cap and T.
     lse, a, h, d, e: [M] fp32 per-row values (h, e read when HAS_H / HAS_E)."""
     row_ok = rows < M
     col_ok = cols < V
@@ -226,10 +231,11 @@ def _grad_of_logits(
     a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
     d = tl.load(d_ptr + rows, mask=row_ok, other=0.0)
     local_target = tl.load(target_ptr + rows, mask=row_ok, other=-1) - vocab_offset
-    p = tl.exp(z - lse[:, None])
+    log_p = z - lse[:, None]
+    p = tl.exp(log_p)
     if HAS_H:
         h = tl.load(h_ptr + rows, mask=row_ok, other=0.0)
-        grad = p * (a[:, None] - h[:, None] * z)
+        grad = p * (a[:, None] - h[:, None] * log_p)
     else:
         grad = p * a[:, None]
     grad -= tl.where(cols[None, :] == local_target[:, None], d[:, None], 0.0)
@@ -317,10 +323,10 @@ def _gemm_grad_persistent_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_max_ptr, part_sum_ptr, part_sum_y_ptr, part_weighted_y_ptr, part_argmax_ptr,
-    row_max_ptr, sum_exp_ptr, sum_exp_z_ptr, weighted_sum_z_ptr, argmax_ptr,
+    part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_weighted_y_ptr, part_argmax_ptr,
+    row_max_ptr, sum_exp_ptr, sum_exp_dz_ptr, weighted_sum_z_ptr, argmax_ptr,
     M, SPLITS,
-    NEED_SUM_EXP_Z: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
+    NEED_SUM_EXP_DZ: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
     BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
 ):
     """Fold the [SPLITS, M] base-2 partials of _gemm_row_stats_kernel into [M] statistics in natural
@@ -334,7 +340,7 @@ def _merge_splits_kernel(
     ok = rows < M
     running_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     running_sum = tl.zeros((BLOCK,), tl.float32)
-    running_sum_y = tl.zeros((BLOCK,), tl.float32)
+    running_sum_dz = tl.zeros((BLOCK,), tl.float32)
     weighted_y = tl.zeros((BLOCK,), tl.float32)
     best_index = tl.zeros((BLOCK,), tl.int64)
     for first in range(0, SPLITS, SPLIT_BLOCK):
@@ -349,10 +355,15 @@ def _merge_splits_kernel(
         scale_running = tl.exp2(running_max - shift)
         scale_split = tl.exp2(split_max - shift[None, :])
         part_sum = tl.load(part_sum_ptr + offsets, mask=mask, other=0.0)
+        if NEED_SUM_EXP_DZ:
+            # Each sum of exp * (z - r) moves to the new r = max * ln 2, computed as its kernel did.
+            reference = shift * LN2
+            running_moved = tl.where(running_sum > 0.0, running_max * LN2 - reference, 0.0)
+            split_moved = tl.where(part_sum > 0.0, split_max * LN2 - reference[None, :], 0.0)
+            split_sum_dz = tl.load(part_sum_dz_ptr + offsets, mask=mask, other=0.0) + split_moved * part_sum
+            running_sum_dz = ((running_sum_dz + running_moved * running_sum) * scale_running
+                              + tl.sum(split_sum_dz * scale_split, 0))
         running_sum = running_sum * scale_running + tl.sum(part_sum * scale_split, 0)
-        if NEED_SUM_EXP_Z:
-            split_sum_y = tl.load(part_sum_y_ptr + offsets, mask=mask, other=0.0)
-            running_sum_y = running_sum_y * scale_running + tl.sum(split_sum_y * scale_split, 0)
         if NEED_WEIGHTED_SUM_Z:
             weighted_y += tl.sum(tl.load(part_weighted_y_ptr + offsets, mask=mask, other=0.0), 0)
         if NEED_ARGMAX:
@@ -365,8 +376,8 @@ def _merge_splits_kernel(
         running_max = new_max
     tl.store(row_max_ptr + rows, running_max * LN2, mask=ok)
     tl.store(sum_exp_ptr + rows, running_sum, mask=ok)
-    if NEED_SUM_EXP_Z:
-        tl.store(sum_exp_z_ptr + rows, running_sum_y * LN2, mask=ok)
+    if NEED_SUM_EXP_DZ:
+        tl.store(sum_exp_dz_ptr + rows, running_sum_dz, mask=ok)
     if NEED_WEIGHTED_SUM_Z:
         tl.store(weighted_sum_z_ptr + rows, weighted_y * LN2, mask=ok)
     if NEED_ARGMAX:

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from flce.backends.cuda import gemm_kernels
 from flce.config import LCEConfig
-from flce.semantics import GradCoefficients, PartialRowStats, needs_argmax, needs_expected_z, needs_weighted_sum_z
+from flce.semantics import GradCoefficients, PartialRowStats, needs_argmax, needs_sum_exp_dz, needs_weighted_sum_z
 
 # Programs per SM the split heuristic plans for: one [128, 128..256] tile program fills an SM's
 # registers, and several waves amortise the last, partly empty one.
@@ -138,7 +138,7 @@ def gemm_row_stats(
         return torch.empty(splits, n, dtype=dtype, device=x.device)
 
     part_max, part_sum = partial(), partial()
-    part_sum_y = partial() if needs_expected_z(cfg) else part_sum
+    part_sum_dz = partial() if needs_sum_exp_dz(cfg) else part_sum
     part_weighted = partial() if needs_weighted_sum_z(cfg) else part_sum
     part_argmax = partial(torch.int64) if needs_argmax(cfg) else part_sum
     class_weight = None
@@ -151,10 +151,10 @@ def gemm_row_stats(
     gemm_kernels._gemm_row_stats_kernel[grid](
         x_arg, w_arg, bias if bias is not None else part_max, class_weight if class_weight is not None else part_max,
         logits_out if logits_out is not None else x, logits_out.stride(0) if logits_out is not None else 0,
-        part_max, part_sum, part_sum_y, part_weighted, part_argmax,
+        part_max, part_sum, part_sum_dz, part_weighted, part_argmax,
         n, vocab, hidden, x.stride(0), w.stride(0), vocab_offset, softcap, 1.0 / cfg.temperature, tiles_per_split,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=cfg.softcap is not None, HAS_CLASS_WEIGHT=class_weight is not None,
-        NEED_SUM_EXP_Z=stats.sum_exp_z is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
+        NEED_SUM_EXP_DZ=stats.sum_exp_dz is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
         NEED_ARGMAX=stats.argmax is not None, STORE_LOGITS=logits_out is not None,
         LOGITS_DTYPE=_TRITON_DTYPES[x.dtype], USE_TMA=use_tma,
         IEEE=x.dtype == torch.float32,
@@ -167,24 +167,25 @@ def gemm_row_stats(
         HAS_BIAS=bias is not None, HAS_SOFTCAP=cfg.softcap is not None,
         BLOCK_K=min(1024, max(16, triton.next_power_of_2(hidden))), num_warps=4,
     )
-    merge_splits(stats, part_max, part_sum, part_sum_y, part_weighted, part_argmax)
+    merge_splits(stats, part_max, part_sum, part_sum_dz, part_weighted, part_argmax)
     return stats
 
 
-def merge_splits(stats: PartialRowStats, part_max, part_sum, part_sum_y=None, part_weighted=None,
+def merge_splits(stats: PartialRowStats, part_max, part_sum, part_sum_dz=None, part_weighted=None,
                  part_argmax=None) -> None:
     """Fold the [splits, n] base-2 partials into ``stats`` (natural-log units), in vocabulary order;
-    the optional partials are read where ``stats`` has the matching field."""
+    the optional partials are read where ``stats`` has the matching field (part_sum_dz: natural
+    z - max * ln 2, gemm_kernels' docstring)."""
     splits, n = part_max.shape
     unused = part_max
     gemm_kernels._merge_splits_kernel[(triton.cdiv(n, _MERGE_ROWS),)](
-        part_max, part_sum, part_sum_y if part_sum_y is not None else unused,
+        part_max, part_sum, part_sum_dz if part_sum_dz is not None else unused,
         part_weighted if part_weighted is not None else unused,
         part_argmax if part_argmax is not None else unused,
-        stats.row_max, stats.sum_exp, stats.sum_exp_z if stats.sum_exp_z is not None else stats.row_max,
+        stats.row_max, stats.sum_exp, stats.sum_exp_dz if stats.sum_exp_dz is not None else stats.row_max,
         stats.weighted_sum_z if stats.weighted_sum_z is not None else stats.row_max,
         stats.argmax if stats.argmax is not None else stats.row_max, n, splits,
-        NEED_SUM_EXP_Z=stats.sum_exp_z is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
+        NEED_SUM_EXP_DZ=stats.sum_exp_dz is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
         NEED_ARGMAX=stats.argmax is not None, BLOCK=_MERGE_ROWS, SPLIT_BLOCK=_MERGE_SPLITS, num_warps=4,
     )
 

@@ -98,15 +98,15 @@ def _plain_grad_kernel(
 @triton.jit
 def _row_stats_kernel(
     logits_ptr, stride_row, target_ptr, class_weight_ptr,
-    row_max_ptr, sum_exp_ptr, target_z_ptr, sum_exp_z_ptr, weighted_sum_z_ptr, argmax_ptr, row_min_ptr, sum_z_ptr,
+    row_max_ptr, sum_exp_ptr, target_z_ptr, sum_exp_dz_ptr, weighted_sum_z_ptr, argmax_ptr, row_min_ptr, sum_z_ptr,
     V, vocab_offset, softcap, inv_temperature,
     HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
-    NEED_SUM_EXP_Z: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
+    NEED_SUM_EXP_DZ: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
     NEED_LOGIT_STATS: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Partial row statistics of z = cap(u)/T over this shard (semantics.PartialRowStats):
     row max, sum exp(z - max), z at the target (0 when not in this shard),
-    sum exp(z - max) * z, sum w[c] z[c] (class_weight_ptr: [V] of this shard), first argmax
+    sum exp(z - max) * (z - max), sum w[c] z[c] (class_weight_ptr: [V] of this shard), first argmax
     as a global index, min z and sum z (the logit statistics). Outputs are [n] fp32 (argmax
     int64). With ACCUMULATE the outputs hold the statistics of the columns before vocab_offset,
     and this block's are merged into them."""
@@ -116,7 +116,7 @@ def _row_stats_kernel(
 
     running_max = tl.full((), float("-inf"), tl.float32)
     running_sum = tl.zeros((), tl.float32)
-    running_sum_z = tl.zeros((), tl.float32)
+    running_sum_dz = tl.zeros((), tl.float32)
     weighted_sum = tl.zeros((), tl.float32)
     best_index = tl.zeros((), tl.int64)
     running_min = tl.full((), float("inf"), tl.float32)
@@ -129,9 +129,13 @@ def _row_stats_kernel(
         new_max = tl.maximum(running_max, block_max)
         rescale = tl.exp(running_max - new_max)
         e = tl.exp(z - new_max)
+        if NEED_SUM_EXP_DZ:
+            # Relative to the running max: the earlier sum moves by (old max - new max) times the
+            # earlier sum of exp (none before the first block, whose running max is -inf).
+            moved = tl.where(running_sum > 0.0, running_max - new_max, 0.0)
+            running_sum_dz = ((running_sum_dz + moved * running_sum) * rescale
+                              + tl.sum(e * tl.where(mask, z - new_max, 0.0), 0))
         running_sum = running_sum * rescale + tl.sum(e, 0)
-        if NEED_SUM_EXP_Z:
-            running_sum_z = running_sum_z * rescale + tl.sum(e * tl.where(mask, z, 0.0), 0)
         if NEED_WEIGHTED_SUM_Z:
             if HAS_CLASS_WEIGHT:
                 w = tl.load(class_weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -158,10 +162,15 @@ def _row_stats_kernel(
         merged_max = tl.maximum(earlier_max, running_max)
         scale_earlier = tl.exp(earlier_max - merged_max)
         scale_block = tl.exp(running_max - merged_max)
-        running_sum = tl.load(sum_exp_ptr + row) * scale_earlier + running_sum * scale_block
+        earlier_sum = tl.load(sum_exp_ptr + row)
+        if NEED_SUM_EXP_DZ:
+            # Both sums relative to the merged max (semantics.shifted_sum_exp_dz).
+            earlier_moved = tl.where(earlier_sum > 0.0, earlier_max - merged_max, 0.0)
+            block_moved = tl.where(running_sum > 0.0, running_max - merged_max, 0.0)
+            running_sum_dz = ((tl.load(sum_exp_dz_ptr + row) + earlier_moved * earlier_sum) * scale_earlier
+                              + (running_sum_dz + block_moved * running_sum) * scale_block)
+        running_sum = earlier_sum * scale_earlier + running_sum * scale_block
         target_z += tl.load(target_z_ptr + row)
-        if NEED_SUM_EXP_Z:
-            running_sum_z = tl.load(sum_exp_z_ptr + row) * scale_earlier + running_sum_z * scale_block
         if NEED_WEIGHTED_SUM_Z:
             weighted_sum += tl.load(weighted_sum_z_ptr + row)
         if NEED_ARGMAX:
@@ -174,8 +183,8 @@ def _row_stats_kernel(
     tl.store(row_max_ptr + row, running_max)
     tl.store(sum_exp_ptr + row, running_sum)
     tl.store(target_z_ptr + row, target_z)
-    if NEED_SUM_EXP_Z:
-        tl.store(sum_exp_z_ptr + row, running_sum_z)
+    if NEED_SUM_EXP_DZ:
+        tl.store(sum_exp_dz_ptr + row, running_sum_dz)
     if NEED_WEIGHTED_SUM_Z:
         tl.store(weighted_sum_z_ptr + row, weighted_sum)
     if NEED_ARGMAX:
@@ -193,7 +202,7 @@ def _full_grad_kernel(
     BLOCK_V: tl.constexpr,
 ):
     """Overwrite each row of raw logits u with d loss / d u:
-    grad_z[c] = p[c] * (a - h z[c]) - (c == y) d - e w[c]   (semantics.py), then
+    grad_z[c] = p[c] * (a - h (z[c] - lse)) - (c == y) d - e w[c]   (semantics.py), then
     d/du = grad_z * cap'(u) / T with cap'(u) = 1 - (z T / softcap)^2.
     lse, a, h, d, e: [n] fp32 per-row values (h, e only read when HAS_H / HAS_E)."""
     row = tl.program_id(0).to(tl.int64)
@@ -209,9 +218,10 @@ def _full_grad_kernel(
         mask = start + cols < V
         u = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
         z = _capped_scaled(u, softcap, inv_temperature, HAS_SOFTCAP)
-        p = tl.exp(z - lse)
+        log_p = z - lse
+        p = tl.exp(log_p)
         if HAS_H:
-            grad = p * (a - h * z)
+            grad = p * (a - h * log_p)
         else:
             grad = p * a
         grad -= tl.where(start + cols == local_target, d, 0.0)

@@ -48,6 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+LN2 = gl.constexpr(0.6931471805599453)  # the same fp32 constant as gemm_kernels.LN2, whose merge reads these partials
+
 
 @gluon.jit
 def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
@@ -140,21 +142,22 @@ def _stats_layout():
 
 @gluon.jit
 def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
-                 BLOCK_N: gl.constexpr, EXPECTED_Z: gl.constexpr, ARGMAX: gl.constexpr):
+                 BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr):
     """Chunk ``chunk`` of a warpgroup's logits half tile u (in the inputs' dtype; first row off_m, column
     tile pid_n; ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's
-    running ``carry``: (max of y, sum of exp2(y - max), target's u, target, sum of exp2(y - max) * u,
+    running ``carry``: (max of y, sum of exp2(y - max), target's u, target, sum of exp2(y - max) * (z - r),
     first column holding the max) with y = u * y_scale (y_scale = log2(e) / temperature > 0, so max y =
-    y_scale * max u, at the same columns). The last column quarter writes the block's partials, base 2
-    as gemm_kernels' row statistics (merged by its _merge_splits_kernel): max, sum, with EXPECTED_Z (the
-    entropy's statistic) the sum times y, with ARGMAX (token accuracy, predicted tokens) the first
-    column of the max; and, where the target is in this tile, its logit z = u * z_scale (z_scale =
-    1 / temperature)."""
+    y_scale * max u, at the same columns), z = u * z_scale the natural logit (z_scale = 1 / temperature,
+    z exactly as the gradient kernels compute it) and r = max y * ln 2. The last column quarter writes
+    the block's partials, base 2 as gemm_kernels' row statistics (merged by its _merge_splits_kernel):
+    max, sum, with SUM_EXP_DZ (the entropy's statistic) the sum times z - r, with ARGMAX (token
+    accuracy, predicted tokens) the first column of the max; and, where the target is in this tile,
+    its logit z."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
     r: gl.constexpr = chunk // QUARTERS
     q: gl.constexpr = chunk % QUARTERS
-    part_max_ptr, part_sum_ptr, part_sum_y_ptr, part_argmax_ptr, target_ptr, target_z_ptr = stats_ptrs
+    part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, target_ptr, target_z_ptr = stats_ptrs
     rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
     cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
     u = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
@@ -170,19 +173,27 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     else:
         target = carry[3]
     part_target = gl.sum(gl.where(gl.expand_dims(cols, 0) == gl.expand_dims(target, 1), z, 0.0), axis=1)
-    if EXPECTED_Z:
-        # Columns past N: e = 0 and z = -inf; the floor at -3e38 makes their product 0, not NaN, and
-        # keeps z the only copy of the chunk in registers (with u beside it the consumers spilled).
-        part_sum_u = gl.sum(e * gl.maximum(z, -3.0e38), axis=1)
-    else:
-        part_sum_u = part_sum
     if ARGMAX:
         first = gl.where(z == gl.expand_dims(top, 1), gl.expand_dims(cols, 0), 2147483647)
         part_arg = gl.min(first, axis=1).to(gl.int64)
     else:
         part_arg = target
+    if SUM_EXP_DZ:
+        # sum e * (z - r) as sum e * (u - max u) * z_scale + (max z - r) * sum e: u - max u is exact
+        # (16-bit logits), so the max column's term is max z - r exactly as the gradient kernels' z has
+        # it; the others carry z's own rounding. (This order, after the argmax, and u's differences
+        # spill 16 / 48 bytes a consumer thread without / with the argmax; z * z_scale - r spilled 88 / 152.)
+        # Columns past N: e = 0 and u - max u = -inf; the floor at -3e38 makes their product 0, not NaN,
+        # and keeps z the only copy of the chunk in registers (with u beside it the consumers spilled).
+        # A quarter past N has max u = r = 0 here (shift), so nothing there is inf - inf.
+        top_u = gl.where(top > float("-inf"), top, 0.0)
+        du = gl.maximum(z - gl.expand_dims(top_u, 1), -3.0e38)
+        part_sum_dz = gl.sum(e * du, axis=1) * z_scale + (top_u * z_scale - shift * LN2) * part_sum
+    else:
+        part_sum_dz = part_sum
     if q == 0:
-        running_max, running_sum, target_u, running_sum_u, best = part_max, part_sum, part_target, part_sum_u, part_arg
+        running_max, running_sum, target_u = part_max, part_sum, part_target
+        running_sum_dz, best = part_sum_dz, part_arg
     else:
         if ARGMAX:  # strictly greater: an earlier quarter keeps a tie, so the first maximal column wins
             best = gl.where(part_max > carry[0], part_arg, carry[5])
@@ -191,23 +202,28 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
         running_max = gl.maximum(carry[0], part_max)
         carry_scale = gl.exp2(carry[0] - running_max)
         part_scale = gl.exp2(gl.where(part_max > float("-inf"), part_max, running_max) - running_max)
+        if SUM_EXP_DZ:
+            # Both sums move to the new r (the carry's max is finite: quarter 0 is never past N; a
+            # later quarter past N has part_sum 0).
+            reference = running_max * LN2
+            carry_dz = carry[4] + (carry[0] * LN2 - reference) * carry[1]
+            part_dz = part_sum_dz + (shift * LN2 - reference) * part_sum
+            running_sum_dz = carry_dz * carry_scale + part_dz * part_scale
         running_sum = carry[1] * carry_scale + part_sum * part_scale
         target_u = carry[2] + part_target
-        if EXPECTED_Z:
-            running_sum_u = carry[4] * carry_scale + part_sum_u * part_scale
-        else:
-            running_sum_u = running_sum
+        if not SUM_EXP_DZ:
+            running_sum_dz = running_sum
     if q == QUARTERS - 1:
         part = pid_n.to(gl.int64) * M + rows
         gl.store(part_max_ptr + part, running_max, mask=row_ok)
         gl.store(part_sum_ptr + part, running_sum, mask=row_ok)
-        if EXPECTED_Z:
-            gl.store(part_sum_y_ptr + part, running_sum_u * y_scale, mask=row_ok)
+        if SUM_EXP_DZ:
+            gl.store(part_sum_dz_ptr + part, running_sum_dz, mask=row_ok)
         if ARGMAX:
             gl.store(part_argmax_ptr + part, best, mask=row_ok)
         in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
         gl.store(target_z_ptr + rows, target_u * z_scale, mask=in_tile)
-    return running_max, running_sum, target_u, target, running_sum_u, best
+    return running_max, running_sum, target_u, target, running_sum_dz, best
 
 
 @gluon.jit
@@ -215,7 +231,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                         WG: gl.constexpr, A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                         ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr, STORE_TILE: gl.constexpr,
-                        ACCUMULATE: gl.constexpr, EXPECTED_Z: gl.constexpr, ARGMAX: gl.constexpr):
+                        ACCUMULATE: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr):
     """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
 
     Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
@@ -258,7 +274,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             for c in gl.static_range(STATS_CHUNKS):
                 acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
                 carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
-                                     z_scale, BLOCK_N, EXPECTED_Z, ARGMAX)
+                                     z_scale, BLOCK_N, SUM_EXP_DZ, ARGMAX)
                 acc = _retire_step(empty, acc, step, c)
                 step += 1
             first = STATS_CHUNKS
@@ -290,7 +306,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             else:
                 for c in gl.static_range(STATS_CHUNKS):
                     carry = _stats_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, stats_ptrs, y_scale,
-                                         z_scale, BLOCK_N, EXPECTED_Z, ARGMAX)
+                                         z_scale, BLOCK_N, SUM_EXP_DZ, ARGMAX)
         else:
             if ACCUMULATE:
                 mbarrier.wait(c_ready.index(WG), tiles_done & 1)
@@ -306,18 +322,18 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
         if INTERLEAVE:
             for c in gl.static_range(STATS_CHUNKS):
                 carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
-                                     z_scale, BLOCK_N, EXPECTED_Z, ARGMAX)
+                                     z_scale, BLOCK_N, SUM_EXP_DZ, ARGMAX)
     if STORE_TILE or not ROW_STATS:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, part_sum_y_ptr, part_argmax_ptr,
+def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr,
                     target_ptr, target_z_ptr, y_scale, z_scale,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr,
-                    STORE_TILE: gl.constexpr, ACCUMULATE: gl.constexpr, EXPECTED_Z: gl.constexpr,
+                    STORE_TILE: gl.constexpr, ACCUMULATE: gl.constexpr, SUM_EXP_DZ: gl.constexpr,
                     ARGMAX: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
     """C = A @ B, or with ROW_STATS C's row statistics (_stats_chunk, BLOCK_N a multiple of 64); grid = (persistent
     programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
@@ -328,7 +344,7 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
 
     ROW_STATS only (unused otherwise; INTERLEAVE needs >= STATS_CHUNKS K steps a tile):
     part_max_ptr, part_sum_ptr  [cdiv(N, BLOCK_N), M] fp32 partials
-    part_sum_y_ptr              the same, written with EXPECTED_Z (the entropy's sum exp2(y - max) * y)
+    part_sum_dz_ptr             the same, written with SUM_EXP_DZ (the entropy's sum exp2(y - max) * (z - max * ln 2))
     part_argmax_ptr             [cdiv(N, BLOCK_N), M] int64, written with ARGMAX: each block's first max column
     target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)
     y_scale = log2(e) / temperature, z_scale = 1 / temperature: the statistics of z = u / T for the
@@ -355,14 +371,14 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
     for i in gl.static_range(2):
         mbarrier.init(c_ready.index(i), count=1)
 
-    stats_ptrs = (part_max_ptr, part_sum_ptr, part_sum_y_ptr, part_argmax_ptr, target_ptr, target_z_ptr)
+    stats_ptrs = (part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, target_ptr, target_z_ptr)
     gl.warp_specialize([
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
                                z_scale, 0, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS,
-                               INTERLEAVE, STORE_TILE, ACCUMULATE, EXPECTED_Z, ARGMAX)),
+                               INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX)),
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
                                z_scale, 1, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS,
-                               INTERLEAVE, STORE_TILE, ACCUMULATE, EXPECTED_Z, ARGMAX)),
+                               INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                            A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -96,7 +96,7 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> object:
 
 def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple, config: WsGemmConfig,
             row_stats: bool, store_tile: bool = False, accumulate: bool = False, inv_temperature: float = 1.0,
-            expected_z: bool = False, argmax: bool = False) -> None:
+            sum_exp_dz: bool = False, argmax: bool = False) -> None:
     from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
 
     cfg = config
@@ -112,7 +112,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, GROUP_M=cfg.group_m,
         NUM_STAGES=cfg.stages, ROW_STATS=row_stats,
         INTERLEAVE=row_stats and triton.cdiv(k, cfg.block_k) >= _STATS_CHUNKS,
-        STORE_TILE=store_tile, ACCUMULATE=accumulate, EXPECTED_Z=expected_z, ARGMAX=argmax,
+        STORE_TILE=store_tile, ACCUMULATE=accumulate, SUM_EXP_DZ=sum_exp_dz, ARGMAX=argmax,
         CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs,
         num_warps=4, maxnreg=cfg.max_regs,
     )
@@ -161,7 +161,7 @@ def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, config:
 def _row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, config: WsGemmConfig,
                logits_out: torch.Tensor | None) -> PartialRowStats:
     """PartialRowStats of z = (x @ w.T) / cfg.temperature for what ws_statistics_apply accepts (the
-    plain statistics, sum_exp_z where cfg asks for the entropy, the argmax (w's row index) where it
+    plain statistics, sum_exp_dz where cfg asks for the entropy, the argmax (w's row index) where it
     asks for token accuracy or predicted tokens).
 
     The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
@@ -190,12 +190,12 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, cfg: LCEC
     tiles_n = triton.cdiv(vocab, config.block_n)
     part_max = torch.empty(tiles_n, n, dtype=torch.float32, device=x.device)
     part_sum = torch.empty_like(part_max)
-    part_sum_y = torch.empty_like(part_max) if stats.sum_exp_z is not None else part_sum
+    part_sum_dz = torch.empty_like(part_max) if stats.sum_exp_dz is not None else part_sum
     part_argmax = torch.empty_like(part_max, dtype=torch.int64) if stats.argmax is not None else part_sum
-    _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_y, part_argmax, target.long().contiguous(), stats.target_z),
+    _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_dz, part_argmax, target.long().contiguous(), stats.target_z),
             config, row_stats=True, store_tile=c_desc is not None, inv_temperature=1.0 / cfg.temperature,
-            expected_z=stats.sum_exp_z is not None, argmax=stats.argmax is not None)
-    merge_splits(stats, part_max, part_sum, part_sum_y, part_argmax=part_argmax)
+            sum_exp_dz=stats.sum_exp_dz is not None, argmax=stats.argmax is not None)
+    merge_splits(stats, part_max, part_sum, part_sum_dz, part_argmax=part_argmax)
     return stats
 
 
@@ -240,7 +240,7 @@ def lm_head_grad_weight(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor | No
 
 def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | None = None,
                        dtype: str = "bfloat16", row_stats: bool = False, store_tile: bool = False,
-                       accumulate: bool = False, expected_z: bool = False, argmax: bool = False) -> object:
+                       accumulate: bool = False, sum_exp_dz: bool = False, argmax: bool = False) -> object:
     """Compile the kernel for sm_90a without a GPU (triton.compile on a Gluon source), for the CPU
     tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``)."""
     import inspect
@@ -261,13 +261,13 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
     types = {"a_desc": descriptor([cfg.block_k, cfg.block_m] if a_mmajor else [cfg.block_m, cfg.block_k]),
              "b_desc": descriptor([cfg.block_n, cfg.block_k] if b_kmajor else [cfg.block_k, cfg.block_n]),
              "c_desc": descriptor([cfg.block_m // 2, cfg.block_n]), "M": "i32", "N": "i32", "K": "i32",
-             "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_sum_y_ptr": "*fp32",
+             "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_sum_dz_ptr": "*fp32",
              "part_argmax_ptr": "*i64", "target_ptr": "*i64",
              "target_z_ptr": "*fp32", "y_scale": "fp32", "z_scale": "fp32"}
     constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
                  "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
                  "INTERLEAVE": row_stats, "STORE_TILE": store_tile, "ACCUMULATE": accumulate,
-                 "EXPECTED_Z": expected_z, "ARGMAX": argmax,
+                 "SUM_EXP_DZ": sum_exp_dz, "ARGMAX": argmax,
                  "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
     names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
     signature = {name: "constexpr" if name in constants else types[name] for name in names}

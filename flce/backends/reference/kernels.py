@@ -24,8 +24,8 @@ from flce.semantics import (
     PartialRowStats,
     merge_partial_stats,
     needs_argmax,
-    needs_expected_z,
     needs_logit_stats,
+    needs_sum_exp_dz,
     needs_weighted_sum_z,
 )
 from flce.semantics import (
@@ -117,8 +117,8 @@ class ReferenceKernels:
             return torch.empty(n_rows, dtype=dtype, device=logits.device)
 
         stats = PartialRowStats(row_max=per_row(), sum_exp=per_row(), target_z=target_z)
-        if needs_expected_z(cfg):
-            stats.sum_exp_z = per_row()
+        if needs_sum_exp_dz(cfg):
+            stats.sum_exp_dz = per_row()
         if needs_weighted_sum_z(cfg):
             stats.weighted_sum_z = per_row()
             class_weight = None if cfg.class_weight is None else _shard_weight(cfg, vocab, vocab_offset, math)
@@ -132,10 +132,11 @@ class ReferenceKernels:
             # torch.max returns the first maximal index, as the GPU kernels do.
             row_max, argmax = z.max(dim=1)
             stats.row_max[rows] = row_max
-            exp = torch.sub(z, row_max.unsqueeze(1)).exp_()
+            shifted = torch.sub(z, row_max.unsqueeze(1))
+            exp = shifted.exp_() if stats.sum_exp_dz is None else torch.exp(shifted)
             stats.sum_exp[rows] = exp.sum(1)
-            if stats.sum_exp_z is not None:
-                stats.sum_exp_z[rows] = exp.mul_(z).sum(1)
+            if stats.sum_exp_dz is not None:
+                stats.sum_exp_dz[rows] = exp.mul_(shifted).sum(1)
             if stats.weighted_sum_z is not None:
                 # Not z @ class_weight: BLAS's matrix-vector kernels round differently for different row
                 # counts, so the answer would depend on the block size (a product and a row sum do not;
@@ -163,12 +164,12 @@ class ReferenceKernels:
         for rows in row_blocks(logits):
             block = logits[rows]
             z = capped_scaled(block.to(math), cfg)
-            grad = torch.sub(z, lse[rows].unsqueeze(1)).exp_()
+            log_p = torch.sub(z, lse[rows].unsqueeze(1))
             if coeffs.h is None:
-                grad.mul_(coeffs.a[rows].unsqueeze(1))
+                grad = log_p.exp_().mul_(coeffs.a[rows].unsqueeze(1))
             else:
-                # p * (a - h z), with one temporary
-                grad.mul_(torch.mul(z, -coeffs.h[rows].unsqueeze(1)).add_(coeffs.a[rows].unsqueeze(1)))
+                # p * (a - h (z - lse)), with one more temporary
+                grad = torch.exp(log_p).mul_(log_p.mul_(-coeffs.h[rows].unsqueeze(1)).add_(coeffs.a[rows].unsqueeze(1)))
             _subtract_at_target_(grad, index[rows], d[rows])
             if coeffs.e is not None:
                 e = coeffs.e[rows].unsqueeze(1).to(math)
