@@ -503,8 +503,8 @@ def test_interpreter_split_merge_across_split_blocks():
 def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
     """On Hopper (the check patched here; the GPU tests run the real thing): a training call's chunk
     logits default to the warp-specialised statistics GEMM where its epilogue applies (the plain and
-    the RL statistics: temperature, entropy), and to cuBLAS with a bias, softcap, label smoothing,
-    precision="accurate" or off Hopper; the
+    the RL statistics: temperature, entropy; label smoothing), and to cuBLAS with a bias, softcap, class
+    weights, precision="accurate" or off Hopper; the
     gradient products stay on cuBLAS; flce-autotune times the ws forward and both gradient kernels."""
     from flce.autotune import spaces
     from flce.backends.cuda import plan
@@ -519,7 +519,10 @@ def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
     assert isinstance(chosen, TokenChunks) and chosen.forward_logits == "fused"
     rl = LCEConfig(reduction="none", return_logprobs=True, return_entropy=True, temperature=0.7)
     assert plan.plan_chunks(flat, rl, training).forward_logits == "fused"
-    for cfg in (LCEConfig(softcap=30.0), LCEConfig(label_smoothing=0.1), LCEConfig(precision="accurate")):
+    assert plan.plan_chunks(flat, LCEConfig(label_smoothing=0.1), training).forward_logits == "fused"
+    weights = torch.ones(151936)
+    for cfg in (LCEConfig(softcap=30.0), LCEConfig(class_weight=weights, label_smoothing=0.1),
+                LCEConfig(precision="accurate")):
         assert plan.plan_chunks(flat, cfg, training).forward_logits == "cublas", cfg
     biased = FlatInputs(hidden=flat.hidden, weight=flat.weight, target=flat.target, bias=torch.empty(
         151936, dtype=torch.bfloat16, device="meta"), token_shape=flat.token_shape)

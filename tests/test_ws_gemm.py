@@ -19,9 +19,10 @@ import torch
 _COMPILE = """
 import json, sys
 from flce.backends.cuda.ws_gemm_ops import compile_for_hopper
-a_mmajor, b_kmajor, row_stats, store_tile, accumulate, sum_exp_dz, argmax = (flag == "1" for flag in sys.argv[1:])
+flags = [flag == "1" for flag in sys.argv[1:]]
+a_mmajor, b_kmajor, row_stats, store_tile, accumulate, sum_exp_dz, argmax, sum_z = flags
 compiled = compile_for_hopper(a_mmajor, b_kmajor, row_stats=row_stats, store_tile=store_tile, accumulate=accumulate,
-                              sum_exp_dz=sum_exp_dz, argmax=argmax)
+                              sum_exp_dz=sum_exp_dz, argmax=argmax, sum_z=sum_z)
 sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}))
 """
 
@@ -30,11 +31,11 @@ LAYOUTS = {"logits": (False, True), "grad_hidden": (False, False), "grad_weight"
 
 
 def _compile(a_mmajor: bool, b_kmajor: bool, row_stats: bool, store_tile: bool = False,
-             accumulate: bool = False, sum_exp_dz: bool = False, argmax: bool = False) -> dict:
+             accumulate: bool = False, sum_exp_dz: bool = False, argmax: bool = False, sum_z: bool = False) -> dict:
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    flags = [str(int(f)) for f in (a_mmajor, b_kmajor, row_stats, store_tile, accumulate, sum_exp_dz, argmax)]
+    flags = [str(int(f)) for f in (a_mmajor, b_kmajor, row_stats, store_tile, accumulate, sum_exp_dz, argmax, sum_z)]
     done = subprocess.run([sys.executable, "-c", _COMPILE, *flags], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -97,17 +98,24 @@ def test_ws_row_stats_storing_logits_compiles_for_hopper() -> None:
     assert result["shared"] <= 227 * 1024
 
 
-@pytest.mark.parametrize("store_tile,sum_exp_dz,argmax",
-                         [(False, True, False), (True, True, True), (True, False, True)])
-def test_ws_row_stats_entropy_and_argmax_compile_for_hopper(store_tile: bool, sum_exp_dz: bool, argmax: bool) -> None:
-    """The RL statistics (temperature, the entropy's sum of exp2(y - max) * (z - max ln 2)) and the argmax (token
-    accuracy): the same kernel with more partials written per row block, with and without kept logits."""
+@pytest.mark.parametrize("store_tile,sum_exp_dz,argmax,sum_z",
+                         [(False, True, False, False), (True, True, True, False), (True, False, True, False),
+                          (False, False, False, True), (True, True, True, True)])
+def test_ws_row_stats_options_compile_for_hopper(store_tile: bool, sum_exp_dz: bool, argmax: bool,
+                                                 sum_z: bool) -> None:
+    """The RL statistics (temperature, the entropy's sum of exp2(y - max) * (z - max ln 2)), the argmax (token
+    accuracy) and label smoothing's sum of z: the same kernel with more partials written per row block,
+    with and without kept logits."""
     plain = _compile(False, True, row_stats=True)["ptx"]
-    result = _compile(False, True, row_stats=True, store_tile=store_tile, sum_exp_dz=sum_exp_dz, argmax=argmax)
+    result = _compile(False, True, row_stats=True, store_tile=store_tile, sum_exp_dz=sum_exp_dz, argmax=argmax,
+                      sum_z=sum_z)
     ptx = result["ptx"]
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
-    assert ptx.count("st.global") > plain.count("st.global")  # the extra partials
-    assert ("st.global.b64" in ptx) == argmax  # the int64 argmax partials (the others are 32-bit)
+    # The partials: the plain kernel stores three fp32 values a row (max, sum, target logit); each sum
+    # adds one, the argmax an int64.
+    stores = plain.count("st.global.b32") // 3
+    assert ptx.count("st.global.b32") == stores * (3 + sum_exp_dz + sum_z)
+    assert ptx.count("st.global.b64") == stores * argmax
     assert (_TMA_STORE in ptx) == store_tile
     assert "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
 
@@ -283,7 +291,8 @@ def test_ws_row_stats_plain_loss_matches_float64(tokens: int, hidden: int, vocab
 @pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32001), (130, 4096, 520)])
 def test_ws_row_stats_entropy_at_temperature_matches_float64(tokens: int, hidden: int, vocab: int) -> None:
     """The RL statistics at temperature 0.7: max, lse, target logit, entropy (from the sum of
-    exp(z - max) * (z - max)) and the argmax (predicted tokens) of z = bf16(x @ w.T) / T against float64, with
+    exp(z - max) * (z - max)), the argmax (predicted tokens) and label smoothing's sum of z, of
+    z = bf16(x @ w.T) / T against float64, with
     (K = 4096) and without (K = 200) the statistics interleaved with the next tile's wgmma; a row of
     equal logits (a zero hidden row) picks the first column."""
     from flce.backends.cuda.ws_gemm_ops import ws_partial_row_stats, ws_supported
@@ -300,7 +309,7 @@ def test_ws_row_stats_entropy_at_temperature_matches_float64(tokens: int, hidden
     x[5] = 0  # every logit 0: row max 0, argmax 0 (ties across columns, quarters and tiles)
     temperature = 0.7
     cfg = LCEConfig(reduction="none", return_logprobs=True, return_entropy=True, return_predicted_tokens=True,
-                    temperature=temperature)
+                    temperature=temperature, label_smoothing=0.1)
     stats = ws_partial_row_stats(x, w, target, 0, cfg)
     z = (x.double() @ w.double().T).to(torch.bfloat16).double() / temperature
     valid = target >= 0
@@ -326,6 +335,8 @@ def test_ws_row_stats_entropy_at_temperature_matches_float64(tokens: int, hidden
     assert float(clear.double().mean()) > 0.5
     assert torch.equal(stats.argmax[clear], z.argmax(1)[clear])
     assert int(stats.argmax[5]) == 0
+    # Label smoothing's sum of z: fp32 sums of the bf16 logits (the columns past V add nothing).
+    assert ((stats.weighted_sum_z.double() - z.sum(1)).abs() <= 1e-5 * z.abs().sum(1) + 1e-4).all()
 
 
 @pytest.mark.cuda
@@ -384,9 +395,43 @@ def test_ws_rl_call_through_flce_matches_float64(vocab: int, keep_logits: bool,
         assert float((out.predicted_tokens == want.predicted_tokens).double().mean()) > 0.9
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["64MiB", "default"])
+def test_ws_label_smoothing_through_flce_matches_float64(keep_logits: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Label smoothing (0.1, mean) takes the ws statistics GEMM on Hopper (counted: the statistics pass
+    within 64 MiB, the chunk logits it also writes at the default memory), and its loss and gradients
+    stay within 1.5x of eager bf16's error against the float64 oracle."""
+    from helpers import lm_head_inputs, relative_error
+
+    import flce
+    from flce.backends.cuda import ops
+    from flce.testing import reference_loss
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the ws kernel needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    kept = []
+    real = ops.ws_partial_row_stats
+    monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *a, **k: kept.append(a[5] is not None) or real(*a, **k))
+    x, w, _, t = lm_head_inputs(3000, 1024, 32001, torch.bfloat16, "cuda", with_bias=False)
+    budget = {} if keep_logits else {"memory_budget": 64 << 20}
+    loss = flce.linear_cross_entropy(x, w, t, label_smoothing=0.1, **budget)
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    assert kept and any(kept) == keep_logits, kept
+    xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    want = reference_loss(xd, wd, t, label_smoothing=0.1).loss
+    ref_gx, ref_gw = torch.autograd.grad(want, (xd, wd))
+    xe, we = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    eager = torch.nn.functional.cross_entropy((xe @ we.t()).float(), t, label_smoothing=0.1)
+    eager_gx, eager_gw = torch.autograd.grad(eager, (xe, we))
+    for name, got, ref, base in (("loss", loss, want, eager), ("grad_hidden", gx, ref_gx, eager_gx),
+                                 ("grad_weight", gw, ref_gw, eager_gw)):
+        err, eager_err = relative_error(got.detach(), ref.detach()), relative_error(base.detach(), ref.detach())
+        assert err <= 1.5 * eager_err + 1e-6, (name, err, eager_err)
+
+
 def test_ws_stats_eligibility_is_what_the_epilogue_computes() -> None:
     """Only what the ws kernel computes goes to it (the plain statistics, the RL ones: temperature,
-    entropy, and the argmax): a bias, softcap, class weights, label smoothing, or kept logits a TMA
+    entropy, the argmax, and label smoothing's sum): a bias, softcap, class weights, or kept logits a TMA
     store cannot write keep the fused Triton GEMM (and CPU tensors never qualify)."""
     from flce.backends.cuda.ws_gemm_ops import ws_stats_eligible
     from flce.config import LCEConfig
@@ -401,8 +446,9 @@ def test_ws_stats_eligibility_is_what_the_epilogue_computes() -> None:
         assert ws_stats_eligible(x, w, None, LCEConfig(reduction="none", return_logprobs=True, return_entropy=True,
                                                        temperature=0.7), None)
         assert ws_stats_eligible(x, w, None, LCEConfig(return_token_accuracy=True, return_predicted_tokens=True), None)
+        assert ws_stats_eligible(x, w, None, LCEConfig(label_smoothing=0.1), None)
         for cfg in (LCEConfig(softcap=30.0), LCEConfig(class_weight=torch.ones(32, device="cuda")),
-                    LCEConfig(label_smoothing=0.1)):
+                    LCEConfig(class_weight=torch.ones(32, device="cuda"), label_smoothing=0.1)):
             assert not ws_stats_eligible(x, w, None, cfg, None), cfg
         assert not ws_stats_eligible(x, w, torch.zeros(32, device="cuda", dtype=torch.bfloat16), LCEConfig(), None)
         assert ws_stats_eligible(x, w, None, LCEConfig(), torch.empty(8, 32, device="cuda", dtype=x.dtype))

@@ -1,5 +1,6 @@
-"""The RL statistics (log-probs and entropy at a temperature) on the warp-specialised statistics GEMM
-against the fused Triton one, side by side (issue 20), one GPU, bf16, one process.
+"""The RL statistics (log-probs and entropy at a temperature) and label smoothing's sum on the
+warp-specialised statistics GEMM against the fused Triton one, side by side (issue 20), one GPU, bf16,
+one process.
 
 The RL call of the issue: ``reduction="none"``, log-probs and entropy at temperature 0.7, objective
 ``-(adv * logp).mean() - 0.01 * entropy.mean()``. Per shape, in each of ``--rounds`` rounds, the
@@ -7,18 +8,20 @@ references first (one cuBLAS ``x @ W.T``; with ``--training`` the three cuBLAS p
 then each variant in turn, so the kernels alternate:
 
 * forward only (``no_grad``), ratio to one cuBLAS GEMM: the statistics GEMM by ``stats_kernel``, also
-  with the predicted tokens (the argmax), and for reference the ws GEMM with the log-probs alone and
-  with the plain loss;
+  with the predicted tokens (the argmax), the plain loss with label smoothing 0.1 on both, and for
+  reference the ws GEMM with the log-probs alone and with the plain loss;
 * with ``--training``: the RL call fwd+bwd within 512 MiB (nothing of the logits kept: a statistics
   pass, then recomputed vocabulary blocks) and with the default memory (the logits kept where the
   save limit allows: the chunk GEMM also writes them), ratio to the floor, with MiB above the
-  gradients.
+  gradients;
+* with ``--smoothing`` shapes: the mean loss with label smoothing 0.1, fwd+bwd at the default memory, its
+  chunk logits from the ws GEMM, the Triton GEMM or cuBLAS + the row kernel (``forward_logits``).
 
 The last columns: how far the ws variant's outputs (log-probs, entropy; gradients) are from the Triton
 one's, as relative Frobenius norms.
 
     python tools/benchmarks/rl_statistics.py [--shapes 8192x4096x128256,...] [--training 16384x4096x151936]
-                                             [--rounds 3] [--markdown out.md]
+                                             [--smoothing 16384x2048x151936] [--rounds 3] [--markdown out.md]
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from flce.testing.measure import (
 )
 
 RL = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_entropy": True}
+SMOOTHING = {"label_smoothing": 0.1}
 KERNELS = {"ws": "warp_specialized", "Triton": "triton"}
 TRAINING_BUDGETS = {"512 MiB": 512 << 20, "default": None}
 
@@ -59,9 +63,15 @@ FORWARD_VARIANTS = {
     "Triton": (RL, "triton"),
     "ws, + predicted tokens": ({**RL, "return_predicted_tokens": True}, "warp_specialized"),
     "Triton, + predicted tokens": ({**RL, "return_predicted_tokens": True}, "triton"),
+    "ws, label smoothing": (SMOOTHING, "warp_specialized"),
+    "Triton, label smoothing": (SMOOTHING, "triton"),
     "ws, log-probs only": ({"reduction": "none", "temperature": 0.7, "return_logprobs": True}, "warp_specialized"),
     "ws, plain loss": ({}, "warp_specialized"),
 }
+# Where a label-smoothing training chunk's logits come from (knobs of the cuda plan).
+SMOOTHING_LOGITS = {"ws": {"forward_logits": "fused", "logits_kernel": "warp_specialized"},
+                    "Triton": {"forward_logits": "fused", "logits_kernel": "triton"},
+                    "cuBLAS + row kernel": {"forward_logits": "cublas"}}
 
 
 def forward_rows(label: str, rounds: int) -> list[str]:
@@ -113,10 +123,35 @@ def training_rows(label: str, rounds: int) -> list[str]:
     return rows
 
 
+def smoothing_rows(label: str, rounds: int) -> list[str]:
+    x, w, t, _ = shape_inputs(*parse_shape(label))
+
+    def step(knobs: dict):
+        with override_params(knobs, backend="cuda"):
+            loss = flce.linear_cross_entropy(x, w, t, **SMOOTHING)
+            return (loss.detach(), *torch.autograd.grad(loss, (x, w)))
+
+    ratios: dict[str, list[float]] = {name: [] for name in SMOOTHING_LOGITS}
+    for _ in range(rounds):
+        floor = sum(cublas_products_ms(x, w))
+        for name, knobs in SMOOTHING_LOGITS.items():
+            ratios[name].append(median_ms(lambda knobs=knobs: step(knobs), warmup_ms=200, rep_ms=1500) / floor)
+    ws, cublas = step(SMOOTHING_LOGITS["ws"]), step(SMOOTHING_LOGITS["cuBLAS + row kernel"])
+    diff = " / ".join(f"{relative_difference(a, b):.1e}" for a, b in zip(ws, cublas, strict=True))
+    del ws, cublas
+    rows = []
+    for name, knobs in SMOOTHING_LOGITS.items():
+        peak = peak_mib_above(lambda knobs=knobs: step(knobs))
+        rows.append(f"| {label} | label smoothing fwd+bwd, default | {name} | {_cell(ratios[name])} | {peak:.0f} | "
+                    f"{diff + ' (loss / grads, against cuBLAS)' if name == 'ws' else ''} |")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="8192x4096x128256,16384x2048x151936,16384x4096x151936")
     parser.add_argument("--training", default="16384x4096x151936", help="shapes of the fwd+bwd rows ('' for none)")
+    parser.add_argument("--smoothing", default="", help="shapes of the label-smoothing fwd+bwd rows")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -130,6 +165,9 @@ def main() -> int:
         torch.cuda.empty_cache()
     for label in filter(None, args.training.split(",")):
         lines += training_rows(label, args.rounds)
+        torch.cuda.empty_cache()
+    for label in filter(None, args.smoothing.split(",")):
+        lines += smoothing_rows(label, args.rounds)
         torch.cuda.empty_cache()
     publish("\n".join(lines), args.markdown)
     return 0

@@ -19,7 +19,6 @@ from flce.engine.memory import MiB, default_logits_save_limit, logits_save_limit
 from flce.engine.plans import CUBLAS, FUSED, GEMM_PATHS, AllRows, Plan, PlanRequest, TokenChunks, VocabBlocks
 from flce.engine.rows import logits_bytes_per_row, logits_dtype
 from flce.inputs import FlatInputs
-from flce.semantics import needs_weighted_sum_z
 
 # Default working memory of one chunk's logits when gradients are computed. Larger chunks mean fewer
 # read-modify-writes of the V x H weight gradient (one per chunk); this keeps the default call
@@ -167,9 +166,9 @@ def hopper_16bit(device: torch.device, dtype: torch.dtype, hidden: int, vocab: i
 
 def ws_statistics_apply(cfg: LCEConfig, has_bias: bool) -> bool:
     """What the warp-specialised statistics epilogue computes: logits without a bias, softcap or
-    class weights, at any temperature; the plain loss's statistics, the entropy's (RL) and the
-    argmax (token accuracy, predicted tokens), not label smoothing's weighted sum."""
-    return not has_bias and cfg.softcap is None and cfg.class_weight is None and not needs_weighted_sum_z(cfg)
+    class weights, at any temperature; the plain loss's statistics, the entropy's (RL), the argmax
+    (token accuracy, predicted tokens) and label smoothing's sum of z (unweighted: no class weights)."""
+    return not has_bias and cfg.softcap is None and cfg.class_weight is None
 
 
 def ws_forward_logits_default(flat: FlatInputs, cfg: LCEConfig) -> bool:

@@ -142,31 +142,38 @@ def _stats_layout():
 
 @gluon.jit
 def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
-                 BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr):
+                 BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr, SUM_Z: gl.constexpr):
     """Chunk ``chunk`` of a warpgroup's logits half tile u (in the inputs' dtype; first row off_m, column
     tile pid_n; ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's
     running ``carry``: (max of y, sum of exp2(y - max), target's u, target, sum of exp2(y - max) * (z - r),
-    first column holding the max) with y = u * y_scale (y_scale = log2(e) / temperature > 0, so max y =
+    first column holding the max, sum of u) with y = u * y_scale (y_scale = log2(e) / temperature > 0, so max y =
     y_scale * max u, at the same columns), z = u * z_scale the natural logit (z_scale = 1 / temperature,
     z exactly as the gradient kernels compute it) and r = max y * ln 2. The last column quarter writes
     the block's partials, base 2 as gemm_kernels' row statistics (merged by its _merge_splits_kernel):
     max, sum, with SUM_EXP_DZ (the entropy's statistic) the sum times z - r, with ARGMAX (token
-    accuracy, predicted tokens) the first column of the max; and, where the target is in this tile,
-    its logit z."""
+    accuracy, predicted tokens) the first column of the max, with SUM_Z (label smoothing) the sum of
+    y; and, where the target is in this tile, its logit z."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
     r: gl.constexpr = chunk // QUARTERS
     q: gl.constexpr = chunk % QUARTERS
-    part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, target_ptr, target_z_ptr = stats_ptrs
+    part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, part_sum_y_ptr, target_ptr, target_z_ptr = stats_ptrs
     rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
     cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
-    u = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
-    z = gl.where(gl.expand_dims(cols < N, 0), u.load(layout).to(gl.float32), float("-inf"))
+    chunk_smem = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
+    u = chunk_smem.load(layout).to(gl.float32)
+    if SUM_Z:
+        # The columns past N hold 0 (the TMA load of W's rows past V fills zeros, so their logits are
+        # 0): the unmasked sum is the sum over the valid columns, without a select per column.
+        part_sum_u = gl.sum(u, axis=1)
+    z = gl.where(gl.expand_dims(cols < N, 0), u, float("-inf"))
     top = gl.max(z, axis=1)
     part_max = top * y_scale
     shift = gl.where(part_max > float("-inf"), part_max, 0.0)  # a quarter past N: all -inf, sum 0
     e = gl.exp2(z * y_scale - gl.expand_dims(shift, 1))
     part_sum = gl.sum(e, axis=1)
+    if not SUM_Z:
+        part_sum_u = part_sum
     row_ok = (rows < M) & valid
     if q == 0:
         target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
@@ -193,7 +200,7 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
         part_sum_dz = part_sum
     if q == 0:
         running_max, running_sum, target_u = part_max, part_sum, part_target
-        running_sum_dz, best = part_sum_dz, part_arg
+        running_sum_dz, best, running_sum_u = part_sum_dz, part_arg, part_sum_u
     else:
         if ARGMAX:  # strictly greater: an earlier quarter keeps a tie, so the first maximal column wins
             best = gl.where(part_max > carry[0], part_arg, carry[5])
@@ -213,6 +220,10 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
         target_u = carry[2] + part_target
         if not SUM_EXP_DZ:
             running_sum_dz = running_sum
+        if SUM_Z:
+            running_sum_u = carry[6] + part_sum_u
+        else:
+            running_sum_u = running_sum
     if q == QUARTERS - 1:
         part = pid_n.to(gl.int64) * M + rows
         gl.store(part_max_ptr + part, running_max, mask=row_ok)
@@ -221,9 +232,11 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
             gl.store(part_sum_dz_ptr + part, running_sum_dz, mask=row_ok)
         if ARGMAX:
             gl.store(part_argmax_ptr + part, best, mask=row_ok)
+        if SUM_Z:
+            gl.store(part_sum_y_ptr + part, running_sum_u * y_scale, mask=row_ok)
         in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
         gl.store(target_z_ptr + rows, target_u * z_scale, mask=in_tile)
-    return running_max, running_sum, target_u, target, running_sum_dz, best
+    return running_max, running_sum, target_u, target, running_sum_dz, best, running_sum_u
 
 
 @gluon.jit
@@ -231,7 +244,8 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                         WG: gl.constexpr, A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                         ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr, STORE_TILE: gl.constexpr,
-                        ACCUMULATE: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr):
+                        ACCUMULATE: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr,
+                        SUM_Z: gl.constexpr):
     """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
 
     Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
@@ -259,7 +273,8 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
     row_vector: gl.constexpr = gl.SliceLayout(1, _stats_layout())
     carry = (gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.float32, row_vector),
              gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.int64, row_vector),
-             gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.int64, row_vector))
+             gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.int64, row_vector),
+             gl.zeros([STATS_ROWS], gl.float32, row_vector))
     step = 0  # K steps consumed so far over all of this program's tiles: the ring position
     prev_m = -1  # ROW_STATS: first row and column tile of the tile waiting in tile_smem (-1: none)
     prev_n = 0
@@ -274,7 +289,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             for c in gl.static_range(STATS_CHUNKS):
                 acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
                 carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
-                                     z_scale, BLOCK_N, SUM_EXP_DZ, ARGMAX)
+                                     z_scale, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z)
                 acc = _retire_step(empty, acc, step, c)
                 step += 1
             first = STATS_CHUNKS
@@ -306,7 +321,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             else:
                 for c in gl.static_range(STATS_CHUNKS):
                     carry = _stats_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, stats_ptrs, y_scale,
-                                         z_scale, BLOCK_N, SUM_EXP_DZ, ARGMAX)
+                                         z_scale, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z)
         else:
             if ACCUMULATE:
                 mbarrier.wait(c_ready.index(WG), tiles_done & 1)
@@ -322,19 +337,20 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
         if INTERLEAVE:
             for c in gl.static_range(STATS_CHUNKS):
                 carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
-                                     z_scale, BLOCK_N, SUM_EXP_DZ, ARGMAX)
+                                     z_scale, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z)
     if STORE_TILE or not ROW_STATS:
         tma.store_wait(0)
 
 
 @gluon.jit
 def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr,
-                    target_ptr, target_z_ptr, y_scale, z_scale,
+                    part_sum_y_ptr, target_ptr, target_z_ptr, y_scale, z_scale,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr,
                     STORE_TILE: gl.constexpr, ACCUMULATE: gl.constexpr, SUM_EXP_DZ: gl.constexpr,
-                    ARGMAX: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                    ARGMAX: gl.constexpr, SUM_Z: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    LOAD_REGS: gl.constexpr):
     """C = A @ B, or with ROW_STATS C's row statistics (_stats_chunk, BLOCK_N a multiple of 64); grid = (persistent
     programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
     warp are workers). a_desc block [BLOCK_M, BLOCK_K] (or [BLOCK_K, BLOCK_M] with A_MMAJOR);
@@ -346,6 +362,7 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
     part_max_ptr, part_sum_ptr  [cdiv(N, BLOCK_N), M] fp32 partials
     part_sum_dz_ptr             the same, written with SUM_EXP_DZ (the entropy's sum exp2(y - max) * (z - max * ln 2))
     part_argmax_ptr             [cdiv(N, BLOCK_N), M] int64, written with ARGMAX: each block's first max column
+    part_sum_y_ptr              [cdiv(N, BLOCK_N), M] fp32, written with SUM_Z: each block's sum of y (label smoothing)
     target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)
     y_scale = log2(e) / temperature, z_scale = 1 / temperature: the statistics of z = u / T for the
     logits u (rounded to the inputs' dtype) of a temperature T; the plain loss passes T = 1."""
@@ -371,14 +388,15 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
     for i in gl.static_range(2):
         mbarrier.init(c_ready.index(i), count=1)
 
-    stats_ptrs = (part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, target_ptr, target_z_ptr)
+    stats_ptrs = (part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, part_sum_y_ptr, target_ptr,
+                  target_z_ptr)
     gl.warp_specialize([
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
                                z_scale, 0, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS,
-                               INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX)),
+                               INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX, SUM_Z)),
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
                                z_scale, 1, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS,
-                               INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX)),
+                               INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX, SUM_Z)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                            A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

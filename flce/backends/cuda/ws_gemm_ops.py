@@ -96,7 +96,7 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> object:
 
 def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple, config: WsGemmConfig,
             row_stats: bool, store_tile: bool = False, accumulate: bool = False, inv_temperature: float = 1.0,
-            sum_exp_dz: bool = False, argmax: bool = False) -> None:
+            sum_exp_dz: bool = False, argmax: bool = False, sum_z: bool = False) -> None:
     from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
 
     cfg = config
@@ -112,7 +112,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, GROUP_M=cfg.group_m,
         NUM_STAGES=cfg.stages, ROW_STATS=row_stats,
         INTERLEAVE=row_stats and triton.cdiv(k, cfg.block_k) >= _STATS_CHUNKS,
-        STORE_TILE=store_tile, ACCUMULATE=accumulate, SUM_EXP_DZ=sum_exp_dz, ARGMAX=argmax,
+        STORE_TILE=store_tile, ACCUMULATE=accumulate, SUM_EXP_DZ=sum_exp_dz, ARGMAX=argmax, SUM_Z=sum_z,
         CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs,
         num_warps=4, maxnreg=cfg.max_regs,
     )
@@ -144,7 +144,7 @@ def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     if k == 0:
         return out if accumulate else out.zero_()
     c_desc = _descriptor(out, [config.block_m // 2, config.block_n])
-    _launch(a, b, c_desc, (out,) * 6, config, row_stats=False, accumulate=accumulate)
+    _launch(a, b, c_desc, (out,) * 7, config, row_stats=False, accumulate=accumulate)
     return out
 
 
@@ -162,7 +162,7 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, cfg: LCEC
                logits_out: torch.Tensor | None) -> PartialRowStats:
     """PartialRowStats of z = (x @ w.T) / cfg.temperature for what ws_statistics_apply accepts (the
     plain statistics, sum_exp_dz where cfg asks for the entropy, the argmax (w's row index) where it
-    asks for token accuracy or predicted tokens).
+    asks for token accuracy or predicted tokens, the sum of z for label smoothing).
 
     The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
     vocabulary order by gemm_ops.merge_splits."""
@@ -173,8 +173,8 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, cfg: LCEC
                          f"{tuple(target.shape)}: expected x [N, H] and w [V, H] row-major bf16/fp16 on an sm_90 "
                          "GPU (16-byte aligned rows) and target [N]")
     if not ws_statistics_apply(cfg, has_bias=False):
-        raise ValueError("ws_row_stats: the warp-specialised epilogue computes the plain, entropy and argmax "
-                         f"statistics at a temperature, without a softcap, class weights or label smoothing: {cfg}")
+        raise ValueError("ws_row_stats: the warp-specialised epilogue computes the plain, entropy, argmax and "
+                         f"label-smoothing statistics at a temperature, without a softcap or class weights: {cfg}")
     n, vocab = x.shape[0], w.shape[0]
     c_desc = None
     if logits_out is not None:
@@ -192,10 +192,13 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, cfg: LCEC
     part_sum = torch.empty_like(part_max)
     part_sum_dz = torch.empty_like(part_max) if stats.sum_exp_dz is not None else part_sum
     part_argmax = torch.empty_like(part_max, dtype=torch.int64) if stats.argmax is not None else part_sum
-    _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_dz, part_argmax, target.long().contiguous(), stats.target_z),
+    part_sum_y = torch.empty_like(part_max) if stats.weighted_sum_z is not None else part_sum
+    _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_dz, part_argmax, part_sum_y, target.long().contiguous(),
+                             stats.target_z),
             config, row_stats=True, store_tile=c_desc is not None, inv_temperature=1.0 / cfg.temperature,
-            sum_exp_dz=stats.sum_exp_dz is not None, argmax=stats.argmax is not None)
-    merge_splits(stats, part_max, part_sum, part_sum_dz, part_argmax=part_argmax)
+            sum_exp_dz=stats.sum_exp_dz is not None, argmax=stats.argmax is not None,
+            sum_z=stats.weighted_sum_z is not None)
+    merge_splits(stats, part_max, part_sum, part_sum_dz, part_sum_y, part_argmax)
     return stats
 
 
@@ -203,7 +206,7 @@ def ws_stats_eligible(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                       logits_out: torch.Tensor | None) -> bool:
     """Whether ws_partial_row_stats computes what the fused forward (gemm_ops.gemm_row_stats) would:
     logits without a bias, softcap or class weights, at any temperature; the max / sum-exp / target
-    statistics, the entropy's and the argmax (not label smoothing's sum), on an sm_90 GPU; logits kept only
+    statistics, the entropy's, the argmax and label smoothing's sum of z, on an sm_90 GPU; logits kept only
     into a buffer a TMA store can write (the inputs' dtype, 16-byte aligned rows)."""
     keeps_storable = logits_out is None or (_tma_ready(logits_out) and logits_out.dtype == hidden.dtype)
     return (ws_statistics_apply(cfg, bias is not None) and keeps_storable and hidden.shape[-1] == weight.shape[-1]
@@ -240,7 +243,8 @@ def lm_head_grad_weight(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor | No
 
 def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | None = None,
                        dtype: str = "bfloat16", row_stats: bool = False, store_tile: bool = False,
-                       accumulate: bool = False, sum_exp_dz: bool = False, argmax: bool = False) -> object:
+                       accumulate: bool = False, sum_exp_dz: bool = False, argmax: bool = False,
+                       sum_z: bool = False) -> object:
     """Compile the kernel for sm_90a without a GPU (triton.compile on a Gluon source), for the CPU
     tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``)."""
     import inspect
@@ -262,12 +266,12 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
              "b_desc": descriptor([cfg.block_n, cfg.block_k] if b_kmajor else [cfg.block_k, cfg.block_n]),
              "c_desc": descriptor([cfg.block_m // 2, cfg.block_n]), "M": "i32", "N": "i32", "K": "i32",
              "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_sum_dz_ptr": "*fp32",
-             "part_argmax_ptr": "*i64", "target_ptr": "*i64",
+             "part_argmax_ptr": "*i64", "part_sum_y_ptr": "*fp32", "target_ptr": "*i64",
              "target_z_ptr": "*fp32", "y_scale": "fp32", "z_scale": "fp32"}
     constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
                  "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
                  "INTERLEAVE": row_stats, "STORE_TILE": store_tile, "ACCUMULATE": accumulate,
-                 "SUM_EXP_DZ": sum_exp_dz, "ARGMAX": argmax,
+                 "SUM_EXP_DZ": sum_exp_dz, "ARGMAX": argmax, "SUM_Z": sum_z,
                  "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
     names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
     signature = {name: "constexpr" if name in constants else types[name] for name in names}
