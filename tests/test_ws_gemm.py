@@ -335,8 +335,12 @@ def test_ws_row_stats_entropy_at_temperature_matches_float64(tokens: int, hidden
     assert float(clear.double().mean()) > 0.5
     assert torch.equal(stats.argmax[clear], z.argmax(1)[clear])
     assert int(stats.argmax[5]) == 0
-    # Label smoothing's sum of z: fp32 sums of the bf16 logits (the columns past V add nothing).
-    assert ((stats.weighted_sum_z.double() - z.sum(1)).abs() <= 1e-5 * z.abs().sum(1) + 1e-4).all()
+    # Label smoothing's sum of z: fp32 sums of the bf16 logits (the columns past V add nothing). A logit
+    # whose fp32 product lies near a bf16 rounding boundary rounds the other way here than in the float64
+    # reference, moving the sum by its own bf16 step (<= step): ~1 in 1000 logits at K = 4096 (measured:
+    # up to 0.011 = one step at |u| in [1, 2), T = 0.7), so a few per row, besides fp32's own rounding.
+    flips = 4 + 0.01 * vocab
+    assert ((stats.weighted_sum_z.double() - z.sum(1)).abs() <= flips * step + 1e-5 * z.abs().sum(1)).all()
 
 
 @pytest.mark.cuda
