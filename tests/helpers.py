@@ -278,3 +278,45 @@ def materialise_options(options: dict, v: int, device: str | torch.device) -> di
     if options.get("class_weight") == "random":
         options["class_weight"] = torch.rand(v, device=device) + 0.5
     return options
+
+
+# The large-logits entropy checks (test_precision, test_ascend_contract): at temperature 0.25 the logits of
+# large_logits_inputs reach |z| ~ 400-500 and the softmax is peaked (entropies 0-0.7).
+TEMPERATURE = 0.25
+
+
+def large_logits_inputs(generator: torch.Generator, n: int = 384, h: int = 16, v: int = 300, scale: float = 6.0,
+                        dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden ~ N(0, scale^2), weight ~ N(0, 1), target with every 7th ignored), CPU leaves. Enough rows
+    that the relative errors are stable: at 48 rows one draw's eager error alone varied 7x."""
+    x = (torch.randn(n, h, generator=generator) * scale).to(dtype).requires_grad_()
+    w = torch.randn(v, h, generator=generator).to(dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=generator)
+    t[::7] = -100
+    return x, w, t
+
+
+def entropy_errors(loss_fn, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor,
+                   temperature: float) -> dict[str, tuple[float, float]]:
+    """(loss_fn's, eager's) relative errors against float64 of the entropy and the gradients of
+    sum(entropy * upstream); loss_fn(x, w, t) returns an LCEOutput with the per-token entropy at
+    ``temperature``; eager is the materialised torch computation in the inputs' dtype with an fp32
+    softmax."""
+    upstream = torch.rand(t.shape[0], device=x.device, dtype=torch.float64) + 0.5
+    out = loss_fn(x, w, t)
+    got = (out.entropy.double(), *torch.autograd.grad((out.entropy * upstream.to(out.entropy.dtype)).sum(), (x, w)))
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want_entropy = reference_loss(xd, wd, t, reduction="none", return_entropy=True, temperature=temperature).entropy
+    want = (want_entropy.detach(), *torch.autograd.grad((want_entropy * upstream).sum(), (xd, wd)))
+    xe, we = x.detach().requires_grad_(), w.detach().requires_grad_()
+    log_p = torch.log_softmax((xe @ we.t()).float() / temperature, 1)
+    eager_entropy = torch.where(t != -100, -(log_p.exp() * log_p).sum(1), 0.0)
+    eager = (eager_entropy.detach(), *torch.autograd.grad((eager_entropy * upstream.float()).sum(), (xe, we)))
+    return {name: (relative_error(g.detach(), r), relative_error(e.detach(), r))
+            for name, g, e, r in zip(("entropy", "grad hidden", "grad weight"), got, eager, want, strict=True)}
+
+
+def assert_entropy_near_eager(errors: dict[str, tuple[float, float]], gradient_factor: float = 2.5) -> None:
+    """The entropy within 1.5x and the gradients within ``gradient_factor`` x of eager's error (entropy_errors)."""
+    for name, (err, eager_err) in errors.items():
+        assert err <= (1.5 if name == "entropy" else gradient_factor) * eager_err + 1e-7, (name, errors)

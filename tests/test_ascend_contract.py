@@ -32,7 +32,14 @@ if DEVICE == "cpu":
 os.environ.setdefault("FLCE_ASCEND_UB_BYTES", "12288")
 os.environ.setdefault("FLCE_ASCEND_VECTOR_CORES", "3")
 
-from helpers import OPTION_CASES, reference_loss  # noqa: E402
+from helpers import (  # noqa: E402
+    OPTION_CASES,
+    TEMPERATURE,
+    assert_entropy_near_eager,
+    entropy_errors,
+    large_logits_inputs,
+    reference_loss,
+)
 
 import flce  # noqa: E402
 from flce.backends import ascend  # noqa: E402
@@ -269,6 +276,16 @@ def test_vocab_shards_match_the_whole_vocabulary():
     grad_z = p * (a - h * log_p) - onehot * d - e * class_weight[None, :]
     tanh = torch.tanh(hidden @ weight.t() / 3.0)
     torch.testing.assert_close(whole.cpu().double(), grad_z * (1 - tanh**2) / 0.8, rtol=1e-4, atol=1e-5)
+
+
+def test_entropy_at_large_logits_is_as_accurate_as_eager(generator):
+    """tests/test_precision.py's check on these kernels: at |z| ~ 400-500 the entropy and its gradients
+    stay near eager fp32's error, because the scan sums exp(z - max) * (z - max) and the gradient kernel
+    forms z - lse (semantics.py)."""
+    x, w, t = large_logits_inputs(generator)
+    x, w = (a.detach().to(DEVICE).requires_grad_() for a in (x, w))
+    loss_fn = ascend_loss_fn(reduction="none", return_entropy=True, temperature=TEMPERATURE)
+    assert_entropy_near_eager(entropy_errors(loss_fn, x, w, t.to(DEVICE), TEMPERATURE))
 
 
 def test_zero_rows_launch_nothing():

@@ -29,7 +29,7 @@ KERNELS = ("_plain_loss_kernel", "_plain_grad_kernel", "_row_stats_kernel", "_fu
 FLAGS = {
     "_plain_loss_kernel": ("WRITE_GRAD", "WIDE_OFFSETS"),
     "_plain_grad_kernel": ("WIDE_OFFSETS",),
-    "_row_stats_kernel": ("HAS_SOFTCAP", "HAS_TEMPERATURE", "HAS_CLASS_WEIGHT", "NEED_SUM_EXP_Z",
+    "_row_stats_kernel": ("HAS_SOFTCAP", "HAS_TEMPERATURE", "HAS_CLASS_WEIGHT", "NEED_SUM_EXP_DZ",
                           "NEED_WEIGHTED_SUM_Z", "NEED_ARGMAX", "WIDE_OFFSETS"),
     "_full_grad_kernel": ("HAS_SOFTCAP", "HAS_TEMPERATURE", "HAS_CLASS_WEIGHT", "HAS_H", "HAS_E", "WIDE_OFFSETS"),
     "_scale_kernel": ("WIDE_OFFSETS",),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import reference_loss
+from helpers import TEMPERATURE, assert_entropy_near_eager, entropy_errors, large_logits_inputs, reference_loss
 
 import flce
 
@@ -80,48 +80,19 @@ def test_gpu_accurate_bf16(reduction: str, generator: torch.Generator) -> None:
     assert accurate[1] <= fast[1] and accurate[2] <= fast[2], (accurate, fast)
 
 
-def _entropy_errors(backend: str, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, temperature: float,
-                    **options) -> dict[str, tuple[float, float]]:
-    """(flce's, eager's) relative errors against float64 of the entropy and the gradients of
-    sum(entropy * upstream); eager is the materialised torch computation in the inputs' dtype with
-    an fp32 softmax, the yardstick the other precision tests use."""
-    upstream = torch.rand(t.shape[0], device=x.device, dtype=torch.float64) + 0.5
-    out = flce.linear_cross_entropy(x, w, t, reduction="none", return_entropy=True, temperature=temperature,
-                                    backend=backend, **options)
-    got = (out.entropy.double(), *torch.autograd.grad((out.entropy * upstream.to(out.entropy.dtype)).sum(), (x, w)))
-    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    want_entropy = reference_loss(xd, wd, t, reduction="none", return_entropy=True, temperature=temperature).entropy
-    want = (want_entropy.detach(), *torch.autograd.grad((want_entropy * upstream).sum(), (xd, wd)))
-    xe, we = x.detach().requires_grad_(), w.detach().requires_grad_()
-    log_p = torch.log_softmax((xe @ we.t()).float() / temperature, 1)
-    eager_entropy = torch.where(t != -100, -(log_p.exp() * log_p).sum(1), 0.0)
-    eager = (eager_entropy.detach(), *torch.autograd.grad((eager_entropy * upstream.float()).sum(), (xe, we)))
-
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float((a.double() - b).norm() / b.norm())
-
-    return {name: (rel(g, r), rel(e, r))
-            for name, g, e, r in zip(("entropy", "grad hidden", "grad weight"), got, eager, want, strict=True)}
-
-
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
 def test_entropy_at_large_logits_is_as_accurate_as_eager(backend: str, generator: torch.Generator) -> None:
     """At temperature 0.25 these logits reach |z| ~ 400-500 and the softmax is peaked (entropies 0-0.7).
     The entropy's gradient p (z - E[z]) is then a small difference of large numbers; flce forms it from
     log p = z - lse and sums exp(z - max) * (z - max), so its fp32 error stays near eager's, whose own
-    comes from rounding z: the entropy's within 1.01x, the gradients' within 2.3x over 30 seeds (forming
-    both from z, as flce did until the property tests' drawn seeds 1236 and 1259 failed, cost up to 24x
-    and 50x). The cuda backend's Triton kernels run interpreted without a GPU."""
+    comes from rounding z. Over 40 seeds (384 rows, reference and interpreted cuda kernels): the entropy's
+    within 1.01x, the gradients' within 1.48x; forming both from z, as flce did until the property tests'
+    drawn seeds 1236 and 1259 failed, gave 5-12x (entropy) and 4.0-19x (gradients) on the same draws.
+    The cuda backend's Triton kernels run interpreted without a GPU."""
     if backend == "cuda" and torch.cuda.is_available():
         pytest.skip("interpreter test: the GPU runs test_gpu_entropy_at_large_logits")
-    x, w, t = _inputs(48, 16, 300, 6.0, torch.float32, generator)
-    errors = _entropy_errors(backend, x, w, t, 0.25)
-    _assert_near_eager(errors)
-
-
-def _assert_near_eager(errors: dict[str, tuple[float, float]]) -> None:
-    for name, (err, eager_err) in errors.items():
-        assert err <= (1.5 if name == "entropy" else 3.0) * eager_err + 1e-7, (name, errors)
+    x, w, t = large_logits_inputs(generator)
+    assert_entropy_near_eager(entropy_errors(_flce_entropy(backend), x, w, t, TEMPERATURE))
 
 
 @pytest.mark.cuda
@@ -129,7 +100,16 @@ def _assert_near_eager(errors: dict[str, tuple[float, float]]) -> None:
 @pytest.mark.parametrize("budget", [None, 1 << 20], ids=["default", "1MiB"])
 def test_gpu_entropy_at_large_logits(dtype: torch.dtype, budget: int | None, generator: torch.Generator) -> None:
     """The same on the GPU at a real vocabulary, every kernel of the default and the low-memory
-    schedules (the statistics GEMM, the gradient GEMMs), bf16 included."""
-    x, w, t = _inputs(1024, 256, 32001, 0.5, dtype, generator)
+    schedules (the statistics GEMM, the gradient GEMMs), bf16 included; the gradients within 3x of
+    eager's error, the bound this test passed with on the H100 (2026-11-25)."""
+    x, w, t = large_logits_inputs(generator, 1024, 256, 32001, 0.5, dtype)
     x, w, t = (a.detach().cuda().requires_grad_() if a.is_floating_point() else a.cuda() for a in (x, w, t))
-    _assert_near_eager(_entropy_errors("cuda", x, w, t, 0.25, memory_budget=budget))
+    errors = entropy_errors(_flce_entropy("cuda", memory_budget=budget), x, w, t, TEMPERATURE)
+    assert_entropy_near_eager(errors, gradient_factor=3.0)
+
+
+def _flce_entropy(backend: str, **options):
+    def call(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> flce.LCEOutput:
+        return flce.linear_cross_entropy(x, w, t, reduction="none", return_entropy=True, temperature=TEMPERATURE,
+                                         backend=backend, **options)
+    return call

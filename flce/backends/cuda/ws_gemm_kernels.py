@@ -186,13 +186,10 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     else:
         part_arg = target
     if SUM_EXP_DZ:
-        # sum e * (z - r) as sum e * (u - max u) * z_scale + (max z - r) * sum e: u - max u is exact
-        # (16-bit logits), so the max column's term is max z - r exactly as the gradient kernels' z has
-        # it; the others carry z's own rounding. (This order, after the argmax, and u's differences
-        # spill 16 / 48 bytes a consumer thread without / with the argmax; z * z_scale - r spilled 88 / 152.)
-        # Columns past N: e = 0 and u - max u = -inf; the floor at -3e38 makes their product 0, not NaN,
-        # and keeps z the only copy of the chunk in registers (with u beside it the consumers spilled).
-        # A quarter past N has max u = r = 0 here (shift), so nothing there is inf - inf.
+        # sum e * (z - r) as sum e * (u - max u) * z_scale + (max z - r) * sum e: u - max u is exact (16-bit
+        # logits), so the max column's term is the gradient kernels' max z - r exactly (this form and order
+        # spill least: docs/ws_gemm_notes.md). Columns past N: e = 0 and u - max u = -inf, floored at -3e38 so
+        # their product is 0, not NaN; a quarter past N has max u = r = 0 (shift): no inf - inf there.
         top_u = gl.where(top > float("-inf"), top, 0.0)
         du = gl.maximum(z - gl.expand_dims(top_u, 1), -3.0e38)
         part_sum_dz = gl.sum(e * du, axis=1) * z_scale + (top_u * z_scale - shift * LN2) * part_sum
