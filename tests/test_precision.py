@@ -11,14 +11,6 @@ from helpers import TEMPERATURE, assert_entropy_near_eager, entropy_errors, larg
 import flce
 
 
-def _inputs(n: int, h: int, v: int, scale: float, dtype: torch.dtype, generator: torch.Generator):
-    x = (torch.randn(n, h, generator=generator) * scale).to(dtype).requires_grad_()
-    w = torch.randn(v, h, generator=generator).to(dtype).requires_grad_()
-    t = torch.randint(0, v, (n,), generator=generator)
-    t[::7] = -100
-    return x, w, t
-
-
 def _errors(x, w, t, **options) -> tuple[float, float, float]:
     """Relative errors of loss, grad_hidden, grad_weight against float64 (random upstream gradient)."""
     out = flce.linear_cross_entropy(x, w, t, **options)
@@ -40,7 +32,7 @@ def _errors(x, w, t, **options) -> tuple[float, float, float]:
 def test_accurate_is_closer_to_float64_than_fast(reduction: str, budget_rows: int | None,
                                                  generator: torch.Generator) -> None:
     # Logits of magnitude ~25: a bf16 logit is off by up to 0.06, a visible share of each loss.
-    x, w, t = _inputs(96, 32, 2000, 4.0, torch.bfloat16, generator)
+    x, w, t = large_logits_inputs(generator, 96, 32, 2000, 4.0, torch.bfloat16)
     budget = None if budget_rows is None else budget_rows * 2000 * 6
     fast = _errors(x, w, t, reduction=reduction, memory_budget=budget)
     accurate = _errors(x, w, t, reduction=reduction, memory_budget=budget, precision="accurate")
@@ -51,13 +43,13 @@ def test_accurate_is_closer_to_float64_than_fast(reduction: str, budget_rows: in
 
 def test_single_token_loss(generator: torch.Generator) -> None:
     """The issue's case: one bf16 token with large logits; fast rounds its logits to bf16."""
-    x, w, t = _inputs(1, 64, 1000, 30.0, torch.bfloat16, generator)
+    x, w, t = large_logits_inputs(generator, 1, 64, 1000, 30.0, torch.bfloat16)
     t[0] = 3
     assert _errors(x, w, t, precision="accurate")[0] < 1e-6
 
 
 def test_accurate_is_the_default_for_fp32(generator: torch.Generator) -> None:
-    x, w, t = _inputs(40, 16, 300, 3.0, torch.float32, generator)
+    x, w, t = large_logits_inputs(generator, 40, 16, 300, 3.0, torch.float32)
     fast = flce.linear_cross_entropy(x, w, t, reduction="none")
     accurate = flce.linear_cross_entropy(x, w, t, reduction="none", precision="accurate")
     assert torch.equal(fast, accurate)
@@ -72,7 +64,7 @@ def test_bad_precision_is_named() -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_gpu_accurate_bf16(reduction: str, generator: torch.Generator) -> None:
-    x, w, t = _inputs(4096, 1024, 32000, 2.0, torch.bfloat16, generator)
+    x, w, t = large_logits_inputs(generator, 4096, 1024, 32000, 2.0, torch.bfloat16)
     x, w, t = (a.detach().cuda().requires_grad_() if a.is_floating_point() else a.cuda() for a in (x, w, t))
     fast = _errors(x, w, t, reduction=reduction)
     accurate = _errors(x, w, t, reduction=reduction, precision="accurate")

@@ -153,8 +153,10 @@ def cublas_products_ms(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[floa
 
 def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``||actual - expected|| / ||expected||`` in float64: how far one implementation's output is
-    from another's (or from an oracle's)."""
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+    from another's (or from an oracle's); the plain ``||actual - expected||`` where expected is all 0."""
+    diff = (actual.double() - expected.double()).norm()
+    scale = expected.double().norm()
+    return float(diff if scale == 0 else diff / scale)
 
 
 class InterleavedTimings(NamedTuple):
