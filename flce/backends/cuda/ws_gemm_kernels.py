@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-LN2 = gl.constexpr(0.6931471805599453)  # the same fp32 constant as gemm_kernels.LN2, whose merge reads these partials
+from flce.backends.cuda.ws_stats_kernels import STATS_CHUNKS, STATS_ROWS, _stats_chunk, _stats_layout
 
 
 @gluon.jit
@@ -125,116 +125,6 @@ def _retire_step(empty, acc, step, kk):
 # (issued just before); two steps on it has long left the buffer, and the fetch still has the rest of
 # the main loop to land.
 ACCUMULATE_PREFETCH_STEP = gl.constexpr(2)
-
-# Row statistics: a warpgroup's [64, 256] bf16 half tile is reduced in 16 chunks of 16 rows x 64
-# columns (row block r = chunk // 4, column quarter q = chunk % 4), small enough for one chunk to hide
-# under one K step's wgmma (~1000 cycles for the two warpgroups).
-STATS_CHUNKS = gl.constexpr(16)
-STATS_ROWS = gl.constexpr(16)
-STATS_COLS = gl.constexpr(64)
-
-
-@gluon.constexpr_function
-def _stats_layout():
-    # 8 bf16 (16 bytes) a lane per shared load; a row's 64 columns over 8 lanes: 3 shuffle levels.
-    return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-
-
-@gluon.jit
-def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
-                 BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr, SUM_Z: gl.constexpr):
-    """Chunk ``chunk`` of a warpgroup's logits half tile u (in the inputs' dtype; first row off_m, column
-    tile pid_n; ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's
-    running ``carry``: (max of y, sum of exp2(y - max), target's u, target, sum of exp2(y - max) * (z - r),
-    first column holding the max, sum of u) with y = u * y_scale (y_scale = log2(e) / temperature > 0, so max y =
-    y_scale * max u, at the same columns), z = u * z_scale the natural logit (z_scale = 1 / temperature,
-    z exactly as the gradient kernels compute it) and r = max y * ln 2. The last column quarter writes
-    the block's partials, base 2 as gemm_kernels' row statistics (merged by its _merge_splits_kernel):
-    max, sum, with SUM_EXP_DZ (the entropy's statistic) the sum times z - r, with ARGMAX (token
-    accuracy, predicted tokens) the first column of the max, with SUM_Z (label smoothing) the sum of
-    y; and, where the target is in this tile, its logit z."""
-    layout: gl.constexpr = _stats_layout()
-    QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
-    r: gl.constexpr = chunk // QUARTERS
-    q: gl.constexpr = chunk % QUARTERS
-    part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, part_sum_y_ptr, target_ptr, target_z_ptr = stats_ptrs
-    rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
-    cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
-    chunk_smem = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
-    u = chunk_smem.load(layout).to(gl.float32)
-    if SUM_Z:
-        # The columns past N hold 0 (the TMA load of W's rows past V fills zeros, so their logits are
-        # 0): the unmasked sum is the sum over the valid columns, without a select per column.
-        part_sum_u = gl.sum(u, axis=1)
-    z = gl.where(gl.expand_dims(cols < N, 0), u, float("-inf"))
-    top = gl.max(z, axis=1)
-    part_max = top * y_scale
-    shift = gl.where(part_max > float("-inf"), part_max, 0.0)  # a quarter past N: all -inf, sum 0
-    e = gl.exp2(z * y_scale - gl.expand_dims(shift, 1))
-    part_sum = gl.sum(e, axis=1)
-    if not SUM_Z:
-        part_sum_u = part_sum
-    row_ok = (rows < M) & valid
-    if q == 0:
-        target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
-    else:
-        target = carry[3]
-    part_target = gl.sum(gl.where(gl.expand_dims(cols, 0) == gl.expand_dims(target, 1), z, 0.0), axis=1)
-    if ARGMAX:
-        first = gl.where(z == gl.expand_dims(top, 1), gl.expand_dims(cols, 0), 2147483647)
-        part_arg = gl.min(first, axis=1).to(gl.int64)
-    else:
-        part_arg = target
-    if SUM_EXP_DZ:
-        # sum e * (z - r) as sum e * (u - max u) * z_scale + (max z - r) * sum e: u - max u is exact (16-bit
-        # logits), so the max column's term is the gradient kernels' max z - r exactly (this form and order
-        # spill least: docs/ws_gemm_notes.md). Columns past N: e = 0 and u - max u = -inf, floored at -3e38 so
-        # their product is 0, not NaN; a quarter past N has max u = r = 0 (shift): no inf - inf there.
-        top_u = gl.where(top > float("-inf"), top, 0.0)
-        du = gl.maximum(z - gl.expand_dims(top_u, 1), -3.0e38)
-        part_sum_dz = gl.sum(e * du, axis=1) * z_scale + (top_u * z_scale - shift * LN2) * part_sum
-    else:
-        part_sum_dz = part_sum
-    if q == 0:
-        running_max, running_sum, target_u = part_max, part_sum, part_target
-        running_sum_dz, best, running_sum_u = part_sum_dz, part_arg, part_sum_u
-    else:
-        if ARGMAX:  # strictly greater: an earlier quarter keeps a tie, so the first maximal column wins
-            best = gl.where(part_max > carry[0], part_arg, carry[5])
-        else:
-            best = part_arg
-        running_max = gl.maximum(carry[0], part_max)
-        carry_scale = gl.exp2(carry[0] - running_max)
-        part_scale = gl.exp2(gl.where(part_max > float("-inf"), part_max, running_max) - running_max)
-        if SUM_EXP_DZ:
-            # Both sums move to the new r (the carry's max is finite: quarter 0 is never past N; a
-            # later quarter past N has part_sum 0).
-            reference = running_max * LN2
-            carry_dz = carry[4] + (carry[0] * LN2 - reference) * carry[1]
-            part_dz = part_sum_dz + (shift * LN2 - reference) * part_sum
-            running_sum_dz = carry_dz * carry_scale + part_dz * part_scale
-        running_sum = carry[1] * carry_scale + part_sum * part_scale
-        target_u = carry[2] + part_target
-        if not SUM_EXP_DZ:
-            running_sum_dz = running_sum
-        if SUM_Z:
-            running_sum_u = carry[6] + part_sum_u
-        else:
-            running_sum_u = running_sum
-    if q == QUARTERS - 1:
-        part = pid_n.to(gl.int64) * M + rows
-        gl.store(part_max_ptr + part, running_max, mask=row_ok)
-        gl.store(part_sum_ptr + part, running_sum, mask=row_ok)
-        if SUM_EXP_DZ:
-            gl.store(part_sum_dz_ptr + part, running_sum_dz, mask=row_ok)
-        if ARGMAX:
-            gl.store(part_argmax_ptr + part, best, mask=row_ok)
-        if SUM_Z:
-            gl.store(part_sum_y_ptr + part, running_sum_u * y_scale, mask=row_ok)
-        in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
-        gl.store(target_z_ptr + rows, target_u * z_scale, mask=in_tile)
-    return running_max, running_sum, target_u, target, running_sum_dz, best, running_sum_u
-
 
 @gluon.jit
 def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale, z_scale,
