@@ -502,10 +502,10 @@ def test_interpreter_split_merge_across_split_blocks():
 
 def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
     """On Hopper (the check patched here; the GPU tests run the real thing): a training call's chunk
-    logits default to the warp-specialised statistics GEMM where its epilogue applies (the plain and
-    the RL statistics: temperature, entropy; label smoothing), and to cuBLAS with a bias, softcap, class
-    weights, precision="accurate" or off Hopper; the
-    gradient products stay on cuBLAS; flce-autotune times the ws forward and both gradient kernels."""
+    logits default to the warp-specialised statistics GEMM, whose epilogue computes every statistic and
+    option (the plain and the RL statistics: temperature, entropy; label smoothing, class weights, a
+    softcap, a bias), and to cuBLAS under precision="accurate" or off Hopper; the gradient products stay
+    on cuBLAS; flce-autotune times the ws forward and both gradient kernels."""
     from flce.autotune import spaces
     from flce.backends.cuda import plan
     from flce.config import LCEConfig
@@ -521,12 +521,12 @@ def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
     assert plan.plan_chunks(flat, rl, training).forward_logits == "fused"
     assert plan.plan_chunks(flat, LCEConfig(label_smoothing=0.1), training).forward_logits == "fused"
     weights = torch.ones(151936)
-    for cfg in (LCEConfig(softcap=30.0), LCEConfig(class_weight=weights, label_smoothing=0.1),
-                LCEConfig(precision="accurate")):
-        assert plan.plan_chunks(flat, cfg, training).forward_logits == "cublas", cfg
+    for cfg in (LCEConfig(softcap=30.0), LCEConfig(class_weight=weights, label_smoothing=0.1)):
+        assert plan.plan_chunks(flat, cfg, training).forward_logits == "fused", cfg
+    assert plan.plan_chunks(flat, LCEConfig(precision="accurate"), training).forward_logits == "cublas"
     biased = FlatInputs(hidden=flat.hidden, weight=flat.weight, target=flat.target, bias=torch.empty(
         151936, dtype=torch.bfloat16, device="meta"), token_shape=flat.token_shape)
-    assert plan.plan_chunks(biased, LCEConfig(), training).forward_logits == "cublas"
+    assert plan.plan_chunks(biased, LCEConfig(softcap=30.0), training).forward_logits == "fused"
     assert plan.DEFAULT_GRAD_GEMM_KERNEL == "cublas"
 
     space = spaces.tuning_space("cuda")

@@ -19,10 +19,7 @@ import torch
 _COMPILE = """
 import json, sys
 from flce.backends.cuda.ws_gemm_ops import compile_for_hopper
-flags = [flag == "1" for flag in sys.argv[1:]]
-a_mmajor, b_kmajor, row_stats, store_tile, accumulate, sum_exp_dz, argmax, sum_z = flags
-compiled = compile_for_hopper(a_mmajor, b_kmajor, row_stats=row_stats, store_tile=store_tile, accumulate=accumulate,
-                              sum_exp_dz=sum_exp_dz, argmax=argmax, sum_z=sum_z)
+compiled = compile_for_hopper(**json.loads(sys.argv[1]))
 sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}))
 """
 
@@ -30,13 +27,13 @@ sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.meta
 LAYOUTS = {"logits": (False, True), "grad_hidden": (False, False), "grad_weight": (True, False)}
 
 
-def _compile(a_mmajor: bool, b_kmajor: bool, row_stats: bool, store_tile: bool = False,
-             accumulate: bool = False, sum_exp_dz: bool = False, argmax: bool = False, sum_z: bool = False) -> dict:
+def _compile(a_mmajor: bool, b_kmajor: bool, row_stats: bool, **options: bool) -> dict:
+    """compile_for_hopper(a_mmajor, b_kmajor, row_stats=row_stats, **options) in a subprocess: PTX and shared bytes."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    flags = [str(int(f)) for f in (a_mmajor, b_kmajor, row_stats, store_tile, accumulate, sum_exp_dz, argmax, sum_z)]
-    done = subprocess.run([sys.executable, "-c", _COMPILE, *flags], env=env, capture_output=True, text=True,
+    flags = json.dumps({"a_mmajor": a_mmajor, "b_kmajor": b_kmajor, "row_stats": row_stats, **options})
+    done = subprocess.run([sys.executable, "-c", _COMPILE, flags], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
@@ -118,6 +115,28 @@ def test_ws_row_stats_options_compile_for_hopper(store_tile: bool, sum_exp_dz: b
     assert ptx.count("st.global.b64") == stores * argmax
     assert (_TMA_STORE in ptx) == store_tile
     assert "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("option", ["softcap", "bias", "class_weight"])
+def test_ws_row_stats_logit_options_compile_for_hopper(option: str) -> None:
+    """A softcap (one more exp a logit: the tanh's), a bias (one vector load a tile, added to the accumulator
+    before rounding) and class weights (label smoothing's weighted sum: a load of the chunk's weights),
+    each beside kept logits, the entropy's sum and the argmax (label smoothing's sum with class weights)."""
+    options = {"store_tile": True, "sum_exp_dz": True, "argmax": True, "sum_z": option == "class_weight"}
+    without = _compile(False, True, row_stats=True, **options)
+    result = _compile(False, True, row_stats=True, **options, **{option: True})
+    ptx, plain = result["ptx"], without["ptx"]
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
+    loads = ptx.count("ld.global") - plain.count("ld.global")
+    exps = ptx.count("ex2.approx") - plain.count("ex2.approx")
+    if option == "softcap":
+        # exp(2 u / cap) for each of a thread's 8 logits a chunk, 16 chunks, in the interleaved and the last
+        # tile's copy of the epilogue, in each warpgroup's partition.
+        assert exps == 8 * 16 * 2 * 2 and loads == 0
+    else:
+        assert exps == 0 and loads > 0
+    assert ptx.count("st.global.b32") == plain.count("st.global.b32")  # the same partials
+    assert _TMA_STORE in ptx and "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
 
 
 def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -443,10 +462,112 @@ def test_ws_label_smoothing_through_flce_matches_float64(training: bool, monkeyp
         assert err <= 1.5 * eager_err + 1e-6, (name, err, eager_err)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32001), (130, 4096, 520)])
+def test_ws_row_stats_softcap_bias_class_weights_match_float64(tokens: int, hidden: int, vocab: int) -> None:
+    """The logit options in the epilogue: c = 10 tanh(u / 10) of u = bf16(x @ w.T + bias) (so the cap bends
+    most logits: |u| ~ 3-20), z = c / 0.7; max, lse, target logit, entropy, argmax and label smoothing's
+    class-weighted sum of z against float64 on the same rounded logits (with and without the interleaved
+    chunks: K = 4096 and K = 200)."""
+    from flce.backends.cuda.ws_gemm_ops import ws_partial_row_stats, ws_supported
+    from flce.config import LCEConfig
+    from flce.semantics import RowStats
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device="cuda") * 6 / hidden ** 0.5).to(torch.bfloat16)
+    if not ws_supported(x, w.T):
+        pytest.skip(f"ws_row_stats needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    bias = (torch.randn(vocab, device="cuda") * 2).to(torch.bfloat16)
+    class_weight = torch.rand(vocab, device="cuda") + 0.5
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    target[::7] = -100
+    target[1] = vocab - 1
+    softcap, temperature = 10.0, 0.7
+    cfg = LCEConfig(reduction="none", return_logprobs=True, return_entropy=True, return_predicted_tokens=True,
+                    temperature=temperature, label_smoothing=0.1, softcap=softcap, class_weight=class_weight)
+    stats = ws_partial_row_stats(x, w, target, 0, cfg, bias=bias)
+    u = (x.double() @ w.double().T + bias.double()).to(torch.bfloat16).double()
+    z = softcap * torch.tanh(u / softcap) / temperature
+    assert float((u.abs() > softcap).double().mean()) > 0.1  # the cap bends the large logits
+    valid = target >= 0
+    # One bf16 step of the row's largest |u| (a logit rounded the other way; the cap's slope is <= 1), over T.
+    step = u.abs().amax(1) * 2.0 ** -7 / temperature
+    picked = z.gather(1, target.clamp(min=0)[:, None])[:, 0]
+    assert ((stats.target_z.double() - picked).abs() <= step)[valid].all()
+    assert ((stats.row_max.double() - z.max(1).values).abs() <= step).all()
+    lse = stats.row_max.double() + stats.sum_exp.double().log()
+    assert ((lse - torch.logsumexp(z, 1)).abs() <= step + 1e-5).all()
+    entropy = torch.logsumexp(z, 1) - (torch.softmax(z, 1) * z).sum(1)
+    got = RowStats.from_partial(stats).entropy.double()
+    assert ((got - entropy).abs() <= step + 1e-4 * entropy.abs()).all()
+    top2 = z.topk(2, dim=1).values
+    assert ((top2[:, 0] - z.gather(1, stats.argmax[:, None])[:, 0]) <= step).all()
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * step
+    assert float(clear.double().mean()) > 0.5
+    assert torch.equal(stats.argmax[clear], z.argmax(1)[clear])
+    # The class-weighted sum of z: bf16 rounding flips as in the unweighted test, each weighted by <= 1.5.
+    weighted = (z * class_weight.double()).sum(1)
+    flips = 1.5 * (4 + 0.01 * vocab)
+    assert ((stats.weighted_sum_z.double() - weighted).abs() <= flips * step + 1e-5 * z.abs().sum(1)).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("options", ["softcap_bias", "class_weights"])
+@pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
+def test_ws_logit_options_through_flce_match_float64(options: str, training: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A softcap (10, with a bias and temperature 0.7: a Gemma-2-like head) and class-weighted label smoothing
+    on the ws statistics GEMM through flce by default (its use counted): forward only from the statistics
+    alone, training (mean) from each chunk's logits the GEMM also writes. Outputs and gradients stay within
+    1.5x of eager bf16's error against the float64 oracle."""
+    from helpers import lm_head_inputs, relative_error
+
+    import flce
+    from flce.backends.cuda import ops
+    from flce.testing import reference_loss
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the ws kernel needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    kept = []
+    real = ops.ws_partial_row_stats
+    monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *a, **k: kept.append(a[5] is not None) or real(*a, **k))
+    with_bias = options == "softcap_bias"
+    # 4096 tokens: forward only takes the fused statistics by default (plan.FUSED_FORWARD_MIN_ROWS).
+    x, w, b, t = lm_head_inputs(4096, 1024, 50000, torch.bfloat16, "cuda", with_bias=with_bias)
+    if with_bias:
+        kwargs = {"softcap": 10.0, "temperature": 0.7}
+    else:
+        kwargs = {"label_smoothing": 0.1, "class_weight": torch.rand(50000, device="cuda") + 0.5}
+    kwargs["reduction"] = "mean" if training else "none"
+    leaves = (x, w) if b is None else (x, w, b)
+    with torch.set_grad_enabled(training):
+        loss = flce.linear_cross_entropy(x, w, t, b, **kwargs)
+        grads = torch.autograd.grad(loss, leaves) if training else ()
+    assert kept and any(kept) == training, kept
+    doubles = [leaf.detach().double().requires_grad_(True) for leaf in leaves]
+    want = reference_loss(*doubles[:2], t, doubles[2] if with_bias else None, **kwargs).loss
+    eagers = [leaf.detach().requires_grad_(True) for leaf in leaves]
+    u = torch.nn.functional.linear(eagers[0], eagers[1], eagers[2] if with_bias else None).float()
+    if with_bias:
+        u = 10.0 * torch.tanh(u / 10.0) / 0.7
+    ce_options = {k: v for k, v in kwargs.items() if k in ("label_smoothing", "reduction")}
+    if not with_bias:
+        ce_options["weight"] = kwargs["class_weight"]
+    eager = torch.nn.functional.cross_entropy(u, t, **ce_options)
+    checks = [("loss", loss, want, eager)]
+    if training:
+        names = ("grad_hidden", "grad_weight", "grad_bias")[:len(leaves)]
+        checks += zip(names, grads, torch.autograd.grad(want, doubles), torch.autograd.grad(eager, eagers),
+                      strict=True)
+    for name, got, ref, base in checks:
+        err, eager_err = relative_error(got.detach(), ref.detach()), relative_error(base.detach(), ref.detach())
+        assert err <= 1.5 * eager_err + 1e-6, (name, err, eager_err)
+
+
 def test_ws_stats_eligibility_is_what_the_epilogue_computes() -> None:
-    """Only what the ws kernel computes goes to it (the plain statistics, the RL ones: temperature,
-    entropy, the argmax, and label smoothing's sum): a bias, softcap, class weights, or kept logits a TMA
-    store cannot write keep the fused Triton GEMM (and CPU tensors never qualify)."""
+    """Every statistic and option goes to the ws kernel on Hopper (the plain statistics, the RL ones:
+    temperature, entropy, the argmax; label smoothing's sum, with class weights too; a softcap, a bias);
+    kept logits a TMA store cannot write keep the fused Triton GEMM, and CPU tensors never qualify."""
     from flce.backends.cuda.ws_gemm_ops import ws_stats_eligible
     from flce.config import LCEConfig
 
@@ -463,8 +584,8 @@ def test_ws_stats_eligibility_is_what_the_epilogue_computes() -> None:
         assert ws_stats_eligible(x, w, None, LCEConfig(label_smoothing=0.1), None)
         for cfg in (LCEConfig(softcap=30.0), LCEConfig(class_weight=torch.ones(32, device="cuda")),
                     LCEConfig(class_weight=torch.ones(32, device="cuda"), label_smoothing=0.1)):
-            assert not ws_stats_eligible(x, w, None, cfg, None), cfg
-        assert not ws_stats_eligible(x, w, torch.zeros(32, device="cuda", dtype=torch.bfloat16), LCEConfig(), None)
+            assert ws_stats_eligible(x, w, None, cfg, None), cfg
+        assert ws_stats_eligible(x, w, torch.zeros(32, device="cuda", dtype=torch.bfloat16), LCEConfig(), None)
         assert ws_stats_eligible(x, w, None, LCEConfig(), torch.empty(8, 32, device="cuda", dtype=x.dtype))
         unaligned = torch.empty(8, 33, device="cuda", dtype=x.dtype)[:, :32].T.contiguous().T  # column-major
         assert not ws_stats_eligible(x, w, None, LCEConfig(), unaligned)

@@ -1,6 +1,6 @@
-"""The RL statistics (log-probs and entropy at a temperature) and label smoothing's sum on the
-warp-specialised statistics GEMM against the fused Triton one, side by side (issue 20), one GPU, bf16,
-one process.
+"""The RL statistics (log-probs and entropy at a temperature), label smoothing's sum and the logit
+options (softcap, bias, class weights) on the warp-specialised statistics GEMM against the fused Triton
+one, side by side (issue 20), one GPU, bf16, one process.
 
 The RL call of the issue: ``reduction="none"``, log-probs and entropy at temperature 0.7, objective
 ``-(adv * logp).mean() - 0.01 * entropy.mean()``. Per shape, in each of ``--rounds`` rounds, the
@@ -15,13 +15,17 @@ then each variant in turn, so the kernels alternate:
   save limit allows: the chunk GEMM also writes them), ratio to the floor, with MiB above the
   gradients;
 * with ``--smoothing`` shapes: the mean loss with label smoothing 0.1, fwd+bwd at the default memory, its
-  chunk logits from the ws GEMM, the Triton GEMM or cuBLAS + the row kernel (``forward_logits``).
+  chunk logits from the ws GEMM, the Triton GEMM or cuBLAS + the row kernel (``forward_logits``);
+* with ``--logit-options`` shapes: a softcap of 30 with a bias (a Gemma-2-like head) and label smoothing
+  0.1 with class weights, each forward only (ws / Triton statistics GEMM, x one cuBLAS GEMM) and fwd+bwd
+  (mean, default memory, chunk logits from each source as for ``--smoothing``, x the floor).
 
 The last columns: how far the ws variant's outputs (log-probs, entropy; gradients) are from the Triton
 one's, as relative Frobenius norms.
 
     python tools/benchmarks/rl_statistics.py [--shapes 8192x4096x128256,...] [--training 16384x4096x151936]
-                                             [--smoothing 16384x2048x151936] [--rounds 3] [--markdown out.md]
+                                             [--smoothing 16384x2048x151936] [--logit-options 16384x2048x151936]
+                                             [--rounds 3] [--markdown out.md]
 """
 
 from __future__ import annotations
@@ -68,8 +72,8 @@ FORWARD_VARIANTS = {
     "ws, log-probs only": ({"reduction": "none", "temperature": 0.7, "return_logprobs": True}, "warp_specialized"),
     "ws, plain loss": ({}, "warp_specialized"),
 }
-# Where a label-smoothing training chunk's logits come from (knobs of the cuda plan).
-SMOOTHING_LOGITS = {"ws": {"forward_logits": "fused", "logits_kernel": "warp_specialized"},
+# Where a training chunk's logits come from (knobs of the cuda plan).
+CHUNK_LOGITS = {"ws": {"forward_logits": "fused", "logits_kernel": "warp_specialized"},
                     "Triton": {"forward_logits": "fused", "logits_kernel": "triton"},
                     "cuBLAS + row kernel": {"forward_logits": "cublas"}}
 
@@ -123,27 +127,70 @@ def training_rows(label: str, rounds: int) -> list[str]:
     return rows
 
 
-def smoothing_rows(label: str, rounds: int) -> list[str]:
-    x, w, t, _ = shape_inputs(*parse_shape(label))
+def logit_option_sets(vocab: int, generator: torch.Generator) -> dict[str, tuple[dict, torch.Tensor | None]]:
+    """The --logit-options calls at one vocabulary: name -> (options, bias or None)."""
+    bias = torch.randn(vocab, device="cuda", generator=generator).to(torch.bfloat16).requires_grad_()
+    weights = torch.rand(vocab, device="cuda", generator=generator) + 0.5
+    return {"softcap 30 + bias": ({"softcap": 30.0}, bias),
+            "label smoothing + class weights": ({**SMOOTHING, "class_weight": weights}, None)}
+
+
+def option_forward_rows(label: str, rounds: int) -> list[str]:
+    x, w, t, g = shape_inputs(*parse_shape(label), requires_grad=False)
+    variants = {(name, kernel): case for name, case in logit_option_sets(w.shape[0], g).items() for kernel in KERNELS}
+
+    def forward(name: str, kernel: str):
+        options, bias = variants[(name, kernel)]
+        knobs = {"forward_stats": "fused", "stats_kernel": KERNELS[kernel]}
+        with torch.no_grad(), override_params(knobs, backend="cuda"):
+            return flce.linear_cross_entropy(x, w, t, bias, reduction="none", **options)
+
+    ratios: dict[tuple[str, str], list[float]] = {variant: [] for variant in variants}
+    for _ in range(rounds):
+        gemm = median_ms(lambda: x @ w.T, rep_ms=600)
+        for variant in variants:
+            ratios[variant].append(median_ms(lambda v=variant: forward(*v), rep_ms=600) / gemm)
+    rows = []
+    for name, kernel in variants:
+        diff = f"{relative_difference(forward(name, 'ws'), forward(name, 'Triton')):.1e} (losses)"
+        rows.append(f"| {label} | {name}, forward only | {kernel} | {_cell(ratios[(name, kernel)])} | | "
+                    f"{diff if kernel == 'ws' else ''} |")
+    return rows
+
+
+def chunk_logits_rows(label: str, rounds: int, call: str, options: dict, bias: torch.Tensor | None,
+                      inputs: tuple | None = None) -> list[str]:
+    """The mean loss with ``options`` fwd+bwd at the default memory, its chunk logits from each of
+    CHUNK_LOGITS, x the floor; the ws variant's loss and gradients against cuBLAS + the row kernel's."""
+    x, w, t, _ = inputs or shape_inputs(*parse_shape(label))
+    leaves = (x, w) if bias is None else (x, w, bias)
 
     def step(knobs: dict):
         with override_params(knobs, backend="cuda"):
-            loss = flce.linear_cross_entropy(x, w, t, **SMOOTHING)
-            return (loss.detach(), *torch.autograd.grad(loss, (x, w)))
+            loss = flce.linear_cross_entropy(x, w, t, bias, **options)
+            return (loss.detach(), *torch.autograd.grad(loss, leaves))
 
-    ratios: dict[str, list[float]] = {name: [] for name in SMOOTHING_LOGITS}
+    ratios: dict[str, list[float]] = {name: [] for name in CHUNK_LOGITS}
     for _ in range(rounds):
         floor = sum(cublas_products_ms(x, w))
-        for name, knobs in SMOOTHING_LOGITS.items():
+        for name, knobs in CHUNK_LOGITS.items():
             ratios[name].append(median_ms(lambda knobs=knobs: step(knobs), warmup_ms=200, rep_ms=1500) / floor)
-    ws, cublas = step(SMOOTHING_LOGITS["ws"]), step(SMOOTHING_LOGITS["cuBLAS + row kernel"])
+    ws, cublas = step(CHUNK_LOGITS["ws"]), step(CHUNK_LOGITS["cuBLAS + row kernel"])
     diff = " / ".join(f"{relative_difference(a, b):.1e}" for a, b in zip(ws, cublas, strict=True))
     del ws, cublas
     rows = []
-    for name, knobs in SMOOTHING_LOGITS.items():
+    for name, knobs in CHUNK_LOGITS.items():
         peak = peak_mib_above(lambda knobs=knobs: step(knobs))
-        rows.append(f"| {label} | label smoothing fwd+bwd, default | {name} | {_cell(ratios[name])} | {peak:.0f} | "
+        rows.append(f"| {label} | {call} fwd+bwd, default | {name} | {_cell(ratios[name])} | {peak:.0f} | "
                     f"{diff + ' (loss / grads, against cuBLAS)' if name == 'ws' else ''} |")
+    return rows
+
+
+def option_training_rows(label: str, rounds: int) -> list[str]:
+    inputs = shape_inputs(*parse_shape(label))
+    rows = []
+    for name, (options, bias) in logit_option_sets(inputs[1].shape[0], inputs[3]).items():
+        rows += chunk_logits_rows(label, rounds, name, options, bias, inputs)
     return rows
 
 
@@ -152,6 +199,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="8192x4096x128256,16384x2048x151936,16384x4096x151936")
     parser.add_argument("--training", default="16384x4096x151936", help="shapes of the fwd+bwd rows ('' for none)")
     parser.add_argument("--smoothing", default="", help="shapes of the label-smoothing fwd+bwd rows")
+    parser.add_argument("--logit-options", default="", help="shapes of the softcap/bias/class-weight rows")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -167,7 +215,10 @@ def main() -> int:
         lines += training_rows(label, args.rounds)
         torch.cuda.empty_cache()
     for label in filter(None, args.smoothing.split(",")):
-        lines += smoothing_rows(label, args.rounds)
+        lines += chunk_logits_rows(label, args.rounds, "label smoothing", SMOOTHING, None)
+        torch.cuda.empty_cache()
+    for label in filter(None, args.logit_options.split(",")):
+        lines += option_forward_rows(label, args.rounds) + option_training_rows(label, args.rounds)
         torch.cuda.empty_cache()
     publish("\n".join(lines), args.markdown)
     return 0

@@ -89,7 +89,7 @@ class TritonChunkKernels:
             # GEMM (plain 0.94-1.02x one cuBLAS GEMM against 1.01-1.07x for gemm_row_stats, RL 0.99-1.04x
             # against 1.03-1.10x on the H100; docs/ws_gemm_notes.md).
             try:
-                return ws_partial_row_stats(hidden, weight, target, vocab_offset, cfg, logits_out)
+                return ws_partial_row_stats(hidden, weight, target, vocab_offset, cfg, logits_out, bias)
             except (triton.CompilationError, triton.OutOfResources, PTXASError) as error:
                 _failed_gemm_configs.add(ws_key)
                 _log.warning("flce: the warp-specialised forward kernel failed on %s %s (%s); using the fused "

@@ -164,19 +164,12 @@ def hopper_16bit(device: torch.device, dtype: torch.dtype, hidden: int, vocab: i
             and hidden % 8 == 0 and torch.cuda.get_device_capability(device) == (9, 0))
 
 
-def ws_statistics_apply(cfg: LCEConfig, has_bias: bool) -> bool:
-    """What the warp-specialised statistics epilogue computes: logits without a bias, softcap or
-    class weights, at any temperature; the plain loss's statistics, the entropy's (RL), the argmax
-    (token accuracy, predicted tokens) and label smoothing's sum of z (unweighted: no class weights)."""
-    return not has_bias and cfg.softcap is None and cfg.class_weight is None
-
-
 def ws_forward_logits_default(flat: FlatInputs, cfg: LCEConfig) -> bool:
     """Where the cache says nothing: each token chunk's logits from the warp-specialised statistics
-    GEMM, which also writes them, where it applies on Hopper."""
+    GEMM, which also writes them, on Hopper (its epilogue computes every statistic and option of the
+    loss: bias, softcap, temperature, class weights)."""
     vocab, hidden = flat.weight.shape
-    return (ws_statistics_apply(cfg, flat.bias is not None)
-            and hopper_16bit(flat.hidden.device, flat.weight.dtype, hidden, vocab))
+    return hopper_16bit(flat.hidden.device, flat.weight.dtype, hidden, vocab)
 
 
 def fallback_scan_block(n_rows: int, element_size: int) -> int:

@@ -128,21 +128,23 @@ ACCUMULATE_PREFETCH_STEP = gl.constexpr(2)
 
 @gluon.jit
 def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale, z_scale,
-                        WG: gl.constexpr, A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                        softcap, WG: gl.constexpr, A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                         ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr, STORE_TILE: gl.constexpr,
                         ACCUMULATE: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr,
-                        SUM_Z: gl.constexpr):
+                        SUM_Z: gl.constexpr, SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr,
+                        HAS_BIAS: gl.constexpr):
     """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
 
     Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
     operations span its own 4 warps only; the two warpgroups meet only at ``empty`` (count 2).
 
-    ROW_STATS: the tile goes to shared memory in the inputs' dtype (the logits PyTorch would
-    materialise) and is reduced to statistics in STATS_CHUNKS chunks. With INTERLEAVE (at least
-    STATS_CHUNKS K steps a tile) one chunk runs during each of the program's next tile's first K
-    steps, while that step's wgmma runs, so the exp2s and reductions overlap the tensor cores; the last
-    tile's chunks, and every tile's without INTERLEAVE, run right after its main loop. STORE_TILE: the
+    ROW_STATS: the tile (plus the bias with HAS_BIAS, added in fp32) goes to shared memory in the inputs'
+    dtype (the logits PyTorch would materialise) and is reduced to statistics in STATS_CHUNKS chunks.
+    With INTERLEAVE (at least STATS_CHUNKS K steps a tile) one chunk runs during each of the program's
+    next tile's first K steps, while that step's wgmma runs, so the exp2s and reductions overlap the
+    tensor cores; the last tile's chunks, and every tile's without INTERLEAVE, run right after its main
+    loop. STORE_TILE: the
     tile in shared memory also goes out by a TMA store (the logits a later row kernel turns into the
     gradient), which reads the buffer beside the statistics chunks and is waited on only before the
     next tile overwrites it.
@@ -176,7 +178,8 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             for c in gl.static_range(STATS_CHUNKS):
                 acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
                 carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
-                                     z_scale, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z)
+                                     z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
+                                     CLASS_WEIGHT)
                 acc = _retire_step(empty, acc, step, c)
                 step += 1
             first = STATS_CHUNKS
@@ -192,6 +195,10 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=k_steps > 0)
         if ROW_STATS:
+            if HAS_BIAS:
+                bias_cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+                bias = gl.load(stats_ptrs[8] + bias_cols, mask=bias_cols < N, other=0.0).to(gl.float32)
+                acc = acc + gl.expand_dims(bias, 0)  # in fp32, rounded once with the product (as addmm)
             out = acc.to(tile_smem.dtype)
             if STORE_TILE:
                 tma.store_wait(0)  # the previous tile's logits store has left tile_smem
@@ -208,7 +215,8 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             else:
                 for c in gl.static_range(STATS_CHUNKS):
                     carry = _stats_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, stats_ptrs, y_scale,
-                                         z_scale, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z)
+                                         z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
+                                         CLASS_WEIGHT)
         else:
             if ACCUMULATE:
                 mbarrier.wait(c_ready.index(WG), tiles_done & 1)
@@ -224,20 +232,21 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
         if INTERLEAVE:
             for c in gl.static_range(STATS_CHUNKS):
                 carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
-                                     z_scale, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z)
+                                     z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
+                                     CLASS_WEIGHT)
     if STORE_TILE or not ROW_STATS:
         tma.store_wait(0)
 
 
 @gluon.jit
 def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr,
-                    part_sum_y_ptr, target_ptr, target_z_ptr, y_scale, z_scale,
+                    part_sum_y_ptr, target_ptr, target_z_ptr, class_weight_ptr, bias_ptr, y_scale, z_scale, softcap,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr,
                     STORE_TILE: gl.constexpr, ACCUMULATE: gl.constexpr, SUM_EXP_DZ: gl.constexpr,
-                    ARGMAX: gl.constexpr, SUM_Z: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    LOAD_REGS: gl.constexpr):
+                    ARGMAX: gl.constexpr, SUM_Z: gl.constexpr, SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
     """C = A @ B, or with ROW_STATS C's row statistics (_stats_chunk, BLOCK_N a multiple of 64); grid = (persistent
     programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
     warp are workers). a_desc block [BLOCK_M, BLOCK_K] (or [BLOCK_K, BLOCK_M] with A_MMAJOR);
@@ -249,10 +258,13 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
     part_max_ptr, part_sum_ptr  [cdiv(N, BLOCK_N), M] fp32 partials
     part_sum_dz_ptr             the same, written with SUM_EXP_DZ (the entropy's sum exp2(y - max) * (z - max * ln 2))
     part_argmax_ptr             [cdiv(N, BLOCK_N), M] int64, written with ARGMAX: each block's first max column
-    part_sum_y_ptr              [cdiv(N, BLOCK_N), M] fp32, written with SUM_Z: each block's sum of y (label smoothing)
+    part_sum_y_ptr              [cdiv(N, BLOCK_N), M] fp32, written with SUM_Z: each block's sum of y (label smoothing;
+                                with CLASS_WEIGHT of class_weight[column] * y, class_weight_ptr [N] fp32)
     target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)
-    y_scale = log2(e) / temperature, z_scale = 1 / temperature: the statistics of z = u / T for the
-    logits u (rounded to the inputs' dtype) of a temperature T; the plain loss passes T = 1."""
+    bias_ptr [N], read with HAS_BIAS: the logits are A @ B + bias, rounded to the inputs' dtype
+    y_scale = log2(e) / temperature, z_scale = 1 / temperature: the statistics of z = c / T for the
+    logits u (rounded to the inputs' dtype) of a temperature T, c = u or with SOFTCAP the capped
+    softcap * tanh(u / softcap); the plain loss passes T = 1."""
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_KMAJOR else b_desc.block_type.shape[0]
     HALF_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = a_desc.dtype
@@ -276,14 +288,16 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
         mbarrier.init(c_ready.index(i), count=1)
 
     stats_ptrs = (part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, part_sum_y_ptr, target_ptr,
-                  target_z_ptr)
+                  target_z_ptr, class_weight_ptr, bias_ptr)
     gl.warp_specialize([
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
-                               z_scale, 0, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS,
-                               INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX, SUM_Z)),
+                               z_scale, softcap, 0, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                               ROW_STATS, INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
+                               CLASS_WEIGHT, HAS_BIAS)),
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
-                               z_scale, 1, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ROW_STATS,
-                               INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX, SUM_Z)),
+                               z_scale, softcap, 1, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                               ROW_STATS, INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
+                               CLASS_WEIGHT, HAS_BIAS)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                            A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from flce.backends.cuda.plan import ws_statistics_apply
 from flce.config import LCEConfig
 from flce.semantics import PartialRowStats
 
@@ -96,7 +95,9 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> object:
 
 def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple, config: WsGemmConfig,
             row_stats: bool, store_tile: bool = False, accumulate: bool = False, inv_temperature: float = 1.0,
-            sum_exp_dz: bool = False, argmax: bool = False, sum_z: bool = False) -> None:
+            sum_exp_dz: bool = False, argmax: bool = False, sum_z: bool = False, softcap: float | None = None,
+            class_weight: bool = False, bias: bool = False) -> None:
+    """One launch; stats_ptrs: the kernel's 9 pointer arguments from part_max_ptr to bias_ptr."""
     from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
 
     cfg = config
@@ -108,11 +109,12 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple,
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count)
     _ws_gemm_kernel[(programs,)](
-        a_desc, b_desc, c_desc, m, n, k, *stats_ptrs, _LOG2E * inv_temperature, inv_temperature,
+        a_desc, b_desc, c_desc, m, n, k, *stats_ptrs, _LOG2E * inv_temperature, inv_temperature, softcap or 1.0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, GROUP_M=cfg.group_m,
         NUM_STAGES=cfg.stages, ROW_STATS=row_stats,
         INTERLEAVE=row_stats and triton.cdiv(k, cfg.block_k) >= _STATS_CHUNKS,
         STORE_TILE=store_tile, ACCUMULATE=accumulate, SUM_EXP_DZ=sum_exp_dz, ARGMAX=argmax, SUM_Z=sum_z,
+        SOFTCAP=softcap is not None, CLASS_WEIGHT=class_weight, HAS_BIAS=bias,
         CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs,
         num_warps=4, maxnreg=cfg.max_regs,
     )
@@ -144,7 +146,7 @@ def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     if k == 0:
         return out if accumulate else out.zero_()
     c_desc = _descriptor(out, [config.block_m // 2, config.block_n])
-    _launch(a, b, c_desc, (out,) * 7, config, row_stats=False, accumulate=accumulate)
+    _launch(a, b, c_desc, (out,) * 9, config, row_stats=False, accumulate=accumulate)
     return out
 
 
@@ -154,15 +156,17 @@ def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, config:
     (row_max, sum_exp, target_z), [N] fp32 each, as semantics.PartialRowStats's fields (sum_exp =
     sum exp(z - row_max); target_z = 0 where target is outside [0, V)). The logits are written into
     ``logits_out`` ([N, V], x's dtype, 16-byte aligned rows) when given, and nowhere otherwise."""
-    stats = _row_stats(x, w, target, LCEConfig(), config, logits_out)
+    stats = _row_stats(x, w, None, target, LCEConfig(), config, logits_out)
     return stats.row_max, stats.sum_exp, stats.target_z
 
 
-def _row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, config: WsGemmConfig,
-               logits_out: torch.Tensor | None) -> PartialRowStats:
-    """PartialRowStats of z = (x @ w.T) / cfg.temperature for what ws_statistics_apply accepts (the
+def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, cfg: LCEConfig,
+               config: WsGemmConfig, logits_out: torch.Tensor | None, class_weight: torch.Tensor | None = None
+               ) -> PartialRowStats:
+    """PartialRowStats of z = cap(x @ w.T + bias) / cfg.temperature (cap: cfg.softcap's, where set): the
     plain statistics, sum_exp_dz where cfg asks for the entropy, the argmax (w's row index) where it
-    asks for token accuracy or predicted tokens, the sum of z for label smoothing).
+    asks for token accuracy or predicted tokens, the sum of z for label smoothing (weighted by
+    ``class_weight`` [V], this shard's, where given).
 
     The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
     vocabulary order by gemm_ops.merge_splits."""
@@ -172,10 +176,9 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, cfg: LCEC
         raise ValueError(f"ws_row_stats: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, target "
                          f"{tuple(target.shape)}: expected x [N, H] and w [V, H] row-major bf16/fp16 on an sm_90 "
                          "GPU (16-byte aligned rows) and target [N]")
-    if not ws_statistics_apply(cfg, has_bias=False):
-        raise ValueError("ws_row_stats: the warp-specialised epilogue computes the plain, entropy, argmax and "
-                         f"label-smoothing statistics at a temperature, without a softcap or class weights: {cfg}")
     n, vocab = x.shape[0], w.shape[0]
+    if bias is not None and bias.shape != (vocab,):
+        raise ValueError(f"ws_row_stats: bias {tuple(bias.shape)}: expected [{vocab}]")
     c_desc = None
     if logits_out is not None:
         if logits_out.shape != (n, vocab) or not _tma_ready(logits_out) or logits_out.dtype != x.dtype:
@@ -193,34 +196,42 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, cfg: LCEC
     part_sum_dz = torch.empty_like(part_max) if stats.sum_exp_dz is not None else part_sum
     part_argmax = torch.empty_like(part_max, dtype=torch.int64) if stats.argmax is not None else part_sum
     part_sum_y = torch.empty_like(part_max) if stats.weighted_sum_z is not None else part_sum
+    # Class weights only weight label smoothing's sum (the target's weight is applied per row outside).
+    weight = None
+    if class_weight is not None and stats.weighted_sum_z is not None:
+        weight = class_weight.float().contiguous()
+    bias = bias.contiguous() if bias is not None else None
     _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_dz, part_argmax, part_sum_y, target.long().contiguous(),
-                             stats.target_z),
+                             stats.target_z, weight if weight is not None else part_sum,
+                             bias if bias is not None else part_sum),
             config, row_stats=True, store_tile=c_desc is not None, inv_temperature=1.0 / cfg.temperature,
             sum_exp_dz=stats.sum_exp_dz is not None, argmax=stats.argmax is not None,
-            sum_z=stats.weighted_sum_z is not None)
+            sum_z=stats.weighted_sum_z is not None, softcap=cfg.softcap, class_weight=weight is not None,
+            bias=bias is not None)
     merge_splits(stats, part_max, part_sum, part_sum_dz, part_sum_y, part_argmax)
     return stats
 
 
 def ws_stats_eligible(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: LCEConfig,
                       logits_out: torch.Tensor | None) -> bool:
-    """Whether ws_partial_row_stats computes what the fused forward (gemm_ops.gemm_row_stats) would:
-    logits without a bias, softcap or class weights, at any temperature; the max / sum-exp / target
-    statistics, the entropy's, the argmax and label smoothing's sum of z, on an sm_90 GPU; logits kept only
-    into a buffer a TMA store can write (the inputs' dtype, 16-byte aligned rows)."""
+    """Whether ws_partial_row_stats computes what the fused forward (gemm_ops.gemm_row_stats) would: every
+    statistic and option of it (bias, softcap, temperature, the entropy's sum, the argmax, label smoothing's
+    sum with or without class weights) on an sm_90 GPU, for 16-bit inputs with 16-byte aligned rows; logits
+    kept only into a buffer a TMA store can write (the inputs' dtype, 16-byte aligned rows)."""
     keeps_storable = logits_out is None or (_tma_ready(logits_out) and logits_out.dtype == hidden.dtype)
-    return (ws_statistics_apply(cfg, bias is not None) and keeps_storable and hidden.shape[-1] == weight.shape[-1]
-            and ws_supported(hidden, weight.T))
+    return keeps_storable and hidden.shape[-1] == weight.shape[-1] and ws_supported(hidden, weight.T)
 
 
 def ws_partial_row_stats(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_offset: int,
-                         cfg: LCEConfig, logits_out: torch.Tensor | None = None,
+                         cfg: LCEConfig, logits_out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                          config: WsGemmConfig = ROW_STATS_CONFIG) -> PartialRowStats:
     """gemm_row_stats's PartialRowStats for the cases ws_stats_eligible accepts: this shard's
-    (vocab_offset..) statistics, target_z 0 where the target is in another shard or ignored; the
-    logits written into ``logits_out`` when given."""
+    (vocab_offset..; ``bias`` and cfg's class weights sliced to it) statistics, target_z 0 where the
+    target is in another shard or ignored; the logits written into ``logits_out`` when given."""
     local = target - vocab_offset if vocab_offset else target
-    stats = _row_stats(hidden, weight, local, cfg, config, logits_out)
+    vocab = weight.shape[0]
+    class_weight = None if cfg.class_weight is None else cfg.class_weight[vocab_offset:vocab_offset + vocab]
+    stats = _row_stats(hidden, weight, bias, local, cfg, config, logits_out, class_weight)
     if vocab_offset and stats.argmax is not None:
         stats.argmax += vocab_offset  # a global class id, as gemm_row_stats's
     return stats
@@ -244,7 +255,8 @@ def lm_head_grad_weight(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor | No
 def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | None = None,
                        dtype: str = "bfloat16", row_stats: bool = False, store_tile: bool = False,
                        accumulate: bool = False, sum_exp_dz: bool = False, argmax: bool = False,
-                       sum_z: bool = False) -> object:
+                       sum_z: bool = False, softcap: bool = False, class_weight: bool = False,
+                       bias: bool = False) -> object:
     """Compile the kernel for sm_90a without a GPU (triton.compile on a Gluon source), for the CPU
     tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``)."""
     import inspect
@@ -267,14 +279,20 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
              "c_desc": descriptor([cfg.block_m // 2, cfg.block_n]), "M": "i32", "N": "i32", "K": "i32",
              "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_sum_dz_ptr": "*fp32",
              "part_argmax_ptr": "*i64", "part_sum_y_ptr": "*fp32", "target_ptr": "*i64",
-             "target_z_ptr": "*fp32", "y_scale": "fp32", "z_scale": "fp32"}
+             "target_z_ptr": "*fp32", "class_weight_ptr": "*fp32", "bias_ptr": f"*{short}", "y_scale": "fp32",
+             "z_scale": "fp32", "softcap": "fp32"}
     constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
                  "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
                  "INTERLEAVE": row_stats, "STORE_TILE": store_tile, "ACCUMULATE": accumulate,
-                 "SUM_EXP_DZ": sum_exp_dz, "ARGMAX": argmax, "SUM_Z": sum_z,
-                 "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
+                 "SUM_EXP_DZ": sum_exp_dz, "ARGMAX": argmax, "SUM_Z": sum_z, "SOFTCAP": softcap,
+                 "CLASS_WEIGHT": class_weight, "HAS_BIAS": bias, "CONSUMER_REGS": cfg.consumer_regs,
+                 "LOAD_REGS": cfg.load_regs}
     names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
     signature = {name: "constexpr" if name in constants else types[name] for name in names}
-    source = GluonASTSource(_ws_gemm_kernel, signature, {(names.index(k),): v for k, v in constants.items()})
+    # What the JIT infers at a launch on 16-byte aligned tensors and a vocabulary that is a multiple of 16
+    # (N): divisible by 16, which lets masked loads along the columns be vectorised.
+    divisible = [name for name, kind in types.items() if kind.startswith("*")] + ["N"]
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    source = GluonASTSource(_ws_gemm_kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "maxnreg": cfg.max_regs})

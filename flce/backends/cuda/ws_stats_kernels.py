@@ -29,31 +29,48 @@ def _stats_layout():
 
 
 @gluon.jit
+def _tanh(x):
+    # kernels._tanh's formula (1 - 2 / (exp(2x) + 1): saturates without NaN), so that a softcapped logit
+    # here is bit for bit the one the gradient kernels recompute from the kept logits.
+    return 1.0 - 2.0 / (gl.exp(2.0 * x) + 1.0)
+
+
+@gluon.jit
 def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
-                 BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr, SUM_Z: gl.constexpr):
+                 softcap, BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr, SUM_Z: gl.constexpr,
+                 SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr):
     """Chunk ``chunk`` of a warpgroup's logits half tile u (in the inputs' dtype; first row off_m, column
     tile pid_n; ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's
-    running ``carry``: (max of y, sum of exp2(y - max), target's u, target, sum of exp2(y - max) * (z - r),
-    first column holding the max, sum of u) with y = u * y_scale (y_scale = log2(e) / temperature > 0, so max y =
-    y_scale * max u, at the same columns), z = u * z_scale the natural logit (z_scale = 1 / temperature,
-    z exactly as the gradient kernels compute it) and r = max y * ln 2. The last column quarter writes
-    the block's partials, base 2 as gemm_kernels' row statistics (merged by its _merge_splits_kernel):
-    max, sum, with SUM_EXP_DZ (the entropy's statistic) the sum times z - r, with ARGMAX (token
-    accuracy, predicted tokens) the first column of the max, with SUM_Z (label smoothing) the sum of
-    y; and, where the target is in this tile, its logit z."""
+    running ``carry``: (max of y, sum of exp2(y - max), target's c, target, sum of exp2(y - max) * (z - r),
+    first column holding the max, sum of c) with c = u, or with SOFTCAP c = softcap * tanh(u / softcap),
+    y = c * y_scale (y_scale = log2(e) / temperature > 0, so max y = y_scale * max c, at the same columns),
+    z = c * z_scale the natural logit (z_scale = 1 / temperature, z exactly as the gradient kernels
+    compute it) and r = max y * ln 2. The last column quarter writes the block's partials, base 2 as
+    gemm_kernels' row statistics (merged by its _merge_splits_kernel): max, sum, with SUM_EXP_DZ (the
+    entropy's statistic) the sum times z - r, with ARGMAX (token accuracy, predicted tokens) the first
+    column of the max, with SUM_Z (label smoothing) the sum of y, weighted by class_weight[column] with
+    CLASS_WEIGHT; and, where the target is in this tile, its logit z."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
     r: gl.constexpr = chunk // QUARTERS
     q: gl.constexpr = chunk % QUARTERS
-    part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, part_sum_y_ptr, target_ptr, target_z_ptr = stats_ptrs
+    part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, part_sum_y_ptr = stats_ptrs[:5]
+    target_ptr, target_z_ptr, class_weight_ptr = stats_ptrs[5:8]
     rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
     cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
     chunk_smem = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
     u = chunk_smem.load(layout).to(gl.float32)
+    if SOFTCAP:
+        u = softcap * _tanh(u / softcap)  # kernels._capped_scaled's cap
     if SUM_Z:
-        # The columns past N hold 0 (the TMA load of W's rows past V fills zeros, so their logits are
-        # 0): the unmasked sum is the sum over the valid columns, without a select per column.
-        part_sum_u = gl.sum(u, axis=1)
+        if CLASS_WEIGHT:
+            weight = gl.load(class_weight_ptr + cols, mask=cols < N, other=0.0)
+            part_sum_u = gl.sum(u * gl.expand_dims(weight, 0), axis=1)
+        else:
+            # The columns past N hold 0 (the TMA load of W's rows past V fills zeros, so their logits are
+            # 0, and so is their softcap): the unmasked sum is the sum over the valid columns, without a
+            # select per column.
+            part_sum_u = gl.sum(u, axis=1)
     z = gl.where(gl.expand_dims(cols < N, 0), u, float("-inf"))
     top = gl.max(z, axis=1)
     part_max = top * y_scale
@@ -75,9 +92,10 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
         part_arg = target
     if SUM_EXP_DZ:
         # sum e * (z - r) as sum e * (u - max u) * z_scale + (max z - r) * sum e: u - max u is exact (16-bit
-        # logits), so the max column's term is the gradient kernels' max z - r exactly (this form and order
-        # spill least: docs/ws_gemm_notes.md). Columns past N: e = 0 and u - max u = -inf, floored at -3e38 so
-        # their product is 0, not NaN; a quarter past N has max u = r = 0 (shift): no inf - inf there.
+        # logits; with a softcap, the capped ones are fp32), so the max column's term is the gradient kernels'
+        # max z - r exactly (this form and order spill least: docs/ws_gemm_notes.md). Columns past N: e = 0
+        # and u - max u = -inf, floored at -3e38 so their product is 0, not NaN; a quarter past N has
+        # max u = r = 0 (shift): no inf - inf there.
         top_u = gl.where(top > float("-inf"), top, 0.0)
         du = gl.maximum(z - gl.expand_dims(top_u, 1), -3.0e38)
         part_sum_dz = gl.sum(e * du, axis=1) * z_scale + (top_u * z_scale - shift * LN2) * part_sum
