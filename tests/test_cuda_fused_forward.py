@@ -35,6 +35,29 @@ def fused_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def stats_gemm_calls(monkeypatch):
+    """Counts the fused statistics GEMM's launches by kernel, "triton" (gemm_row_stats) or
+    "warp_specialized" (ws_partial_row_stats), so a GPU test fails if the call silently took another."""
+    from flce.backends.cuda import ops
+
+    calls = []
+    for name, kernel in (("gemm_row_stats", "triton"), ("ws_partial_row_stats", "warp_specialized")):
+        real = getattr(ops, name)
+
+        def counting(*args, _real=real, _kernel=kernel, **kwargs):
+            calls.append(_kernel)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ops, name, counting)
+    return calls
+
+
+def _skip_unless_kernel_runs(kernel: str, dtype: torch.dtype) -> None:
+    if kernel == "warp_specialized" and (torch.cuda.get_device_capability() != (9, 0) or dtype == torch.float32):
+        pytest.skip(f"the ws kernel takes 16-bit inputs on sm_90 GPUs ({torch.cuda.get_device_name()}, {dtype})")
+
+
 def _check_outputs(out, want, tol: float, inputs: tuple, options: dict) -> None:
     got = out if isinstance(out, flce.LCEOutput) else flce.LCEOutput(loss=out)
     for name in ("loss", "z_loss", "token_accuracy", "logprobs", "entropy"):
@@ -206,17 +229,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["triton", "warp_specialized"])
 @pytest.mark.parametrize("vocab", [32001, 129920, 151936])
-def test_gpu_fused_inference_bf16(vocab, fused_calls):
-    """bf16 statistics from the fused GEMM at real vocabulary sizes (none a multiple of any tile), for
-    every extra, within 1.5x of the error of materialised eager PyTorch on the same bf16 inputs."""
+def test_gpu_fused_inference_bf16(vocab, kernel, stats_gemm_calls):
+    """bf16 statistics from the fused GEMM (each statistics kernel) at real vocabulary sizes (none a
+    multiple of any tile), with a bias, a softcap, a temperature and every extra, within 1.5x of the
+    error of materialised eager PyTorch on the same bf16 inputs."""
+    _skip_unless_kernel_runs(kernel, torch.bfloat16)
     n, h = 1000, 1024
     x, w, b, t = lm_head_inputs(n, h, vocab, torch.bfloat16, "cuda", with_bias=True)
     softcap, temperature = 30.0, 0.7
     options = {"softcap": softcap, "temperature": temperature, "return_logprobs": True, "return_entropy": True,
                "return_predicted_tokens": True, "reduction": "none"}
     with torch.no_grad():
-        with override_params({"forward_stats": "fused"}, backend="cuda"):  # 1000 rows: not the default
+        knobs = {"forward_stats": "fused", "stats_kernel": kernel}  # 1000 rows: not the default
+        with override_params(knobs, backend="cuda"):
             out = flce.linear_cross_entropy(x, w, t, b, **options)
         logits = torch.addmm(b, x, w.t()).float()  # eager: bf16 logits, fp32 softmax
         z = softcap * torch.tanh(logits / softcap) / temperature
@@ -224,7 +251,7 @@ def test_gpu_fused_inference_bf16(vocab, fused_calls):
         eager = {"loss": torch.nn.functional.cross_entropy(z, t, reduction="none"),
                  "logprobs": torch.where(t >= 0, eager_logprobs.gather(1, t.clamp(0)[:, None]).squeeze(1), 0.0),
                  "entropy": torch.where(t >= 0, -(eager_logprobs.exp() * eager_logprobs).sum(1), 0.0)}
-    assert len(fused_calls) == 1
+    assert stats_gemm_calls == [kernel]
     want = reference_loss(x.double(), w.double(), t, b.double(), **options)
     for name, eager_value in eager.items():
         assert _rel(getattr(out, name), getattr(want, name)) <= 1.5 * _rel(eager_value, getattr(want, name)) + 1e-6
@@ -241,21 +268,24 @@ def test_gpu_fused_inference_bf16(vocab, fused_calls):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v", [50257, 50304], ids=["odd-vocab", "tma-store-vocab"])
-def test_gpu_fused_deferred_matches_cublas_path(dtype, v, fused_calls):
-    """The RL schedule with the fused forward and the gradient GEMM against the cuBLAS + row-kernel
-    path and float64. At V = 50304 (16-byte rows) Hopper takes the persistent gradient kernel with
-    TMA stores; at 50257 the 2-D grid with plain stores."""
+@pytest.mark.parametrize("kernel", ["triton", "warp_specialized"])
+def test_gpu_fused_deferred_matches_cublas_path(dtype, v, kernel, stats_gemm_calls):
+    """The RL schedule (with a bias) with the fused forward (each statistics kernel) and the gradient
+    GEMM against the cuBLAS + row-kernel path and float64. At V = 50304 (16-byte rows) Hopper takes
+    the persistent gradient kernel with TMA stores; at 50257 the 2-D grid with plain stores."""
+    _skip_unless_kernel_runs(kernel, dtype)
     n, h = 3000, 512
     x, w, b, t = lm_head_inputs(n, h, v, dtype, "cuda", with_bias=True)
     options = {"temperature": 0.7, "return_logprobs": True, "return_entropy": True, "reduction": "none"}
     results = {}
     for path in ("fused", "cublas"):
-        with override_params({"forward_stats": path, "backward_grad": path}, logits_save_limit_bytes=0,
-                             backend="cuda"):
+        knobs = {"forward_stats": path, "backward_grad": path, "forward_logits": path, "stats_kernel": kernel,
+                 "logits_kernel": kernel}
+        with override_params(knobs, logits_save_limit_bytes=0, backend="cuda"):
             out = flce.linear_cross_entropy(x, w, t, b, **options)
         objective = (out.logprobs * torch.linspace(-1, 1, n, device="cuda")).sum() - 0.01 * out.entropy.sum()
         results[path] = (out.logprobs.detach(), out.entropy.detach(), *torch.autograd.grad(objective, (x, w, b)))
-    assert len(fused_calls) == 1
+    assert stats_gemm_calls == [kernel]
     leaves = [a.detach().double().requires_grad_() for a in (x, w, b)]
     ref = reference_loss(*leaves[:2], t, leaves[2], **options)
     objective = (ref.logprobs * torch.linspace(-1, 1, n, device="cuda", dtype=torch.float64)).sum()
