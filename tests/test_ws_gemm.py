@@ -119,9 +119,10 @@ def test_ws_row_stats_options_compile_for_hopper(store_tile: bool, sum_exp_dz: b
 
 @pytest.mark.parametrize("option", ["softcap", "bias", "class_weight"])
 def test_ws_row_stats_logit_options_compile_for_hopper(option: str) -> None:
-    """A softcap (one more exp a logit: the tanh's), a bias (one vector load a tile, added to the accumulator
-    before rounding) and class weights (label smoothing's weighted sum: a load of the chunk's weights),
-    each beside kept logits, the entropy's sum and the argmax (label smoothing's sum with class weights)."""
+    """A softcap (one more exp2 and a reciprocal a logit: the tanh's), a bias (one vector load a tile, added
+    to the accumulator before rounding) and class weights (label smoothing's weighted sum: a load of the
+    chunk's weights), each beside kept logits, the entropy's sum and the argmax (label smoothing's sum with
+    class weights)."""
     options = {"store_tile": True, "sum_exp_dz": True, "argmax": True, "sum_z": option == "class_weight"}
     without = _compile(False, True, row_stats=True, **options)
     result = _compile(False, True, row_stats=True, **options, **{option: True})
@@ -130,9 +131,11 @@ def test_ws_row_stats_logit_options_compile_for_hopper(option: str) -> None:
     loads = ptx.count("ld.global") - plain.count("ld.global")
     exps = ptx.count("ex2.approx") - plain.count("ex2.approx")
     if option == "softcap":
-        # exp(2 u / cap) for each of a thread's 8 logits a chunk, 16 chunks, in the interleaved and the last
-        # tile's copy of the epilogue, in each warpgroup's partition.
+        # One exp2 and one approximate reciprocal (no division) for each of a thread's 8 logits a chunk, 16
+        # chunks, in the interleaved and the last tile's copy of the epilogue, in each warpgroup's partition.
         assert exps == 8 * 16 * 2 * 2 and loads == 0
+        # (the exp2's scale, 2 log2(e) / cap, is one scalar division in each copy)
+        assert ptx.count("rcp.approx.ftz.f32") == exps and ptx.count("div.full.f32") <= 2 * 2
     else:
         assert exps == 0 and loads > 0
     assert ptx.count("st.global.b32") == plain.count("st.global.b32")  # the same partials

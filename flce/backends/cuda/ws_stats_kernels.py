@@ -29,10 +29,15 @@ def _stats_layout():
 
 
 @gluon.jit
-def _tanh(x):
-    # kernels._tanh's formula (1 - 2 / (exp(2x) + 1): saturates without NaN), so that a softcapped logit
-    # here is bit for bit the one the gradient kernels recompute from the kept logits.
-    return 1.0 - 2.0 / (gl.exp(2.0 * x) + 1.0)
+def _softcapped(u, softcap):
+    """softcap * tanh(u / softcap) as softcap - 2 softcap / (exp2(u * 2 log2(e) / softcap) + 1): kernels._tanh's
+    formula (saturating to +-softcap without NaN) in one exp2, one approximate reciprocal and three FMAs a
+    logit; the precise division's ~14 instructions a logit more did not hide under the wgmma (measured:
+    docs/ws_gemm_notes.md). Within a few fp32 ulps of the gradient kernels' recomputation."""
+    e = gl.exp2(u * (2.8853900817779268 / softcap))  # 2 log2(e) / softcap
+    reciprocal = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [e + 1.0], dtype=gl.float32,
+                                           is_pure=True, pack=1)
+    return softcap - (2.0 * softcap) * reciprocal
 
 
 @gluon.jit
@@ -61,7 +66,7 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     chunk_smem = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
     u = chunk_smem.load(layout).to(gl.float32)
     if SOFTCAP:
-        u = softcap * _tanh(u / softcap)  # kernels._capped_scaled's cap
+        u = _softcapped(u, softcap)  # kernels._capped_scaled's cap
     if SUM_Z:
         if CLASS_WEIGHT:
             weight = gl.load(class_weight_ptr + cols, mask=cols < N, other=0.0)
