@@ -85,9 +85,9 @@ class TritonChunkKernels:
         kernel = self.stats_kernel if logits_out is None else self.logits_kernel
         if (kernel == WARP_SPECIALIZED and ws_key not in _failed_gemm_configs
                 and ws_stats_eligible(hidden, weight, bias, cfg, logits_out)):
-            # Hopper, the statistics its epilogue computes (plain, RL, argmax): the warp-specialised Gluon
-            # GEMM (plain 0.94-1.02x one cuBLAS GEMM against 1.01-1.07x for gemm_row_stats, RL 0.99-1.04x
-            # against 1.03-1.10x on the H100; docs/ws_gemm_notes.md).
+            # Hopper: the warp-specialised Gluon GEMM, whose epilogue computes every statistic and option
+            # (plain 0.94-1.02x one cuBLAS GEMM against 1.01-1.07x for gemm_row_stats, RL 0.99-1.04x against
+            # 1.03-1.10x, softcap + bias 1.07x against 1.11-1.21x on the H100; docs/ws_gemm_notes.md).
             try:
                 return ws_partial_row_stats(hidden, weight, target, vocab_offset, cfg, logits_out, bias)
             except (triton.CompilationError, triton.OutOfResources, PTXASError) as error:
