@@ -144,10 +144,9 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
     With INTERLEAVE (at least STATS_CHUNKS K steps a tile) one chunk runs during each of the program's
     next tile's first K steps, while that step's wgmma runs, so the exp2s and reductions overlap the
     tensor cores; the last tile's chunks, and every tile's without INTERLEAVE, run right after its main
-    loop. STORE_TILE: the
-    tile in shared memory also goes out by a TMA store (the logits a later row kernel turns into the
-    gradient), which reads the buffer beside the statistics chunks and is waited on only before the
-    next tile overwrites it.
+    loop. STORE_TILE: the tile in shared memory also goes out by a TMA store (the logits a later row
+    kernel turns into the gradient), which reads the buffer beside the statistics chunks and is waited
+    on only before the next tile overwrites it.
 
     ACCUMULATE (not with ROW_STATS): C's half tile is fetched into tile_smem at K step
     ACCUMULATE_PREFETCH_STEP (``c_ready[WG]`` completes one phase a tile) and added in the epilogue."""
