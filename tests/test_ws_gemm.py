@@ -468,10 +468,10 @@ def test_ws_label_smoothing_through_flce_matches_float64(training: bool, monkeyp
 @pytest.mark.cuda
 @pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32001), (130, 4096, 520)])
 def test_ws_row_stats_softcap_bias_class_weights_match_float64(tokens: int, hidden: int, vocab: int) -> None:
-    """The logit options in the epilogue: c = 10 tanh(u / 10) of u = bf16(x @ w.T + bias) (so the cap bends
-    most logits: |u| ~ 3-20), z = c / 0.7; max, lse, target logit, entropy, argmax and label smoothing's
-    class-weighted sum of z against float64 on the same rounded logits (with and without the interleaved
-    chunks: K = 4096 and K = 200)."""
+    """The logit options in the epilogue: c = 10 tanh(u / 10) of u = bf16(x @ w.T + bias) (|u| up to 30-40, so
+    the cap bends the largest tenth of the logits), z = c / 0.7; max, lse, target logit, entropy, argmax and
+    label smoothing's class-weighted sum of z against float64 on the same rounded logits (with and without
+    the interleaved chunks: K = 4096 and K = 200)."""
     from flce.backends.cuda.ws_gemm_ops import ws_partial_row_stats, ws_supported
     from flce.config import LCEConfig
     from flce.semantics import RowStats
