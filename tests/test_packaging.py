@@ -78,3 +78,13 @@ def test_both_triton_flavours_make_triton_unavailable(monkeypatch: pytest.Monkey
     else:
         assert not present
         assert "both triton 3.6.0 and triton-ascend 3.2.0 are installed" in reason and "pip uninstall" in reason
+
+
+def test_tools_readme_lists_every_script() -> None:
+    """tools/README.md is where a reader finds a measurement: each script under tools/ has its row there."""
+    tools = REPO / "tools"
+    listed = (tools / "README.md").read_text()
+    scripts = [p for p in tools.rglob("*") if p.suffix in (".py", ".sh") and p.name != "__init__.py"]
+    assert scripts
+    missing = [str(p.relative_to(tools)) for p in scripts if f"`{p.name}`" not in listed]
+    assert not missing, f"tools/README.md has no row for {missing}"
