@@ -309,6 +309,23 @@ def test_ws_row_stats_plain_loss_matches_float64(tokens: int, hidden: int, vocab
     assert abs(float(loss - ref)) / abs(float(ref)) < 1e-3
 
 
+def _assert_statistics_near(stats, z: torch.Tensor, target: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The ws epilogue's target logit, row max, lse and entropy against the float64 logits z, each within the
+    row's bf16 flip ``step`` (a logit rounded the other way) plus fp32 rounding; returns z's entropies."""
+    from flce.semantics import RowStats
+
+    valid = target >= 0
+    picked = z.gather(1, target.clamp(min=0)[:, None])[:, 0]
+    assert ((stats.target_z.double() - picked).abs() <= step)[valid].all()
+    assert ((stats.row_max.double() - z.max(1).values).abs() <= step).all()
+    lse = stats.row_max.double() + stats.sum_exp.double().log()
+    assert ((lse - torch.logsumexp(z, 1)).abs() <= step + 1e-5).all()
+    entropy = torch.logsumexp(z, 1) - (torch.softmax(z, 1) * z).sum(1)
+    got = RowStats.from_partial(stats).entropy.double()
+    assert ((got - entropy).abs() <= step + 1e-4 * entropy.abs()).all()
+    return entropy
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32001), (130, 4096, 520)])
 def test_ws_row_stats_entropy_at_temperature_matches_float64(tokens: int, hidden: int, vocab: int) -> None:
@@ -319,7 +336,6 @@ def test_ws_row_stats_entropy_at_temperature_matches_float64(tokens: int, hidden
     equal logits (a zero hidden row) picks the first column."""
     from flce.backends.cuda.ws_gemm_ops import ws_partial_row_stats, ws_supported
     from flce.config import LCEConfig
-    from flce.semantics import RowStats
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(vocab, hidden, device="cuda") * 3 / hidden ** 0.5).to(torch.bfloat16)
@@ -338,14 +354,7 @@ def test_ws_row_stats_entropy_at_temperature_matches_float64(tokens: int, hidden
     # One bf16 step of the row's largest |u| (a logit rounded the other way), divided by T as z is.
     step = z.abs().amax(1) * 2.0 ** -7
     assert torch.equal(stats.target_z[~valid], torch.zeros_like(stats.target_z[~valid]))
-    picked = z.gather(1, target.clamp(min=0)[:, None])[:, 0]
-    assert ((stats.target_z.double() - picked).abs() <= step)[valid].all()
-    assert ((stats.row_max.double() - z.max(1).values).abs() <= step).all()
-    lse = stats.row_max.double() + stats.sum_exp.double().log()
-    assert ((lse - torch.logsumexp(z, 1)).abs() <= step + 1e-5).all()
-    entropy = torch.logsumexp(z, 1) - (torch.softmax(z, 1) * z).sum(1)
-    got = RowStats.from_partial(stats).entropy.double()
-    assert ((got - entropy).abs() <= step + 1e-4 * entropy.abs()).all()
+    entropy = _assert_statistics_near(stats, z, target, step)
     # Entropies far from zero on average (a spread softmax), so the check above is not met by any small
     # number (the most peaked rows of this draw have entropies of 0.08-0.3).
     assert float(entropy.mean()) > 1.0
@@ -474,7 +483,6 @@ def test_ws_row_stats_softcap_bias_class_weights_match_float64(tokens: int, hidd
     the interleaved chunks: K = 4096 and K = 200)."""
     from flce.backends.cuda.ws_gemm_ops import ws_partial_row_stats, ws_supported
     from flce.config import LCEConfig
-    from flce.semantics import RowStats
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(vocab, hidden, device="cuda") * 6 / hidden ** 0.5).to(torch.bfloat16)
@@ -492,17 +500,9 @@ def test_ws_row_stats_softcap_bias_class_weights_match_float64(tokens: int, hidd
     u = (x.double() @ w.double().T + bias.double()).to(torch.bfloat16).double()
     z = softcap * torch.tanh(u / softcap) / temperature
     assert float((u.abs() > softcap).double().mean()) > 0.1  # the cap bends the large logits
-    valid = target >= 0
     # One bf16 step of the row's largest |u| (a logit rounded the other way; the cap's slope is <= 1), over T.
     step = u.abs().amax(1) * 2.0 ** -7 / temperature
-    picked = z.gather(1, target.clamp(min=0)[:, None])[:, 0]
-    assert ((stats.target_z.double() - picked).abs() <= step)[valid].all()
-    assert ((stats.row_max.double() - z.max(1).values).abs() <= step).all()
-    lse = stats.row_max.double() + stats.sum_exp.double().log()
-    assert ((lse - torch.logsumexp(z, 1)).abs() <= step + 1e-5).all()
-    entropy = torch.logsumexp(z, 1) - (torch.softmax(z, 1) * z).sum(1)
-    got = RowStats.from_partial(stats).entropy.double()
-    assert ((got - entropy).abs() <= step + 1e-4 * entropy.abs()).all()
+    _assert_statistics_near(stats, z, target, step)
     top2, top2_cols = z.topk(2, dim=1)
     assert ((top2[:, 0] - z.gather(1, stats.argmax[:, None])[:, 0]) <= step).all()
     # Exactly torch's first argmax wherever the top two are further apart than their own rounding flips can

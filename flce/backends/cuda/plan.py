@@ -164,7 +164,7 @@ def hopper_16bit(device: torch.device, dtype: torch.dtype, hidden: int, vocab: i
             and hidden % 8 == 0 and torch.cuda.get_device_capability(device) == (9, 0))
 
 
-def ws_forward_logits_default(flat: FlatInputs, cfg: LCEConfig) -> bool:
+def ws_forward_logits_default(flat: FlatInputs) -> bool:
     """Where the cache says nothing: each token chunk's logits from the warp-specialised statistics
     GEMM, which also writes them, on Hopper (its epilogue computes every statistic and option of the
     loss: bias, softcap, temperature, class weights)."""
@@ -208,7 +208,7 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest, tuned: T
     if tuned.forward_logits is not None:
         forward_logits = tuned.forward_logits
     else:
-        forward_logits = fused_path(ws_forward_logits_default(flat, cfg))
+        forward_logits = fused_path(ws_forward_logits_default(flat))
     if cfg.return_logit_stats:
         # The fused statistics GEMM keeps no row min or sum of z; the row-kernel scan does.
         fused_stats, forward_logits = False, CUBLAS
