@@ -59,6 +59,10 @@ class RowKernels(Protocol):
     def accumulate_fp32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """acc += a @ b with fp32 accumulation, for low-precision a and b, without a full-size temporary."""
 
+    def add_column_sums_(self, acc: torch.Tensor, a: torch.Tensor) -> None:
+        """acc [V] += a.sum(0) in acc's dtype for a chunk's [n, V] gradient (the bias gradient), without a
+        temporary that grows with a."""
+
     def scale_(self, tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """tensor *= scale (a 0-d device tensor) in place, without a host sync; returns tensor.
         The usual scale is exactly 1 (loss.backward()), which a kernel may detect on the device

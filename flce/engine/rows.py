@@ -100,7 +100,7 @@ class GradAccumulator:
     def add(self, grad_logits: torch.Tensor, rows: slice) -> None:
         x_rows = self.flat.hidden[rows]
         if self.bias_acc is not None:
-            self.bias_acc += grad_logits.sum(0, dtype=self.bias_acc.dtype)
+            self.kernels.add_column_sums_(self.bias_acc, grad_logits)
         # fp32 gradients of precision="accurate" enter the GEMMs as 16-bit operands.
         grad_logits = grad_logits.to(self.flat.weight.dtype)
         if self.grad_hidden is not None:

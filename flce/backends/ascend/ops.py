@@ -337,6 +337,9 @@ class AscendChunkKernels:
     def matmul_(self, a, b, out, accumulate) -> None:
         torch_matmul_(a, b, out, accumulate)
 
+    def add_column_sums_(self, acc, a) -> None:
+        acc += a.sum(0, dtype=acc.dtype)
+
     def accumulate_fp32_(self, acc, a, b) -> None:
         # Each block's GEMM runs in the operands' dtype on the cube units (fp32 sums inside) and is
         # added into the fp32 accumulator: the temporary stays at FP32_ACCUMULATE_ROWS x H.

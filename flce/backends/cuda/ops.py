@@ -203,6 +203,16 @@ class TritonChunkKernels:
             tensor, scale, tensor.numel(), BLOCK=_SCALE_BLOCK, num_warps=8)
         return tensor
 
+    def add_column_sums_(self, acc, a) -> None:
+        if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc.dtype == torch.float32:
+            # ones @ a into the fp32 sums, as one cuBLAS GEMM: PyTorch's column-sum reduction splits the rows
+            # across thread blocks and stages their partial sums, V x 1024 bytes at 1536 rows (148 MiB at
+            # V = 151936, H100), beside the chunk's logits (docs/benchmarks.md).
+            row = acc.view(1, -1)
+            torch.addmm(row, a.new_ones(1, a.shape[0]), a, out_dtype=torch.float32, out=row)
+            return
+        acc += a.sum(0, dtype=acc.dtype)
+
     def accumulate_fp32_(self, acc, a, b) -> None:
         if acc.is_cuda:
             # cuBLAS reads bf16/fp16 operands and accumulates into the fp32 output in place.

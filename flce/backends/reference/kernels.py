@@ -191,6 +191,9 @@ class ReferenceKernels:
     def matmul_(self, a, b, out, accumulate) -> None:
         torch_matmul_(a, b, out, accumulate)
 
+    def add_column_sums_(self, acc, a) -> None:
+        acc += a.sum(0, dtype=acc.dtype)
+
     def accumulate_fp32_(self, acc, a, b) -> None:
         for start in range(0, acc.shape[0], _FP32_ACCUMULATE_ROWS):
             rows = slice(start, start + _FP32_ACCUMULATE_ROWS)
