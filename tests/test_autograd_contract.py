@@ -5,6 +5,7 @@ torch.func's jacrev and grad."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -80,6 +81,40 @@ def test_retained_graph_backward_twice_matches_the_oracle(plan: object, reductio
                                    msg=lambda m, name=name: f"accumulated grad {name}: {m}")
     with pytest.raises(RuntimeError, match="(?i)backward through .* a second time"):
         loss.backward(upstreams[0])
+
+
+def _cycles_left_by(step) -> int:
+    """How many objects the step leaves that only Python's cycle collector can free (gc paused)."""
+    gc.collect()
+    gc.disable()
+    try:
+        step()
+        return gc.collect()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("backward", [True, False], ids=["backward", "no-backward"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("plan", PLANS.values(), ids=PLANS.keys())
+def test_a_call_leaves_no_reference_cycle(plan: object, reduction: str, backward: bool,
+                                          generator: torch.Generator) -> None:
+    """A call's state (kept logits, in-forward gradients, row statistics) is freed by reference
+    counting as soon as the loss and its graph go, with or without a backward: nothing waits for the
+    cycle collector (an output kept on its own ctx did, and held a chunk of logits or the gradients
+    into the next step at random)."""
+    hidden, weight, target, bias = make_inputs((3, 4), 6, 17, dtype=torch.float64, bias=True, generator=generator)
+    options = _options(FULL_OPTIONS, 17, generator, reduction=reduction,
+                       return_logprobs=reduction == "none", return_entropy=reduction == "none")
+    leaves = [t.requires_grad_() for t in (hidden, weight, bias)]
+
+    def step():
+        out = _eager_loss(plan, leaves, target, options)
+        loss = out.loss if isinstance(out, flce.LCEOutput) else out
+        if backward:
+            torch.autograd.grad(loss.sum(), leaves)
+
+    assert _cycles_left_by(step) == 0
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

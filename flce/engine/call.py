@@ -4,7 +4,7 @@ state forward leaves for backward."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -74,13 +74,20 @@ class ForwardState:
     schedules), the logits of the leading rows a TokenChunks plan kept, or the unscaled gradients
     that an in-forward schedule computed."""
 
-    loss: torch.Tensor
-    z_loss: torch.Tensor
+    loss: torch.Tensor | None
+    z_loss: torch.Tensor | None
     extras: dict
     denoms: Denominators
     stats: RowStats | None = None
     saved_logits: torch.Tensor | None = None
     grads: Grads | None = None
+
+    def for_backward(self) -> ForwardState:
+        """What backward reads, without the outputs forward returned. An autograd Function's output
+        kept on its ctx is a reference cycle (output -> grad_fn -> ctx -> output), which Python frees
+        only when its cycle collector runs: until then it would hold the whole state, the kept logits
+        or the in-forward gradients, beyond the step that made them."""
+        return replace(self, loss=None, z_loss=None, extras={})
 
 
 def grads_in_forward_allowed(cfg: LCEConfig) -> bool:

@@ -52,7 +52,7 @@ class LCEFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         hidden, weight, bias, target, call, wanted, handoff = inputs
-        ctx.state, ctx.in_forward = handoff.state, handoff.in_forward
+        ctx.state, ctx.in_forward = handoff.state.for_backward(), handoff.in_forward
         ctx.call, ctx.wanted = call, wanted
         if not ctx.in_forward and wanted.any:
             ctx.save_for_backward(hidden, weight, bias, target)
