@@ -279,10 +279,12 @@ def test_gpu_deterministic(options):
 
 
 @pytest.mark.cuda
-def test_gpu_bias_gradient_adds_no_chunk_sized_memory():
-    """A bias's gradient (each chunk's column sums, into fp32) costs no more than a few MiB above the same call
-    without a bias: PyTorch's column-sum reduction staged 148 MiB (V x 1024 bytes) at 1536-row chunks of
-    V = 151936 beside the chunk's logits; and the bias gradient is within 1.5x of eager bf16's error."""
+@pytest.mark.parametrize("budget", [None, 64 << 20], ids=["default-token-chunks", "64MiB-vocab-blocks"])
+def test_gpu_bias_gradient_adds_no_chunk_sized_memory(budget):
+    """A bias's gradient (each chunk's or vocabulary block's column sums, into fp32) costs no more than a few
+    MiB above the same call without a bias: PyTorch's column-sum reduction staged 148 MiB (V x 1024 bytes)
+    at 1536-row chunks of V = 151936 beside the chunk's logits, and held ~130 MiB more than a 64 MiB budget's
+    vocabulary block; and the bias gradient is within 1.5x of eager bf16's error."""
     from helpers import relative_error
 
     from flce.testing.measure import peak_mib_above
@@ -290,12 +292,14 @@ def test_gpu_bias_gradient_adds_no_chunk_sized_memory():
     x, w, b, t = lm_head_inputs(4096, 1024, 151936, torch.bfloat16, "cuda", with_bias=True)
 
     def step(bias):
-        loss = flce.linear_cross_entropy(x, w, t, bias)
+        loss = flce.linear_cross_entropy(x, w, t, bias, memory_budget=budget)
         return torch.autograd.grad(loss, (x, w) if bias is None else (x, w, bias))
 
     step(b)  # compiled kernels, cuBLAS's workspaces: allocated once, not the call's working memory
     without, with_bias = peak_mib_above(lambda: step(None)), peak_mib_above(lambda: step(b))
     assert with_bias <= without + 4, (with_bias, without)
+    if budget is not None:
+        assert with_bias <= budget / 2**20 + 4, (with_bias, budget)
     got = step(b)[2]
     leaves = [leaf.detach().double().requires_grad_(True) for leaf in (x, w, b)]
     want = torch.autograd.grad(reference_loss(*leaves[:2], t, leaves[2]).loss, leaves[2])[0]

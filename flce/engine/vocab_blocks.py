@@ -86,7 +86,11 @@ def block_gradients(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, stats
             logits = block_logits(x, w, flat.bias, cols, buffer)
             grad = kernels.full_grad_(logits, target, cfg, start, stats.lse, coeffs)
         if grad_bias is not None:
-            grad_bias[cols] = grad.sum(0, dtype=statistics_dtype(grad.dtype))
+            # Through the backend: PyTorch's own column sum of a bf16 block into fp32 held ~130 MiB
+            # more than a 64 MiB budget's block (H100, docs/benchmarks.md).
+            sums = torch.zeros(grad.shape[1], dtype=statistics_dtype(grad.dtype), device=grad.device)
+            kernels.add_column_sums_(sums, grad)
+            grad_bias[cols] = sums
         grad = grad.to(w.dtype)  # precision="accurate": fp32 gradients enter the GEMMs as 16-bit operands
         if grad_hidden is not None:
             if fp32_acc:
