@@ -581,31 +581,6 @@ def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
     assert "grad_gemm_kernel" not in space.candidates(shape, True)[0]
 
 
-def test_chunk_budget_counts_the_fused_statistics_partials(monkeypatch):
-    """A chunk's rows fit its logits and the fused statistics GEMM's partials (one a 256-column tile and
-    statistic) in the budget: at 8192 x 4096 x 128256 the plain loss keeps 2048-row chunks (508.8 MiB), a
-    third statistic (label smoothing's sum; the entropy's) takes 1792 (it measured 513.9 MiB above the
-    gradients at 2048 on the H100), and so does an explicit 512 MiB budget; cuBLAS chunks write no partials."""
-    from flce.backends.cuda import plan
-    from flce.config import LCEConfig
-    from flce.engine.plans import PlanRequest
-
-    training = PlanRequest(training=True)
-    flat = _meta_inputs(8192, 4096, 128256)
-    monkeypatch.setattr(plan, "hopper_16bit", lambda *args: True)
-    plain = plan.plan_chunks(flat, LCEConfig(), training)
-    smoothing = plan.plan_chunks(flat, LCEConfig(label_smoothing=0.1), training)
-    explicit = plan.plan_chunks(flat, LCEConfig(label_smoothing=0.1, memory_budget=512 << 20), training)
-    assert (plain.tokens_per_chunk, smoothing.tokens_per_chunk, explicit.tokens_per_chunk) == (2048, 1792, 1792)
-    for chunk, cfg in ((plain, LCEConfig()), (smoothing, LCEConfig(label_smoothing=0.1))):
-        assert chunk.forward_logits == "fused"
-        per_row = 128256 * 2 + plan.partials_bytes_per_row(128256, cfg, chunk.forward_logits)
-        assert chunk.tokens_per_chunk * per_row <= plan.DEFAULT_CHUNK_BUDGET
-    assert plan.partials_bytes_per_row(128256, LCEConfig(label_smoothing=0.1), "cublas") == 0
-    monkeypatch.setattr(plan, "hopper_16bit", lambda *args: False)
-    assert plan.plan_chunks(flat, LCEConfig(label_smoothing=0.1), training).tokens_per_chunk == 2048
-
-
 @pytest.mark.parametrize("stats_kernel, logits_kernel",
                          [("triton", "warp_specialized"), ("warp_specialized", "triton")])
 def test_statistics_and_chunk_logits_take_their_own_kernel(monkeypatch, stats_kernel, logits_kernel):

@@ -19,17 +19,11 @@ from flce.engine.memory import MiB, default_logits_save_limit, logits_save_limit
 from flce.engine.plans import CUBLAS, FUSED, GEMM_PATHS, AllRows, Plan, PlanRequest, TokenChunks, VocabBlocks
 from flce.engine.rows import logits_bytes_per_row, logits_dtype
 from flce.inputs import FlatInputs
-from flce.semantics import needs_argmax, needs_sum_exp_dz, needs_weighted_sum_z
 
-# Default working memory of one chunk's logits (and the fused statistics' partials, partials_bytes_per_row)
-# when gradients are computed. Larger chunks mean fewer read-modify-writes of the V x H weight gradient
-# (one per chunk); this keeps the default call under 512 MiB above the gradients (2048-row chunks at
-# V = 128256 for the plain loss, 508.8 MiB with its partials: the largest that fit, beside ~1.2 MiB of
-# per-row statistics; 1792-row chunks with a third statistic).
-DEFAULT_CHUNK_BUDGET = 510 * MiB
-# Columns of a tile of either fused statistics GEMM (the ws GEMM's ROW_STATS_CONFIG, the Triton GEMM's
-# default): each writes at most one partial a row, tile and statistic.
-STATS_TILE_COLUMNS = 256
+# Default working memory of one chunk's logits when gradients are computed. Larger chunks mean fewer
+# read-modify-writes of the V x H weight gradient (one per chunk); this keeps the default call
+# under 512 MiB above the gradients (2048-row chunks at V = 128256, the largest that fit).
+DEFAULT_CHUNK_BUDGET = 504 * MiB
 # Without gradients nothing is accumulated across vocabulary blocks: statistics of all rows are
 # scanned in blocks of at least MIN_VOCAB_BLOCK columns (GEMMs [tokens, H] x [H, block] run at full
 # speed) within this much memory. Also the width of the fused forward's fallback scan.
@@ -200,6 +194,16 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest, tuned: T
     logit_bytes = logits_bytes_per_row(1, flat.weight.dtype, cfg)
     scan_bytes = logits_dtype(flat.weight.dtype, cfg).itemsize
     row_bytes = vocab * logit_bytes
+    if cfg.memory_budget is not None:
+        budget = cfg.memory_budget
+    else:
+        budget = DEFAULT_CHUNK_BUDGET if request.training else INFERENCE_CHUNK_BUDGET
+    max_rows = max(1, budget // row_bytes)
+    if request.training and tuned.tokens_per_chunk is not None:
+        # A tuned chunk still honours an explicit memory_budget.
+        tokens = tuned.tokens_per_chunk if cfg.memory_budget is None else min(tuned.tokens_per_chunk, max_rows)
+    else:
+        tokens = chunk_rows(n_rows, max_rows)
     fused_stats = fused_forward_default(flat) if tuned.forward_stats is None else tuned.forward_stats == FUSED
     if tuned.forward_logits is not None:
         forward_logits = tuned.forward_logits
@@ -212,17 +216,6 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest, tuned: T
     if accurate:
         # The fused GEMMs round each logits tile to the compute dtype: fp32 logits come from cuBLAS.
         fused_stats, forward_logits = False, CUBLAS
-    if cfg.memory_budget is not None:
-        budget = cfg.memory_budget
-    else:
-        budget = DEFAULT_CHUNK_BUDGET if request.training else INFERENCE_CHUNK_BUDGET
-    chunk_row_bytes = row_bytes + partials_bytes_per_row(vocab, cfg, forward_logits)
-    max_rows = max(1, budget // chunk_row_bytes)
-    if request.training and tuned.tokens_per_chunk is not None:
-        # A tuned chunk still honours an explicit memory_budget.
-        tokens = tuned.tokens_per_chunk if cfg.memory_budget is None else min(tuned.tokens_per_chunk, max_rows)
-    else:
-        tokens = chunk_rows(n_rows, max_rows)
     if not request.training:
         if fused_stats:
             return AllRows(forward_stats=FUSED)
@@ -236,7 +229,7 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest, tuned: T
                                    default_logits_save_limit(flat.hidden.device))
     saved_rows = 0
     if not grads_in_forward_allowed(cfg):
-        tokens, saved_rows = _deferred_chunks(n_rows, row_bytes, chunk_row_bytes, tokens, save_limit,
+        tokens, saved_rows = _deferred_chunks(n_rows, row_bytes, tokens, save_limit,
                                               tuned.tokens_per_chunk is None and cfg.memory_budget is not None)
     backward_grad = fused_path(not accurate and (fused_grad_default(flat) if tuned.backward_grad is None
                                                  else tuned.backward_grad == FUSED))
@@ -255,18 +248,6 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest, tuned: T
                        backward_grad=backward_grad, stats_first=AllRows(forward_stats=FUSED) if fused_stats else None)
 
 
-def partials_bytes_per_row(vocab: int, cfg: LCEConfig, forward_logits: str) -> int:
-    """Budget bytes a chunk row's statistics take beside its logits where a fused GEMM computes them
-    (forward_logits FUSED): at most one partial a STATS_TILE_COLUMNS tile and statistic until they are
-    merged, fp32 (the max, the sum, the entropy's and label smoothing's sums) or int64 (the argmax).
-    7.8 MiB for the plain loss at 2048 rows of V = 128256, 11.7 MiB with a third statistic, which took
-    such calls 2 MiB over 512 when the budget counted the logits alone (H100, docs/benchmarks.md)."""
-    if forward_logits != FUSED:
-        return 0
-    words = 2 + needs_sum_exp_dz(cfg) + needs_weighted_sum_z(cfg) + 2 * needs_argmax(cfg)
-    return -(-vocab // STATS_TILE_COLUMNS) * 4 * words
-
-
 def vocab_block_columns(n_rows: int, element_size: int, budget: int) -> int:
     """Columns of the widest vocabulary block of all n_rows that fits ``budget`` bytes beside the
     rows' statistics, in whole GEMM tiles (may be 0 or exceed the vocabulary)."""
@@ -274,15 +255,13 @@ def vocab_block_columns(n_rows: int, element_size: int, budget: int) -> int:
     return max(0, columns - columns % GRAD_BLOCK_MULTIPLE)
 
 
-def _deferred_chunks(n_rows: int, row_bytes: int, chunk_row_bytes: int, tokens: int, save_limit: int,
-                     may_shrink: bool) -> tuple[int, int]:
+def _deferred_chunks(n_rows: int, row_bytes: int, tokens: int, save_limit: int, may_shrink: bool) -> tuple[int, int]:
     """(tokens_per_chunk, saved_rows) of the deferred schedule. A budget too small for all the logits
     makes chunks of the whole budget, which leaves none of it for saved logits; with may_shrink (an
-    explicit budget and no tuned chunk) default-sized chunks (chunk_row_bytes a row: logits and
-    partials) that keep the rest of the budget's logits are taken instead where the cost model says
-    they are faster."""
+    explicit budget and no tuned chunk) default-sized chunks that keep the rest of the budget's logits
+    are taken instead where the cost model says they are faster."""
     saved = saved_logits_rows(n_rows, tokens, row_bytes, row_bytes, save_limit)
-    smaller = chunk_rows(n_rows, max(1, DEFAULT_CHUNK_BUDGET // chunk_row_bytes))
+    smaller = chunk_rows(n_rows, max(1, DEFAULT_CHUNK_BUDGET // row_bytes))
     if not may_shrink or saved == n_rows or smaller >= tokens:
         return tokens, saved
     smaller_saved = saved_logits_rows(n_rows, smaller, row_bytes, row_bytes, save_limit)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from flce.autotune.spaces import TuneShape, TuningSpace, chunk_candidates, register_tuning_space
-from flce.config import LCEConfig
 from flce.engine.plans import CUBLAS, FUSED, GEMM_PATHS
 
 # The space is registered when the backend is (at `import flce`); what it reads from the launchers
@@ -68,22 +67,15 @@ def _tuning_heuristic(shape: TuneShape) -> dict:
     call). The gradient schedule is left out: the planner picks it per call from the budget."""
     from flce.backends.cuda.gemm_ops import default_gemm_config
     from flce.backends.cuda.ops import launch_params
-    from flce.backends.cuda.plan import (
-        DEFAULT_CHUNK_BUDGET,
-        DEFAULT_GRAD_GEMM_KERNEL,
-        chunk_rows,
-        hopper_16bit,
-        partials_bytes_per_row,
-    )
+    from flce.backends.cuda.plan import DEFAULT_CHUNK_BUDGET, DEFAULT_GRAD_GEMM_KERNEL, chunk_rows, hopper_16bit
 
+    row_bytes = shape.vocab * shape.dtype.itemsize
     launch = launch_params(shape.vocab)
     hopper = hopper_16bit(torch.device(shape.device), shape.dtype, shape.hidden, shape.vocab)
-    # a plain training call's defaults (plan.ws_forward_logits_default)
-    forward_logits = FUSED if hopper else CUBLAS
-    row_bytes = shape.vocab * shape.dtype.itemsize + partials_bytes_per_row(shape.vocab, LCEConfig(), forward_logits)
     return {"tokens_per_chunk": chunk_rows(shape.tokens, max(1, DEFAULT_CHUNK_BUDGET // row_bytes)),
             "block_v": launch.block_v, "num_warps": launch.num_warps,
-            "forward_logits": forward_logits, "grad_gemm_kernel": DEFAULT_GRAD_GEMM_KERNEL,
+            # a plain training call's defaults (plan.ws_forward_logits_default)
+            "forward_logits": FUSED if hopper else CUBLAS, "grad_gemm_kernel": DEFAULT_GRAD_GEMM_KERNEL,
             **default_gemm_config(shape.device, shape.dtype).as_params()}
 
 
