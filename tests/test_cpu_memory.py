@@ -66,3 +66,21 @@ def test_logits_buffers_are_allocated_once_per_call(reduction: str, extras: dict
     expected = reference_loss(x.detach(), w.detach(), t, reduction=reduction, **extras)
     torch.testing.assert_close(out.loss if isinstance(out, flce.LCEOutput) else out, expected.loss.float(),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_bias_column_sums_convert_row_blocks_only(generator: torch.Generator) -> None:
+    """A 16-bit chunk's column sums into the fp32 bias gradient: PyTorch's CPU sum converts its whole
+    input to fp32 first (twice the chunk's bytes, beside it); the reference kernels sum row blocks, whose
+    conversions stay within CPU_BLOCK_BYTES; the sums agree with float64's to fp32 rounding."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from flce.backends.reference.kernels import CPU_BLOCK_BYTES, ReferenceKernels
+
+    a = torch.randn(1024, 6000, generator=generator).to(torch.bfloat16)  # its fp32 copy: 23.4 MiB
+    acc = torch.randn(6000, generator=generator)
+    want = acc.double() + a.double().sum(0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        ReferenceKernels().add_column_sums_(acc, a)
+    largest = max(event.cpu_memory_usage for event in prof.events())
+    assert 0 < largest <= CPU_BLOCK_BYTES, f"{largest} bytes allocated at once"
+    torch.testing.assert_close(acc.double(), want, rtol=1e-5, atol=1e-4)

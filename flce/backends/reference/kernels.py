@@ -192,7 +192,15 @@ class ReferenceKernels:
         torch_matmul_(a, b, out, accumulate)
 
     def add_column_sums_(self, acc, a) -> None:
-        acc += a.sum(0, dtype=acc.dtype)
+        if a.device.type != "cpu" or a.dtype == acc.dtype:
+            acc += a.sum(0, dtype=acc.dtype)
+            return
+        # By row blocks: PyTorch's CPU sum of a 16-bit tensor into fp32 first converts all of it, an fp32
+        # copy twice the chunk's size beside it (390 MiB for a 195 MiB bf16 chunk); a block's copy stays
+        # within CPU_BLOCK_BYTES.
+        rows = max(1, CPU_BLOCK_BYTES // max(1, a.shape[1] * acc.element_size()))
+        for start in range(0, a.shape[0], rows):
+            acc += a[start:start + rows].sum(0, dtype=acc.dtype)
 
     def accumulate_fp32_(self, acc, a, b) -> None:
         for start in range(0, acc.shape[0], _FP32_ACCUMULATE_ROWS):
