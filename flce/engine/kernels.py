@@ -60,8 +60,9 @@ class RowKernels(Protocol):
         """acc += a @ b with fp32 accumulation, for low-precision a and b, without a full-size temporary."""
 
     def add_column_sums_(self, acc: torch.Tensor, a: torch.Tensor) -> None:
-        """acc [V] += a.sum(0) in acc's dtype for a chunk's [n, V] gradient (the bias gradient), without a
-        temporary that grows with a."""
+        """acc [V] += a.sum(0) in acc's dtype for a chunk's [n, V] gradient (the bias gradient). PyTorch's own
+        column sum holds a temporary that grows with a (CUDA: its split reduction's staging; CPU: an fp32
+        copy of 16-bit input): the CUDA kernels and the CPU reference kernels avoid it, the others use it."""
 
     def scale_(self, tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """tensor *= scale (a 0-d device tensor) in place, without a host sync; returns tensor.
