@@ -13,13 +13,16 @@ from typing import Protocol
 import torch
 
 from flce.config import LCEConfig
-from flce.semantics import GradCoefficients, PartialRowStats
+from flce.semantics import GradCoefficients, PartialRowStats, RowStats
 
 # Statistics (and optionally the logits) from one GEMM whose epilogue reduces each logits tile.
 FUSED_STATS_GEMM = "fused_stats_gemm"
 # d loss / d u from one GEMM whose epilogue applies semantics.py's gradient formula.
 FUSED_GRAD_GEMM = "fused_grad_gemm"
-CAPABILITIES = (FUSED_STATS_GEMM, FUSED_GRAD_GEMM)
+# The plain loss's statistics from one GEMM that keeps, instead of the logits, row-offset exponentials whose
+# row scaling is the gradient (no pass over the logits turns them into it).
+KEPT_EXPONENTIALS = "kept_exponentials"
+CAPABILITIES = (FUSED_STATS_GEMM, FUSED_GRAD_GEMM, KEPT_EXPONENTIALS)
 
 
 class RowKernels(Protocol):
@@ -90,6 +93,19 @@ class FusedGradGemm(Protocol):
     ) -> torch.Tensor:
         """d loss / d u of the logits hidden @ weight.T + bias from one GEMM whose epilogue applies
         semantics.py's formula, so the logits never reach memory."""
+
+
+class KeptExponentials(Protocol):
+    """Capability KEPT_EXPONENTIALS (the plain variant: no option changes the gradient's formula)."""
+
+    def gemm_exp_grad(
+        self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
+        grad_scale: torch.Tensor, exp_out: torch.Tensor,
+    ) -> tuple[RowStats, torch.Tensor]:
+        """(row statistics, row_scale [n] fp32) of the logits hidden @ weight.T, with ``exp_out`` [n, V] (the
+        inputs' dtype) written such that row_scale[:, None] * exp_out is the gradient
+        (softmax - onehot) * grad_scale: the two gradient products are then GEMMs on exp_out whose rows
+        (grad_hidden) or whose other operand's rows (grad_weight) are scaled."""
 
 
 def options_only_reference_serves(cfg: LCEConfig, scan_keeps_logit_stats: bool) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from flce.engine.kernels import FUSED_GRAD_GEMM, FUSED_STATS_GEMM
+from flce.engine.kernels import FUSED_GRAD_GEMM, FUSED_STATS_GEMM, KEPT_EXPONENTIALS
 
 # Batch-invariant calls (``batch_invariant=True``) run token tiles of exactly this many rows (the
 # last one padded with ignored rows), so each tile's GEMMs and row kernels have one shape whatever
@@ -18,6 +18,11 @@ BATCH_INVARIANT_TOKENS = 128
 FUSED = "fused"
 CUBLAS = "cublas"
 GEMM_PATHS = (FUSED, CUBLAS)
+# What a plain chunk's in-forward gradient is made from: its kept logits (a row kernel turns them into the
+# gradient) or the row-offset exponentials the statistics GEMM keeps instead (capability KEPT_EXPONENTIALS).
+LOGITS = "logits"
+EXPONENTIALS = "exponentials"
+CHUNK_GRADS = (LOGITS, EXPONENTIALS)
 
 
 @dataclass(frozen=True)
@@ -63,22 +68,28 @@ class TokenChunks:
     ``saved_rows`` rows (0, whole chunks, or all rows) and backward recomputes the rest chunk by
     chunk. forward_logits: how each chunk's logits and statistics are made; backward_grad: how a
     recomputed chunk's gradient is made; stats_first: where a deferred forward keeps no logits,
-    the statistics of all rows at once instead of chunk by chunk."""
+    the statistics of all rows at once instead of chunk by chunk; chunk_grad: what the plain variant's
+    in-forward gradient of a chunk is made from (LOGITS or EXPONENTIALS; other calls take LOGITS)."""
 
     tokens_per_chunk: int
     saved_rows: int = 0
     forward_logits: str = CUBLAS
     backward_grad: str = CUBLAS
     stats_first: AllRows | None = None
+    chunk_grad: str = LOGITS
 
     def __post_init__(self) -> None:
         for name in ("forward_logits", "backward_grad"):
             if getattr(self, name) not in GEMM_PATHS:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {GEMM_PATHS}")
+        if self.chunk_grad not in CHUNK_GRADS:
+            raise ValueError(f"chunk_grad={self.chunk_grad!r}: expected one of {CHUNK_GRADS}")
 
     @property
     def requires(self) -> frozenset[str]:
         needs = set() if self.stats_first is None else set(self.stats_first.requires)
+        if self.chunk_grad == EXPONENTIALS:
+            needs.add(KEPT_EXPONENTIALS)
         if self.forward_logits == FUSED:
             needs.add(FUSED_STATS_GEMM)
         if self.backward_grad == FUSED:

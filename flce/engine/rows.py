@@ -112,6 +112,26 @@ class GradAccumulator:
                 self.kernels.matmul_(grad_logits.t(), x_rows, self.weight_acc, self.weight_written)
                 self.weight_written = True
 
+    def add_row_scaled(self, exp: torch.Tensor, row_scale: torch.Tensor, rows: slice) -> None:
+        """add() for the gradient row_scale[:, None] * exp (KeptExponentials.gemm_exp_grad; no bias): grad_weight
+        += exp.T @ (row_scale * x), then grad_hidden = row_scale * (exp @ W), each product one GEMM on exp.
+        The scaled x rows are written into grad_hidden's rows before that GEMM overwrites them."""
+        assert self.bias_acc is None, "the kept exponentials carry no bias gradient"
+        x_rows = self.flat.hidden[rows]
+        scale = row_scale.unsqueeze(1)
+        if self.weight_acc is not None:
+            scaled_x = self.grad_hidden[rows] if self.grad_hidden is not None else torch.empty_like(x_rows)
+            torch.mul(x_rows, scale, out=scaled_x)
+            if self.weight_acc.dtype != exp.dtype:
+                self.kernels.accumulate_fp32_(self.weight_acc, exp.t(), scaled_x)
+            else:
+                self.kernels.matmul_(exp.t(), scaled_x, self.weight_acc, self.weight_written)
+                self.weight_written = True
+        if self.grad_hidden is not None:
+            grad_rows = self.grad_hidden[rows]
+            self.kernels.matmul_(exp, self.flat.weight, grad_rows, False)
+            grad_rows.mul_(scale)
+
     def result(self) -> Grads:
         w = self.flat.weight
         if self.weight_acc is not None and self.weight_acc.dtype == w.dtype and not self.weight_written:

@@ -7,7 +7,9 @@ statistics, and then
 * gradients in forward (a scalar loss is the only differentiable output): a grad kernel overwrites
   the logits with d loss / d u in place and two GEMMs turn that into grad_hidden rows and a
   grad_weight contribution; backward only scales them by grad_output. Three GEMMs in all, nothing
-  kept but the gradients;
+  kept but the gradients. With ``chunk_grad="exponentials"`` (the plain variant) the statistics GEMM
+  writes exponentials that are the gradient up to a per-row scale instead of the logits, and the two
+  gradient GEMMs scale rows: no grad kernel pass;
 * deferred (reduction="none", log-probs or entropy): the logits of the first ``saved_rows`` rows are
   written into one kept buffer, the rest dropped. Where nothing is kept, ``stats_first`` may take the
   statistics of all rows at once (AllRows) instead.
@@ -24,7 +26,7 @@ import torch
 
 from flce.engine import all_rows
 from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
-from flce.engine.plans import FUSED, TokenChunks, chunk_bounds
+from flce.engine.plans import EXPONENTIALS, FUSED, TokenChunks, chunk_bounds
 from flce.engine.rows import (
     GradAccumulator,
     WorkBuffer,
@@ -82,6 +84,17 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
         # A kept chunk's logits are written straight into the saved buffer.
         kept = saved[rows] if saved is not None and rows.stop <= keep else None
         out = kept if kept is not None else buffer.view(n, vocab_here)
+        if acc and call.plain and plan.chunk_grad == EXPONENTIALS:
+            # The statistics GEMM keeps exponentials whose row scaling is the gradient: no row kernel
+            # passes over them, and the gradient GEMMs scale rows instead.
+            grad_scale = upstream_scales(cfg, denoms, one, rows, n)[0]
+            stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg.ignore_index,
+                                                     grad_scale, out)
+            terms_per_chunk.append(row_terms(stats, t, cfg, vocab))
+            acc.add_row_scaled(out, row_scale, rows)
+            stats_per_chunk.append(stats)
+            del kept, out
+            continue
         if plan.forward_logits == FUSED:
             logits = out
             partial = kernels.gemm_row_stats(flat.hidden[rows], flat.weight, flat.bias, t, cfg, call.vocab_offset,

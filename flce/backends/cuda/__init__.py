@@ -11,7 +11,7 @@ import torch
 from flce.backends.cuda import tuning  # noqa: F401  (registers the tuning space)
 from flce.config import LCEConfig
 from flce.engine.call import EngineCall
-from flce.engine.kernels import FUSED_GRAD_GEMM, FUSED_STATS_GEMM, options_only_reference_serves
+from flce.engine.kernels import FUSED_GRAD_GEMM, FUSED_STATS_GEMM, KEPT_EXPONENTIALS, options_only_reference_serves
 from flce.engine.plans import PlanRequest
 from flce.inputs import FlatInputs
 from flce.registry import Backend, HardwareProbe, register_backend
@@ -66,7 +66,7 @@ BACKEND = Backend(
     is_available=_is_available,
     supports=_supports,
     plan_call=_plan_call,
-    capabilities=frozenset({FUSED_STATS_GEMM, FUSED_GRAD_GEMM}),
+    capabilities=frozenset({FUSED_STATS_GEMM, FUSED_GRAD_GEMM, KEPT_EXPONENTIALS}),
 )
 register_backend(BACKEND)
 

@@ -1,8 +1,8 @@
 """Launchers for the CUDA kernels: grids, block sizes, strides.
 
-:class:`TritonChunkKernels` implements flce.engine.kernels.RowKernels and both capabilities
-(FusedStatsGemm, FusedGradGemm: gemm_ops.py launches their kernels); the plain GEMMs around the row
-kernels stay in cuBLAS (torch.mm).
+:class:`TritonChunkKernels` implements flce.engine.kernels.RowKernels and the capabilities
+(FusedStatsGemm, FusedGradGemm: gemm_ops.py and ws_gemm_ops.py launch their kernels; KeptExponentials:
+exp_grad_ops.py); the plain GEMMs around the row kernels stay in cuBLAS (torch.mm).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import triton
 from triton.runtime.errors import PTXASError
 
 from flce.backends.cuda import kernels
+from flce.backends.cuda.exp_grad_ops import exp_offsets, exponentials_from_logits_, finish_exp_rows, redo_exp_rows
 from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_grad, gemm_row_stats
 from flce.backends.cuda.plan import MAX_BLOCK_V, WARP_SPECIALIZED, LaunchParams, fallback_scan_block
 from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_matmul_supported, ws_partial_row_stats, ws_stats_eligible
@@ -21,7 +22,7 @@ from flce.config import LCEConfig
 from flce.engine.all_rows import scan_vocab_blocks
 from flce.engine.plans import CUBLAS
 from flce.engine.rows import torch_matmul_
-from flce.semantics import GradCoefficients, PartialRowStats
+from flce.semantics import GradCoefficients, PartialRowStats, RowStats
 
 _SCALE_BLOCK = 8192
 # Column blocks of one row per program of the gradient pass (plain_grad_): short programs, so the
@@ -113,6 +114,29 @@ class TritonChunkKernels:
             return self.row_stats(logits_out, target, cfg, vocab_offset)
         block = fallback_scan_block(target.shape[0], hidden.element_size())
         return scan_vocab_blocks(self, hidden, weight, bias, target, cfg, vocab_offset, block)
+
+    def gemm_exp_grad(self, hidden, weight, target, ignore_index: int, grad_scale, exp_out):
+        offsets = exp_offsets(hidden, weight, target, ignore_index)
+        cfg = LCEConfig(ignore_index=ignore_index)
+        ws_key = ("ws_stats", hidden.device, hidden.dtype)
+        partial = None
+        if (self.logits_kernel == WARP_SPECIALIZED and ws_key not in _failed_gemm_configs
+                and ws_stats_eligible(hidden, weight, None, cfg, exp_out)):
+            try:
+                partial = ws_partial_row_stats(hidden, weight, target, 0, cfg, exp_out, exp_offset=offsets)
+            except (triton.CompilationError, triton.OutOfResources, PTXASError) as error:
+                _failed_gemm_configs.add(ws_key)
+                _log.warning("flce: the warp-specialised forward kernel failed on %s %s (%s); using the fused "
+                             "Triton GEMM instead", hidden.device, hidden.dtype, error)
+        if partial is None:
+            # The logits from the other forward paths, then one pass turns them into the exponentials.
+            partial = self.gemm_row_stats(hidden, weight, None, target, cfg, 0, exp_out)
+            exponentials_from_logits_(exp_out, offsets)
+        stats = RowStats.from_partial(partial)
+        row_scale, redo_rows, redo_count = finish_exp_rows(exp_out, target, ignore_index, stats.lse, stats.target_z,
+                                                           offsets, grad_scale)
+        redo_exp_rows(hidden, weight, target, stats.lse, redo_rows, redo_count, exp_out)
+        return stats, row_scale
 
     def gemm_grad(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int, lse,
                   coeffs: GradCoefficients):

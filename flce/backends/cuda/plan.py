@@ -16,7 +16,19 @@ from flce.backends.cuda.gemm_ops import GemmConfig
 from flce.config import LCEConfig
 from flce.engine.call import grads_in_forward_allowed
 from flce.engine.memory import MiB, default_logits_save_limit, logits_save_limit, saved_logits_rows
-from flce.engine.plans import CUBLAS, FUSED, GEMM_PATHS, AllRows, Plan, PlanRequest, TokenChunks, VocabBlocks
+from flce.engine.plans import (
+    CHUNK_GRADS,
+    CUBLAS,
+    EXPONENTIALS,
+    FUSED,
+    GEMM_PATHS,
+    LOGITS,
+    AllRows,
+    Plan,
+    PlanRequest,
+    TokenChunks,
+    VocabBlocks,
+)
 from flce.engine.rows import logits_bytes_per_row, logits_dtype
 from flce.inputs import FlatInputs
 
@@ -77,6 +89,8 @@ class TunedKnobs:
     stats_kernel: str | None = None
     logits_kernel: str | None = None
     grad_gemm_kernel: str | None = None
+    # what a plain chunk's in-forward gradient is made from (engine.plans.CHUNK_GRADS)
+    chunk_grad: str | None = None
 
 
 def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
@@ -113,7 +127,8 @@ def tuned_knobs(flat: FlatInputs, variant: str) -> TunedKnobs:
                       grad_vocab_block=positive_int("grad_vocab_block"),
                       stats_kernel=choice("stats_kernel", STATS_KERNELS),
                       logits_kernel=choice("logits_kernel", STATS_KERNELS),
-                      grad_gemm_kernel=choice("grad_gemm_kernel", GRAD_GEMM_KERNELS))
+                      grad_gemm_kernel=choice("grad_gemm_kernel", GRAD_GEMM_KERNELS),
+                      chunk_grad=choice("chunk_grad", CHUNK_GRADS))
 
 
 # Below this many tokens the fused forward has few row blocks to spread over the SMs and its fixed
@@ -170,6 +185,25 @@ def ws_forward_logits_default(flat: FlatInputs) -> bool:
     loss: bias, softcap, temperature, class weights)."""
     vocab, hidden = flat.weight.shape
     return hopper_16bit(flat.hidden.device, flat.weight.dtype, hidden, vocab)
+
+
+def exp_chunk_grad_possible(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest) -> bool:
+    """Where a chunk's gradient can come from kept exponentials (capability KEPT_EXPONENTIALS): a plain
+    call whose scalar loss is its only differentiable output, bf16 or fp32 inputs (fp16 cannot hold
+    exponentials up to 2^64) in the compute dtype, no bias (whose gradient the path does not make), on
+    one device (a vocabulary shard's rows need the other shards' statistics first)."""
+    return (flat.bias is None and not request.sharded and not cfg.needs_full and grads_in_forward_allowed(cfg)
+            and flat.weight.dtype in (torch.bfloat16, torch.float32)
+            and logits_dtype(flat.weight.dtype, cfg) == flat.weight.dtype)
+
+
+def exp_chunk_grad_default(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest, forward_logits: str) -> bool:
+    """Where the cache says nothing: kept exponentials wherever possible on Hopper beside the fused forward
+    (its warp-specialised statistics GEMM writes them: one multiply a logit instead of the gradient pass
+    over the logits)."""
+    vocab, hidden = flat.weight.shape
+    return (forward_logits == FUSED and exp_chunk_grad_possible(flat, cfg, request)
+            and hopper_16bit(flat.hidden.device, flat.weight.dtype, hidden, vocab))
 
 
 def fallback_scan_block(n_rows: int, element_size: int) -> int:
@@ -244,8 +278,12 @@ def plan_chunks(flat: FlatInputs, cfg: LCEConfig, request: PlanRequest, tuned: T
             block = min(columns, vocab)
             stats = AllRows(forward_stats=FUSED) if fused_stats else AllRows(forward_stats=CUBLAS, scan_block=block)
             return VocabBlocks(grad_vocab_block=block, stats=stats, backward_grad=backward_grad)
+    exponentials = exp_chunk_grad_default(flat, cfg, request, forward_logits)
+    if tuned.chunk_grad is not None:
+        exponentials = tuned.chunk_grad == EXPONENTIALS and exp_chunk_grad_possible(flat, cfg, request)
     return TokenChunks(tokens_per_chunk=tokens, saved_rows=saved_rows, forward_logits=forward_logits,
-                       backward_grad=backward_grad, stats_first=AllRows(forward_stats=FUSED) if fused_stats else None)
+                       backward_grad=backward_grad, stats_first=AllRows(forward_stats=FUSED) if fused_stats else None,
+                       chunk_grad=EXPONENTIALS if exponentials else LOGITS)
 
 
 def vocab_block_columns(n_rows: int, element_size: int, budget: int) -> int:

@@ -121,6 +121,16 @@ def _retire_step(empty, acc, step, kk):
     return acc
 
 
+@gluon.jit
+def _store_exp_tile(c_desc, tile_smem, off_m, pid_n, BLOCK_N: gl.constexpr):
+    """STORE_EXP: send the half tile whose chunks just overwrote it with exponentials (first row off_m; -1:
+    none waits) to HBM; the next epilogue waits for the store before it writes tile_smem again."""
+    if off_m >= 0:
+        fence_async_shared()  # the chunks' shared stores, visible to the TMA unit
+        gl.thread_barrier()  # every warp of this warpgroup has written its part
+        tma.async_copy_shared_to_global(c_desc, [off_m, pid_n * BLOCK_N], tile_smem)
+
+
 # ACCUMULATE: the K step at which C's tile is fetched. Step 0 would wait on the previous tile's store
 # (issued just before); two steps on it has long left the buffer, and the fetch still has the rest of
 # the main loop to land.
@@ -133,7 +143,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                         ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr, STORE_TILE: gl.constexpr,
                         ACCUMULATE: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr,
                         SUM_Z: gl.constexpr, SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr,
-                        HAS_BIAS: gl.constexpr):
+                        HAS_BIAS: gl.constexpr, STORE_EXP: gl.constexpr):
     """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
 
     Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
@@ -146,7 +156,9 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
     tensor cores; the last tile's chunks, and every tile's without INTERLEAVE, run right after its main
     loop. STORE_TILE: the tile in shared memory also goes out by a TMA store (the logits a later row
     kernel turns into the gradient), which reads the buffer beside the statistics chunks and is waited
-    on only before the next tile overwrites it.
+    on only before the next tile overwrites it. STORE_EXP (instead of STORE_TILE): the chunks overwrite the
+    tile with its row-offset exponentials (_stats_chunk), and the half tile goes out by a TMA store once its
+    last chunk is done.
 
     ACCUMULATE (not with ROW_STATS): C's half tile is fetched into tile_smem at K step
     ACCUMULATE_PREFETCH_STEP (``c_ready[WG]`` completes one phase a tile) and added in the epilogue."""
@@ -178,10 +190,12 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                 acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
                 carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
                                      z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                                     CLASS_WEIGHT)
+                                     CLASS_WEIGHT, STORE_EXP)
                 acc = _retire_step(empty, acc, step, c)
                 step += 1
             first = STATS_CHUNKS
+            if STORE_EXP:
+                _store_exp_tile(c_desc, tile_smem, prev_m, prev_n, BLOCK_N)
         for kk in range(first, k_steps):
             acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, kk, WG, A_MMAJOR, B_KMAJOR, HALF_M)
             if ACCUMULATE:
@@ -199,8 +213,8 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                 bias = gl.load(stats_ptrs[8] + bias_cols, mask=bias_cols < N, other=0.0).to(gl.float32)
                 acc = acc + gl.expand_dims(bias, 0)  # in fp32, rounded once with the product (as addmm)
             out = acc.to(tile_smem.dtype)
-            if STORE_TILE:
-                tma.store_wait(0)  # the previous tile's logits store has left tile_smem
+            if STORE_TILE or STORE_EXP:
+                tma.store_wait(0)  # the previous tile's store has left tile_smem
             gl.thread_barrier()  # every warp of this warpgroup has read the previous tile's chunks
             tile_smem.store(out)
             if STORE_TILE:
@@ -215,7 +229,9 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                 for c in gl.static_range(STATS_CHUNKS):
                     carry = _stats_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, stats_ptrs, y_scale,
                                          z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                                         CLASS_WEIGHT)
+                                         CLASS_WEIGHT, STORE_EXP)
+                if STORE_EXP:
+                    _store_exp_tile(c_desc, tile_smem, off_m, pid_n, BLOCK_N)
         else:
             if ACCUMULATE:
                 mbarrier.wait(c_ready.index(WG), tiles_done & 1)
@@ -232,20 +248,24 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             for c in gl.static_range(STATS_CHUNKS):
                 carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
                                      z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                                     CLASS_WEIGHT)
-    if STORE_TILE or not ROW_STATS:
+                                     CLASS_WEIGHT, STORE_EXP)
+            if STORE_EXP:
+                _store_exp_tile(c_desc, tile_smem, prev_m, prev_n, BLOCK_N)
+    if STORE_TILE or STORE_EXP or not ROW_STATS:
         tma.store_wait(0)
 
 
 @gluon.jit
 def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr,
-                    part_sum_y_ptr, target_ptr, target_z_ptr, class_weight_ptr, bias_ptr, y_scale, z_scale, softcap,
+                    part_sum_y_ptr, target_ptr, target_z_ptr, class_weight_ptr, bias_ptr, exp_offset_ptr, y_scale,
+                    z_scale, softcap,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr,
                     STORE_TILE: gl.constexpr, ACCUMULATE: gl.constexpr, SUM_EXP_DZ: gl.constexpr,
                     ARGMAX: gl.constexpr, SUM_Z: gl.constexpr, SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                    HAS_BIAS: gl.constexpr, STORE_EXP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    LOAD_REGS: gl.constexpr):
     """C = A @ B, or with ROW_STATS C's row statistics (_stats_chunk, BLOCK_N a multiple of 64); grid = (persistent
     programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
     warp are workers). a_desc block [BLOCK_M, BLOCK_K] (or [BLOCK_K, BLOCK_M] with A_MMAJOR);
@@ -261,6 +281,8 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
                                 with CLASS_WEIGHT of class_weight[column] * y, class_weight_ptr [N] fp32)
     target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)
     bias_ptr [N], read with HAS_BIAS: the logits are A @ B + bias, rounded to the inputs' dtype
+    exp_offset_ptr [M] fp32, read with STORE_EXP: C gets min(exp2(y - exp_offset[row]), ~2^64) instead of
+    the logits (y the base-2 logit, as the statistics'), in the inputs' dtype
     y_scale = log2(e) / temperature, z_scale = 1 / temperature: the statistics of z = c / T for the
     logits u (rounded to the inputs' dtype) of a temperature T, c = u or with SOFTCAP the capped
     softcap * tanh(u / softcap); the plain loss passes T = 1."""
@@ -272,7 +294,7 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
     # The output tile, one half per consumer warpgroup: read by the TMA store, and (ROW_STATS, in the
     # inputs' dtype) by the consumers' statistics chunks; under ACCUMULATE first written by C's fetch.
-    if ROW_STATS and not STORE_TILE:
+    if ROW_STATS and not (STORE_TILE or STORE_EXP):
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], dtype)
         c_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, BLOCK_N], c_layout)
     else:
@@ -287,16 +309,16 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
         mbarrier.init(c_ready.index(i), count=1)
 
     stats_ptrs = (part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, part_sum_y_ptr, target_ptr,
-                  target_z_ptr, class_weight_ptr, bias_ptr)
+                  target_z_ptr, class_weight_ptr, bias_ptr, exp_offset_ptr)
     gl.warp_specialize([
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
                                z_scale, softcap, 0, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                ROW_STATS, INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                               CLASS_WEIGHT, HAS_BIAS)),
+                               CLASS_WEIGHT, HAS_BIAS, STORE_EXP)),
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
                                z_scale, softcap, 1, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                ROW_STATS, INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                               CLASS_WEIGHT, HAS_BIAS)),
+                               CLASS_WEIGHT, HAS_BIAS, STORE_EXP)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                            A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

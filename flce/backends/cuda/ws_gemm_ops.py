@@ -96,8 +96,8 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> object:
 def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple, config: WsGemmConfig,
             row_stats: bool, store_tile: bool = False, accumulate: bool = False, inv_temperature: float = 1.0,
             sum_exp_dz: bool = False, argmax: bool = False, sum_z: bool = False, softcap: float | None = None,
-            class_weight: bool = False, bias: bool = False) -> None:
-    """One launch; stats_ptrs: the kernel's 9 pointer arguments from part_max_ptr to bias_ptr."""
+            class_weight: bool = False, bias: bool = False, store_exp: bool = False) -> None:
+    """One launch; stats_ptrs: the kernel's 10 pointer arguments from part_max_ptr to exp_offset_ptr."""
     from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
 
     cfg = config
@@ -114,7 +114,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple,
         NUM_STAGES=cfg.stages, ROW_STATS=row_stats,
         INTERLEAVE=row_stats and triton.cdiv(k, cfg.block_k) >= _STATS_CHUNKS,
         STORE_TILE=store_tile, ACCUMULATE=accumulate, SUM_EXP_DZ=sum_exp_dz, ARGMAX=argmax, SUM_Z=sum_z,
-        SOFTCAP=softcap is not None, CLASS_WEIGHT=class_weight, HAS_BIAS=bias,
+        SOFTCAP=softcap is not None, CLASS_WEIGHT=class_weight, HAS_BIAS=bias, STORE_EXP=store_exp,
         CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs,
         num_warps=4, maxnreg=cfg.max_regs,
     )
@@ -146,7 +146,7 @@ def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     if k == 0:
         return out if accumulate else out.zero_()
     c_desc = _descriptor(out, [config.block_m // 2, config.block_n])
-    _launch(a, b, c_desc, (out,) * 9, config, row_stats=False, accumulate=accumulate)
+    _launch(a, b, c_desc, (out,) * 10, config, row_stats=False, accumulate=accumulate)
     return out
 
 
@@ -161,12 +161,13 @@ def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, config:
 
 
 def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, cfg: LCEConfig,
-               config: WsGemmConfig, logits_out: torch.Tensor | None, class_weight: torch.Tensor | None = None
-               ) -> PartialRowStats:
+               config: WsGemmConfig, logits_out: torch.Tensor | None, class_weight: torch.Tensor | None = None,
+               exp_offset: torch.Tensor | None = None) -> PartialRowStats:
     """PartialRowStats of z = cap(x @ w.T + bias) / cfg.temperature (cap: cfg.softcap's, where set): the
     plain statistics, sum_exp_dz where cfg asks for the entropy, the argmax (w's row index) where it
     asks for token accuracy or predicted tokens, the sum of z for label smoothing (weighted by
-    ``class_weight`` [V], this shard's, where given).
+    ``class_weight`` [V], this shard's, where given). With ``exp_offset`` ([N] fp32, base 2; plain loss only)
+    ``logits_out`` gets min(exp2(y - exp_offset), ~2^64) of the base-2 logits y instead of the logits.
 
     The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
     vocabulary order by gemm_ops.merge_splits."""
@@ -201,10 +202,14 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     if class_weight is not None and stats.weighted_sum_z is not None:
         weight = class_weight.float().contiguous()
     bias = bias.contiguous() if bias is not None else None
+    if exp_offset is not None and (c_desc is None or cfg.needs_full or exp_offset.shape != (n,)
+                                   or exp_offset.dtype != torch.float32 or not exp_offset.is_contiguous()):
+        raise ValueError("ws_row_stats: exp_offset needs logits_out, the plain loss and a contiguous [N] fp32 tensor")
     _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_dz, part_argmax, part_sum_y, target.long().contiguous(),
                              stats.target_z, weight if weight is not None else part_sum,
-                             bias if bias is not None else part_sum),
-            config, row_stats=True, store_tile=c_desc is not None, inv_temperature=1.0 / cfg.temperature,
+                             bias if bias is not None else part_sum, exp_offset if exp_offset is not None else part_sum),
+            config, row_stats=True, store_tile=c_desc is not None and exp_offset is None,
+            store_exp=exp_offset is not None, inv_temperature=1.0 / cfg.temperature,
             sum_exp_dz=stats.sum_exp_dz is not None, argmax=stats.argmax is not None,
             sum_z=stats.weighted_sum_z is not None, softcap=cfg.softcap, class_weight=weight is not None,
             bias=bias is not None)
@@ -224,14 +229,16 @@ def ws_stats_eligible(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 def ws_partial_row_stats(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_offset: int,
                          cfg: LCEConfig, logits_out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                         config: WsGemmConfig = ROW_STATS_CONFIG) -> PartialRowStats:
+                         config: WsGemmConfig = ROW_STATS_CONFIG, exp_offset: torch.Tensor | None = None
+                         ) -> PartialRowStats:
     """gemm_row_stats's PartialRowStats for the cases ws_stats_eligible accepts: this shard's
     (vocab_offset..; ``bias`` and cfg's class weights sliced to it) statistics, target_z 0 where the
-    target is in another shard or ignored; the logits written into ``logits_out`` when given."""
+    target is in another shard or ignored; the logits written into ``logits_out`` when given (with
+    ``exp_offset``: exponentials instead, see _row_stats)."""
     local = target - vocab_offset if vocab_offset else target
     vocab = weight.shape[0]
     class_weight = None if cfg.class_weight is None else cfg.class_weight[vocab_offset:vocab_offset + vocab]
-    stats = _row_stats(hidden, weight, bias, local, cfg, config, logits_out, class_weight)
+    stats = _row_stats(hidden, weight, bias, local, cfg, config, logits_out, class_weight, exp_offset)
     if vocab_offset and stats.argmax is not None:
         stats.argmax += vocab_offset  # a global class id, as gemm_row_stats's
     return stats
@@ -256,7 +263,7 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
                        dtype: str = "bfloat16", row_stats: bool = False, store_tile: bool = False,
                        accumulate: bool = False, sum_exp_dz: bool = False, argmax: bool = False,
                        sum_z: bool = False, softcap: bool = False, class_weight: bool = False,
-                       bias: bool = False) -> object:
+                       bias: bool = False, store_exp: bool = False) -> object:
     """Compile the kernel for sm_90a without a GPU (triton.compile on a Gluon source), for the CPU
     tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``)."""
     import inspect
@@ -279,13 +286,13 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
              "c_desc": descriptor([cfg.block_m // 2, cfg.block_n]), "M": "i32", "N": "i32", "K": "i32",
              "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_sum_dz_ptr": "*fp32",
              "part_argmax_ptr": "*i64", "part_sum_y_ptr": "*fp32", "target_ptr": "*i64",
-             "target_z_ptr": "*fp32", "class_weight_ptr": "*fp32", "bias_ptr": f"*{short}", "y_scale": "fp32",
+             "target_z_ptr": "*fp32", "class_weight_ptr": "*fp32", "bias_ptr": f"*{short}", "exp_offset_ptr": "*fp32", "y_scale": "fp32",
              "z_scale": "fp32", "softcap": "fp32"}
     constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
                  "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
                  "INTERLEAVE": row_stats, "STORE_TILE": store_tile, "ACCUMULATE": accumulate,
                  "SUM_EXP_DZ": sum_exp_dz, "ARGMAX": argmax, "SUM_Z": sum_z, "SOFTCAP": softcap,
-                 "CLASS_WEIGHT": class_weight, "HAS_BIAS": bias, "CONSUMER_REGS": cfg.consumer_regs,
+                 "CLASS_WEIGHT": class_weight, "HAS_BIAS": bias, "STORE_EXP": store_exp, "CONSUMER_REGS": cfg.consumer_regs,
                  "LOAD_REGS": cfg.load_regs}
     names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
     signature = {name: "constexpr" if name in constants else types[name] for name in names}

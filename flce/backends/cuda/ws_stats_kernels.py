@@ -43,7 +43,7 @@ def _softcapped(u, softcap):
 @gluon.jit
 def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
                  softcap, BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr, SUM_Z: gl.constexpr,
-                 SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr):
+                 SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr, STORE_EXP: gl.constexpr):
     """Chunk ``chunk`` of a warpgroup's logits half tile u (in the inputs' dtype; first row off_m, column
     tile pid_n; ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's
     running ``carry``: (max of y, sum of exp2(y - max), target's c, target, sum of exp2(y - max) * (z - r),
@@ -54,7 +54,11 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     gemm_kernels' row statistics (merged by its _merge_splits_kernel): max, sum, with SUM_EXP_DZ (the
     entropy's statistic) the sum times z - r, with ARGMAX (token accuracy, predicted tokens) the first
     column of the max, with SUM_Z (label smoothing) the sum of y, weighted by class_weight[column] with
-    CLASS_WEIGHT; and, where the target is in this tile, its logit z."""
+    CLASS_WEIGHT; and, where the target is in this tile, its logit z.
+
+    STORE_EXP (the plain loss's gradient from kept exponentials, exp_rows.py): the chunk's u is overwritten in
+    tile_smem by min(exp2(y - offset), ~2^64) in the same dtype, offset = exp_offset[row] (base 2), which the
+    caller stores to HBM once all chunks of the half tile are done; 0 past N."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
     r: gl.constexpr = chunk // QUARTERS
@@ -64,6 +68,8 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
     cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
     chunk_smem = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
+    if STORE_EXP:
+        offset = gl.load(stats_ptrs[9] + rows, mask=(rows < M) & valid, other=0.0)
     u = chunk_smem.load(layout).to(gl.float32)
     if SOFTCAP:
         u = _softcapped(u, softcap)  # kernels._capped_scaled's cap
@@ -82,6 +88,12 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     shift = gl.where(part_max > float("-inf"), part_max, 0.0)  # a quarter past N: all -inf, sum 0
     e = gl.exp2(z * y_scale - gl.expand_dims(shift, 1))
     part_sum = gl.sum(e, axis=1)
+    if STORE_EXP:
+        # exp2(y - offset) = e * exp2(shift - offset): one multiply a logit. The factor is capped at 2^64, so a
+        # row whose logits exceed offset + 64 stores finite wrong values (never inf, whose 0 * inf would be NaN
+        # in the gradient GEMMs) and exp_rows.py recomputes it.
+        factor = gl.exp2(gl.minimum(shift - offset, 64.0))
+        chunk_smem.store((e * gl.expand_dims(factor, 1)).to(chunk_smem.dtype))
     if not SUM_Z:
         part_sum_u = part_sum
     row_ok = (rows < M) & valid

@@ -1,0 +1,118 @@
+"""Triton kernels of the plain loss's gradient from kept exponentials (exp_grad_ops.py says how they fit).
+
+A chunk's fused statistics GEMM keeps E = exp2(y - c) per row instead of its logits (y the base-2 logit,
+c a per-row offset chosen before the GEMM from the target's logit), so that the gradient
+G = softmax - onehot = s * E with s = exp2(c - lse2) per row: the two gradient GEMMs read E and scale
+rows, and no pass over the logits turns them into G. The target's column is overwritten with
+(p_t - 1) / s, so G is s * E exactly there too (no cancellation between the GEMM's p_t and the onehot).
+Rows whose logits exceed c + 64 (a target logit more than ~84 nats below the row's lse) were capped in
+the GEMM; they are recomputed here with c = lse.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+# c = the target's base-2 logit + this: E of the target is 2^-58, the largest E of a row stays below 2^64
+# (the GEMM's cap) while the row's loss is under (58 + 64) ln 2 = 84.6 nats, and E of logits more than
+# (133 - 58) ln 2 = 52 nats below the target's flushes to 0 in bf16 (p below 2^-75 of the target's).
+OFFSET_ABOVE_TARGET = tl.constexpr(58.0)
+# The GEMM caps exp2(max y - c) at 2^CAP (ws_stats_kernels._stats_chunk): rows past it are recomputed.
+CAP = tl.constexpr(64.0)
+
+
+@triton.jit
+def _exp_offsets_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, offset_ptr, hidden, vocab, ignore_index,
+                        BLOCK_H: tl.constexpr):
+    """offset[row] = x[row] . w[target] * log2(e) + OFFSET_ABOVE_TARGET in fp32 (0 for an ignored row, whose
+    gradient row is 0); grid (rows,). Within a few ulps of the GEMM's rounded logit, which is all c needs."""
+    row = tl.program_id(0)
+    t = tl.load(target_ptr + row)
+    valid = (t != ignore_index) & (t >= 0) & (t < vocab)
+    safe_t = tl.where(valid, t, 0).to(tl.int64)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for start in range(0, hidden, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        mask = cols < hidden
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + safe_t * stride_w + cols, mask=mask & valid, other=0.0).to(tl.float32)
+        acc += x * w
+    offset = tl.sum(acc, axis=0) * LOG2E + OFFSET_ABOVE_TARGET
+    tl.store(offset_ptr + row, tl.where(valid, offset, 0.0))
+
+
+@triton.jit
+def _exp_logits_kernel(logits_ptr, stride, offset_ptr, vocab, BLOCK_V: tl.constexpr):
+    """E = exp2(min(u * log2(e) - offset, CAP)) over a row of logits u in place (the exponentials where no
+    fused GEMM wrote them: the interpreter, a GEMM that failed to compile); grid (rows, V blocks)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < vocab
+    offset = tl.load(offset_ptr + row)
+    u = tl.load(logits_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    e = tl.exp2(tl.minimum(u * LOG2E - offset, CAP))
+    tl.store(logits_ptr + row * stride + cols, e.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _exp_rows_finish_kernel(exp_ptr, stride, target_ptr, lse_ptr, target_z_ptr, offset_ptr, grad_scale_ptr,
+                            grad_scale_stride, row_scale_ptr, redo_rows_ptr, redo_count_ptr, n_rows, vocab,
+                            ignore_index, BLOCK: tl.constexpr):
+    """Per row, from the merged statistics: the scale s (G = s * E) into row_scale, the target's column of E
+    overwritten with (p_t - 1) / s; rows past the cap are listed in redo_rows (count in redo_count, any order)
+    with s = grad_scale, for _exp_rows_redo_kernel; ignored rows get s = 0. grid (cdiv(rows, BLOCK),)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = rows < n_rows
+    t = tl.load(target_ptr + rows, mask=in_range, other=ignore_index)
+    valid = in_range & (t != ignore_index) & (t >= 0) & (t < vocab)
+    lse2 = tl.load(lse_ptr + rows, mask=in_range, other=0.0) * LOG2E
+    offset = tl.load(offset_ptr + rows, mask=in_range, other=0.0)
+    scale = tl.load(grad_scale_ptr + rows * grad_scale_stride, mask=in_range, other=0.0)
+    redo = valid & (lse2 - offset > CAP)
+    keep = valid & ~redo
+    p_target = tl.exp2(tl.load(target_z_ptr + rows, mask=in_range, other=0.0) * LOG2E - lse2)
+    # (p_t - 1) / exp2(c - lse2), at most 2^CAP in magnitude on the rows kept
+    target_e = (p_target - 1.0) * tl.exp2(tl.minimum(lse2 - offset, CAP))
+    safe_t = tl.where(valid, t, 0).to(tl.int64)
+    tl.store(exp_ptr + rows.to(tl.int64) * stride + safe_t, target_e.to(exp_ptr.dtype.element_ty), mask=keep)
+    row_scale = tl.where(keep, scale * tl.exp2(offset - lse2), tl.where(redo, scale, 0.0))
+    tl.store(row_scale_ptr + rows, row_scale, mask=in_range)
+    slot = tl.atomic_add(redo_count_ptr + tl.zeros([BLOCK], dtype=tl.int32), 1, mask=redo)
+    tl.store(redo_rows_ptr + slot, rows, mask=redo)
+
+
+@triton.jit
+def _exp_rows_redo_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, lse_ptr, redo_rows_ptr, redo_count_ptr,
+                          exp_ptr, stride_e, hidden, vocab, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """The listed rows' E recomputed with c = lse (E = p, the target's p - 1: G = E, s = 1 x the upstream
+    scale) from their logits, rounded to the inputs' dtype as the GEMM's were. grid (cdiv(V, BLOCK_V),): each
+    program its columns of every listed row; no rows (the usual case), it only reads the count. IEEE: fp32
+    inputs, multiplied exactly (no TF32)."""
+    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < vocab
+    count = tl.load(redo_count_ptr)
+    for start in range(0, count, BLOCK_R):
+        slots = start + tl.arange(0, BLOCK_R)
+        row_ok = slots < count
+        rows = tl.load(redo_rows_ptr + slots, mask=row_ok, other=0).to(tl.int64)
+        acc = tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32)
+        for k in range(0, hidden, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)
+            k_ok = ks < hidden
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + cols.to(tl.int64)[None, :] * stride_w + ks[:, None],
+                        mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            if IEEE:
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        u = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        t = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+        e = tl.exp(u - lse[:, None]) - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)
+        tl.store(exp_ptr + rows[:, None] * stride_e + cols[None, :], e.to(exp_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])

@@ -1,0 +1,77 @@
+"""Launchers of the plain loss's gradient from kept exponentials (exp_grad_kernels.py).
+
+The schedule (engine capability KEPT_EXPONENTIALS) for one token chunk of a plain training call:
+
+1. :func:`exp_offsets`: c per row from the target's logit (a dot product per row, before the GEMM);
+2. the warp-specialised statistics GEMM writes E = exp2(y - c) instead of the logits (ws_gemm_ops,
+   exp_offset=) and the row statistics as before; elsewhere the logits and :func:`exponentials_from_logits_`;
+3. :func:`finish_exp_rows`: per row the scale s with G = s * E, the target's column of E set so that s * E
+   is p_t - 1 there, the rows past the GEMM's cap listed;
+4. :func:`redo_exp_rows`: those rows' E recomputed from their logits with c = lse (no rows: one launch
+   that reads a count);
+5. the gradient GEMMs: grad_hidden = s * (E @ W), grad_weight += E.T @ (s * x) (engine/rows.py).
+
+What it saves: the pass that turns a chunk's logits into its gradient (one read and one write of
+[rows, V]), for one multiply a logit in the GEMM's epilogue and two small row scalings.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from flce.backends.cuda import exp_grad_kernels as k
+
+_FINISH_BLOCK = 256
+_REDO_ROWS, _REDO_COLS, _REDO_K = 16, 128, 64
+
+
+def exp_offsets(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """[n] fp32 base-2 offsets c: the target's logit (in fp32 from the inputs) + OFFSET_ABOVE_TARGET; 0 on
+    ignored rows."""
+    n, hidden_size = hidden.shape
+    offsets = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    if n:
+        block = min(1024, triton.next_power_of_2(max(hidden_size, 16)))
+        k._exp_offsets_kernel[(n,)](hidden, hidden.stride(0), weight, weight.stride(0), target, offsets, hidden_size,
+                                    weight.shape[0], ignore_index, BLOCK_H=block, num_warps=4)
+    return offsets
+
+
+def exponentials_from_logits_(logits: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The logits [n, V] overwritten with exp2(min(y - c, CAP)) (what the fused GEMM writes)."""
+    n, vocab = logits.shape
+    if n:
+        block = min(4096, triton.next_power_of_2(max(vocab, 16)))
+        k._exp_logits_kernel[(n, triton.cdiv(vocab, block))](logits, logits.stride(0), offsets, vocab,
+                                                              BLOCK_V=block, num_warps=8)
+    return logits
+
+
+def finish_exp_rows(exp: torch.Tensor, target: torch.Tensor, ignore_index: int, lse: torch.Tensor,
+                    target_z: torch.Tensor, offsets: torch.Tensor, grad_scale: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_scale [n] fp32, rows to redo [n] int32, their count [1] int32) from the chunk's merged
+    statistics (lse, target_z natural) and the upstream per-row scale; writes the target's column of E."""
+    n, vocab = exp.shape
+    row_scale = torch.empty(n, dtype=torch.float32, device=exp.device)
+    redo_rows = torch.empty(n, dtype=torch.int32, device=exp.device)
+    redo_count = torch.zeros(1, dtype=torch.int32, device=exp.device)
+    if n:
+        k._exp_rows_finish_kernel[(triton.cdiv(n, _FINISH_BLOCK),)](
+            exp, exp.stride(0), target, lse, target_z, offsets, grad_scale,
+            grad_scale.stride(0) if grad_scale.dim() else 0, row_scale, redo_rows, redo_count, n, vocab,
+            ignore_index, BLOCK=_FINISH_BLOCK, num_warps=4)
+    return row_scale, redo_rows, redo_count
+
+
+def redo_exp_rows(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                  redo_rows: torch.Tensor, redo_count: torch.Tensor, exp: torch.Tensor) -> None:
+    """E of the listed rows recomputed with c = lse (their G, which finish_exp_rows scaled by the upstream
+    scale alone). No host sync: the kernel reads the count."""
+    n, vocab = exp.shape
+    if n:
+        k._exp_rows_redo_kernel[(triton.cdiv(vocab, _REDO_COLS),)](
+            hidden, hidden.stride(0), weight, weight.stride(0), target, lse, redo_rows, redo_count, exp,
+            exp.stride(0), hidden.shape[1], vocab, BLOCK_R=_REDO_ROWS, BLOCK_V=_REDO_COLS, BLOCK_K=_REDO_K,
+            IEEE=hidden.dtype == torch.float32, num_warps=4)
