@@ -225,12 +225,14 @@ def test_ws_row_stats_writes_the_logits(tokens: int, hidden: int, vocab: int) ->
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("chunk_grad", ["logits", "exponentials"])
 @pytest.mark.parametrize("hidden,vocab", [(1024, 32000), (2048, 151936)])
-def test_ws_training_through_flce_matches_float64(hidden: int, vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """flce's training call on Hopper: each chunk's logits from the ws statistics GEMM (which keeps
-    them; the default), the gradient products on the ws GEMM (the grad_gemm_kernel knob; grad_weight
-    accumulated over several chunks), all counted; the loss and both gradients within 1.5x of eager
-    bf16's error against float64."""
+def test_ws_training_through_flce_matches_float64(hidden: int, vocab: int, chunk_grad: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """flce's training call on Hopper: each chunk's logits (or, with chunk_grad="exponentials", the default,
+    its row-offset exponentials) from the ws statistics GEMM, the gradient products on the ws GEMM (the
+    grad_gemm_kernel knob; grad_weight accumulated over several chunks), all counted; the loss and both
+    gradients within 1.5x of eager bf16's error against float64."""
     from helpers import lm_head_inputs, relative_error
 
     import flce
@@ -249,11 +251,14 @@ def test_ws_training_through_flce_matches_float64(hidden: int, vocab: int, monke
     x.requires_grad_(True)
     w.requires_grad_(True)
     budget = 1024 * vocab * 2  # 1024-row chunks: three of them, the last partial
-    with override_params({"grad_gemm_kernel": "warp_specialized"}, backend="cuda"):
+    with override_params({"grad_gemm_kernel": "warp_specialized", "chunk_grad": chunk_grad}, backend="cuda"):
         loss = flce.linear_cross_entropy(x, w, t, memory_budget=budget)
         gx, gw = torch.autograd.grad(loss, (x, w))
     assert stats_calls == [True] * 3, "every chunk's logits come from the ws statistics GEMM"
-    assert gemm_calls == [False, False, False, True, False, True], "G @ W per chunk, G.T @ x accumulated"
+    if chunk_grad == "logits":
+        assert gemm_calls == [False, False, False, True, False, True], "G @ W per chunk, G.T @ x accumulated"
+    else:  # E.T @ (s x) first, into grad_weight; then E @ W over the scaled x rows
+        assert gemm_calls == [False, False, True, False, True, False], "G.T @ x accumulated, G @ W per chunk"
     xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
     ref = reference_loss(xd, wd, t).loss
     ref_gx, ref_gw = torch.autograd.grad(ref, (xd, wd))
