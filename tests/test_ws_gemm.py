@@ -95,6 +95,22 @@ def test_ws_row_stats_storing_logits_compiles_for_hopper() -> None:
     assert result["shared"] <= 227 * 1024
 
 
+def test_ws_row_stats_storing_exponentials_compiles_for_hopper() -> None:
+    """The forward that keeps row-offset exponentials (chunk_grad="exponentials"): each statistics chunk writes
+    its exponentials back over the tile in shared memory (one shared store a chunk and thread, one more exp2 a
+    row: the offset's factor) and the tile goes out by TMA after its last chunk, not at the epilogue."""
+    logits = _compile(False, True, row_stats=True, store_tile=True)
+    result = _compile(False, True, row_stats=True, store_exp=True)
+    ptx = result["ptx"]
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
+    # 16 chunks, in the interleaved and the last tile's copy of the epilogue, in each warpgroup's partition
+    assert ptx.count("st.shared") - logits["ptx"].count("st.shared") == 16 * 2 * 2
+    assert ptx.count("ex2.approx") - logits["ptx"].count("ex2.approx") == 16 * 2 * 2
+    # the store after the interleaved chunks and after the last tile's (and the one without interleaving)
+    assert ptx.count(_TMA_STORE) > logits["ptx"].count(_TMA_STORE)
+    assert "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
+
+
 @pytest.mark.parametrize("store_tile,sum_exp_dz,argmax,sum_z",
                          [(False, True, False, False), (True, True, True, False), (True, False, True, False),
                           (False, False, False, True), (True, True, True, True)])

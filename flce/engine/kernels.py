@@ -107,6 +107,9 @@ class KeptExponentials(Protocol):
         (softmax - onehot) * grad_scale: the two gradient products are then GEMMs on exp_out whose rows
         (grad_hidden) or whose other operand's rows (grad_weight) are scaled."""
 
+    def scale_rows(self, src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [n, H] = src * scale[:, None] (fp32 [n]) computed in fp32 and rounded once; out may be src."""
+
 
 def options_only_reference_serves(cfg: LCEConfig, scan_keeps_logit_stats: bool) -> list[str]:
     """Options set in ``cfg`` that only the reference backend's kernels and planner implement so far,

@@ -118,10 +118,9 @@ class GradAccumulator:
         The scaled x rows are written into grad_hidden's rows before that GEMM overwrites them."""
         assert self.bias_acc is None, "the kept exponentials carry no bias gradient"
         x_rows = self.flat.hidden[rows]
-        scale = row_scale.unsqueeze(1)
         if self.weight_acc is not None:
             scaled_x = self.grad_hidden[rows] if self.grad_hidden is not None else torch.empty_like(x_rows)
-            torch.mul(x_rows, scale, out=scaled_x)
+            self.kernels.scale_rows(x_rows, row_scale, scaled_x)
             if self.weight_acc.dtype != exp.dtype:
                 self.kernels.accumulate_fp32_(self.weight_acc, exp.t(), scaled_x)
             else:
@@ -130,7 +129,7 @@ class GradAccumulator:
         if self.grad_hidden is not None:
             grad_rows = self.grad_hidden[rows]
             self.kernels.matmul_(exp, self.flat.weight, grad_rows, False)
-            grad_rows.mul_(scale)
+            self.kernels.scale_rows(grad_rows, row_scale, grad_rows)
 
     def result(self) -> Grads:
         w = self.flat.weight

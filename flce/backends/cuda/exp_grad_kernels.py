@@ -116,3 +116,15 @@ def _exp_rows_redo_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, lse_ptr,
         e = tl.exp(u - lse[:, None]) - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)
         tl.store(exp_ptr + rows[:, None] * stride_e + cols[None, :], e.to(exp_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _scale_rows_kernel(src_ptr, src_stride, dst_ptr, dst_stride, scale_ptr, cols, BLOCK: tl.constexpr):
+    """dst[row] = src[row] * scale[row], computed in fp32 and rounded once to dst's dtype; grid (rows, col
+    blocks). dst may be src."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < cols
+    scale = tl.load(scale_ptr + row)
+    value = tl.load(src_ptr + row * src_stride + offs, mask=mask, other=0.0).to(tl.float32) * scale
+    tl.store(dst_ptr + row * dst_stride + offs, value.to(dst_ptr.dtype.element_ty), mask=mask)

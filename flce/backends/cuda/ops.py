@@ -14,7 +14,13 @@ import triton
 from triton.runtime.errors import PTXASError
 
 from flce.backends.cuda import kernels
-from flce.backends.cuda.exp_grad_ops import exp_offsets, exponentials_from_logits_, finish_exp_rows, redo_exp_rows
+from flce.backends.cuda.exp_grad_ops import (
+    exp_offsets,
+    exponentials_from_logits_,
+    finish_exp_rows,
+    redo_exp_rows,
+    scale_rows,
+)
 from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_grad, gemm_row_stats
 from flce.backends.cuda.plan import MAX_BLOCK_V, WARP_SPECIALIZED, LaunchParams, fallback_scan_block
 from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_matmul_supported, ws_partial_row_stats, ws_stats_eligible
@@ -137,6 +143,9 @@ class TritonChunkKernels:
                                                            offsets, grad_scale)
         redo_exp_rows(hidden, weight, target, stats.lse, redo_rows, redo_count, exp_out)
         return stats, row_scale
+
+    def scale_rows(self, src, scale, out):
+        return scale_rows(src, scale, out)
 
     def gemm_grad(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int, lse,
                   coeffs: GradCoefficients):

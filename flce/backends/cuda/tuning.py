@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from flce.autotune.spaces import TuneShape, TuningSpace, chunk_candidates, register_tuning_space
-from flce.engine.plans import CUBLAS, FUSED, GEMM_PATHS
+from flce.engine.plans import CUBLAS, EXPONENTIALS, FUSED, GEMM_PATHS, LOGITS
 
 # The space is registered when the backend is (at `import flce`); what it reads from the launchers
 # and the planner, which import triton, is imported when the tuner first asks.
@@ -15,8 +15,9 @@ from flce.engine.plans import CUBLAS, FUSED, GEMM_PATHS
 def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
     """Chunk rows x row-kernel launches on the cuBLAS forward, and chunk rows x fused-GEMM tiles with
     the chunk's statistics and logits from the fused Triton forward (forward_logits). On Hopper also
-    the warp-specialised forward (which also writes the logits), and each forward's gradient
-    products on cuBLAS and on the warp-specialised GEMM (grad_gemm_kernel)."""
+    the warp-specialised forward (which also writes the logits, or for bf16 the row-offset exponentials:
+    chunk_grad), and each forward's gradient products on cuBLAS and on the warp-specialised GEMM
+    (grad_gemm_kernel)."""
     from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config
     from flce.backends.cuda.plan import GRAD_GEMM_KERNELS, WARP_SPECIALIZED, hopper_16bit
 
@@ -28,7 +29,9 @@ def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
     forwards = ([{"forward_logits": CUBLAS, "block_v": block_v, "num_warps": warps} for block_v, warps in launches]
                 + [{"forward_logits": FUSED, "logits_kernel": "triton", **t.as_params()} for t in tiles])
     if hopper_16bit(torch.device(shape.device), shape.dtype, shape.hidden, shape.vocab):
-        forwards.append({"forward_logits": FUSED, "logits_kernel": WARP_SPECIALIZED})
+        forwards.append({"forward_logits": FUSED, "logits_kernel": WARP_SPECIALIZED, "chunk_grad": LOGITS})
+        if shape.dtype == torch.bfloat16:  # the exponentials need bf16's exponent range
+            forwards.append({"forward_logits": FUSED, "logits_kernel": WARP_SPECIALIZED, "chunk_grad": EXPONENTIALS})
         forwards = [dict(f, grad_gemm_kernel=kernel) for f in forwards for kernel in GRAD_GEMM_KERNELS]
     return [{"tokens_per_chunk": n, **forward} for n in rows for forward in forwards]
 
@@ -76,6 +79,7 @@ def _tuning_heuristic(shape: TuneShape) -> dict:
             "block_v": launch.block_v, "num_warps": launch.num_warps,
             # a plain training call's defaults (plan.ws_forward_logits_default)
             "forward_logits": FUSED if hopper else CUBLAS, "grad_gemm_kernel": DEFAULT_GRAD_GEMM_KERNEL,
+            "chunk_grad": EXPONENTIALS if hopper and shape.dtype == torch.bfloat16 else LOGITS,
             **default_gemm_config(shape.device, shape.dtype).as_params()}
 
 

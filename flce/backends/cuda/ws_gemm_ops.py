@@ -205,9 +205,10 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     if exp_offset is not None and (c_desc is None or cfg.needs_full or exp_offset.shape != (n,)
                                    or exp_offset.dtype != torch.float32 or not exp_offset.is_contiguous()):
         raise ValueError("ws_row_stats: exp_offset needs logits_out, the plain loss and a contiguous [N] fp32 tensor")
+    unused = part_sum
     _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_dz, part_argmax, part_sum_y, target.long().contiguous(),
-                             stats.target_z, weight if weight is not None else part_sum,
-                             bias if bias is not None else part_sum, exp_offset if exp_offset is not None else part_sum),
+                             stats.target_z, weight if weight is not None else unused,
+                             bias if bias is not None else unused, exp_offset if exp_offset is not None else unused),
             config, row_stats=True, store_tile=c_desc is not None and exp_offset is None,
             store_exp=exp_offset is not None, inv_temperature=1.0 / cfg.temperature,
             sum_exp_dz=stats.sum_exp_dz is not None, argmax=stats.argmax is not None,
@@ -286,14 +287,14 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
              "c_desc": descriptor([cfg.block_m // 2, cfg.block_n]), "M": "i32", "N": "i32", "K": "i32",
              "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_sum_dz_ptr": "*fp32",
              "part_argmax_ptr": "*i64", "part_sum_y_ptr": "*fp32", "target_ptr": "*i64",
-             "target_z_ptr": "*fp32", "class_weight_ptr": "*fp32", "bias_ptr": f"*{short}", "exp_offset_ptr": "*fp32", "y_scale": "fp32",
-             "z_scale": "fp32", "softcap": "fp32"}
+             "target_z_ptr": "*fp32", "class_weight_ptr": "*fp32", "bias_ptr": f"*{short}",
+             "exp_offset_ptr": "*fp32", "y_scale": "fp32", "z_scale": "fp32", "softcap": "fp32"}
     constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
                  "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
                  "INTERLEAVE": row_stats, "STORE_TILE": store_tile, "ACCUMULATE": accumulate,
                  "SUM_EXP_DZ": sum_exp_dz, "ARGMAX": argmax, "SUM_Z": sum_z, "SOFTCAP": softcap,
-                 "CLASS_WEIGHT": class_weight, "HAS_BIAS": bias, "STORE_EXP": store_exp, "CONSUMER_REGS": cfg.consumer_regs,
-                 "LOAD_REGS": cfg.load_regs}
+                 "CLASS_WEIGHT": class_weight, "HAS_BIAS": bias, "STORE_EXP": store_exp,
+                 "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
     names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
     signature = {name: "constexpr" if name in constants else types[name] for name in names}
     # What the JIT infers at a launch on 16-byte aligned tensors and a vocabulary that is a multiple of 16

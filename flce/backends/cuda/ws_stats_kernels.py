@@ -87,13 +87,13 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     part_max = top * y_scale
     shift = gl.where(part_max > float("-inf"), part_max, 0.0)  # a quarter past N: all -inf, sum 0
     e = gl.exp2(z * y_scale - gl.expand_dims(shift, 1))
-    part_sum = gl.sum(e, axis=1)
     if STORE_EXP:
         # exp2(y - offset) = e * exp2(shift - offset): one multiply a logit. The factor is capped at 2^64, so a
         # row whose logits exceed offset + 64 stores finite wrong values (never inf, whose 0 * inf would be NaN
         # in the gradient GEMMs) and exp_rows.py recomputes it.
         factor = gl.exp2(gl.minimum(shift - offset, 64.0))
         chunk_smem.store((e * gl.expand_dims(factor, 1)).to(chunk_smem.dtype))
+    part_sum = gl.sum(e, axis=1)
     if not SUM_Z:
         part_sum_u = part_sum
     row_ok = (rows < M) & valid

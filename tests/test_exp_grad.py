@@ -1,0 +1,139 @@
+"""The plain loss's chunk gradient from kept exponentials (chunk_grad="exponentials", cuda/exp_grad_ops.py).
+
+Under the Triton interpreter (CPU, fp32) the exponentials come from the logits (exponentials_from_logits_), and
+the finishing, redo and row-scaling kernels and the engine's row-scaled gradient products run as on a GPU;
+the warp-specialised GEMM that writes them on Hopper is checked by the ``cuda`` tests in test_ws_gemm.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import lm_head_inputs, relative_error
+
+import flce
+from flce.autotune import override_params
+from flce.testing import reference_loss
+
+pytest.importorskip("triton")
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: runs where there is no GPU")
+
+KNOBS = {"tokens_per_chunk": 8, "grad_schedule": "token_chunks", "chunk_grad": "exponentials"}
+
+
+@pytest.fixture
+def exp_calls(monkeypatch):
+    """(rows of each chunk, rows redone) of every gemm_exp_grad call, so a test fails if the call took
+    the logits path instead."""
+    from flce.backends.cuda import ops
+
+    calls = []
+    real_redo = ops.redo_exp_rows
+    real_grad = ops.TritonChunkKernels.gemm_exp_grad
+
+    def counting_grad(self, hidden, *args, **kwargs):
+        calls.append([hidden.shape[0], None])
+        return real_grad(self, hidden, *args, **kwargs)
+
+    def counting_redo(hidden, weight, target, lse, redo_rows, redo_count, exp):
+        calls[-1][1] = int(redo_count.item())
+        return real_redo(hidden, weight, target, lse, redo_rows, redo_count, exp)
+
+    monkeypatch.setattr(ops.TritonChunkKernels, "gemm_exp_grad", counting_grad)
+    monkeypatch.setattr(ops, "redo_exp_rows", counting_redo)
+    return calls
+
+
+def _grads_against_float64(x, w, t, reduction: str = "mean"):
+    with override_params(KNOBS, backend="cuda"):
+        loss = flce.linear_cross_entropy(x, w, t, backend="cuda", reduction=reduction)
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    ref = reference_loss(xd, wd, t, reduction=reduction).loss
+    ref_gx, ref_gw = torch.autograd.grad(ref, (xd, wd))
+    return (loss, ref), (gx, ref_gx), (gw, ref_gw)
+
+
+@interpreter_only
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_exponentials_match_float64(reduction, exp_calls):
+    """Three chunks (the last partial), some rows ignored: loss and both gradients at fp32 accuracy."""
+    x, w, _, t = lm_head_inputs(21, 24, 203, torch.float32, "cpu", with_bias=False)
+    for got, want in _grads_against_float64(x, w, t, reduction):
+        assert relative_error(got, want) < 1e-5
+    assert exp_calls == [[8, 0], [8, 0], [5, 0]]
+
+
+@interpreter_only
+def test_exponentials_redo_rows_past_the_cap(exp_calls):
+    """Logits of +-1e4: nearly every row's loss is far beyond the ~84 nats the offsets keep below the cap, so its
+    exponentials are recomputed with c = lse; a wrong row would be off by O(1), NaN or inf."""
+    torch.manual_seed(0)
+    n, h, v = 18, 16, 203
+    x = (torch.randn(n, h) * 40).requires_grad_()
+    w = (torch.randn(v, h) * 20).requires_grad_()
+    t = torch.randint(0, v, (n,))
+    t[5] = -100
+    (loss, ref), *grads = _grads_against_float64(x, w, t)
+    assert float(ref) > 1000
+    assert relative_error(loss, ref) < 1e-6
+    for got, want in grads:
+        assert torch.isfinite(got).all() and relative_error(got, want) < 1e-4
+    assert sum(redone for _, redone in exp_calls) >= n // 2
+
+
+@interpreter_only
+def test_exponentials_mixed_rows_and_all_ignored(exp_calls):
+    """One row past the cap beside ordinary rows (only it is redone); a batch whose every row is ignored
+    gives a zero loss and zero gradients, without NaN."""
+    torch.manual_seed(1)
+    n, h, v = 16, 16, 203
+    x = torch.randn(n, h)
+    w = torch.randn(v, h) / 4
+    t = torch.randint(0, v, (n,))
+    x[3] = w[t[3]] * -400  # the target's logit far below the rest: a loss of thousands of nats
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    for got, want in _grads_against_float64(x, w, t):
+        assert relative_error(got, want) < 1e-5
+    assert [redone for _, redone in exp_calls] == [1, 0]
+    ignored = torch.full_like(t, -100)
+    with override_params(KNOBS, backend="cuda"):
+        loss = flce.linear_cross_entropy(x, w, ignored, backend="cuda")
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    assert float(loss) == 0.0 and not gx.any() and not gw.any()
+
+
+def test_exponentials_planned_where_they_apply():
+    """The tuned knob takes effect for a plain bf16/fp32 training call with a scalar loss and no bias; a bias,
+    fp16, another option or reduction="none" keep the logits path, and so does a call the cache says nothing
+    for off Hopper (here: a CPU tensor)."""
+    from flce.backends.cuda.plan import plan_chunks, tuned_knobs
+    from flce.config import LCEConfig
+    from flce.engine.plans import EXPONENTIALS, LOGITS, PlanRequest
+    from flce.inputs import prepare_inputs
+
+    def chunk_grad(dtype=torch.float32, bias=False, knobs=KNOBS, **options) -> str:
+        x, w, b, t = lm_head_inputs(16, 8, 64, dtype, "cpu", with_bias=bias)
+        cfg = LCEConfig(**options)
+        with override_params(knobs, backend="cuda"):
+            flat = prepare_inputs(x, w, t, b, cfg)
+            return plan_chunks(flat, cfg, PlanRequest(training=True), tuned_knobs(flat, "plain")).chunk_grad
+
+    assert chunk_grad() == EXPONENTIALS
+    assert chunk_grad(torch.bfloat16) == EXPONENTIALS
+    assert chunk_grad(torch.float16) == LOGITS
+    assert chunk_grad(bias=True) == LOGITS
+    assert chunk_grad(label_smoothing=0.1) == LOGITS
+    assert chunk_grad(reduction="none") == LOGITS
+    assert chunk_grad(knobs={"tokens_per_chunk": 8, "grad_schedule": "token_chunks"}) == LOGITS
+
+
+def test_kept_exponentials_capability_required():
+    from flce.engine.kernels import KEPT_EXPONENTIALS
+    from flce.engine.plans import TokenChunks
+
+    assert KEPT_EXPONENTIALS in TokenChunks(8, chunk_grad="exponentials").requires
+    assert KEPT_EXPONENTIALS not in TokenChunks(8).requires
+    with pytest.raises(ValueError, match="chunk_grad"):
+        TokenChunks(8, chunk_grad="probabilities")
