@@ -56,7 +56,7 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     column of the max, with SUM_Z (label smoothing) the sum of y, weighted by class_weight[column] with
     CLASS_WEIGHT; and, where the target is in this tile, its logit z.
 
-    STORE_EXP (the plain loss's gradient from kept exponentials, exp_rows.py): the chunk's u is overwritten in
+    STORE_EXP (the plain loss's gradient from kept exponentials, exp_grad_ops.py): the chunk's u is overwritten in
     tile_smem by min(exp2(y - offset), ~2^64) in the same dtype, offset = exp_offset[row] (base 2), which the
     caller stores to HBM once all chunks of the half tile are done; 0 past N."""
     layout: gl.constexpr = _stats_layout()
@@ -90,7 +90,7 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     if STORE_EXP:
         # exp2(y - offset) = e * exp2(shift - offset): one multiply a logit. The factor is capped at 2^64, so a
         # row whose logits exceed offset + 64 stores finite wrong values (never inf, whose 0 * inf would be NaN
-        # in the gradient GEMMs) and exp_rows.py recomputes it.
+        # in the gradient GEMMs) and exp_grad_ops.redo_exp_rows recomputes it.
         factor = gl.exp2(gl.minimum(shift - offset, 64.0))
         chunk_smem.store((e * gl.expand_dims(factor, 1)).to(chunk_smem.dtype))
     part_sum = gl.sum(e, axis=1)
