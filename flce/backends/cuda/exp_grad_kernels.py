@@ -19,7 +19,8 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # (the GEMM's cap) while the row's loss is under (58 + 64) ln 2 = 84.6 nats, and E of logits more than
 # (133 - 58) ln 2 = 52 nats below the target's flushes to 0 in bf16 (p below 2^-75 of the target's).
 OFFSET_ABOVE_TARGET = tl.constexpr(58.0)
-# The GEMM caps exp2(max y - c) at 2^CAP (ws_stats_kernels._stats_chunk): rows past it are recomputed.
+# The GEMM caps exp2(max y - c) at 2^CAP (ws_stats_kernels._stats_chunk, which imports it): rows past it are
+# recomputed.
 CAP = tl.constexpr(64.0)
 
 

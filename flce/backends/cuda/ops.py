@@ -52,6 +52,8 @@ def _scale_stride(t: torch.Tensor) -> int:
 
 
 _log = logging.getLogger("flce")
+# What TritonChunkKernels._ws_row_stats returns where the warp-specialised GEMM did not run.
+_NOT_TAKEN = object()
 # (kernel, device, dtype, GemmConfig) whose fused kernel failed to compile: served by the fallback.
 _failed_gemm_configs: set[tuple] = set()
 
@@ -86,21 +88,31 @@ class TritonChunkKernels:
                              "cuBLAS instead", a.device, a.dtype, error)
         torch_matmul_(a, b, out, accumulate)
 
-    def gemm_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,
-                       logits_out=None) -> PartialRowStats:
+    def _ws_row_stats(self, kernel: str, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,
+                      logits_out, **exp_offset) -> object:
+        """ws_partial_row_stats where ``kernel`` is the warp-specialised one and it applies (``exp_offset``: its
+        exponentials mode); _NOT_TAKEN where it does not, or where it failed to compile (said once per device
+        and dtype), so the caller takes the fused Triton GEMM instead."""
         ws_key = ("ws_stats", hidden.device, hidden.dtype)
-        kernel = self.stats_kernel if logits_out is None else self.logits_kernel
         if (kernel == WARP_SPECIALIZED and ws_key not in _failed_gemm_configs
                 and ws_stats_eligible(hidden, weight, bias, cfg, logits_out)):
             # Hopper: the warp-specialised Gluon GEMM, whose epilogue computes every statistic and option
             # (plain 0.94-1.02x one cuBLAS GEMM against 1.01-1.07x for gemm_row_stats, RL 0.99-1.04x against
             # 1.03-1.10x, softcap + bias 1.07x against 1.11-1.21x on the H100; docs/ws_gemm_notes.md).
             try:
-                return ws_partial_row_stats(hidden, weight, target, vocab_offset, cfg, logits_out, bias)
+                return ws_partial_row_stats(hidden, weight, target, vocab_offset, cfg, logits_out, bias, **exp_offset)
             except (triton.CompilationError, triton.OutOfResources, PTXASError) as error:
                 _failed_gemm_configs.add(ws_key)
                 _log.warning("flce: the warp-specialised forward kernel failed on %s %s (%s); using the fused "
                              "Triton GEMM instead", hidden.device, hidden.dtype, error)
+        return _NOT_TAKEN
+
+    def gemm_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,
+                       logits_out=None) -> PartialRowStats:
+        kernel = self.stats_kernel if logits_out is None else self.logits_kernel
+        stats = self._ws_row_stats(kernel, hidden, weight, bias, target, cfg, vocab_offset, logits_out)
+        if stats is not _NOT_TAKEN:
+            return stats
         config = self.gemm or default_gemm_config(hidden.device, hidden.dtype)
         key = ("stats", hidden.device, hidden.dtype, config)
         if key not in _failed_gemm_configs:
@@ -124,17 +136,9 @@ class TritonChunkKernels:
     def gemm_exp_grad(self, hidden, weight, target, ignore_index: int, grad_scale, exp_out):
         offsets = exp_offsets(hidden, weight, target, ignore_index)
         cfg = LCEConfig(ignore_index=ignore_index)
-        ws_key = ("ws_stats", hidden.device, hidden.dtype)
-        partial = None
-        if (self.logits_kernel == WARP_SPECIALIZED and ws_key not in _failed_gemm_configs
-                and ws_stats_eligible(hidden, weight, None, cfg, exp_out)):
-            try:
-                partial = ws_partial_row_stats(hidden, weight, target, 0, cfg, exp_out, exp_offset=offsets)
-            except (triton.CompilationError, triton.OutOfResources, PTXASError) as error:
-                _failed_gemm_configs.add(ws_key)
-                _log.warning("flce: the warp-specialised forward kernel failed on %s %s (%s); using the fused "
-                             "Triton GEMM instead", hidden.device, hidden.dtype, error)
-        if partial is None:
+        partial = self._ws_row_stats(self.logits_kernel, hidden, weight, None, target, cfg, 0, exp_out,
+                                     exp_offset=offsets)
+        if partial is _NOT_TAKEN:
             # The logits from the other forward paths, then one pass turns them into the exponentials.
             partial = self.gemm_row_stats(hidden, weight, None, target, cfg, 0, exp_out)
             exponentials_from_logits_(exp_out, offsets)

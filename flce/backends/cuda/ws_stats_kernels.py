@@ -11,6 +11,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from flce.backends.cuda.exp_grad_kernels import CAP as EXP_CAP  # the cap the redo kernels test rows against
+
 LN2 = gl.constexpr(0.6931471805599453)  # the same fp32 constant as gemm_kernels.LN2, whose merge reads these partials
 
 
@@ -57,7 +59,7 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     CLASS_WEIGHT; and, where the target is in this tile, its logit z.
 
     STORE_EXP (the plain loss's gradient from kept exponentials, exp_grad_ops.py): the chunk's u is overwritten in
-    tile_smem by min(exp2(y - offset), ~2^64) in the same dtype, offset = exp_offset[row] (base 2), which the
+    tile_smem by min(exp2(y - offset), ~2^EXP_CAP) in the same dtype, offset = exp_offset[row] (base 2), which the
     caller stores to HBM once all chunks of the half tile are done; 0 past N."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
@@ -88,10 +90,10 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     shift = gl.where(part_max > float("-inf"), part_max, 0.0)  # a quarter past N: all -inf, sum 0
     e = gl.exp2(z * y_scale - gl.expand_dims(shift, 1))
     if STORE_EXP:
-        # exp2(y - offset) = e * exp2(shift - offset): one multiply a logit. The factor is capped at 2^64, so a
-        # row whose logits exceed offset + 64 stores finite wrong values (never inf, whose 0 * inf would be NaN
-        # in the gradient GEMMs) and exp_grad_ops.redo_exp_rows recomputes it.
-        factor = gl.exp2(gl.minimum(shift - offset, 64.0))
+        # exp2(y - offset) = e * exp2(shift - offset): one multiply a logit. The factor is capped at 2^EXP_CAP,
+        # so a row whose logits exceed offset + EXP_CAP stores finite wrong values (never inf, whose 0 * inf
+        # would be NaN in the gradient GEMMs) and exp_grad_ops.redo_exp_rows recomputes it.
+        factor = gl.exp2(gl.minimum(shift - offset, EXP_CAP))
         chunk_smem.store((e * gl.expand_dims(factor, 1)).to(chunk_smem.dtype))
     part_sum = gl.sum(e, axis=1)
     if not SUM_Z:
