@@ -35,9 +35,9 @@ def exp_calls(monkeypatch):
         calls.append([hidden.shape[0], None])
         return real_grad(self, hidden, *args, **kwargs)
 
-    def counting_redo(hidden, weight, target, lse, redo_rows, redo_count, exp):
+    def counting_redo(hidden, weight, target, redo_rows, redo_count, exp):
         calls[-1][1] = int(redo_count.item())
-        return real_redo(hidden, weight, target, lse, redo_rows, redo_count, exp)
+        return real_redo(hidden, weight, target, redo_rows, redo_count, exp)
 
     monkeypatch.setattr(ops.TritonChunkKernels, "gemm_exp_grad", counting_grad)
     monkeypatch.setattr(ops, "redo_exp_rows", counting_redo)
@@ -67,11 +67,10 @@ def test_exponentials_match_float64(reduction, exp_calls):
 @interpreter_only
 def test_exponentials_redo_rows_past_the_cap(exp_calls):
     """Logits of +-1e4: nearly every row's loss is far beyond the ~84 nats the offsets keep below the cap, so its
-    exponentials are recomputed with c = lse; a wrong row would be off by O(1), NaN or inf. The recomputed logits
-    are summed in another order than the GEMM's that made lse: at |z| ~ 1e4 fp32 resolves z - lse to ~|z| 2^-23
-    a rounding, which the exponent carries into the gradient's largest entries (the logits path, which reuses
-    the GEMM's own logits, measures ~4e-8 here, the recomputed rows 1e-4 to 4e-4); the bound, |z| 2^-20, is
-    two orders below what a wrong row costs."""
+    exponentials are recomputed as its gradient, with the lse of the recomputed logits; a wrong row would be off
+    by O(1), NaN or inf. Two logits of a row within a few nats of each other make its gradient as sensitive as
+    fp32 logits of ~1e4 are (|z| 2^-23 a rounding; the recomputed ones are summed in another order than the
+    GEMM's): the bound, |z| 2^-20, is two orders below what a wrong row costs."""
     n, h, v = 18, 16, 203
     x = (torch.randn(n, h) * 40).requires_grad_()
     w = (torch.randn(v, h) * 20).requires_grad_()
@@ -97,7 +96,7 @@ def test_exponentials_mixed_rows_and_all_ignored(exp_calls):
     x[3] = w[t[3]] * -400  # the target's logit far below the rest: a loss of thousands of nats
     x.requires_grad_(True)
     w.requires_grad_(True)
-    # the redone row's logits (~+-300) are summed in another order than the GEMM's (the test above says why)
+    # the redone row's logits (~+-300) carry fp32's |z| 2^-23 a rounding (the test above says why)
     largest = float((x.detach() @ w.detach().t()).abs().max())
     for got, want in _grads_against_float64(x, w, t):
         assert relative_error(got, want) < max(1e-5, largest * 2**-20)

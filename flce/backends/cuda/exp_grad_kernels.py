@@ -6,7 +6,7 @@ G = softmax - onehot = s * E with s = exp2(c - lse2) per row: the two gradient G
 rows, and no pass over the logits turns them into G. The target's column is overwritten with
 (p_t - 1) / s, so G is s * E exactly there too (no cancellation between the GEMM's p_t and the onehot).
 Rows whose logits exceed c + 64 (a target logit more than ~84 nats below the row's lse) were capped in
-the GEMM; they are recomputed here with c = lse.
+the GEMM; they are recomputed here as their gradient, with their own lse.
 """
 
 from __future__ import annotations
@@ -85,38 +85,58 @@ def _exp_rows_finish_kernel(exp_ptr, stride, target_ptr, lse_ptr, target_z_ptr, 
 
 
 @triton.jit
-def _exp_rows_redo_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, lse_ptr, redo_rows_ptr, redo_count_ptr,
-                          exp_ptr, stride_e, hidden, vocab, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+def _redo_logits(x_ptr, stride_x, w_ptr, stride_w, rows, row_ok, cols, col_ok, hidden, BLOCK_R: tl.constexpr,
+                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """u[rows, cols] = x[rows] @ w[cols].T rounded to the inputs' dtype (as the GEMM's logits), -inf past V."""
+    acc = tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32)
+    for k in range(0, hidden, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols.to(tl.int64)[None, :] * stride_w + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                    other=0.0)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    u = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return tl.where(col_ok[None, :], u, float("-inf"))
+
+
+@triton.jit
+def _exp_rows_redo_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, redo_rows_ptr, redo_count_ptr, exp_ptr,
+                          stride_e, hidden, vocab, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """The listed rows' E recomputed with c = lse (E = p, the target's p - 1: G = E, s = 1 x the upstream
-    scale) from their logits, rounded to the inputs' dtype as the GEMM's were. grid (cdiv(V, BLOCK_V),): each
-    program its columns of every listed row; no rows (the usual case), it only reads the count. IEEE: fp32
-    inputs, multiplied exactly (no TF32)."""
-    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_ok = cols < vocab
+    """The listed rows' E recomputed as their gradient (E = softmax, the target's softmax - 1: G = E, s = the
+    upstream scale) from logits recomputed here, with the lse of those same logits: two passes over V, the first
+    for the row's max and sum, so each row's softmax is consistent in itself (the GEMM's lse came from logits
+    summed in another order, which can round a logit to a neighbouring value). grid (cdiv(rows, BLOCK_R),): each
+    program one block of BLOCK_R listed rows, if there are that many; no rows (the usual case), every program
+    only reads the count. IEEE: fp32 inputs, multiplied exactly (no TF32)."""
     count = tl.load(redo_count_ptr)
-    for start in range(0, count, BLOCK_R):
+    for start in range(tl.program_id(0) * BLOCK_R, count, tl.num_programs(0) * BLOCK_R):
         slots = start + tl.arange(0, BLOCK_R)
         row_ok = slots < count
         rows = tl.load(redo_rows_ptr + slots, mask=row_ok, other=0).to(tl.int64)
-        acc = tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32)
-        for k in range(0, hidden, BLOCK_K):
-            ks = k + tl.arange(0, BLOCK_K)
-            k_ok = ks < hidden
-            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + cols.to(tl.int64)[None, :] * stride_w + ks[:, None],
-                        mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            if IEEE:
-                acc = tl.dot(x, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w, acc)
-        u = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        row_max = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for v in range(0, vocab, BLOCK_V):
+            cols = v + tl.arange(0, BLOCK_V)
+            u = _redo_logits(x_ptr, stride_x, w_ptr, stride_w, rows, row_ok, cols, cols < vocab, hidden, BLOCK_R,
+                             BLOCK_V, BLOCK_K, IEEE)
+            new_max = tl.maximum(row_max, tl.max(u, axis=1))
+            row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(u - new_max[:, None]), axis=1)
+            row_max = new_max
+        lse = row_max + tl.log(row_sum)
         t = tl.load(target_ptr + rows, mask=row_ok, other=-1)
-        e = tl.exp(u - lse[:, None]) - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)
-        tl.store(exp_ptr + rows[:, None] * stride_e + cols[None, :], e.to(exp_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+        for v in range(0, vocab, BLOCK_V):
+            cols = v + tl.arange(0, BLOCK_V)
+            col_ok = cols < vocab
+            u = _redo_logits(x_ptr, stride_x, w_ptr, stride_w, rows, row_ok, cols, col_ok, hidden, BLOCK_R,
+                             BLOCK_V, BLOCK_K, IEEE)
+            e = tl.exp(u - lse[:, None]) - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)
+            tl.store(exp_ptr + rows[:, None] * stride_e + cols[None, :], e.to(exp_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
