@@ -70,8 +70,18 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
     cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
     chunk_smem = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
-    if STORE_EXP:
-        offset = gl.load(stats_ptrs[9] + rows, mask=(rows < M) & valid, other=0.0)
+    # The row block's per-row operands come from HBM once, at its first column quarter, and ride in the carry
+    # to the other three: a global load in every chunk put its latency into each chunk's critical path.
+    row_ok = (rows < M) & valid
+    if q == 0:
+        target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
+        if STORE_EXP:
+            offset = gl.load(stats_ptrs[9] + rows, mask=row_ok, other=0.0)
+        else:
+            offset = carry[7]
+    else:
+        target = carry[3]
+        offset = carry[7]
     u = chunk_smem.load(layout).to(gl.float32)
     if SOFTCAP:
         u = _softcapped(u, softcap)  # kernels._capped_scaled's cap
@@ -98,11 +108,6 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     part_sum = gl.sum(e, axis=1)
     if not SUM_Z:
         part_sum_u = part_sum
-    row_ok = (rows < M) & valid
-    if q == 0:
-        target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
-    else:
-        target = carry[3]
     part_target = gl.sum(gl.where(gl.expand_dims(cols, 0) == gl.expand_dims(target, 1), z, 0.0), axis=1)
     if ARGMAX:
         first = gl.where(z == gl.expand_dims(top, 1), gl.expand_dims(cols, 0), 2147483647)
@@ -158,4 +163,4 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
             gl.store(part_sum_y_ptr + part, running_sum_u * y_scale, mask=row_ok)
         in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
         gl.store(target_z_ptr + rows, target_u * z_scale, mask=in_tile)
-    return running_max, running_sum, target_u, target, running_sum_dz, best, running_sum_u
+    return running_max, running_sum, target_u, target, running_sum_dz, best, running_sum_u, offset
