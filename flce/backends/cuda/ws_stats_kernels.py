@@ -46,17 +46,17 @@ def _softcapped(u, softcap):
 def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
                  softcap, BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr, SUM_Z: gl.constexpr,
                  SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr, STORE_EXP: gl.constexpr):
-    """Chunk ``chunk`` of a warpgroup's logits half tile u (in the inputs' dtype; first row off_m, column
-    tile pid_n; ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's
-    running ``carry``: (max of y, sum of exp2(y - max), target's c, target, sum of exp2(y - max) * (z - r),
-    first column holding the max, sum of c) with c = u, or with SOFTCAP c = softcap * tanh(u / softcap),
-    y = c * y_scale (y_scale = log2(e) / temperature > 0, so max y = y_scale * max c, at the same columns),
-    z = c * z_scale the natural logit (z_scale = 1 / temperature, z exactly as the gradient kernels
-    compute it) and r = max y * ln 2. The last column quarter writes the block's partials, base 2 as
-    gemm_kernels' row statistics (merged by its _merge_splits_kernel): max, sum, with SUM_EXP_DZ (the
-    entropy's statistic) the sum times z - r, with ARGMAX (token accuracy, predicted tokens) the first
-    column of the max, with SUM_Z (label smoothing) the sum of y, weighted by class_weight[column] with
-    CLASS_WEIGHT; and, where the target is in this tile, its logit z.
+    """Chunk ``chunk`` of a warpgroup's logits half tile u (in the inputs' dtype; first row off_m, column tile
+    pid_n; ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's running
+    ``carry``: (max of y, sum of exp2(y - max), target's c, target, sum of exp2(y - max) * (z - r), first column
+    holding the max, sum of c, with STORE_EXP the row's exponent offset) with c = u, or with SOFTCAP c = softcap *
+    tanh(u / softcap), y = c * y_scale (y_scale = log2(e) / temperature > 0, so max y = y_scale * max c, at the same
+    columns), z = c * z_scale the natural logit (z_scale = 1 / temperature, z exactly as the gradient kernels
+    compute it) and r = max y * ln 2. The last column quarter writes the block's partials, base 2 as gemm_kernels'
+    row statistics (merged by its _merge_splits_kernel): max, sum, with SUM_EXP_DZ (the entropy's statistic) the sum
+    times z - r, with ARGMAX (token accuracy, predicted tokens) the first column of the max, with SUM_Z (label
+    smoothing) the sum of y, weighted by class_weight[column] with CLASS_WEIGHT; and, where the target is in this
+    tile, its logit z.
 
     STORE_EXP (the plain loss's gradient from kept exponentials, exp_grad_ops.py): the chunk's u is overwritten in
     tile_smem by min(exp2(y - offset), ~2^EXP_CAP) in the same dtype, offset = exp_offset[row] (base 2), which the
@@ -73,15 +73,12 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     # The row block's per-row operands come from HBM once, at its first column quarter, and ride in the carry
     # to the other three: a global load in every chunk put its latency into each chunk's critical path.
     row_ok = (rows < M) & valid
+    target = carry[3]
+    offset = carry[7]
     if q == 0:
         target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
         if STORE_EXP:
             offset = gl.load(stats_ptrs[9] + rows, mask=row_ok, other=0.0)
-        else:
-            offset = carry[7]
-    else:
-        target = carry[3]
-        offset = carry[7]
     u = chunk_smem.load(layout).to(gl.float32)
     if SOFTCAP:
         u = _softcapped(u, softcap)  # kernels._capped_scaled's cap
