@@ -25,7 +25,6 @@ imports without Triton so that the probe can say so.
 from __future__ import annotations
 
 import inspect
-from importlib import metadata
 
 # The Triton releases this module maps. An older one is refused; a newer one is tried with the 3.9 names.
 OLDEST_TRITON = (3, 5)
@@ -82,21 +81,28 @@ else:
 
 
 def triton_version() -> tuple[int, int] | None:
-    """(major, minor) of the installed Triton distribution, None when there is none."""
+    """(major, minor) of the importable ``triton`` package (NVIDIA's or triton-ascend's), None without one."""
     try:
-        text = metadata.version("triton")
-    except metadata.PackageNotFoundError:
+        import triton
+    except ImportError:
         return None
-    parts = text.split(".")
-    try:
-        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
-    except (IndexError, ValueError):
-        return None
+    major, minor = (triton.__version__.split(".") + ["0"])[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+_support: tuple[bool, str] | None = None
 
 
 def gluon_support() -> tuple[bool, str]:
     """(True, what is used) where this Triton builds flce's Gluon kernels (the warp-specialised Hopper
-    GEMM of ws_gemm_kernels.py), else (False, why not)."""
+    GEMM of ws_gemm_kernels.py), else (False, why not). Probed once per process."""
+    global _support
+    if _support is None:
+        _support = _probe()
+    return _support
+
+
+def _probe() -> tuple[bool, str]:
     version = triton_version()
     if version is None:
         return False, "triton is not installed"
@@ -106,7 +112,7 @@ def gluon_support() -> tuple[bool, str]:
                        "kernels are written for")
     if _IMPORT_ERROR is not None:
         return False, f"{name} has no Gluon Hopper module ({_IMPORT_ERROR})"
-    missing = [kernel_name for kernel_name, value in
+    missing = [what for what, value in
                (("TMA load", tma_load), ("TMA store", tma_store), ("CTA barrier", cta_barrier)) if value is None]
     if missing:
         return False, f"{name}: Gluon lacks {', '.join(missing)}"

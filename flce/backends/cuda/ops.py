@@ -22,6 +22,7 @@ from flce.backends.cuda.exp_grad_ops import (
     scale_rows,
 )
 from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_grad, gemm_row_stats
+from flce.backends.cuda.gluon_compat import gluon_support
 from flce.backends.cuda.plan import MAX_BLOCK_V, WARP_SPECIALIZED, LaunchParams, fallback_scan_block
 from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_matmul_supported, ws_partial_row_stats, ws_stats_eligible
 from flce.config import LCEConfig
@@ -58,6 +59,21 @@ _NOT_TAKEN = object()
 _failed_gemm_configs: set[tuple] = set()
 
 
+def _gluon_builds() -> bool:
+    """Whether this Triton builds the warp-specialised Gluon GEMM (gluon_compat.gluon_support); where it does
+    not, the reason is logged once and the callers take the fused Triton GEMM or cuBLAS."""
+    global _gluon_reason_logged
+    builds, reason = gluon_support()
+    if not builds and not _gluon_reason_logged:
+        _gluon_reason_logged = True
+        _log.warning("flce: the warp-specialised Gluon GEMM cannot be built here (%s); using the fused Triton "
+                     "GEMM and cuBLAS instead", reason)
+    return builds
+
+
+_gluon_reason_logged = False
+
+
 class TritonChunkKernels:
     """The chunk kernels of the CUDA backend (also run by the Triton interpreter on CPU tensors).
     ``launch``: tuned block size and warps, else a heuristic per launch; ``gemm``: tuned tiles of
@@ -78,7 +94,7 @@ class TritonChunkKernels:
     def matmul_(self, a, b, out, accumulate) -> None:
         key = ("ws_gemm", a.device, a.dtype)
         if (self.grad_gemm_kernel == WARP_SPECIALIZED and key not in _failed_gemm_configs
-                and ws_matmul_supported(a, b, out)):
+                and ws_matmul_supported(a, b, out) and _gluon_builds()):
             try:
                 ws_matmul(a, b, out, accumulate=accumulate)
                 return
@@ -95,7 +111,7 @@ class TritonChunkKernels:
         and dtype), so the caller takes the fused Triton GEMM instead."""
         ws_key = ("ws_stats", hidden.device, hidden.dtype)
         if (kernel == WARP_SPECIALIZED and ws_key not in _failed_gemm_configs
-                and ws_stats_eligible(hidden, weight, bias, cfg, logits_out)):
+                and ws_stats_eligible(hidden, weight, bias, cfg, logits_out) and _gluon_builds()):
             # Hopper: the warp-specialised Gluon GEMM, whose epilogue computes every statistic and option
             # (plain 0.94-1.02x one cuBLAS GEMM against 1.01-1.07x for gemm_row_stats, RL 0.99-1.04x against
             # 1.03-1.10x, softcap + bias 1.07x against 1.11-1.21x on the H100; docs/ws_gemm_notes.md).
