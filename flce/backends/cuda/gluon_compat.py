@@ -35,8 +35,9 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import tma
-except ImportError as error:  # no Triton, or one without Gluon (triton-ascend installs itself as `triton`)
-    _IMPORT_ERROR: ImportError | None = error
+except Exception as error:  # no Triton, or one without Gluon (triton-ascend installs itself as `triton`; a
+    # broken install raises more than ImportError): the probe reports it, and the kernels are not built
+    _IMPORT_ERROR: Exception | None = error
     tma_load = tma_store = cta_barrier = warp_specialize = None
 else:
     _IMPORT_ERROR = None
@@ -84,7 +85,7 @@ def triton_version() -> tuple[int, int] | None:
     """(major, minor) of the importable ``triton`` package (NVIDIA's or triton-ascend's), None without one."""
     try:
         import triton
-    except ImportError:
+    except Exception:  # absent, or an install that does not import: no Triton to build with
         return None
     major, minor = (triton.__version__.split(".") + ["0"])[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
