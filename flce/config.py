@@ -1,6 +1,6 @@
 """The options of one linear cross-entropy call, validated once.
 
-Every backend receives an :class:`LCEConfig`; the option table in DESIGN.md is
+Every backend receives an :class:`LCEConfig`; the option table in docs/design.md is
 the source of truth for names, defaults and meaning.
 """
 
@@ -39,7 +39,7 @@ _FULL_FEATURE_OPTIONS = {
 
 @dataclass(frozen=True)
 class LCEConfig:
-    """Validated options; see DESIGN.md's option table."""
+    """Validated options; see docs/design.md's option table."""
 
     ignore_index: int = -100
     reduction: str = "mean"

@@ -155,7 +155,7 @@ def test_single_backward_scales_the_in_forward_gradients_in_place(reduction: str
 
 
 # gradcheck differentiates numerically: every option whose gradient is the true derivative. Token
-# scaling multiplies by a detached probability (DESIGN.md), so its gradient is not the derivative
+# scaling multiplies by a detached probability (docs/design.md), so its gradient is not the derivative
 # of the loss; test_token_scaling_jacobian_matches_the_oracle checks it instead.
 GRADCHECK_CASES: dict[str, dict[str, Any]] = {
     "defaults": {},

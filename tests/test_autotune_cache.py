@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import stat
 import warnings
 from pathlib import Path
@@ -18,7 +19,7 @@ import flce
 import flce.autotune as autotune
 from flce.autotune import cache as cache_files
 from flce.autotune import locations
-from flce.autotune.schema import HEADER, Entry, SchemaError, entry_from_dict, merge, parse_document
+from flce.autotune.schema import FORMER_HEADERS, HEADER, Entry, SchemaError, entry_from_dict, merge, parse_document
 from flce.backends.reference.plan import DEFAULT_CHUNK_BUDGET, plan_chunks, working_bytes_per_row
 from flce.config import LCEConfig
 from flce.engine.plans import TokenChunks
@@ -78,6 +79,27 @@ def test_update_merges_by_key_and_keeps_order_and_notes(tmp_path: Path) -> None:
         (64, 32), (128, 8), (256, 8)]
     assert path.read_text().splitlines()[:2] == [HEADER, "# made by: flce-autotune tune ..."]
     assert merge([entry(tokens=1)], [entry(tokens=1, params={})]) == [entry(tokens=1, params={})]
+
+
+@pytest.mark.parametrize("header", FORMER_HEADERS)
+def test_a_file_with_a_former_header_stays_flces_and_gets_the_current_one(tmp_path: Path, header: str) -> None:
+    """Cache files already on disk carry the header of their day: a truncated one is still flce's (so
+    `clear` may delete it), and an update writes the current header once, keeping the notes below it."""
+    path = tmp_path / "c.yaml"
+    text = cache_files.render([entry(tokens=64)], ["# made by: flce-autotune tune ..."])
+    path.write_text(text.replace(HEADER, header, 1))
+    truncated = tmp_path / "truncated.yaml"
+    truncated.write_text(header + "\nschema: 1\nentries:\n- {device: d, backend")
+    assert cache_files.is_flce_file(truncated)
+    write(path, [entry(tokens=128)])
+    assert path.read_text().splitlines()[:3] == [HEADER, "# made by: flce-autotune tune ...", "schema: 1"]
+    assert [e.tokens for e in cache_files.read_file(path).entries] == [64, 128]
+
+
+def test_the_header_names_a_document_the_repository_ships() -> None:
+    """The header tells whoever opens a cache file where its format is described."""
+    cited = re.findall(r"[\w/.-]+\.md", HEADER)
+    assert cited == ["docs/design.md"] and (Path(__file__).resolve().parents[1] / cited[0]).is_file()
 
 
 @pytest.mark.parametrize("change, message", [

@@ -1,5 +1,5 @@
 """The package's import structure: no import circle between flce's modules, and every package
-imports only from its own layer or the layers below it (DESIGN.md's layout, bottom to top).
+imports only from its own layer or the layers below it (docs/architecture.md's layout, bottom to top).
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency);
 read from the source with ast, so nothing is imported."""

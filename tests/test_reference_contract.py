@@ -1,8 +1,8 @@
 """The reference backend against the float64 materialised oracle (tests/helpers.py).
 
-Every option of DESIGN.md's table x every reduction x with and without bias, forward and
+Every option of docs/design.md's table x every reduction x with and without bias, forward and
 backward with random upstream gradients (through loss, logprobs and entropy), plus the
-cases DESIGN.md calls out: low precision, autocast, [..., H] and non-contiguous inputs,
+cases docs/design.md calls out: low precision, autocast, [..., H] and non-contiguous inputs,
 empty and all-ignored input, accum_dtype, chunking and the deferred gradient schedule.
 """
 
@@ -181,7 +181,7 @@ def test_low_precision_forward(case: str, reduction: str, dtype: torch.dtype, ge
 
 
 def test_bf16_gradients_within_eager_error(generator: torch.Generator) -> None:
-    """DESIGN.md: bf16 gradients within 1.5x of what materialised bf16 eager PyTorch achieves."""
+    """docs/design.md: bf16 gradients within 1.5x of what materialised bf16 eager PyTorch achieves."""
     hidden, weight, target, _ = make_inputs((256,), 64, 1000, dtype=torch.bfloat16, generator=generator)
     upstream = Upstream(loss=torch.tensor(1.0, dtype=torch.float64))
     _, grads = flce_grads(flce.get_impl("cpu")(), hidden, weight, target, None, upstream)

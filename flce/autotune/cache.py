@@ -23,7 +23,7 @@ from typing import TypeVar
 import yaml
 
 from flce.autotune import locations
-from flce.autotune.schema import HEADER, Entry, SchemaError, ShapeKey, document_of, merge, parse_document
+from flce.autotune.schema import HEADER, Entry, SchemaError, ShapeKey, document_of, is_header, merge, parse_document
 
 T = TypeVar("T")
 
@@ -144,7 +144,7 @@ def leading_comments(path: Path) -> list[str]:
             for line in f:
                 if not line.startswith("#"):
                     break
-                if line.rstrip("\n") != HEADER:
+                if not is_header(line):
                     comments.append(line.rstrip("\n"))
     except (OSError, UnicodeDecodeError):
         return []
@@ -155,7 +155,7 @@ def is_flce_file(path: Path) -> bool:
     """True for a file flce wrote (its header survives truncation) or one that parses as a cache."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            if f.readline().rstrip("\n") == HEADER:
+            if is_header(f.readline()):
                 return True
     except OSError:
         return False

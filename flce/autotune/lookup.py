@@ -53,7 +53,7 @@ def lookup(
 
     ``device`` is a torch device ("cuda", "cuda:1", a torch.device) or a device name as the cache
     files store it ("NVIDIA H100 80GB HBM3", "cpu:<model>"); backend and variant None match any.
-    Sources are searched in DESIGN.md's order, ``cache`` first.
+    Sources are searched in docs/design.md's order, ``cache`` first.
     """
     for name, value in (("hidden", hidden), ("vocab", vocab), ("tokens", tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
