@@ -1,4 +1,4 @@
-"""Side-by-side GPU benchmark of linear cross-entropy implementations (issue 7).
+"""Side-by-side GPU benchmark of linear cross-entropy implementations.
 
 One process, one GPU. For each shape (tokens x hidden x vocab, bf16) and method: forward+backward
 median time (triton.testing.do_bench), its ratio to the 3-GEMM floor measured in the same process,
@@ -7,6 +7,7 @@ and peak memory above the gradients ((V*H + BT*H) * element size); forward-only 
     python tools/benchmarks/peers.py                       # all shapes, every method importable here
     python tools/benchmarks/peers.py --shapes 8192x4096x128256 --methods flce,liger --markdown out.md
     python tools/benchmarks/peers.py --methods flce,quack --rounds 3   # interleaved, median (range)
+    python tools/benchmarks/peers.py --rounds 3 --json h100.json      # then: tools/benchmarks/plot.py h100.json
 
 Inputs, timing and peak memory come from flce.testing.measure (the same as every tool and the tuner).
 
@@ -20,9 +21,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.metadata
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -337,14 +340,42 @@ def main() -> None:
             rounds["3-GEMM floor"][-1].update(floor_ms=floor3, fwd_floor_ms=floor1)
         rows += [summary(measured, best3, best1) for measured in rounds.values()]
     gpu = torch.cuda.get_device_name()
-    header = (f"### {gpu}, {args.dtype}, {datetime.date.today()} — torch {torch.__version__}\n\n"
-              f"Command: `python tools/benchmarks/peers.py --shapes {args.shapes}"
-              f"{f' --methods {args.methods}' if args.methods else ''}"
-              f"{f' --rounds {args.rounds}' if args.rounds > 1 else ''}`")
+    command = (f"python tools/benchmarks/peers.py --shapes {args.shapes}"
+               f"{f' --methods {args.methods}' if args.methods else ''}"
+               f"{f' --rounds {args.rounds}' if args.rounds > 1 else ''}")
+    header = f"### {gpu}, {args.dtype}, {datetime.date.today()} — torch {torch.__version__}\n\nCommand: `{command}`"
     publish(markdown(rows, header, gemm_lines).rstrip("\n"), args.markdown)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(run_record(rows, gpu, args.dtype, command), f, indent=1)
+
+
+def run_record(rows: list[dict], gpu: str, dtype: str, command: str) -> dict:
+    """The --json file: the rows with what a reader needs to trust them (GPU, date, versions, command);
+    tools/benchmarks/plot.py draws and tabulates it."""
+    versions = {"torch": torch.__version__}
+    for package in ("triton", "liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-cutlass-dsl"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"gpu": gpu, "date": str(datetime.date.today()), "dtype": dtype, "call": "fwd+bwd, mean loss",
+            "versions": versions, "flce": flce_revision(), "command": command,
+            "inputs": "flce.testing.measure.shape_inputs: logits of std 1, uniform targets, every 17th ignored",
+            "rows": rows}
+
+
+def flce_revision() -> str:
+    """The checkout's commit ("+ local changes" where tracked files differ from it), else flce's version."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    git = ["git", "-C", root]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return f"flce {flce.__version__} (not a git checkout)"
+    return commit.stdout.strip() + (" + local changes" if dirty.stdout.strip() else "")
 
 
 if __name__ == "__main__":

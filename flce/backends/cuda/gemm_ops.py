@@ -77,7 +77,7 @@ class GemmConfig:
 
 def default_gemm_config(device: torch.device, dtype: torch.dtype) -> GemmConfig:
     """GPUs: 128 x 256 x 64 tiles, 8 warps, 3 stages, the fastest of six configurations on the H200
-    at three LM shapes (95-98% of cuBLAS's TFLOP/s; docs/benchmarks.md); fp32 operands halve the K
+    at three LM shapes (94-98% of cuBLAS's TFLOP/s; docs/design-notes.md); fp32 operands halve the K
     step to keep shared memory per stage the same. The interpreter: small tiles, so CPU tests run
     in seconds."""
     if device.type != "cuda":

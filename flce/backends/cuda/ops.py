@@ -98,7 +98,7 @@ class TritonChunkKernels:
                 and ws_stats_eligible(hidden, weight, bias, cfg, logits_out)):
             # Hopper: the warp-specialised Gluon GEMM, whose epilogue computes every statistic and option
             # (plain 0.94-1.02x one cuBLAS GEMM against 1.01-1.07x for gemm_row_stats, RL 0.99-1.04x against
-            # 1.03-1.10x, softcap + bias 1.07x against 1.11-1.21x on the H100; docs/ws_gemm_notes.md).
+            # 1.03-1.10x, softcap + bias 1.07x against 1.11-1.21x on the H100; docs/design-notes.md).
             try:
                 return ws_partial_row_stats(hidden, weight, target, vocab_offset, cfg, logits_out, bias, **exp_offset)
             except (triton.CompilationError, triton.OutOfResources, PTXASError) as error:
@@ -244,7 +244,7 @@ class TritonChunkKernels:
         if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc.dtype == torch.float32:
             # ones @ a into the fp32 sums, as one cuBLAS GEMM: PyTorch's column-sum reduction splits the rows
             # across thread blocks and stages their partial sums, V x 1024 bytes at 1536 rows (148 MiB at
-            # V = 151936, H100), beside the chunk's logits (docs/benchmarks.md).
+            # V = 151936, H100), beside the chunk's logits (docs/design-notes.md, "Memory").
             row = acc.view(1, -1)
             torch.addmm(row, a.new_ones(1, a.shape[0]), a, out_dtype=torch.float32, out=row)
             return

@@ -2,7 +2,7 @@
 
 The autotune cache's knobs for the shape (:func:`tuned_knobs`, the one place they are parsed) win
 where it holds them; the heuristics below fill in the rest. Every figure a heuristic rests on was
-measured (docs/benchmarks.md).
+measured (docs/design-notes.md).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ MIN_VOCAB_BLOCK = 512
 ROW_MULTIPLE = 256
 # The fused statistics GEMM's kernels: the warp-specialised Gluon GEMM where it applies (Hopper, plain
 # statistics; 0.94-1.02x one cuBLAS GEMM forward-only against 1.01-1.07x for the Triton GEMM on the H200
-# and H100, docs/ws_gemm_notes.md), else the Triton GEMM. Two knobs, because the tuner measures them in
+# and H100, docs/design-notes.md), else the Triton GEMM. Two knobs, because the tuner measures them in
 # different calls: stats_kernel where only statistics are taken (forward-only calls, a statistics pass
 # before the gradient), logits_kernel where the GEMM also writes a training chunk's logits.
 WARP_SPECIALIZED = "warp_specialized"
@@ -54,7 +54,7 @@ STATS_KERNELS = (WARP_SPECIALIZED, "triton")
 # weight gradient's read-modify-write fetched during its main loop) or cuBLAS. cuBLAS by default: on the
 # H100 the ws products made the default call slower (1.24-1.26x the floor against 1.15-1.18x at
 # 16384x2048x151936; its accumulating G.T @ x of one chunk 7% slower than cuBLAS's addmm, and G @ W of a
-# 1536-row chunk has 96 tiles for 132 SMs; docs/ws_gemm_notes.md). flce-autotune measures both on Hopper.
+# 1536-row chunk has 96 tiles for 132 SMs; docs/design-notes.md). flce-autotune measures both on Hopper.
 GRAD_GEMM_KERNELS = (WARP_SPECIALIZED, CUBLAS)
 DEFAULT_GRAD_GEMM_KERNEL = CUBLAS
 # Widest row-kernel block a tuned launch may ask for.
@@ -139,7 +139,7 @@ FUSED_FORWARD_MIN_ROWS = 4096
 GRAD_SCHEDULES = ("vocab_blocks", "token_chunks")
 # In-forward gradients: budgets that leave token chunks of fewer rows than this take the vocabulary-
 # block schedule, whose recomputed GEMM costs less than each small chunk's read-modify-write of the
-# V x H weight gradient. Measured on the H200 (docs/benchmarks.md): 256-row chunks 1.47x / 1.71x the
+# V x H weight gradient. Measured on the H200 (docs/design-notes.md): 256-row chunks 1.47x / 1.71x the
 # floor against 1.42x by blocks, 512-row chunks 1.23x against 1.44x.
 VOCAB_BLOCK_SCHEDULE_BELOW_ROWS = 512
 # Vocabulary blocks of the gradient schedule are multiples of this many columns (whole GEMM tiles;

@@ -39,7 +39,7 @@ class WsGemmConfig:
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
-    group_m: int = 16  # 16 row blocks a group: 7 of 9 products faster than 8 (H200, docs/ws_gemm_notes.md)
+    group_m: int = 16  # 16 row blocks a group: 7 of 9 products faster than 8 (H200, docs/design-notes.md)
     stages: int = 3
     consumer_regs: int = 232  # per thread, each consumer warpgroup (setmaxnreg)
     load_regs: int = 40  # per thread, the load warp's warpgroup
