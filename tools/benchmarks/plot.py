@@ -10,8 +10,9 @@ rounds as an error bar where the file has one); a call that failed is marked whe
 Under the panels: GPU, date, versions, flce's revision and the command that made the numbers.
 
 A file is one process's run: ``{"gpu", "date", "versions": {package: version}, "command", "rows"}``
-and optionally ``dtype``, ``call`` (what was timed), ``flce`` (its revision), ``inputs``, ``source``
-(where transcribed numbers were published) and ``notes``. Each row is peers.py's summary of one
+and optionally ``dtype``, ``call`` (what was timed), ``memory`` (what the MiB count, if not "MiB above
+the gradients"), ``flce`` (its revision), ``inputs``, ``source`` (where transcribed numbers were
+published) and ``notes``. Each row is peers.py's summary of one
 implementation at one shape: ``shape``, ``method`` and any of ``ratio``, ``ratio_range``,
 ``peak_mib``, ``error``, ``fwd_ratio``, ``fwd_ratio_range``, ``fwd_peak_mib``, ``fwd_error``.
 
@@ -125,7 +126,9 @@ def plot_run(run: dict, path: Path) -> None:
                 draw_bar(axis, x, width, row, key, range_key, error_key, colours[method])
         if key == "peak_mib":
             axis.set_yscale("symlog", linthresh=1.0)
-            axis.set_ylim(bottom=0)
+            peaks = [row["peak_mib"] for row in run["rows"] if "peak_mib" in row]
+            axis.set_ylim(0, max(peaks, default=1.0) * 4)  # room for the labels above the bars
+            title = run.get("memory", title)
         else:
             axis.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
             tops = [row[key] for row in run["rows"] if key in row and row["method"] != FLOOR]
