@@ -182,7 +182,7 @@ def markdown(run: dict) -> str:
     """The run as markdown: a line saying what it is, then one table per measure (rows: shapes)."""
     shapes, methods = shapes_and_methods(run)
     by_key = {(row["shape"], row["method"]): row for row in run["rows"]}
-    lines = [footer(run).replace("\n", "; "), ""]
+    lines = [footer(run, width=1 << 20).replace("\n", "; "), ""]
     for key, range_key, error_key, _, title in measured(run):
         lines += [f"| {title} | " + " | ".join(LABELS.get(m, m) for m in methods) + " |",
                   "|---" * (len(methods) + 1) + "|"]
