@@ -232,7 +232,7 @@ def test_plan_follows_the_training_flag_not_grad_mode():
     (6144, 4, (1536, 8 * 1536)),  # a tuned limit still applies
 ])
 def test_deferred_plan_keeps_the_logits_that_fit(budget_mib, limit_gib, want):
-    """The RL shape of issue 11 (16384 x 4096 x 151936 bf16, 4.6 GiB of logits, reduction="none"):
+    """The RL benchmark shape (16384 x 4096 x 151936 bf16, 4.6 GiB of logits, reduction="none"):
     tokens per chunk and the leading rows whose logits forward keeps for backward; where nothing
     is kept, vocabulary blocks of all rows within the budget."""
     from flce.backends.cuda.plan import STATS_BYTES_PER_ROW, TunedKnobs, plan_chunks

@@ -353,7 +353,7 @@ def _meta_inputs(n: int, h: int, v: int):
 
 
 def test_tuning_under_a_budget_times_both_exact_schedules_at_its_size():
-    """flce-autotune --memory-budget 64MiB at issue 11's shape: the largest token chunk and the widest
+    """flce-autotune --memory-budget 64MiB at the RL benchmark shape: the largest token chunk and the widest
     vocabulary block that fit (gradient from the fused GEMM and from cuBLAS) are candidates, their
     estimates fit, and the planner runs each as stated when the cache holds it."""
     from flce.autotune import spaces

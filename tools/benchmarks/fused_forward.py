@@ -1,4 +1,4 @@
-"""Forward-only benchmark of the CUDA backend's fused forward (issue 10), one GPU, bf16.
+"""Forward-only benchmark of the CUDA backend's fused forward, one GPU, bf16.
 
 For each shape: one cuBLAS GEMM ``x @ W.T`` (the floor of a forward), the fused statistics kernel
 alone for each tile configuration (TFLOP/s beside cuBLAS's), and flce's no-grad calls (plain loss;

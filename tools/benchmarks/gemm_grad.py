@@ -1,4 +1,4 @@
-"""The gradient GEMM (issue 11) against what it replaces, one GPU, bf16, one process.
+"""The gradient GEMM against what it replaces, one GPU, bf16, one process.
 
 For each vocabulary block of the lean schedules (the blocks the planner makes at a 64 MiB budget,
 and the RL case's at 512 MiB): cuBLAS ``x @ W_block.T`` followed by the full-gradient row kernel,

@@ -1,6 +1,6 @@
 """Vocab-parallel flce on several GPUs: correctness against the unsharded op, then TP=2 vs TP=1 time.
 
-    torchrun --nproc-per-node 2 tools/distributed/vocab_parallel.py         # NCCL, the issue's shape
+    torchrun --nproc-per-node 2 tools/distributed/vocab_parallel.py         # NCCL, 16384 x 4096 x 128256
     torchrun --nproc-per-node 2 tools/distributed/vocab_parallel.py --device cpu --tokens 512 --hidden 64 \
         --vocab 4000                                                        # gloo smoke run on a CPU
 
