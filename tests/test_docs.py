@@ -5,10 +5,11 @@ and the docs describe the project rather than how it was built."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -16,8 +17,18 @@ from flce.autotune.schema import FORMER_HEADERS
 from flce.config import LCEConfig
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools" / "benchmarks"))
-import plot  # noqa: E402  (tools/benchmarks is not a package)
+
+
+def _load_plot_tool() -> ModuleType:
+    """tools/benchmarks/plot.py, loaded by path (tools/ is not a package; its folder on sys.path would
+    expose every benchmark script's name to the whole test session)."""
+    spec = importlib.util.spec_from_file_location("flce_tools_plot", REPO / "tools" / "benchmarks" / "plot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+plot = _load_plot_tool()
 
 # A path to a document: under docs/ or tools/ and ending in .md, or a top-level name in capitals + .md.
 CITED_DOCUMENT = re.compile(r"(?<![\w./-])((?:docs|tools)/[\w./-]*\.md|[A-Z][A-Z_]+\.md)\b")
