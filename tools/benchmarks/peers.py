@@ -301,7 +301,9 @@ def main() -> None:
     parser.add_argument("--methods", default=None, help="comma-separated method names, run in this order")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="also write the rows, with GPU, date, versions and command")
+    parser.add_argument("--revision", default=None,
+                        help="flce's revision for --json (default: the checkout's git commit, where it has .git)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure each shape's floor and methods this many times, in turn; ratios are "
                              "reported as the median over rounds with their range")
@@ -347,10 +349,10 @@ def main() -> None:
     publish(markdown(rows, header, gemm_lines).rstrip("\n"), args.markdown)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(run_record(rows, gpu, args.dtype, command), f, indent=1)
+            json.dump(run_record(rows, gpu, args.dtype, command, args.revision or flce_revision()), f, indent=1)
 
 
-def run_record(rows: list[dict], gpu: str, dtype: str, command: str) -> dict:
+def run_record(rows: list[dict], gpu: str, dtype: str, command: str, revision: str) -> dict:
     """The --json file: the rows with what a reader needs to trust them (GPU, date, versions, command);
     tools/benchmarks/plot.py draws and tabulates it."""
     versions = {"torch": torch.__version__}
@@ -360,7 +362,7 @@ def run_record(rows: list[dict], gpu: str, dtype: str, command: str) -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     return {"gpu": gpu, "date": str(datetime.date.today()), "dtype": dtype, "call": "fwd+bwd, mean loss",
-            "versions": versions, "flce": flce_revision(), "command": command,
+            "versions": versions, "flce": revision, "command": command,
             "inputs": "flce.testing.measure.shape_inputs: logits of std 1, uniform targets, every 17th ignored",
             "rows": rows}
 
