@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 # Frames that name who allocated, innermost first: flce's own code, the tools, DTensor/FSDP.
@@ -84,4 +83,5 @@ def probe(fn: Callable[[], Any], sites: tuple[str, ...] = DEFAULT_SITES) -> Memo
     by_site: dict[str, int] = defaultdict(int)
     for size, site in peak_live.values():
         by_site[site] += size
-    return MemoryPeak(peak, allocations[-1].extra_fields.total_allocated - base, start_bytes=base, live_at_peak=dict(by_site))
+    end = allocations[-1].extra_fields.total_allocated - base
+    return MemoryPeak(peak, end, start_bytes=base, live_at_peak=dict(by_site))
