@@ -276,7 +276,8 @@ def train(plan: Parallelism, kind: str, args: ModelArgs, steps: int, device: tor
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             if recording:
-                torch.cuda.memory._record_memory_history(max_entries=20000)
+                # Python frames only: symbolising C++ frames when the snapshot is taken can take minutes.
+                torch.cuda.memory._record_memory_history(stacks="python", max_entries=20000)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         parallel_loss = loss_parallel() if plan.tp is not None and kind == "torch" else contextlib.nullcontext()
@@ -310,13 +311,15 @@ def _write_snapshot(path: Path) -> None:
             pickle.dump(snapshot, f)
 
 
-def _max_relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """Over every rank's shards: the largest ||got - want|| / ||want|| of any parameter. Replicated
-    shards count once per rank in both norms, which leaves the ratio unchanged."""
+def _max_relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                        device: torch.device) -> tuple[float, str]:
+    """Over every rank's shards: the largest ||got - want|| / ||want|| of any parameter, in float64 on
+    ``device``. Replicated shards count once per rank in both norms, which leaves the ratio unchanged."""
     names = sorted(want)
-    sums = torch.tensor([[float((got[n].double() - want[n].double()).pow(2).sum()),
-                          float(want[n].double().pow(2).sum())] for n in names], dtype=torch.float64)
-    sums = sums.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+    sums = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
+    for row, name in enumerate(names):
+        a, b = got[name].to(device).double(), want[name].to(device).double()
+        sums[row, 0], sums[row, 1] = (a - b).pow(2).sum(), b.pow(2).sum()
     dist.all_reduce(sums)
     errors = (sums[:, 0] / sums[:, 1].clamp_min(1e-60)).sqrt().tolist()
     worst = max(range(len(names)), key=errors.__getitem__)
@@ -331,8 +334,8 @@ def compare_mode(mode: str, args: ModelArgs, steps: int, device: torch.device, *
     for kind in ("torch", "flce"):
         snapshot = None if snapshot_dir is None else snapshot_dir / f"memory_snapshot_{mode}_{kind}.pickle.gz"
         runs[kind] = train(plan, kind, args, steps, device, mixed=mixed, snapshot=snapshot)
-    grad_error, grad_where = _max_relative_error(runs["flce"]["grads"], runs["torch"]["grads"])
-    param_error, param_where = _max_relative_error(runs["flce"]["params"], runs["torch"]["params"])
+    grad_error, grad_where = _max_relative_error(runs["flce"]["grads"], runs["torch"]["grads"], device)
+    param_error, param_where = _max_relative_error(runs["flce"]["params"], runs["torch"]["params"], device)
     timed = slice(1, None) if steps > 1 else slice(None)  # the first step warms up
     summary: dict[str, Any] = {
         "mode": mode, "precision": "bf16 compute, fp32 master weights" if mixed else "fp32",
@@ -430,6 +433,7 @@ def main() -> None:
             (out / f"dtensor_client{options.tag}.json").write_text(
                 json.dumps({"header": header, "results": results}, indent=1))
         publish(markdown(results, header), str(out / f"dtensor_client{options.tag}.md") if out is not None else None)
+    dist.barrier()
     dist.destroy_process_group()
 
 
