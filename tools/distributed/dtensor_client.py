@@ -246,17 +246,9 @@ def _host_shards(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: _local(t).detach().to("cpu", copy=True) for name, t in named.items()}
 
 
-def train(plan: Parallelism, kind: str, args: ModelArgs, steps: int, device: torch.device, *, mixed: bool = False,
-          lr: float = 0.5, snapshot: Path | None = None) -> dict[str, Any]:
-    """``steps`` SGD steps of a freshly built model (same seed everywhere) in ``plan.mode`` with ``kind`` loss."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    on_gpu = device.type == "cuda"
-    gc.collect()
-    if on_gpu:
-        torch.cuda.empty_cache()
-        torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated() if on_gpu else 0
+def build(plan: Parallelism, args: ModelArgs, device: torch.device, mixed: bool,
+          lr: float = 0.5) -> tuple[Transformer, torch.optim.Optimizer]:
+    """A freshly built model (the same seed everywhere) parallelised as ``plan`` says, and its SGD."""
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs: at the realistic size a CPU init takes minutes
         model = Transformer(args)
@@ -264,10 +256,36 @@ def train(plan: Parallelism, kind: str, args: ModelArgs, steps: int, device: tor
         apply_tp(model, plan.tp)
     if plan.dp is not None:
         apply_fsdp(model, plan.dp, mixed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    return model, torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def train_step(model: Transformer, optimizer: torch.optim.Optimizer, plan: Parallelism, kind: str,
+               tokens: torch.Tensor, labels: torch.Tensor, mixed: bool) -> torch.Tensor:
+    """Forward, backward (not the optimizer's step, so the gradients can be read); returns the loss."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    optimizer.zero_grad(set_to_none=True)
+    parallel_loss = loss_parallel() if plan.tp is not None and kind == "torch" else contextlib.nullcontext()
     # torchtitan's mixed precision for TP without FSDP2: autocast (FSDP2's policy covers the rest).
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if mixed and plan.dp is None else \
+    autocast = torch.autocast(tokens.device.type, dtype=torch.bfloat16) if mixed and plan.dp is None else \
         contextlib.nullcontext()
+    with parallel_loss:
+        with autocast:
+            loss = loss_of(model, tokens, labels, kind)
+        loss.backward()
+    return loss
+
+
+def train(plan: Parallelism, kind: str, args: ModelArgs, steps: int, device: torch.device, *, mixed: bool = False,
+          snapshot: Path | None = None) -> dict[str, Any]:
+    """``steps`` SGD steps of a freshly built model in ``plan.mode`` with ``kind`` loss."""
+    on_gpu = device.type == "cuda"
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated() if on_gpu else 0
+    model, optimizer = build(plan, args, device, mixed)
     losses, times, peaks, first_grads = [], [], [], {}
     for step in range(steps):
         tokens, labels = _batch(args, plan.batch_seed, step, device)
@@ -279,12 +297,7 @@ def train(plan: Parallelism, kind: str, args: ModelArgs, steps: int, device: tor
                 # Python frames only: symbolising C++ frames when the snapshot is taken can take minutes.
                 torch.cuda.memory._record_memory_history(stacks="python", max_entries=20000)
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        parallel_loss = loss_parallel() if plan.tp is not None and kind == "torch" else contextlib.nullcontext()
-        with parallel_loss:
-            with autocast:
-                loss = loss_of(model, tokens, labels, kind)
-            loss.backward()
+        loss = train_step(model, optimizer, plan, kind, tokens, labels, mixed)
         if step == 0:
             first_grads = _host_shards({name: p.grad for name, p in model.named_parameters()})
         optimizer.step()

@@ -4,18 +4,28 @@ The CPU allocator reports every allocation and free to the profiler (``profile_m
 with the running total and, with ``with_stack=True``, the Python frames and ops that made it. From
 them :func:`probe` finds the peak of the running total and lists the allocations alive at that
 moment, grouped by the innermost frame of interest that made them (flce's, the calling script's, or
-torch.distributed's): the GPU's ``max_memory_allocated`` has the same structure, so a difference
-between two code paths found here is there too (sizes scale with the shape; the CUDA allocator's
-rounding and cuBLAS workspaces are the only things the CPU does not show).
+torch.distributed's). What the CPU and GPU runs share (DTensor and FSDP2 handling, flce's engine and
+its buffers, a script's own copies) keeps its structure on the GPU; the backends' kernels and their
+temporaries differ (the reference backend's here, Triton's there).
+
+    torchrun --nproc-per-node 2 tools/distributed/memory_probe.py --mode tp     # the client's step, both losses
+
+runs one training step of tools/distributed/dtensor_client.py's model (after a warm-up step) under the
+probe, once with PyTorch's loss and once with flce's, and prints each peak and what was alive at it.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 # Frames that name who allocated, innermost first: flce's own code, the tools, DTensor/FSDP.
@@ -28,12 +38,10 @@ class MemoryPeak:
 
     peak_bytes: int
     end_bytes: int
-    start_bytes: int = 0  # what the CPU allocator held before the call (the process's tensors)
     live_at_peak: dict[str, int] = field(default_factory=dict)  # site -> bytes alive at the peak
 
     def table(self, top: int = 12) -> str:
-        lines = [f"peak {self.peak_bytes / 2**20:.2f} MiB above the start (end {self.end_bytes / 2**20:.2f} MiB), "
-                 f"{self.start_bytes / 2**20:.2f} MiB held before it"]
+        lines = [f"peak {self.peak_bytes / 2**20:.2f} MiB above the start (end {self.end_bytes / 2**20:.2f} MiB)"]
         for site, size in sorted(self.live_at_peak.items(), key=lambda kv: -kv[1])[:top]:
             lines.append(f"  {size / 2**20:10.2f} MiB  {site}")
         return "\n".join(lines)
@@ -84,4 +92,45 @@ def probe(fn: Callable[[], Any], sites: tuple[str, ...] = DEFAULT_SITES) -> Memo
     for size, site in peak_live.values():
         by_site[site] += size
     end = allocations[-1].extra_fields.total_allocated - base
-    return MemoryPeak(peak, end, start_bytes=base, live_at_peak=dict(by_site))
+    return MemoryPeak(peak, end, live_at_peak=dict(by_site))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", default="tp", choices=("tp", "fsdp", "fsdp_tp"))
+    parser.add_argument("--mixed", action="store_true")
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--top", type=int, default=12)
+    options = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import dtensor_client as client
+
+    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    args = client.ModelArgs(vocab=options.vocab, dim=options.dim, layers=options.layers, heads=options.heads,
+                            ffn=4 * options.dim, seq=options.seq, batch=options.batch)
+    plan = client.parallelism(options.mode, device)
+    for kind in ("torch", "flce"):
+        model, optimizer = client.build(plan, args, device, options.mixed)
+
+        def step(index: int, model: Any = model, optimizer: Any = optimizer, kind: str = kind) -> None:
+            tokens, labels = client._batch(args, plan.batch_seed, index, device)
+            client.train_step(model, optimizer, plan, kind, tokens, labels, options.mixed)
+            optimizer.step()
+
+        step(0)
+        peak = probe(lambda step=step: step(1))
+        if dist.get_rank() == 0:
+            print(f"== {options.mode}, {kind} loss, one training step: {peak.table(options.top)}", flush=True)
+        del model, optimizer
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
