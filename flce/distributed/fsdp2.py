@@ -102,21 +102,36 @@ class _GatherOverDataParallel(torch.autograd.Function):
     def forward(ctx, param: Any, layout: Fsdp2Layout) -> torch.Tensor:
         from torch.distributed.tensor import Replicate
 
-        ctx.layout, ctx.spec = layout, (param.device_mesh, param.placements, param.dtype, param.shape, param.stride())
+        mesh = param.device_mesh
+        ctx.layout, ctx.spec = layout, (mesh, param.placements, param.dtype, param.shape, param.stride())
         compute = param if layout.param_dtype in (None, param.dtype) else param.to(layout.param_dtype)
         gathered = [Replicate() if d in layout.data_parallel_dims else p for d, p in enumerate(param.placements)]
-        return compute.redistribute(param.device_mesh, gathered).to_local()
+        return _redistributed(compute, gathered, via=[Replicate()] * mesh.ndim).to_local()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[Any, None]:
-        from torch.distributed.tensor import DTensor, Partial
+        from torch.distributed.tensor import DTensor, Partial, Replicate
 
         mesh, placements, dtype, shape, stride = ctx.spec
         layout = ctx.layout
         partial = [Partial("avg") if d in layout.data_parallel_dims else p for d, p in enumerate(placements)]
         reduced = DTensor.from_local(grad.to(layout.reduce_dtype or grad.dtype), mesh, partial, shape=shape,
                                      stride=stride)
-        return reduced.redistribute(mesh, placements).to(dtype), None
+        averaged = [Replicate() if d in layout.data_parallel_dims else p for d, p in enumerate(placements)]
+        return _redistributed(reduced, list(placements), via=averaged).to(dtype), None
+
+
+def _redistributed(tensor: Any, placements: list[Any], via: list[Any]) -> Any:
+    """``tensor`` redistributed to ``placements``; where this torch cannot do that in one go (FSDP2 x TP's
+    ``_StridedShard`` has gained redistribution rules release by release), through ``via`` (Replicate on
+    the dimensions involved, from which any placement is a local slice), at the cost of an all-gather or
+    all-reduce in place of a reduce-scatter. A refusal depends on the placements alone, so every rank
+    refuses at the same point and takes the same route."""
+    mesh = tensor.device_mesh
+    try:
+        return tensor.redistribute(mesh, placements)
+    except (NotImplementedError, AssertionError, ValueError):
+        return tensor.redistribute(mesh, via).redistribute(mesh, placements)
 
 
 def gather_over_data_parallel(param: Any, layout: Fsdp2Layout) -> torch.Tensor:

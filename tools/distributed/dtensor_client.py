@@ -295,7 +295,7 @@ def train(plan: Parallelism, kind: str, args: ModelArgs, steps: int, device: tor
             torch.cuda.reset_peak_memory_stats()
             if recording:
                 # Python frames only: symbolising C++ frames when the snapshot is taken can take minutes.
-                torch.cuda.memory._record_memory_history(stacks="python", max_entries=20000)
+                torch.cuda.memory._record_memory_history(stacks="python", max_entries=8000)
         start = time.perf_counter()
         loss = train_step(model, optimizer, plan, kind, tokens, labels, mixed)
         if step == 0:

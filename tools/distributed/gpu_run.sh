@@ -57,9 +57,9 @@ part() {  # part NAME LIMIT SCRIPT ARGS...: one torchrun, its output in the log,
   echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$LOG"
 }
 
-part vocab_parallel "${FLCE_T_VOCAB:-160}" tools/distributed/vocab_parallel.py "${VOCAB_ARGS[@]}"
+part vocab_parallel "${FLCE_T_VOCAB:-160}" tools/distributed/vocab_parallel.py ${VOCAB_ARGS[@]+"${VOCAB_ARGS[@]}"}
 if [ $HAVE_MEGATRON = 1 ]; then
-  part megatron "${FLCE_T_MEGATRON:-160}" tools/distributed/megatron_client.py "${MEGATRON_ARGS[@]}"
+  part megatron "${FLCE_T_MEGATRON:-160}" tools/distributed/megatron_client.py ${MEGATRON_ARGS[@]+"${MEGATRON_ARGS[@]}"}
 else
   echo "=== megatron: skipped, megatron-core is not importable" | tee -a "$LOG"
 fi
