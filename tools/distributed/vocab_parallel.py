@@ -1,6 +1,6 @@
 """Vocab-parallel flce on several GPUs: correctness against the unsharded op, then TP = 1, 2, 4 ... time and memory.
 
-    torchrun --nproc-per-node 4 tools/distributed/vocab_parallel.py        # NCCL, the issue's two shapes, TP 1/2/4
+    torchrun --nproc-per-node 4 tools/distributed/vocab_parallel.py        # NCCL, the two default shapes, TP 1/2/4
     torchrun --nproc-per-node 2 tools/distributed/vocab_parallel.py --device cpu --shapes 512x64x4000:even \
         --iters 2 --warmup 1                                               # gloo smoke run on a CPU
 
@@ -10,7 +10,7 @@
    the loss and grad_hidden against float64 materialised logits. Then tokens sharded across all
    ranks with the whole weight on each (flce.distributed.token_sharded_mean) against the unsharded
    mean over all tokens.
-2. Per shape of ``--shapes`` (``TOKENSxHIDDENxVOCAB:even`` or ``:uneven``; default the issue's
+2. Per shape of ``--shapes`` (``TOKENSxHIDDENxVOCAB:even`` or ``:uneven``; default the two
    16384x4096x128256 with even shards and 16384x4096x151936 with uneven ones: every shard a whole
    number of 128-row tiles, the last one shorter) and per TP size of ``--tp`` (default 1, 2, 4 ... up
    to the world size; for TP < world the ranks form world / TP groups that run side by side, as
@@ -440,7 +440,7 @@ def _profiled_comm_ms(fn: Callable[[], None], device: torch.device) -> float:
 
 # --------------------------------------------------------------------------- report
 
-TARGETS = {2: 0.52, 4: 0.27}  # the issue's time targets, as a fraction of TP=1
+TARGETS = {2: 0.52, 4: 0.27}  # the scaling targets, as a fraction of TP=1
 
 
 def markdown(summary: dict[str, Any]) -> str:
