@@ -51,9 +51,9 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     megatron = results.get("megatron")
     if megatron:
         verdict = megatron["verdicts"]
-        loss_ok = verdict["loss within Megatron's bf16 spread"]
+        loss_ok = verdict["loss within Megatron's bf16 run-to-run spread"]
         grads_ok = verdict["grads within 1.5x of Megatron's bf16 error (CE and RL), every TP"]
-        lines.append(f"megatron TP={sorted(megatron['per_tp'])}: loss within bf16 spread: {loss_ok}, "
+        lines.append(f"megatron TP={sorted(megatron['per_tp'])}: loss within bf16 run-to-run spread: {loss_ok}, "
                      f"grads within 1.5x: {grads_ok}")
         for tp, entry in megatron["per_tp"].items():
             steps = entry["loss step"]
