@@ -83,7 +83,7 @@ def test_interpreter_gradient_pass_splits_rows_into_column_spans(monkeypatch):
     one ragged); every span writes (softmax - onehot) * scale with the row's lse, ignored rows zero."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test: runs where there is no GPU")
-    from cuda_choice import interpreter_kernels
+    from planning import interpreter_kernels
 
     from flce.backends.cuda import ops
     from flce.backends.cuda.configs import LaunchParams
@@ -191,7 +191,7 @@ def test_interpreter_inference_scans_vocab_blocks(options, monkeypatch):
     w.data[150] = w.data[20]
     if b is not None:
         b.data[150] = b.data[20]
-    from cuda_choice import cuda_plan
+    from planning import cuda_plan
 
     from flce.config import LCEConfig
     from flce.engine.plans import AllRows
@@ -238,7 +238,7 @@ def test_deferred_plan_keeps_the_logits_that_fit(budget_mib, limit_gib, want):
     """The RL shape of issue 11 (16384 x 4096 x 151936 bf16, 4.6 GiB of logits, reduction="none"):
     tokens per chunk and the leading rows whose logits forward keeps for backward; where nothing
     is kept, vocabulary blocks of all rows within the budget."""
-    from cuda_choice import cuda_plan, meta_inputs
+    from planning import cuda_plan, meta_inputs
 
     from flce.backends.cuda.plan import STATS_BYTES_PER_ROW
     from flce.config import LCEConfig

@@ -131,7 +131,7 @@ def test_interpreter_fused_logits_schedules(options, reduction, kept, fused_call
     options = materialise_options(options, v, "cpu")
     x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
     knobs = dict(SMALL_TILES, forward_logits="fused", tokens_per_chunk=8, grad_schedule="token_chunks")
-    from cuda_choice import cuda_plan
+    from planning import cuda_plan
 
     from flce.config import LCEConfig
     from flce.inputs import prepare_inputs
@@ -331,7 +331,7 @@ def test_interpreter_vocab_block_gradients(options, reduction, fused, monkeypatc
 
 
 def test_small_budgets_plan_the_vocab_block_schedule():
-    from cuda_choice import cuda_plan
+    from planning import cuda_plan
 
     from flce.config import LCEConfig
     from flce.engine.plans import AllRows, TokenChunks, VocabBlocks
@@ -353,7 +353,7 @@ def test_tuning_under_a_budget_times_both_exact_schedules_at_its_size():
     """flce-autotune --memory-budget 64MiB at issue 11's shape: the largest token chunk and the widest
     vocabulary block that fit (gradient from the fused GEMM and from cuBLAS) are candidates, their
     estimates fit, and the planner runs each as stated when the cache holds it."""
-    from cuda_choice import cuda_plan, meta_inputs
+    from planning import cuda_plan, meta_inputs
 
     from flce.autotune import spaces
     from flce.engine.plans import TokenChunks, VocabBlocks
@@ -387,7 +387,7 @@ def test_tuning_under_a_budget_times_both_exact_schedules_at_its_size():
 def test_tuned_vocab_blocks_yield_to_kept_logits():
     """A tuned lean schedule was measured with nothing kept: an RL call whose budget keeps logits
     keeps them (and recomputes by token chunks); one whose budget keeps none takes the tuned blocks."""
-    from cuda_choice import cuda_plan, meta_inputs
+    from planning import cuda_plan, meta_inputs
 
     from flce.config import LCEConfig
     from flce.engine.plans import TokenChunks, VocabBlocks
@@ -532,7 +532,7 @@ def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
     computes every statistic and option (the plain and the RL statistics: temperature, entropy; label
     smoothing, class weights, a softcap, a bias), and to cuBLAS under precision="accurate" or off Hopper; the
     gradient products stay on cuBLAS; flce-autotune times the ws forward and both gradient kernels."""
-    from cuda_choice import cuda_choice, cuda_plan, described_gpu, meta_inputs
+    from planning import cuda_choice, cuda_plan, described_gpu, meta_inputs
 
     from flce.autotune import spaces
     from flce.autotune.lookup import TunedEntry
@@ -586,7 +586,7 @@ def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
 def test_statistics_and_chunk_logits_take_their_own_kernel(monkeypatch, stats_kernel, logits_kernel):
     """stats_kernel picks the fused statistics GEMM where only statistics are taken, logits_kernel where
     the GEMM also writes a training chunk's logits (the tuner measures the two in different calls)."""
-    from cuda_choice import interpreter_kernels
+    from planning import interpreter_kernels
 
     from flce.backends.cuda import ops
     from flce.config import LCEConfig

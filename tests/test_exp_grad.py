@@ -112,7 +112,7 @@ def test_exponentials_planned_where_they_apply():
     """The tuned knob takes effect for a plain bf16/fp32 training call with a scalar loss and no bias; a bias,
     fp16, another option or reduction="none" keep the logits path, and so does a call the cache says nothing
     for off Hopper (here: a CPU tensor)."""
-    from cuda_choice import cuda_plan
+    from planning import cuda_plan
 
     from flce.config import LCEConfig
     from flce.engine.plans import EXPONENTIALS, LOGITS

@@ -600,7 +600,7 @@ def test_ws_stats_eligibility_is_what_the_epilogue_computes() -> None:
     temperature, entropy, the argmax; label smoothing's sum, with class weights too; a softcap, a bias);
     operands a TMA load cannot read (fp32, unaligned rows) keep the fused Triton GEMM, and so does a GPU
     that is not sm_90 or a Triton without Gluon. The choice is made from descriptions: no GPU needed."""
-    from cuda_choice import cuda_choice, described_gpu, meta_inputs
+    from planning import cuda_choice, described_gpu, meta_inputs
 
     from flce.backends.cuda.hardware import gpu_description
     from flce.config import LCEConfig

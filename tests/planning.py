@@ -1,6 +1,6 @@
 """Test helpers for the CUDA backend's kernel choice: the choice for given inputs on a described GPU (so
 Hopper's decisions are testable without one) with a given autotune entry, and launchers with a chosen
-configuration for the interpreter. Import as ``from cuda_choice import ...`` (tests/ is on sys.path)."""
+configuration for the interpreter. Import as ``from planning import ...`` (tests/ is on sys.path)."""
 
 from __future__ import annotations
 
@@ -61,3 +61,29 @@ def interpreter_kernels(**changes) -> object:
     base = KernelChoice(stats=TRITON, logits=TRITON, products=CUBLAS, launch=LaunchParams(block_v=4096), gemm=gemm,
                         fallback_scan_block=512)
     return TritonChunkKernels(replace(base, **changes))
+
+
+def reference_plan(flat: FlatInputs, cfg: LCEConfig | None = None, *, training: bool = True) -> Plan:
+    """The reference planner's plan for ``flat`` on its own device."""
+    from flce.backends.reference.plan import choose
+    from flce.engine.choice import describe_device
+
+    cfg = cfg or LCEConfig()
+    call = CallDescription.of(flat, cfg, "full" if cfg.needs_full else "plain", PlanRequest(training=training))
+    return choose(describe_device(flat.hidden.device), call).plan
+
+
+def reference_bytes_per_row(flat: FlatInputs, cfg: LCEConfig | None = None) -> int:
+    """The reference planner's working memory per token row for these inputs."""
+    from flce.backends.reference.plan import working_bytes_per_row
+
+    return working_bytes_per_row(flat.hidden.device.type, flat.weight.shape[0], flat.weight.dtype, cfg or LCEConfig())
+
+
+def ascend_plan(flat: FlatInputs, cfg: LCEConfig, props: object, variant: str) -> Plan:
+    """The Ascend planner's plan for ``flat`` on a device of these AscendDeviceProperties."""
+    from flce.backends.ascend.plan import choose
+
+    device = DeviceDescription(type="npu", name="test NPU", total_memory=props.total_memory_bytes,
+                               multiprocessors=props.vector_cores)
+    return choose(device, CallDescription.of(flat, cfg, variant, PlanRequest(training=True)), props=props).plan
