@@ -104,12 +104,25 @@ class CallDescription:
 
 def rows_aligned(t: torch.Tensor) -> bool:
     """Whether every row of ``t`` starts on a 16-byte boundary with unit column stride as the launchers
-    pass it (a tensor without unit column stride is copied to a contiguous one first)."""
+    pass it (a tensor without unit column stride is copied to a contiguous one first). A tensor whose
+    memory cannot be seen (a torch.func wrapper of one) counts as unaligned."""
     row_bytes = t.shape[-1] * t.element_size()
     if t.stride(-1) != 1:
         return row_bytes % ROW_ALIGNMENT == 0
     rows_apart = t.stride(0) * t.element_size() if t.dim() > 1 else row_bytes
-    return rows_apart % ROW_ALIGNMENT == 0 and t.data_ptr() % ROW_ALIGNMENT == 0
+    address = _address(t)
+    return rows_apart % ROW_ALIGNMENT == 0 and address is not None and address % ROW_ALIGNMENT == 0
+
+
+def _address(t: torch.Tensor) -> int | None:
+    """The first element's address, through torch.func's wrappers (which have no storage of their own)."""
+    functorch = getattr(torch._C, "_functorch", None)
+    while functorch is not None and functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return None
 
 
 def _is_default(value: object, default: object) -> bool:
