@@ -90,7 +90,8 @@ def test_cuda_backend_checks_once_per_call(full_checks: list[int], generator: to
     x, w, t = _inputs(generator)
 
     def step() -> None:
-        with override_params({"tokens_per_chunk": 16, "chunk_grad": "exponentials"}, backend="cuda"):
+        knobs = {"tokens_per_chunk": 16, "grad_schedule": "token_chunks", "chunk_grad": "exponentials"}
+        with override_params(knobs, backend="cuda"):
             flce.linear_cross_entropy(x, w, t, backend="cuda").backward()
 
     assert _checks_in(full_checks, step) == 1
