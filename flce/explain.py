@@ -41,14 +41,15 @@ def explain(device: str = "cuda", *, shape: str | tuple[int, int, int], dtype: s
             training: bool = True, bias: bool = False, sharded: bool = False,
             capability: tuple[int, int] | None = None, multiprocessors: int | None = None,
             total_memory: int | None = None, triton: str | None = None, **options: Any) -> CallChoice:
-    """The record of what a call would run (``print`` it for the text). ``device``: "cuda", "cpu" or "npu";
+    """The record of what a call would run (``print`` it for the text). ``device``: "cuda", "cpu" or "npu"
+    ("cpu" with ``backend="cuda"``: the CUDA kernels in the Triton interpreter);
     ``shape``: tokens x H x V; ``gpu``/``npu``: the model as the driver names it (flce.backends.cuda.hardware
     .KNOWN_GPUS, KNOWN_NPUS; an unknown GPU needs ``capability``, ``multiprocessors`` and ``total_memory``);
     ``triton``: the Triton version to assume; ``training``: gradients follow; ``options``: LCEConfig's."""
     n_rows, hidden, vocab = _shape(shape)
     cfg = config_from_keywords("explain", options)
     dtype = torch_dtype(dtype)
-    described = _device(device, gpu, npu, capability, multiprocessors, total_memory, triton)
+    described = _device(device, gpu, npu, capability, multiprocessors, total_memory, triton, backend)
     if sharded:
         variant = "full"  # a vocabulary shard's scan is the full variant's (flce.distributed)
     elif variant == "auto":
@@ -73,7 +74,8 @@ def _shape(shape: str | tuple[int, int, int]) -> tuple[int, int, int]:
 
 
 def _device(device: str, gpu: str | None, npu: str | None, capability: tuple[int, int] | None,
-            multiprocessors: int | None, total_memory: int | None, triton: str | None) -> DeviceDescription:
+            multiprocessors: int | None, total_memory: int | None, triton: str | None,
+            backend: str | None) -> DeviceDescription:
     if device == "cuda":
         from flce.backends.cuda.hardware import gpu_description
 
@@ -86,6 +88,11 @@ def _device(device: str, gpu: str | None, npu: str | None, capability: tuple[int
                              "vector cores and memory too")
         return DeviceDescription(type="npu", name=name, total_memory=total_memory or memory,
                                  multiprocessors=multiprocessors or cores)
+    if device == "cpu" and backend == "cuda":
+        # The CUDA backend's kernels on CPU tensors: the Triton interpreter (TRITON_INTERPRET=1).
+        from flce.backends.cuda.hardware import describe_device as describe_for_cuda
+
+        return describe_for_cuda(torch.device("cpu"))
     if device == "cpu":
         return describe_device(torch.device("cpu"))
     raise ValueError(f"device={device!r}: expected 'cuda', 'cpu' or 'npu'")

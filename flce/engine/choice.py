@@ -162,6 +162,10 @@ class MemoryPlan:
     save_limit: int | None = None  # None: no logits are kept by this plan's schedule
     save_limit_from: str = ""
 
+    def without_kept_logits(self, working_bytes: int) -> MemoryPlan:
+        """The plan of a call that keeps no logits (no gradient follows, or they are computed in forward)."""
+        return MemoryPlan(self.budget, self.budget_from, working_bytes)
+
     def text(self) -> list[str]:
         lines = [f"budget {_bytes(self.budget)} ({self.budget_from}); working memory {_bytes(self.working_bytes)}"]
         if self.save_limit is not None:

@@ -15,21 +15,22 @@ import torch
 
 from flce.engine.choice import DeviceDescription
 
-GB = 10**9
+MiB = 1 << 20
 # GPUs explain can describe by name alone (the names torch.cuda.get_device_name reports, as the autotune
-# cache keys them): compute capability, streaming multiprocessors, nominal memory.
+# cache keys them): compute capability, streaming multiprocessors, memory (about what the driver reports;
+# the planners read it only for the logits-save limit, 4 GiB on every GPU of 32 GiB or more).
 KNOWN_GPUS: dict[str, tuple[tuple[int, int], int, int]] = {
-    "NVIDIA H100 80GB HBM3": ((9, 0), 132, 80 * GB),
-    "NVIDIA H100 PCIe": ((9, 0), 114, 80 * GB),
-    "NVIDIA H100 NVL": ((9, 0), 132, 94 * GB),
-    "NVIDIA H200": ((9, 0), 132, 141 * GB),
-    "NVIDIA GH200 480GB": ((9, 0), 132, 96 * GB),
-    "NVIDIA A100-SXM4-80GB": ((8, 0), 108, 80 * GB),
-    "NVIDIA A100-SXM4-40GB": ((8, 0), 108, 40 * GB),
-    "NVIDIA A100 80GB PCIe": ((8, 0), 108, 80 * GB),
-    "NVIDIA L40S": ((8, 9), 142, 48 * GB),
-    "NVIDIA GeForce RTX 4090": ((8, 9), 128, 24 * GB),
-    "NVIDIA B200": ((10, 0), 148, 180 * GB),
+    "NVIDIA H100 80GB HBM3": ((9, 0), 132, 81559 * MiB),
+    "NVIDIA H100 PCIe": ((9, 0), 114, 81559 * MiB),
+    "NVIDIA H100 NVL": ((9, 0), 132, 95830 * MiB),
+    "NVIDIA H200": ((9, 0), 132, 143771 * MiB),
+    "NVIDIA GH200 480GB": ((9, 0), 132, 97871 * MiB),
+    "NVIDIA A100-SXM4-80GB": ((8, 0), 108, 81251 * MiB),
+    "NVIDIA A100-SXM4-40GB": ((8, 0), 108, 40536 * MiB),
+    "NVIDIA A100 80GB PCIe": ((8, 0), 108, 81251 * MiB),
+    "NVIDIA L40S": ((8, 9), 142, 46068 * MiB),
+    "NVIDIA GeForce RTX 4090": ((8, 9), 128, 24564 * MiB),
+    "NVIDIA B200": ((10, 0), 148, 183359 * MiB),
 }
 # The Triton whose Gluon API the warp-specialised kernels are written against (ws_gemm_kernels.py).
 GLUON_TRITON = (3, 6)
