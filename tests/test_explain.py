@@ -168,3 +168,84 @@ def test_explain_equals_the_plan_on_a_described_gpu(options: dict, monkeypatch: 
     explained = flce.explain("cuda", gpu=H100, shape=(n, h, v), dtype="bfloat16", **options)
     assert planned.choice == explained
     assert planned.plan == explained.plan
+
+
+# Interpreter tiles: several vocabulary tiles and splits at V = 96.
+_TILES = {"gemm_block_m": 16, "gemm_block_n": 32, "gemm_block_k": 16, "gemm_group_m": 2, "gemm_warps": 4,
+          "gemm_stages": 1, "gemm_splits": 2}
+_CHUNKS = {"tokens_per_chunk": 16, "grad_schedule": "token_chunks"}
+INTERPRETER_CALLS = {  # name: (options, bias, training, autotune knobs, logits-save limit)
+    "cublas-plain": ({}, False, True, _CHUNKS, None),
+    "cublas-full-bias": ({"label_smoothing": 0.1}, True, True, _CHUNKS, None),
+    "triton-logits": ({}, True, True, dict(_TILES, **_CHUNKS, forward_logits="fused", logits_kernel="triton"), None),
+    "exponentials": ({}, False, True, dict(_TILES, **_CHUNKS, chunk_grad="exponentials"), None),
+    "exponentials-fp32-accumulation": ({"accum_dtype": torch.float32}, False, True,
+                                       dict(_TILES, **_CHUNKS, chunk_grad="exponentials"), None),
+    "vocab-blocks-fused": ({"label_smoothing": 0.1}, True, True,
+                           dict(_TILES, forward_stats="fused", backward_grad="fused", grad_schedule="vocab_blocks",
+                                grad_vocab_block=32), None),
+    "deferred-kept": (RL, False, True, _CHUNKS, 1 << 30),
+    "deferred-recomputed-fused": (RL, True, True, dict(_TILES, **_CHUNKS, forward_stats="fused", backward_grad="fused"),
+                                  0),
+    "no-grad-fused-stats": (RL, False, False, dict(_TILES, forward_stats="fused"), None),
+}
+
+
+@pytest.mark.parametrize("name", list(INTERPRETER_CALLS))
+def test_interpreter_kernels_that_ran_are_the_ones_the_record_named(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                                    generator: torch.Generator) -> None:
+    """The CPU analogue of tests/test_explain_gpu.py: every Triton kernel launch counted by name (the CUDA
+    backend in the interpreter), the torch GEMMs too; they are exactly the kernels and GEMMs the call's
+    record names (torch's other ops, a column sum, are not counted)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test: runs where there is no GPU")
+    from flce.autotune import override_params
+
+    options, bias, training, knobs, limit = INTERPRETER_CALLS[name]
+    ran: set[str] = set()
+    for module_name in ("kernels", "gemm_kernels", "exp_grad_kernels"):
+        module = importlib.import_module(f"flce.backends.cuda.{module_name}")
+        for attr, value in list(vars(module).items()):
+            if attr.endswith("_kernel") and hasattr(value, "fn"):
+                monkeypatch.setattr(module, attr, _Counted(value, f"{module.__name__}.{attr}", ran))
+    for owner, attr, label in ((torch, "mm", "torch.mm"), (torch, "addmm", "torch.addmm"),
+                               (torch.Tensor, "addmm_", "torch.Tensor.addmm_"),
+                               (torch.Tensor, "__matmul__", "torch.matmul")):
+        monkeypatch.setattr(owner, attr, _counted_function(getattr(owner, attr), label, ran))
+    n, h, v = 40, 16, 96
+    x = torch.randn(n, h, generator=generator).requires_grad_(training)
+    w = torch.randn(v, h, generator=generator).requires_grad_(training)
+    b = torch.randn(v, generator=generator).requires_grad_(training) if bias else None
+    t = torch.randint(0, v, (n,), generator=generator)
+
+    def step() -> None:
+        with override_params(knobs, limit, backend="cuda"):
+            out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", **options)
+        if training:
+            loss = out if isinstance(out, torch.Tensor) else out.loss.sum() + out.entropy.sum() + out.logprobs.sum()
+            loss.backward()
+
+    record = _planned(monkeypatch, step)
+    gemms = {"torch.mm", "torch.addmm", "torch.Tensor.addmm_", "torch.matmul"}
+    named = {k for k in record.kernel_names() if k.startswith("flce.") or k in gemms}
+    assert ran == named, f"ran {sorted(ran)}\n{record}"
+
+
+class _Counted:
+    """A Triton kernel whose launches (``kernel[grid](...)``) are noted by name."""
+
+    def __init__(self, kernel: object, name: str, sink: set[str]) -> None:
+        self.kernel, self.name, self.sink, self.fn = kernel, name, sink, kernel.fn
+
+    def __getitem__(self, grid: object) -> object:
+        self.sink.add(self.name)
+        return self.kernel[grid]
+
+
+def _counted_function(function, name: str, sink: set[str]):
+    def counted(*args, **kwargs):
+        sink.add(name)
+        return function(*args, **kwargs)
+
+    return counted
