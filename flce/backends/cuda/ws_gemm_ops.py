@@ -159,16 +159,16 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     from flce.backends.cuda.gemm_ops import merge_splits
 
     if not ws_supported(x, w.T) or x.shape[1] != w.shape[1] or target.shape != (x.shape[0],):
-        raise ValueError(f"ws_row_stats: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, target "
+        raise ValueError(f"ws_partial_row_stats: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, target "
                          f"{tuple(target.shape)}: expected x [N, H] and w [V, H] row-major bf16/fp16 on an sm_90 "
                          "GPU (16-byte aligned rows) and target [N]")
     n, vocab = x.shape[0], w.shape[0]
     if bias is not None and bias.shape != (vocab,):
-        raise ValueError(f"ws_row_stats: bias {tuple(bias.shape)}: expected [{vocab}]")
+        raise ValueError(f"ws_partial_row_stats: bias {tuple(bias.shape)}: expected [{vocab}]")
     c_desc = None
     if logits_out is not None:
         if logits_out.shape != (n, vocab) or not _tma_ready(logits_out) or logits_out.dtype != x.dtype:
-            raise ValueError(f"ws_row_stats: logits_out {tuple(logits_out.shape)} {logits_out.dtype} strides "
+            raise ValueError(f"ws_partial_row_stats: logits_out {tuple(logits_out.shape)} {logits_out.dtype} strides "
                              f"{logits_out.stride()}: expected [{n}, {vocab}] row-major {x.dtype} with 16-byte "
                              "aligned rows")
         c_desc = _descriptor(logits_out, [config.block_m // 2, config.block_n])
@@ -189,7 +189,7 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     bias = bias.contiguous() if bias is not None else None
     if exp_offset is not None and (c_desc is None or cfg.needs_full or exp_offset.shape != (n,)
                                    or exp_offset.dtype != torch.float32 or not exp_offset.is_contiguous()):
-        raise ValueError("ws_row_stats: exp_offset needs logits_out, the plain loss and a contiguous [N] fp32 tensor")
+        raise ValueError("ws_partial_row_stats: exp_offset needs logits_out, the plain loss and a contiguous [N] fp32 tensor")
     unused = part_sum
     _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_dz, part_argmax, part_sum_y, target.long().contiguous(),
                              stats.target_z, weight if weight is not None else unused,
