@@ -189,7 +189,8 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     bias = bias.contiguous() if bias is not None else None
     if exp_offset is not None and (c_desc is None or cfg.needs_full or exp_offset.shape != (n,)
                                    or exp_offset.dtype != torch.float32 or not exp_offset.is_contiguous()):
-        raise ValueError("ws_partial_row_stats: exp_offset needs logits_out, the plain loss and a contiguous [N] fp32 tensor")
+        raise ValueError("ws_partial_row_stats: exp_offset needs logits_out, the plain loss and a contiguous [N] fp32 "
+                         "tensor")
     unused = part_sum
     _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_dz, part_argmax, part_sum_y, target.long().contiguous(),
                              stats.target_z, weight if weight is not None else unused,
