@@ -156,6 +156,12 @@ class TunedEntry:
     logits_save_limit_bytes: int | None
     source: str
 
+    @property
+    def key(self) -> tuple:
+        """The entry, hashable (a planner's memo key)."""
+        params = None if self.params is None else tuple(sorted(self.params.items()))
+        return params, self.logits_save_limit_bytes, self.source
+
 
 def tuned_entry(device: str, backend: str, variant: str, dtype: torch.dtype | str, hidden: int, vocab: int,
                 tokens: int) -> TunedEntry:

@@ -91,6 +91,17 @@ class CallDescription:
     def plain(self) -> bool:
         return self.variant == "plain"
 
+    @property
+    def key(self) -> tuple:
+        """What a planner's answer depends on, hashable: the options by value, tensors by shape and dtype
+        (a planner reads no tensor option's values). Planners memoise their records by it."""
+        options = tuple(vars(self.cfg).values())  # every option, in field order (one tensor: class_weight)
+        weights = self.cfg.class_weight
+        if weights is not None:
+            options = tuple((tuple(weights.shape), weights.dtype) if value is weights else value for value in options)
+        return (self.n_rows, self.hidden, self.vocab, self.dtype, self.bias, self.rows_aligned, self.variant,
+                self.request, options)
+
     def text(self) -> str:
         what = "training" if self.request.training else "no gradient"
         set_options = [f"{f.name}={_option_text(getattr(self.cfg, f.name))}" for f in fields(self.cfg)

@@ -39,8 +39,10 @@ def _supports(cfg: LCEConfig, dtype: torch.dtype, hidden_size: int, vocab: int) 
     return True, "supported"
 
 
-# One launcher object per distinct kernel choice: calls of one shape share it.
-_kernels: dict = {}
+# The record and the launchers of each distinct call description (calls of one shape share them): the
+# choice is a pure function of the key, and making it costs more than a dictionary lookup.
+_planned: dict[tuple, tuple[CallChoice, object]] = {}
+_PLANNED_LIMIT = 256
 
 
 def _plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequest) -> EngineCall:
@@ -52,12 +54,15 @@ def _plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequ
 
     device = describe_device(flat.hidden.device)
     call = CallDescription.of(flat, cfg, variant, request)
-    record, choice = choose(device, call, entry_for(device, call), failures(flat.hidden.device, flat.weight.dtype))
-    kernels = _kernels.get(choice)
-    if kernels is None:
-        if len(_kernels) >= 256:
-            _kernels.clear()
-        kernels = _kernels[choice] = TritonChunkKernels(choice)
+    entry, failed = entry_for(device, call), failures(flat.hidden.device, flat.weight.dtype)
+    key = (device, call.key, entry.key, tuple(sorted(failed.items())))
+    planned = _planned.get(key)
+    if planned is None:
+        record, choice = choose(device, call, entry, failed)
+        if len(_planned) >= _PLANNED_LIMIT:
+            _planned.clear()
+        planned = _planned[key] = (record, TritonChunkKernels(choice))
+    record, kernels = planned
     return EngineCall(kernels=kernels, cfg=cfg, plan=record.plan, plain=variant == "plain",
                       token_shape=flat.token_shape, choice=record)
 

@@ -50,6 +50,8 @@ def launch_or_fall_back(kernel: str, config: str, on: torch.Tensor, launch: Call
 
 def failures(device: torch.device, dtype: torch.dtype) -> dict[tuple[str, str], str]:
     """(kernel, configuration) -> error of the kernels that failed on this device and dtype."""
+    if not _failed:
+        return {}
     where = (str(device), str(dtype))
     return {(kernel, config): error for (dev, dt, kernel, config), error in _failed.items() if (dev, dt) == where}
 

@@ -92,10 +92,7 @@ def describe_device(device: torch.device) -> DeviceDescription:
     """The description of a real call's device: a CUDA GPU from its driver (once per device), or the
     Triton interpreter's CPU."""
     if device.type != "cuda":
-        from flce.engine.memory import total_memory_bytes
-
-        return DeviceDescription(type=device.type, name=_cpu_name(), total_memory=total_memory_bytes(device),
-                                 interpreter=True, triton=installed_triton())
+        return _interpreter(device.type)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _gpu(index)
 
@@ -109,10 +106,13 @@ def _gpu(index: int) -> DeviceDescription:
 
 
 @cache
-def _cpu_name() -> str:
+def _interpreter(device_type: str) -> DeviceDescription:
     from flce.autotune.devices import device_name
+    from flce.engine.memory import total_memory_bytes
 
-    return device_name(torch.device("cpu"))
+    device = torch.device(device_type)
+    return DeviceDescription(type=device_type, name=device_name(device), total_memory=total_memory_bytes(device),
+                             interpreter=True, triton=installed_triton())
 
 
 def gpu_description(name: str, capability: tuple[int, int] | None = None, multiprocessors: int | None = None,

@@ -97,9 +97,19 @@ def entry_for(device: DeviceDescription, call: CallDescription) -> TunedEntry:
 
 
 _KERNELS = ReferenceKernels()
+# Records by call description: the choice is a pure function of it and costs more than a dictionary lookup.
+_planned: dict[tuple, CallChoice] = {}
+_PLANNED_LIMIT = 256
 
 
 def plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequest) -> EngineCall:
-    record = choose(describe_device(flat.hidden.device), CallDescription.of(flat, cfg, variant, request))
+    device, call = describe_device(flat.hidden.device), CallDescription.of(flat, cfg, variant, request)
+    entry = entry_for(device, call)
+    key = (device, call.key, entry.key)
+    record = _planned.get(key)
+    if record is None:
+        if len(_planned) >= _PLANNED_LIMIT:
+            _planned.clear()
+        record = _planned[key] = choose(device, call, entry)
     return EngineCall(kernels=_KERNELS, cfg=cfg, plan=record.plan, plain=variant == "plain",
                       token_shape=flat.token_shape, choice=record)
