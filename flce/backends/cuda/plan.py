@@ -17,7 +17,14 @@ from flce.backends.cuda.configs import TRITON, WARP_SPECIALIZED, GemmConfig, Lau
 from flce.config import LCEConfig
 from flce.engine.call import grads_in_forward_allowed
 from flce.engine.choice import CallDescription, DeviceDescription, MemoryPlan
-from flce.engine.memory import MiB, logits_save_limit, logits_save_limit_for, positive_int, saved_logits_rows
+from flce.engine.memory import (
+    MiB,
+    logits_save_limit,
+    logits_save_limit_for,
+    positive_int,
+    saved_logits_rows,
+    tuned_chunk_rows,
+)
 from flce.engine.plans import (
     CHUNK_GRADS,
     CUBLAS,
@@ -168,7 +175,7 @@ def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs
     max_rows = max(1, budget // row_bytes)
     if request.training and tuned.tokens_per_chunk is not None:
         # A tuned chunk still honours an explicit memory_budget.
-        tokens = tuned.tokens_per_chunk if cfg.memory_budget is None else min(tuned.tokens_per_chunk, max_rows)
+        tokens = tuned_chunk_rows(n_rows, row_bytes, tuned.tokens_per_chunk, cfg.memory_budget, budget)
     else:
         tokens = chunk_rows(n_rows, max_rows)
     fused_stats = eligible.fused_stats_default if tuned.forward_stats is None else tuned.forward_stats == FUSED
