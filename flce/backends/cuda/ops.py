@@ -2,7 +2,9 @@
 
 :class:`TritonChunkKernels` implements flce.engine.kernels.RowKernels and the capabilities
 (FusedStatsGemm, FusedGradGemm: gemm_ops.py and ws_gemm_ops.py launch their kernels; KeptExponentials:
-exp_grad_ops.py); the plain GEMMs around the row kernels stay in cuBLAS (torch.mm).
+exp_grad_ops.py); the plain GEMMs around the row kernels stay in cuBLAS (torch.mm). It launches the kernel
+each role is given by the call's kernel choice (configs.KernelChoice, made in choice.py) and decides nothing
+about eligibility; a kernel that fails to compile falls back through fallback.py.
 """
 
 from __future__ import annotations
