@@ -208,20 +208,15 @@ def best_gemm_floors(case: Case, device: str) -> tuple[float, float, list[str]]:
     """Each product timed with the fastest GEMM available here (cuBLAS; flce's warp-specialised Gluon
     GEMM on Hopper; quack's autotuned GEMM where it imports): (3-product floor ms, forward floor ms,
     one table row per product with ms and TFLOP/s per GEMM)."""
-    from flce.backends.cuda.ws_gemm_ops import (
-        lm_head_grad_hidden,
-        lm_head_grad_weight,
-        lm_head_logits,
-        ws_supported,
-    )
+    from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_supported
 
     x, w, _ = make_inputs(case, device)
     x, w = x.detach(), w.detach()
     g = torch.randn(case.tokens, case.vocab, device=device, dtype=case.dtype) / case.vocab
     quack = quack_gemm()
     ws = ws_supported(x, w.t())
-    products = {"x @ W.T": ((x, w.t()), lm_head_logits, (x, w)), "G @ W": ((g, w), lm_head_grad_hidden, (g, w)),
-                "G.T @ x": ((g.t(), x), lm_head_grad_weight, (g, x))}
+    products = {"x @ W.T": ((x, w.t()), ws_matmul, (x, w.t())), "G @ W": ((g, w), ws_matmul, (g, w)),
+                "G.T @ x": ((g.t(), x), ws_matmul, (g.t(), x))}
     tflop = 2 * case.tokens * case.hidden * case.vocab / 1e9
     best, lines = {}, []
     for name, ((a, b), ws_fn, ws_args) in products.items():
