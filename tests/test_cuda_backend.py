@@ -261,6 +261,28 @@ def test_deferred_plan_keeps_the_logits_that_fit(budget_mib, limit_gib, want):
         assert kept_bytes + working <= budget_mib << 20
 
 
+@pytest.mark.parametrize(("budget_mib", "want"), [
+    (None, 2048),  # the shipped entry's chunk within the default budget
+    (256, (256 << 20) // (128256 * 2)),  # a smaller budget bounds the tuned chunk (1046 rows)
+    (1024, 4096),  # a larger one buys larger chunks than the entry's
+    (2048, 8192),  # all rows in one chunk: one write of the weight gradient
+])
+def test_a_larger_budget_buys_larger_training_chunks(budget_mib, want):
+    """A scalar loss on an H100 (8192 x 4096 x 128256 bf16, whose shipped autotune entry holds 2048-row
+    chunks): an explicit memory_budget above the default plans the largest chunks it holds, each within it."""
+    from planning import cuda_plan, described_gpu, meta_inputs
+
+    from flce.config import LCEConfig
+    from flce.engine.plans import TokenChunks
+
+    n, h, v = 8192, 4096, 128256
+    cfg = LCEConfig(memory_budget=None if budget_mib is None else budget_mib << 20)
+    plan = cuda_plan(meta_inputs(n, h, v), cfg, params={"tokens_per_chunk": 2048}, device=described_gpu())
+    assert isinstance(plan, TokenChunks) and plan.tokens_per_chunk == want
+    if budget_mib is not None:
+        assert plan.tokens_per_chunk * v * 2 <= budget_mib << 20
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "return_entropy": True, "reduction": "none"}],
                          ids=["plain", "full-deferred"])

@@ -173,7 +173,7 @@ def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs
     else:
         budget, budget_from = INFERENCE_CHUNK_BUDGET, "INFERENCE_CHUNK_BUDGET, no gradient"
     max_rows = max(1, budget // row_bytes)
-    if request.training and tuned.tokens_per_chunk is not None:
+    if request.training and tuned.tokens_per_chunk is not None and not _budget_buys_chunks(cfg, budget):
         # A tuned chunk still honours an explicit memory_budget.
         tokens = tuned_chunk_rows(n_rows, row_bytes, tuned.tokens_per_chunk, cfg.memory_budget, budget)
     else:
@@ -233,6 +233,15 @@ def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs
                         chunk_grad=EXPONENTIALS if exponentials else LOGITS),
             MemoryPlan(budget, budget_from, 0 if saved_rows == n_rows else chunk_bytes, kept, save_limit,
                        save_limit_from))
+
+
+def _budget_buys_chunks(cfg: LCEConfig, budget: int) -> bool:
+    """An explicit memory_budget above the default buys in-forward token chunks as large as it holds, over
+    the autotune cache's chunk (tuned within the default budget): fewer read-modify-writes of the V x H
+    weight gradient and larger GEMMs. H100, bf16, the default call x the 3-GEMM floor (median of 3 rounds,
+    tools/benchmarks/chunk_sweep.py): 8192x4096x128256 at 2048 / 4096 rows 1.072 / 1.042; 16384x2048x151936
+    at 1536 (default) / 2048 / 4096 / 8192 rows 1.111 / 1.085 / 1.051 / 1.029 (docs/benchmarks.md)."""
+    return budget > DEFAULT_CHUNK_BUDGET and cfg.memory_budget is not None and grads_in_forward_allowed(cfg)
 
 
 def vocab_block_columns(n_rows: int, element_size: int, budget: int) -> int:
