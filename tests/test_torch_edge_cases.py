@@ -150,3 +150,59 @@ def test_no_counted_token_still_gives_zero(case: str, backend: str, generator: t
     assert float(loss) == 0.0
     for name, g in zip(("hidden", "weight", "bias"), grads, strict=True):
         assert torch.count_nonzero(g) == 0 and torch.isfinite(g).all(), f"grad {name} must be exactly 0"
+
+
+# Where an infinity enters: (what, which tensor, index, value). A +inf logit makes torch's log_softmax
+# NaN on its whole row (inf - inf); a -inf logit is a class of probability 0 (an infinite loss where it
+# is the target); an inf in hidden or weight makes a row or a column of infinite logits of both signs.
+INFINITIES = {
+    "bias+inf": ("bias", (4,), float("inf")),
+    "bias-inf": ("bias", (4,), -float("inf")),
+    "hidden+inf": ("hidden", (2, 3), float("inf")),
+    "weight+inf": ("weight", (4, 0), float("inf")),
+    "weight-inf": ("weight", (4, 0), -float("inf")),
+}
+INF_OPTIONS = {
+    "plain": {},
+    # Not return_entropy: with a -inf logit its terms are 0 * -inf (README, "Options").
+    "logprobs+temperature": {"return_logprobs": True, "temperature": 0.7},
+    "smoothing": {"label_smoothing": 0.1},
+    "softcap": {"softcap": 3.0},
+}
+
+
+def _torch_per_token(hidden, lm_head, bias, target, options, *, grad: bool):
+    """torch's per-token losses on the float64 logits (flce's option semantics), and their gradients."""
+    leaves = [t.detach().double().requires_grad_(grad) for t in (hidden, lm_head, bias)]
+    logits = leaves[0] @ leaves[1].T + leaves[2]
+    if options.get("softcap"):
+        logits = options["softcap"] * torch.tanh(logits / options["softcap"])
+    logits = logits / options.get("temperature", 1.0)
+    loss = F.cross_entropy(logits, target, reduction="none", label_smoothing=options.get("label_smoothing", 0.0))
+    return loss.detach(), (torch.autograd.grad(loss.sum(), leaves) if grad else None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("options", INF_OPTIONS, ids=INF_OPTIONS)
+@pytest.mark.parametrize("where", INFINITIES)
+def test_infinite_inputs_give_torchs_per_token_losses(where: str, options: str, grad: bool, backend: str,
+                                                      generator: torch.Generator) -> None:
+    """reduction="none": NaN exactly where torch's cross_entropy gives NaN, inf where it gives inf, and
+    the finite tokens' losses; with gradients, torch's gradients (NaN where torch's are)."""
+    device = _device(backend)
+    hidden, weight, target, bias = make_inputs((6,), 8, 13, bias=True, ignore_fraction=0.0, generator=generator)
+    target[1] = 4  # a token whose target is the class the infinity touches
+    tensor, index, value = INFINITIES[where]
+    {"hidden": hidden, "weight": weight, "bias": bias}[tensor][index] = value
+    opts = INF_OPTIONS[options]
+    want, want_grads = _torch_per_token(hidden, weight, bias, target, opts, grad=grad)
+    leaves = [t.to(device).requires_grad_(grad) for t in (hidden, weight, bias)]
+    out = flce.linear_cross_entropy(leaves[0], leaves[1], target.to(device), leaves[2], reduction="none",
+                                    backend=backend, **opts)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    _assert_same(loss.detach().double().cpu(), want, "per-token loss")
+    if grad:
+        grads = torch.autograd.grad(loss.sum(), leaves)
+        for name, g, w in zip(("hidden", "weight", "bias"), grads, want_grads, strict=True):
+            _assert_same(g.double().cpu(), w, f"grad {name}")
