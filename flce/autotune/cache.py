@@ -1,7 +1,10 @@
 """Reading and writing cache files.
 
-Reads never fail: a missing file has no entries, and an unreadable, corrupt, truncated, empty or
-foreign-schema file is reported once (a RuntimeWarning naming the path) and contributes none.
+Reads never fail and never block: a missing file has no entries, and an unreadable, corrupt,
+truncated, empty, oversized or foreign-schema file is reported once (a RuntimeWarning naming the
+path) and contributes none. Only regular files are read, opened without blocking and read no
+further than :data:`MAX_FILE_BYTES`: a FIFO with no writer, a device or a directory at a cache path
+is reported, never waited on, and never replaced by a save.
 Writes go through :func:`update_file`: an exclusive lock on ``<file>.lock``, a fresh read, a merge,
 and an atomic rename of a temporary file, so concurrent tuners never lose each other's entries
 and a reader never sees half a file.
@@ -23,6 +26,7 @@ from typing import TypeVar
 import yaml
 
 from flce.autotune import locations
+from flce.autotune.files import UnreadablePathError, read_bytes, special_file
 from flce.autotune.schema import HEADER, Entry, SchemaError, ShapeKey, document_of, merge, parse_document
 
 T = TypeVar("T")
@@ -37,8 +41,6 @@ _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 # Status of a loaded file.
 OK, ABSENT, INVALID = "ok", "absent", "invalid"
-
-
 @dataclass
 class CacheFile:
     """One file as read: its entries, indexed by shape for nearest-bucket lookups."""
@@ -59,9 +61,11 @@ def read_file(path: str | os.PathLike) -> CacheFile:
     """Parse a file now (no in-process caching, no warning)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bytes(path).decode("utf-8")
     except FileNotFoundError:
         return CacheFile(path, ABSENT)
+    except UnreadablePathError as exc:
+        return CacheFile(path, INVALID, problem=str(exc))
     except (OSError, UnicodeDecodeError) as exc:
         return CacheFile(path, INVALID, problem=f"cannot be read ({exc})")
     try:
@@ -140,25 +144,25 @@ def leading_comments(path: Path) -> list[str]:
     made a shipped file survive later updates."""
     comments = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if not line.startswith("#"):
-                    break
-                if line.rstrip("\n") != HEADER:
-                    comments.append(line.rstrip("\n"))
+        text = read_bytes(path).decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        if line != HEADER:
+            comments.append(line)
     return comments
 
 
 def is_flce_file(path: Path) -> bool:
     """True for a file flce wrote (its header survives truncation) or one that parses as a cache."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            if f.readline().rstrip("\n") == HEADER:
-                return True
+        head = read_bytes(path, limit=len(HEADER.encode()) + 1).decode("utf-8", errors="replace")
     except OSError:
         return False
+    if head.split("\n", 1)[0] == HEADER:
+        return True
     loaded = read_file(path)
     return loaded.status == OK or (loaded.problem or "").startswith("schema=")
 
@@ -175,7 +179,7 @@ def claims_to_be_a_cache(path: Path) -> bool:
     if is_flce_file(path):
         return True
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = read_bytes(path).decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return False
     return not text.strip() or bool(_SCHEMA_LINE.search(text))
@@ -187,8 +191,9 @@ class NotACacheError(ValueError):
 
 def _refuse_foreign(path: Path, loaded: CacheFile) -> None:
     # Only an existing file can be someone else's: a path that cannot exist (under a regular file)
-    # is an unwritable location, reported as such by the write.
-    if loaded.status == INVALID and path.is_file() and not claims_to_be_a_cache(path):
+    # is an unwritable location, reported as such by the write. A directory, a FIFO or a device is never
+    # a cache, whatever it holds.
+    if loaded.status == INVALID and (special_file(path) or (path.is_file() and not claims_to_be_a_cache(path))):
         raise NotACacheError(
             f"{path} is not an flce autotune cache ({loaded.problem}); refusing to replace it: pass "
             "another --cache path (or FLCE_AUTOTUNE_CACHE), or move the file away yourself"
