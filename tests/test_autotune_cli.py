@@ -120,6 +120,30 @@ def test_tune_fails_before_measuring_when_its_cache_path_cannot_take_the_entries
     assert not list(cache_env.glob("*.corrupt-*")) and not locations.user_cache_path().exists()
 
 
+@pytest.mark.parametrize("where", ["--cache", "env", "user"])
+def test_tune_refuses_a_directory_at_the_cache_path_and_moves_nothing(
+        cache_env: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A directory where the cache file should be is someone's: tune fails before measuring (rc 1), the
+    directory and what it holds stay, and no file or lock is written beside it."""
+    def refuse_to_measure(self: Tuner) -> None:
+        raise AssertionError("the tuner measured before the cache path was checked")
+
+    monkeypatch.setattr(Tuner, "run", refuse_to_measure)
+    directory = {"--cache": cache_env / "mine", "env": cache_env / "env-dir",
+                 "user": locations.user_cache_path()}[where]
+    directory.mkdir(parents=True)
+    (directory / "keep.txt").write_text("precious")
+    argv = ["tune", *TINY, "--tokens", "64", "--quick", "--no-progress"]
+    if where == "--cache":
+        argv += ["--cache", str(directory)]
+    elif where == "env":
+        monkeypatch.setenv(locations.CACHE_ENV, str(directory))
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 1 and str(directory) in err and "is a directory, not a regular file" in err, err
+    assert (directory / "keep.txt").read_text() == "precious"
+    assert sorted(p.name for p in directory.parent.iterdir()) == [directory.name], "nothing moved or written"
+
+
 def _cache_with(path: Path, entries: list[dict]) -> None:
     path.write_text(yaml.safe_dump({"schema": 1, "entries": entries}))
 
