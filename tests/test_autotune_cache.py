@@ -246,7 +246,7 @@ CORRUPT_FILES = {
     "whitespace": ("\n  \n", "the file is empty"),
     "truncated": (VALID[: VALID.index("tokens_per_chunk") + 5], "not valid YAML"),
     "binary yaml error": ("schema: 1\nentries: [\x07]", "not valid YAML"),
-    "foreign schema": ("schema: 2\nentries: []\n", "schema=2: this flce reads schema 1"),
+    "a schema that never was": ("schema: 0\nentries: []\n", "schema=0: this flce reads schema 1"),
     "entries not a list": ("schema: 1\nentries: {a: 1}\n", "entries: expected a list, got a dict"),
 }
 # Files that do not say they are flce caches: ignored by lookups alike, but never replaced.
@@ -288,6 +288,41 @@ def test_corrupt_file_is_reported_once_ignored_and_moved_aside_by_a_save(
     assert len(logged) == 1 and "moved it to" in logged[0] and str(path) in logged[0]
     assert [e.params for e in cache_files.read_file(path).entries] == [{"tokens_per_chunk": 2}]
     assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64)[0] == {"tokens_per_chunk": 2}
+
+
+NEWER_SCHEMA = ("schema: 2\nentries:\n- {device: d, tokens: 64, new_field: 1, measured: {flce: 0.4.0}}\n",
+                "schema: 2.5\nentries: []\n")
+
+
+@pytest.mark.parametrize("content", NEWER_SCHEMA, ids=["schema-2-by-flce-0.4.0", "schema-2.5"])
+def test_a_newer_schema_is_ignored_and_never_replaced(cache_env: dict[str, Path], content: str) -> None:
+    """A file a newer flce wrote: lookups here ignore it (once reported), and a save refuses to replace
+    it, saying which flce reads it, instead of moving it aside and writing schema 1 in its place."""
+    path = cache_env["user"]
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with pytest.warns(RuntimeWarning, match="written by a newer flce"):
+        assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64) == (None, None)
+    schema = content.split()[1]
+    for attempt in (lambda: cache_files.save_entries([entry()], log=lambda _: None),
+                    lambda: cache_files.save_target(log=lambda _: None)):
+        with pytest.raises(cache_files.NotACacheError, match=rf"schema {schema}.*reads schema 1.*refusing") as caught:
+            attempt()
+        if "0.4.0" in content:
+            assert "flce 0.4.0" in str(caught.value)
+    assert path.read_text() == content
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name], "nothing moved aside, no lock file left"
+
+
+def test_schema_written_as_a_float_one_is_schema_one(cache_env: dict[str, Path]) -> None:
+    path = cache_env["user"]
+    path.parent.mkdir(parents=True)
+    path.write_text(VALID.replace("schema: 1", "schema: 1.0").replace("device: d", f"device: '{entry().device}'"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64)[0] == {"tokens_per_chunk": 8}
+    assert cache_files.save_entries([entry(tokens=128)], log=lambda _: None).moved_aside is None
+    assert [e.tokens for e in cache_files.read_file(path).entries] == [64, 128]
 
 
 @pytest.mark.parametrize("case", sorted(FOREIGN_FILES))

@@ -27,7 +27,16 @@ import yaml
 
 from flce.autotune import locations
 from flce.autotune.files import UnreadablePathError, read_bytes, special_file
-from flce.autotune.schema import HEADER, Entry, SchemaError, ShapeKey, document_of, merge, parse_document
+from flce.autotune.schema import (
+    HEADER,
+    Entry,
+    NewerSchemaError,
+    SchemaError,
+    ShapeKey,
+    document_of,
+    merge,
+    parse_document,
+)
 
 T = TypeVar("T")
 
@@ -48,6 +57,7 @@ class CacheFile:
     path: Path
     status: str
     problem: str | None = None  # why an INVALID file was ignored
+    newer_schema: bool = False  # INVALID because a newer flce wrote it: only such an flce may replace it
     skipped: list[str] = field(default_factory=list)  # entries left out of an OK file, and why
     entries: list[Entry] = field(default_factory=list)
     by_shape: dict[ShapeKey, list[Entry]] = field(default_factory=dict)  # each list sorted by tokens
@@ -77,7 +87,7 @@ def read_file(path: str | os.PathLike) -> CacheFile:
     try:
         entries, skipped = parse_document(document)
     except SchemaError as exc:
-        return CacheFile(path, INVALID, problem=str(exc))
+        return CacheFile(path, INVALID, problem=str(exc), newer_schema=isinstance(exc, NewerSchemaError))
     entries = [replace(e, source=str(path)) for e in entries]
     loaded = CacheFile(path, OK, skipped=skipped, entries=entries)
     for entry in entries:
@@ -164,7 +174,7 @@ def is_flce_file(path: Path) -> bool:
     if head.split("\n", 1)[0] == HEADER:
         return True
     loaded = read_file(path)
-    return loaded.status == OK or (loaded.problem or "").startswith("schema=")
+    return loaded.status == OK or loaded.newer_schema or (loaded.problem or "").startswith("schema=")
 
 
 # A top-level `schema:` key at the start of a line: what a cache file says it is, even when the YAML
@@ -186,13 +196,19 @@ def claims_to_be_a_cache(path: Path) -> bool:
 
 
 class NotACacheError(ValueError):
-    """A save would replace a file that is not an flce cache."""
+    """A save would replace what is not this flce's to replace: a file that is not an flce cache, a
+    directory, FIFO or device, or the cache of a newer flce (a newer schema)."""
 
 
 def _refuse_foreign(path: Path, loaded: CacheFile) -> None:
     # Only an existing file can be someone else's: a path that cannot exist (under a regular file)
     # is an unwritable location, reported as such by the write. A directory, a FIFO or a device is never
     # a cache, whatever it holds.
+    if loaded.newer_schema:
+        raise NotACacheError(
+            f"{path} {loaded.problem}: refusing to replace it: tune with that flce, or pass another --cache path "
+            "(or FLCE_AUTOTUNE_CACHE)"
+        )
     if loaded.status == INVALID and (special_file(path) or (path.is_file() and not claims_to_be_a_cache(path))):
         raise NotACacheError(
             f"{path} is not an flce autotune cache ({loaded.problem}); refusing to replace it: pass "
