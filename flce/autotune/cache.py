@@ -218,7 +218,9 @@ def _refuse_foreign(path: Path, loaded: CacheFile) -> None:
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``<path>.lock`` (created with its folder when missing)."""
+    """Hold an exclusive lock on ``<path>.lock`` (created with its folder when missing), and remove the
+    lock file before releasing it: no ``.lock`` stays beside the cache. A process that was waiting on
+    the removed file sees that it is no longer the live one and locks a fresh one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lock_path = path.with_name(path.name + ".lock")
     while True:
@@ -240,6 +242,8 @@ def locked(path: Path) -> Iterator[None]:
     try:
         yield
     finally:
+        with contextlib.suppress(OSError):  # Windows cannot remove an open file: it stays there
+            os.unlink(lock_path)
         os.close(fd)  # closing releases the flock
 
 
