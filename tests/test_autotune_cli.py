@@ -286,7 +286,7 @@ def test_tune_leaves_no_lock_file(cache_env: Path, capsys: pytest.CaptureFixture
 
 def test_the_floor_is_measured_once_per_shape_and_shared_by_the_variants(
         cache_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import flce.autotune.tuner as tuner_module
+    from flce.autotune import workload
 
     measured: list[tuple] = []
 
@@ -294,7 +294,7 @@ def test_the_floor_is_measured_once_per_shape_and_shared_by_the_variants(
         measured.append((shape.dtype, shape.hidden, shape.vocab, shape.tokens))
         return 1e-9  # never above a real time: no re-measurement for implausibility
 
-    monkeypatch.setattr(tuner_module, "floor_ms", counted_floor)
+    monkeypatch.setattr(workload, "floor_ms", counted_floor)
     request = TuneRequest(device=torch.device("cpu"), dtypes=[torch.float32], hiddens=[16], vocabs=[64],
                           tokens=[64, 128], variants=["plain", "full"], quick=True)
     results = Tuner(request).run()
