@@ -155,7 +155,7 @@ def test_single_backward_scales_the_in_forward_gradients_in_place(reduction: str
 
 
 # gradcheck differentiates numerically: every option whose gradient is the true derivative. Token
-# scaling multiplies by a detached probability (DESIGN.md), so its gradient is not the derivative
+# scaling multiplies by a detached probability (docs/design.md), so its gradient is not the derivative
 # of the loss; test_token_scaling_jacobian_matches_the_oracle checks it instead.
 GRADCHECK_CASES: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -298,7 +298,7 @@ def test_cuda_backend_retained_and_batched_backward_match_the_oracle(reduction: 
     grad_outputs, each against float64 autograd through the oracle."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
-        monkeypatch.setattr("flce.backends.cuda.ops.MAX_BLOCK_V", 64)
+        monkeypatch.setattr("flce.backends.cuda.plan.MAX_BLOCK_V", 64)
     torch.manual_seed(int(torch.randint(0, 2**31, (), generator=generator)))  # lm_head_inputs draws from it
     x, w, b, t = lm_head_inputs(12, 16, 203, torch.float32, device, with_bias=True)
     options = {"label_smoothing": 0.1, "softcap": 3.0, "reduction": reduction}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import stat
 import warnings
 from pathlib import Path
@@ -13,13 +14,14 @@ import pytest
 import torch
 import yaml
 from helpers import assert_close_per_design, make_inputs, reference_loss
+from planning import reference_bytes_per_row, reference_plan
 
 import flce
 import flce.autotune as autotune
 from flce.autotune import cache as cache_files
 from flce.autotune import files, locations
-from flce.autotune.schema import HEADER, Entry, SchemaError, entry_from_dict, merge, parse_document
-from flce.backends.reference.plan import DEFAULT_CHUNK_BUDGET, plan_chunks, working_bytes_per_row
+from flce.autotune.schema import FORMER_HEADERS, HEADER, Entry, SchemaError, entry_from_dict, merge, parse_document
+from flce.backends.reference.plan import DEFAULT_CHUNK_BUDGET
 from flce.config import LCEConfig
 from flce.engine.plans import TokenChunks
 from flce.inputs import prepare_inputs
@@ -78,6 +80,27 @@ def test_update_merges_by_key_and_keeps_order_and_notes(tmp_path: Path) -> None:
         (64, 32), (128, 8), (256, 8)]
     assert path.read_text().splitlines()[:2] == [HEADER, "# made by: flce-autotune tune ..."]
     assert merge([entry(tokens=1)], [entry(tokens=1, params={})]) == [entry(tokens=1, params={})]
+
+
+@pytest.mark.parametrize("header", FORMER_HEADERS)
+def test_a_file_with_a_former_header_stays_flces_and_gets_the_current_one(tmp_path: Path, header: str) -> None:
+    """Cache files already on disk carry the header of their day: a truncated one is still flce's (so
+    `clear` may delete it), and an update writes the current header once, keeping the notes below it."""
+    path = tmp_path / "c.yaml"
+    text = cache_files.render([entry(tokens=64)], ["# made by: flce-autotune tune ..."])
+    path.write_text(text.replace(HEADER, header, 1))
+    truncated = tmp_path / "truncated.yaml"
+    truncated.write_text(header + "\nschema: 1\nentries:\n- {device: d, backend")
+    assert cache_files.is_flce_file(truncated)
+    write(path, [entry(tokens=128)])
+    assert path.read_text().splitlines()[:3] == [HEADER, "# made by: flce-autotune tune ...", "schema: 1"]
+    assert [e.tokens for e in cache_files.read_file(path).entries] == [64, 128]
+
+
+def test_the_header_names_a_document_the_repository_ships() -> None:
+    """The header tells whoever opens a cache file where its format is described."""
+    cited = re.findall(r"[\w/.-]+\.md", HEADER)
+    assert cited == ["docs/design.md"] and (Path(__file__).resolve().parents[1] / cited[0]).is_file()
 
 
 @pytest.mark.parametrize("change, message", [
@@ -366,8 +389,8 @@ def test_stale_entries_from_other_versions_fall_back_to_the_heuristic(cache_env:
         assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64) == (None, None)
     for n in (64, 4096, 16384):
         flat = prepare_inputs(torch.randn(n, 16), torch.randn(40, 16), torch.randint(0, 40, (n,)), None, LCEConfig())
-        heuristic = min(n, DEFAULT_CHUNK_BUDGET // working_bytes_per_row(flat))
-        assert plan_chunks(flat, LCEConfig()).tokens_per_chunk == heuristic
+        heuristic = min(n, DEFAULT_CHUNK_BUDGET // reference_bytes_per_row(flat))
+        assert reference_plan(flat, LCEConfig()).tokens_per_chunk == heuristic
 
 
 # Concurrency and permissions ---------------------------------------------------------------------
@@ -567,13 +590,12 @@ def test_reference_planner_uses_cached_chunk_and_limit_and_stays_correct(
         entry(variant="full", tokens=64, params={"tokens_per_chunk": 7}, logits_save_limit_bytes=1 << 30),
     ])
     flat = prepare_inputs(hidden, weight, target, None, LCEConfig())
-    assert plan_chunks(flat, LCEConfig()) == TokenChunks(5)
+    assert reference_plan(flat, LCEConfig()) == TokenChunks(5)
     full_cfg = LCEConfig(label_smoothing=0.1)
-    assert plan_chunks(flat, full_cfg) == TokenChunks(7, saved_rows=n)
-    assert plan_chunks(flat, LCEConfig(), variant="full").tokens_per_chunk == 7
+    assert reference_plan(flat, full_cfg) == TokenChunks(7, saved_rows=n)
     # An explicit memory budget still bounds the cached chunk.
-    budget = 3 * working_bytes_per_row(flat)
-    assert plan_chunks(flat, LCEConfig(memory_budget=budget)).tokens_per_chunk == 3
+    budget = 3 * reference_bytes_per_row(flat)
+    assert reference_plan(flat, LCEConfig(memory_budget=budget)).tokens_per_chunk == 3
     assert n == 69 and n % 5 and n % 7  # ragged last chunks are exercised
 
     for options in ({}, {"label_smoothing": 0.1, "reduction": "none"}):

@@ -25,6 +25,7 @@ from flce.autotune.cli import main, parse_bytes
 from flce.autotune.lookup import override_params
 from flce.autotune.tuner import Tuner, TuneRequest, resolve_backend
 from flce.backends.reference.plan import plan_call, working_bytes_per_row
+from flce.config import LCEConfig
 from flce.engine.function import apply_eager, needs_autograd
 from flce.engine.plans import PlanRequest
 from flce.inputs import FlatInputs
@@ -198,9 +199,7 @@ def test_clear_defaults_to_the_user_cache_and_spares_other_files(cache_env: Path
 
 def reference_bytes_per_row(vocab: int, hidden: int = 16) -> int:
     """The reference planner's working memory per token row for a float32 CPU call."""
-    flat = FlatInputs(hidden=torch.empty(0, hidden), weight=torch.empty(vocab, hidden),
-                      target=torch.empty(0, dtype=torch.int64), bias=None, token_shape=torch.Size([0]))
-    return working_bytes_per_row(flat)
+    return working_bytes_per_row("cpu", vocab, torch.float32, LCEConfig())
 
 
 def test_memory_budget_skips_and_counts_candidates(cache_env: Path, capsys: pytest.CaptureFixture) -> None:
@@ -516,14 +515,16 @@ def test_logits_save_limit_needs_two_rounds_that_agree(cache_env: Path, isolated
 @pytest.mark.parametrize("variant", ["plain", "full"])
 def test_reference_space_reports_the_planners_chunk(variant: str) -> None:
     """The reference space's heuristic is what the planner does with nothing cached."""
-    from flce.backends.reference.plan import plan_chunks
+    from planning import reference_plan
+
     from flce.config import LCEConfig
 
     shape = spaces.TuneShape(torch.device("cpu"), torch.float32, hidden=64, vocab=1 << 20, tokens=4096,
                              variant=variant)
     with override_params(None):
         reported = spaces.tuning_space("reference").heuristic(shape)
-        planned = plan_chunks(shape.stand_in_inputs(), LCEConfig(), variant).tokens_per_chunk
+        options = {} if variant == "plain" else {"label_smoothing": 0.1}
+        planned = reference_plan(shape.stand_in_inputs(), LCEConfig(**options)).tokens_per_chunk
     assert reported == {"tokens_per_chunk": planned}
     assert 1 < planned < shape.tokens, "a shape whose heuristic splits the tokens, so the value says something"
 

@@ -42,7 +42,7 @@ def test_accurate_is_closer_to_float64_than_fast(reduction: str, budget_rows: in
 
 
 def test_single_token_loss(generator: torch.Generator) -> None:
-    """The issue's case: one bf16 token with large logits; fast rounds its logits to bf16."""
+    """One bf16 token with large logits; fast rounds its logits to bf16."""
     x, w, t = large_logits_inputs(generator, 1, 64, 1000, 30.0, torch.bfloat16)
     t[0] = 3
     assert _errors(x, w, t, precision="accurate")[0] < 1e-6

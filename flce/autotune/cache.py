@@ -28,12 +28,14 @@ import yaml
 from flce.autotune import locations
 from flce.autotune.files import UnreadablePathError, read_bytes, special_file
 from flce.autotune.schema import (
+    FORMER_HEADERS,
     HEADER,
     Entry,
     NewerSchemaError,
     SchemaError,
     ShapeKey,
     document_of,
+    is_header,
     merge,
     parse_document,
 )
@@ -160,7 +162,7 @@ def leading_comments(path: Path) -> list[str]:
     for line in text.splitlines():
         if not line.startswith("#"):
             break
-        if line != HEADER:
+        if not is_header(line):
             comments.append(line)
     return comments
 
@@ -168,10 +170,11 @@ def leading_comments(path: Path) -> list[str]:
 def is_flce_file(path: Path) -> bool:
     """True for a file flce wrote (its header survives truncation) or one that parses as a cache."""
     try:
-        head = read_bytes(path, limit=len(HEADER.encode()) + 1).decode("utf-8", errors="replace")
+        head = read_bytes(path, limit=max(len(h.encode()) for h in (HEADER, *FORMER_HEADERS)) + 1)
+        head = head.decode("utf-8", errors="replace")
     except OSError:
         return False
-    if head.split("\n", 1)[0] == HEADER:
+    if is_header(head.split("\n", 1)[0]):
         return True
     loaded = read_file(path)
     return loaded.status == OK or loaded.newer_schema or (loaded.problem or "").startswith("schema=")

@@ -15,7 +15,15 @@ from typing import Any
 SCHEMA_VERSION = 1
 VARIANT_NAMES = ("plain", "full")
 # Marks a file as flce's own: `clear` deletes nothing else, even when the YAML is truncated.
-HEADER = "# flce autotune cache (flce-autotune writes this file; see DESIGN.md, 'Autotune cache')"
+HEADER = "# flce autotune cache (flce-autotune writes this file; format: flce's docs/design.md, 'Autotune cache')"
+# Headers that files already on users' disks may carry (it named a design document flce does not ship):
+# still flce's own, and replaced by HEADER when such a file is saved again.
+FORMER_HEADERS = ("# flce autotune cache (flce-autotune writes this file; see DESIGN.md, 'Autotune cache')",)
+
+
+def is_header(line: str) -> bool:
+    """True for a line (with or without its newline) that marks a file as flce's cache."""
+    return line.rstrip("\n") in (HEADER, *FORMER_HEADERS)
 
 Scalar = int | float | str | bool | None
 # (device, backend, variant, dtype, hidden, vocab): entries sharing it differ only in token bucket.

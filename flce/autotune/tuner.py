@@ -304,7 +304,7 @@ class Tuner:
         stored = [(params_text(o), ms) for o, ms in timed]
         if best_overlay is first:
             return dict(first), stored
-        # One round once picked a path 5% slower on the same GPU (docs/benchmarks.md): it must win again.
+        # One round once picked a path 5% slower on the same GPU (docs/design-notes.md): it must win again.
         first_again = self._forward_only_ms(shape, inputs, params, first, result)
         best_again = self._forward_only_ms(shape, inputs, params, best_overlay, result)
         if first_again is None or best_again is None:

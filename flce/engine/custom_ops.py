@@ -106,7 +106,7 @@ def _chunked_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target
         _check_target_range(target, weight.shape[0], cfg.ignore_index, sharded=False)
     wanted = _wanted(kw, bias)
     call = _engine_call(kw["backend"], flat, cfg, kw["variant"], kw["group_name"], wanted)
-    call = EngineCall(call.kernels, call.cfg, recomputing(call.plan), call.plain, call.token_shape, call.sharding)
+    call = call.with_plan(recomputing(call.plan))
     in_forward = wanted.any and grads_in_forward_allowed(call.cfg)
     state = run_forward(call, flat, grads_in_forward=wanted if in_forward else None, backward_follows=wanted.any)
 
@@ -172,7 +172,7 @@ def _chunked_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targe
     flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
     wanted = _wanted(kw, bias)
     call = _engine_call(kw["backend"], flat, cfg, kw["variant"], kw["group_name"], wanted)
-    call = EngineCall(call.kernels, call.cfg, recomputing(call.plan), call.plain, call.token_shape, call.sharding)
+    call = call.with_plan(recomputing(call.plan))
     with_mean_z = not call.plain and needs_sum_exp_dz(call.cfg)
     empty = hidden.new_empty(0)
     state = ForwardState(loss=empty, z_loss=empty, extras={},

@@ -1,4 +1,4 @@
-"""The float64 oracle: DESIGN.md's contract materialised, the obvious way.
+"""The float64 oracle: docs/design.md's contract materialised, the obvious way.
 
 :func:`reference_loss` builds the whole ``[tokens, vocab]`` logits in float64 and calls torch's own
 ``cross_entropy`` for the cross-entropy part, so any backend (flce's, or a kernel of your own) can
@@ -37,7 +37,7 @@ def reference_loss(
     bias: torch.Tensor | None = None,
     **options: Any,
 ) -> LCEOutput:
-    """DESIGN.md's contract, materialised in float64.
+    """docs/design.md's contract, materialised in float64.
 
     Returns an LCEOutput with every field filled whatever the ``return_*`` options say:
     loss (reduced), z_loss (reduced like the loss), token_accuracy (reduced like the loss),
