@@ -19,7 +19,7 @@ from planning import reference_bytes_per_row, reference_plan
 import flce
 import flce.autotune as autotune
 from flce.autotune import cache as cache_files
-from flce.autotune import locations
+from flce.autotune import files, locations
 from flce.autotune.schema import FORMER_HEADERS, HEADER, Entry, SchemaError, entry_from_dict, merge, parse_document
 from flce.backends.reference.plan import DEFAULT_CHUNK_BUDGET
 from flce.config import LCEConfig
@@ -269,7 +269,7 @@ CORRUPT_FILES = {
     "whitespace": ("\n  \n", "the file is empty"),
     "truncated": (VALID[: VALID.index("tokens_per_chunk") + 5], "not valid YAML"),
     "binary yaml error": ("schema: 1\nentries: [\x07]", "not valid YAML"),
-    "foreign schema": ("schema: 2\nentries: []\n", "schema=2: this flce reads schema 1"),
+    "a schema that never was": ("schema: 0\nentries: []\n", "schema=0: this flce reads schema 1"),
     "entries not a list": ("schema: 1\nentries: {a: 1}\n", "entries: expected a list, got a dict"),
 }
 # Files that do not say they are flce caches: ignored by lookups alike, but never replaced.
@@ -311,6 +311,41 @@ def test_corrupt_file_is_reported_once_ignored_and_moved_aside_by_a_save(
     assert len(logged) == 1 and "moved it to" in logged[0] and str(path) in logged[0]
     assert [e.params for e in cache_files.read_file(path).entries] == [{"tokens_per_chunk": 2}]
     assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64)[0] == {"tokens_per_chunk": 2}
+
+
+NEWER_SCHEMA = ("schema: 2\nentries:\n- {device: d, tokens: 64, new_field: 1, measured: {flce: 0.4.0}}\n",
+                "schema: 2.5\nentries: []\n")
+
+
+@pytest.mark.parametrize("content", NEWER_SCHEMA, ids=["schema-2-by-flce-0.4.0", "schema-2.5"])
+def test_a_newer_schema_is_ignored_and_never_replaced(cache_env: dict[str, Path], content: str) -> None:
+    """A file a newer flce wrote: lookups here ignore it (once reported), and a save refuses to replace
+    it, saying which flce reads it, instead of moving it aside and writing schema 1 in its place."""
+    path = cache_env["user"]
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with pytest.warns(RuntimeWarning, match="written by a newer flce"):
+        assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64) == (None, None)
+    schema = content.split()[1]
+    for attempt in (lambda: cache_files.save_entries([entry()], log=lambda _: None),
+                    lambda: cache_files.save_target(log=lambda _: None)):
+        with pytest.raises(cache_files.NotACacheError, match=rf"schema {schema}.*reads schema 1.*refusing") as caught:
+            attempt()
+        if "0.4.0" in content:
+            assert "flce 0.4.0" in str(caught.value)
+    assert path.read_text() == content
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name], "nothing moved aside, no lock file left"
+
+
+def test_schema_written_as_a_float_one_is_schema_one(cache_env: dict[str, Path]) -> None:
+    path = cache_env["user"]
+    path.parent.mkdir(parents=True)
+    path.write_text(VALID.replace("schema: 1", "schema: 1.0").replace("device: d", f"device: '{entry().device}'"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64)[0] == {"tokens_per_chunk": 8}
+    assert cache_files.save_entries([entry(tokens=128)], log=lambda _: None).moved_aside is None
+    assert [e.tokens for e in cache_files.read_file(path).entries] == [64, 128]
 
 
 @pytest.mark.parametrize("case", sorted(FOREIGN_FILES))
@@ -463,6 +498,83 @@ def test_remove_file_deletes_only_flce_files(tmp_path: Path) -> None:
     assert other.read_text() == "name: something else\n"
     with pytest.raises(FileNotFoundError):
         cache_files.remove_file(tmp_path / "absent.yaml")
+
+
+# Files that are not regular files ----------------------------------------------------------------
+
+
+def _finishes(action, fifo: Path | None = None, timeout_s: float = 30.0):
+    """Run ``action`` in a thread; fail if it has not returned within ``timeout_s`` (a read blocked on a
+    FIFO with no writer), unblocking it by opening the FIFO's other end. Returns the action's result."""
+    import threading
+
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = action()
+        except BaseException as exc:  # re-raised in the test's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        if fifo is not None:
+            os.close(os.open(fifo, os.O_WRONLY))  # the blocked reader sees end of file
+        thread.join(timeout_s)
+        pytest.fail(f"blocked for more than {timeout_s} s on {fifo}")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+@pytest.mark.parametrize("where", ["user", "env", "arg"])
+def test_a_fifo_at_a_cache_path_never_blocks_and_is_never_replaced(cache_env: dict[str, Path], where: str,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   generator: torch.Generator) -> None:
+    """A lookup, a training call (the reference planner reads the cache), show's read and a tune's save
+    each return at once: only regular files are read. The FIFO is reported, ignored, and left in place."""
+    fifo = cache_env[where]
+    fifo.parent.mkdir(parents=True)
+    os.mkfifo(fifo)
+    if where == "env":
+        monkeypatch.setenv(locations.CACHE_ENV, str(fifo))
+    cache = fifo if where == "arg" else None
+    with pytest.warns(RuntimeWarning, match="not a regular file"):
+        assert _finishes(lambda: autotune.lookup("cpu", "float32", hidden=16, vocab=40, tokens=64, cache=cache),
+                         fifo) is None
+    if where != "arg":
+        hidden, weight, target, _ = make_inputs((8,), 16, 40, generator=generator)
+        loss = _finishes(lambda: flce.linear_cross_entropy(hidden, weight.requires_grad_(), target), fifo)
+        assert torch.isfinite(loss)
+    assert _finishes(lambda: cache_files.read_file(fifo), fifo).status == cache_files.INVALID
+    for save in (lambda: cache_files.save_entries([entry()], cache=cache, log=lambda _: None),
+                 lambda: cache_files.save_target(cache, log=lambda _: None)):
+        with pytest.raises(cache_files.NotACacheError, match="not a regular file"):
+            _finishes(save, fifo)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(p.name for p in fifo.parent.iterdir()) == [fifo.name], "nothing moved aside, no lock file"
+    with pytest.raises(ValueError, match="not an flce autotune cache; left untouched"):
+        _finishes(lambda: cache_files.remove_file(fifo), fifo)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/null"), reason="no /dev/null")
+def test_a_device_file_as_the_cache_is_not_read(cache_env: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device is not a cache file, whatever it holds (/dev/zero would never end)."""
+    monkeypatch.setenv(locations.CACHE_ENV, "/dev/null")
+    with pytest.warns(RuntimeWarning, match="is a character device, not a regular file"):
+        assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64) == (None, None)
+
+
+def test_an_oversized_cache_file_is_read_no_further_than_the_limit(cache_env: dict[str, Path],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = cache_env["user"]
+    write(path, [entry()])
+    monkeypatch.setattr(files, "MAX_FILE_BYTES", path.stat().st_size - 1)
+    loaded = cache_files.read_file(path)
+    assert loaded.status == cache_files.INVALID and "larger than" in loaded.problem
 
 
 # The reference planner ---------------------------------------------------------------------------

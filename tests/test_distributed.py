@@ -433,6 +433,17 @@ def section_errors(checker: Checker, rank: int, world_size: int) -> None:
         second = torch.autograd.grad(loss, h)[0]
         assert torch.equal(first, second), "a retained graph's second backward differs from its first"
         _expect_error(lambda: loss.backward(), RuntimeError, "a second time")
+    for reduction in ("mean", "none"):  # gradients in forward, deferred
+        with checker.case(f"second derivatives are refused ({reduction})"):
+            def loss_of(h: torch.Tensor, reduction: str = reduction) -> torch.Tensor:
+                return sharded_loss(h, w_shard.double(), target, None, world, {"reduction": reduction}).sum()
+
+            h = hidden.double().requires_grad_()
+            _expect_error(lambda h=h, f=loss_of: torch.autograd.functional.hessian(f, h), RuntimeError,
+                          "first-order only")
+            (grad,) = torch.autograd.grad(loss_of(h), h, create_graph=True)
+            _expect_error(lambda h=h, g=grad: torch.autograd.grad(g, h, torch.ones_like(g), allow_unused=True),
+                          RuntimeError, "first-order only")
     with checker.case("batched gradients are refused"):
         h = hidden.clone().requires_grad_()
         loss = sharded_loss(h, w_shard, target, None, world, {})
