@@ -1,6 +1,7 @@
 # On a fresh machine, two commands:
 #   make demo   installs flce and runs the main job (tools/demo.py): flce vs materialised PyTorch
 #   make test   installs flce and runs the test suite
+#   (make test-compat runs part of it at both ends of the supported torch/Triton range)
 # Both install into a virtual environment of this checkout, .venv (made with BASE_PYTHON when missing):
 # first the pinned torch (an unpinned one may pull a multi-GB build that does not match), then flce
 # with its test extras. PYTHON=... installs into another interpreter instead (e.g. an activated venv's
@@ -14,6 +15,8 @@ VENV ?= .venv
 PYTHON ?= $(VENV)/bin/python
 ASCEND ?= 0
 TORCH_VERSION := 2.13.0
+# The CPU build of torch pins no Triton: the main environment's is pinned here (the GPU image's release).
+TRITON_VERSION := 3.6.0
 PYTEST_ARGS ?=
 # The triton-ascend toolchain check's environment (Python 3.9-3.11: triton-ascend's wheels).
 ASCEND_PYTHON ?= python3
@@ -25,7 +28,7 @@ ASCEND_STAMP := $(ASCEND_VENV)/.installed-torch$(TORCH_VERSION)-triton-ascend$(T
 PYTHON_PREREQ := $(filter $(VENV)/bin/python,$(PYTHON))
 ASCEND_PREREQ := $(if $(filter 1,$(ASCEND)),ascend-venv)
 
-.PHONY: install ascend-venv trainer-packages demo test lint info bench-cpu
+.PHONY: install ascend-venv trainer-packages demo test test-compat lint info bench-cpu
 
 $(VENV)/bin/python:
 	$(BASE_PYTHON) -m venv $(VENV)
@@ -36,7 +39,7 @@ install: $(PYTHON_PREREQ)
 	@stamp=build/.installed-$$($(PYTHON) -c "import hashlib, sys; print(hashlib.md5(sys.prefix.encode()).hexdigest()[:8])"); \
 	if [ -f "$$stamp" ] && [ "$$stamp" -nt pyproject.toml ]; then exit 0; fi; \
 	set -e; \
-	$(PYTHON) -m pip install "torch==$(TORCH_VERSION)"; \
+	$(PYTHON) -m pip install "torch==$(TORCH_VERSION)" "triton==$(TRITON_VERSION)"; \
 	$(PYTHON) -m pip install -e ".[test]"; \
 	mkdir -p build && touch "$$stamp"
 
@@ -65,6 +68,16 @@ test: install trainer-packages $(ASCEND_PREREQ)
 	@FLCE_REQUIRE_ASCEND_VENV=$(ASCEND) $(PYTHON) -m pytest -rfEs $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
+
+# Both ends of the supported range (torch 2.9.1 + triton 3.5.1 on Python 3.10, torch 2.15.0 + triton 3.9.0
+# on Python 3.13), each in its own environment under build/compat/ (built once from cached wheels, about
+# 4 GB a pair; reused afterwards): flce's wheel must install without changing that torch or Triton, then
+# the reference contract, the interpreted Triton kernels and the sm_90a compile tests run there.
+# COMPAT_PAIRS=oldest runs one end.
+COMPAT_PAIRS ?= oldest newest
+
+test-compat: install
+	PYTHON=$(PYTHON) tools/compat/test_compat.sh $(COMPAT_PAIRS)
 
 lint: install
 	$(PYTHON) -m ruff check .

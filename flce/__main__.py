@@ -73,6 +73,15 @@ def backend_table() -> list[str]:
             for row in cells]
 
 
+def cuda_kernel_lines(device: torch.device) -> list[str]:
+    """The CUDA backend's kernel families: which this Triton builds and this device runs, and why not."""
+    from flce.backends.cuda.availability import kernel_availability
+
+    rows = kernel_availability(device)
+    width = max(len(name) for name, _, _ in rows)
+    return ["cuda kernels:"] + [f"  {name.ljust(width)}  {'yes' if ok else 'no '}  {why}" for name, ok, why in rows]
+
+
 def autotune_lines(device: torch.device) -> list[str]:
     """The autotune cache's own report, when the autotune package is installed."""
     try:
@@ -98,6 +107,9 @@ def info(device: str | torch.device | None) -> int:
         print(f"  {line}")
     print()
     for line in selection_lines(device):
+        print(line)
+    print()
+    for line in cuda_kernel_lines(device):
         print(line)
     lines = autotune_lines(device)
     if lines:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import OPTION_CASES, assert_same_argmax, lm_head_inputs, materialise_options, reference_loss
+from hopper_ptx import TMA_LOAD, TMA_STORE, count
 
 import flce
 from flce.autotune import override_params
@@ -448,21 +449,26 @@ def test_gpu_fused_paths_make_no_host_sync():
 
 
 _COMPILE_FOR_HOPPER = """
-import inspect, sys
+import inspect, json, sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from flce.backends.cuda.gemm_kernels import _gemm_grad_persistent_kernel as kernel
+from flce.backends.cuda import gemm_kernels
 
-has_h = sys.argv[1] == "rl"
+kernel_name, has_h = sys.argv[1], sys.argv[2] == "rl"
+kernel = getattr(gemm_kernels, kernel_name)
 names = list(inspect.signature(kernel.fn).parameters)
 constants = {"HAS_BIAS": True, "HAS_SOFTCAP": True, "HAS_CLASS_WEIGHT": False, "HAS_H": has_h, "HAS_E": has_h,
-             "LOGITS_DTYPE": tl.bfloat16, "IEEE": False, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64,
-             "GROUP_M": 8, "SUBTILES": 2}
-types = {"x_desc": "tensordesc<bf16[128,64]>", "w_desc": "tensordesc<bf16[256,64]>",
-         "grad_desc": "tensordesc<bf16[128,128]>", "target_ptr": "*i64", "M": "i32", "V": "i32", "K": "i32",
-         "vocab_offset": "i32", "softcap": "fp32", "inv_temperature": "fp32", "PROGRAMS": "i32"}
-signature = {name: "constexpr" if name in constants else types.get(name, "*fp32") for name in names}
+             "NEED_SUM_EXP_DZ": has_h, "NEED_WEIGHTED_SUM_Z": False, "NEED_ARGMAX": has_h, "STORE_LOGITS": True,
+             "LOGITS_DTYPE": tl.bfloat16, "USE_TMA": True, "IEEE": False, "BLOCK_M": 128, "BLOCK_N": 256,
+             "BLOCK_K": 64, "GROUP_M": 8, "SPLITS": 1, "NUM_STAGES": 3, "SUBTILES": 2}
+types = {"x": "tensordesc<bf16[128,64]>", "w": "tensordesc<bf16[256,64]>", "x_desc": "tensordesc<bf16[128,64]>",
+         "w_desc": "tensordesc<bf16[256,64]>", "grad_desc": "tensordesc<bf16[128,128]>", "target_ptr": "*i64",
+         "part_argmax_ptr": "*i64", "logits_ptr": "*bf16", "grad_ptr": "*bf16", "bias_ptr": "*bf16",
+         "softcap": "fp32", "inv_temperature": "fp32"}
+signature = {name: "constexpr" if name in constants else types.get(name, "*fp32" if name.endswith("_ptr") else "i32")
+             for name in names}
+constants = {k: v for k, v in constants.items() if k in names}
 source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()})
 compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
 sys.stdout.write(compiled.asm["ptx"])
@@ -470,23 +476,28 @@ sys.stdout.write(compiled.asm["ptx"])
 
 
 @pytest.mark.parametrize("coefficients", ["plain", "rl"])
-def test_persistent_gradient_kernel_compiles_for_hopper(coefficients):
-    """The persistent gradient GEMM runs only on Hopper (TMA descriptors), never under the
-    interpreter: compiling it for sm_90 here (in a process without TRITON_INTERPRET) lowers it
-    through Triton's NVIDIA backend to PTX, so a change that breaks it fails CI without a GPU. The
-    PTX must hold wgmma and TMA loads and stores."""
+@pytest.mark.parametrize("kernel", ["_gemm_grad_persistent_kernel", "_gemm_grad_kernel", "_gemm_row_stats_kernel"])
+def test_tma_gemm_kernels_compile_for_hopper(kernel, coefficients):
+    """The fused Triton GEMMs' TMA variants run only on Hopper (tensor descriptors), never under the
+    interpreter: compiling them for sm_90 here (in a process without TRITON_INTERPRET) lowers them
+    through Triton's NVIDIA backend to PTX, so a change (or a Triton release) that breaks them fails
+    CI without a GPU. The PTX must hold wgmma and TMA loads; the persistent gradient kernel's
+    gradient leaves by TMA stores, the others' by plain stores. ``rl``: the log-prob and entropy
+    coefficients (gradient) or statistics (forward) on."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER, coefficients], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER, kernel, coefficients], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     ptx = done.stdout
     assert "wgmma.mma_async" in ptx
-    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx  # TMA loads
-    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx  # TMA stores
+    assert count(TMA_LOAD, ptx) > 0
+    persistent = kernel == "_gemm_grad_persistent_kernel"
+    assert (count(TMA_STORE, ptx) > 0) == persistent
+    assert ("st.global" in ptx) != persistent
 
 
 @interpreter_only

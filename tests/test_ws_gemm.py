@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from hopper_ptx import TMA_LOAD, TMA_STORE, count
 
 # tools/benchmarks/ws_kernels.py: the kernel's standalone entry points (the library's calls go through ops.py).
 WS_KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "benchmarks")
@@ -51,8 +52,8 @@ def test_ws_gemm_compiles_for_hopper(product: str) -> None:
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 8
     assert "wgmma.wait_group.sync.aligned 1" in ptx  # one wgmma group kept in flight
     # A and B (an M- or N-major tile wider than the 128-byte swizzle takes one copy per 64 columns)
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes") >= 2
-    assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in ptx  # TMA store of C
+    assert count(TMA_LOAD, ptx) >= 2
+    assert count(TMA_STORE, ptx) > 0  # TMA store of C
     assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive.expect_tx" in ptx
     # Warp specialisation: the load warp gives registers back, the consumers take them.
     assert "setmaxnreg.dec.sync.aligned.u32 \t40" in ptx
@@ -66,13 +67,9 @@ def test_ws_row_stats_compiles_for_hopper() -> None:
     tile's statistics (exp2); the barriers the chunks need span one warpgroup (128 threads)."""
     ptx = _compile(False, True, row_stats=True)["ptx"]
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
-    assert "cp.async.bulk.tensor.2d.global.shared::cta" not in ptx
+    assert count(TMA_STORE, ptx) == 0
     assert "ex2.approx" in ptx
     assert "bar.sync \t0, 256" not in ptx and "bar.sync \t2, 128" in ptx
-
-
-_TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-_TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
 
 
 def test_ws_gemm_accumulate_compiles_for_hopper() -> None:
@@ -81,9 +78,9 @@ def test_ws_gemm_accumulate_compiles_for_hopper() -> None:
     plain = _compile(*LAYOUTS["grad_weight"], row_stats=False)["ptx"]
     result = _compile(*LAYOUTS["grad_weight"], row_stats=False, accumulate=True)
     ptx = result["ptx"]
-    assert ptx.count(_TMA_LOAD) > plain.count(_TMA_LOAD)  # C's fetch
+    assert count(TMA_LOAD, ptx) > count(TMA_LOAD, plain)  # C's fetch
     assert ptx.count("mbarrier.arrive.expect_tx") > plain.count("mbarrier.arrive.expect_tx")
-    assert _TMA_STORE in ptx and "cp.async.bulk.wait_group.read \t0" in ptx
+    assert count(TMA_STORE, ptx) > 0 and "cp.async.bulk.wait_group.read \t0" in ptx
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 8
     assert result["shared"] <= 227 * 1024
 
@@ -93,7 +90,7 @@ def test_ws_row_stats_storing_logits_compiles_for_hopper() -> None:
     the shared buffer its statistics chunks read."""
     result = _compile(False, True, row_stats=True, store_tile=True)
     ptx = result["ptx"]
-    assert _TMA_STORE in ptx and "fence.proxy.async.shared::cta" in ptx
+    assert count(TMA_STORE, ptx) > 0 and "fence.proxy.async.shared::cta" in ptx
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
     assert "ex2.approx" in ptx and "bar.sync \t0, 256" not in ptx
     assert result["shared"] <= 227 * 1024
@@ -111,7 +108,7 @@ def test_ws_row_stats_storing_exponentials_compiles_for_hopper() -> None:
     assert ptx.count("st.shared") - logits["ptx"].count("st.shared") == 16 * 2 * 2
     assert ptx.count("ex2.approx") - logits["ptx"].count("ex2.approx") == 16 * 2 * 2
     # the store after the interleaved chunks and after the last tile's (and the one without interleaving)
-    assert ptx.count(_TMA_STORE) > logits["ptx"].count(_TMA_STORE)
+    assert count(TMA_STORE, ptx) > count(TMA_STORE, logits["ptx"])
     assert "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
 
 
@@ -133,7 +130,7 @@ def test_ws_row_stats_options_compile_for_hopper(store_tile: bool, sum_exp_dz: b
     stores = plain.count("st.global.b32") // 3
     assert ptx.count("st.global.b32") == stores * (3 + sum_exp_dz + sum_z)
     assert ptx.count("st.global.b64") == stores * argmax
-    assert (_TMA_STORE in ptx) == store_tile
+    assert (count(TMA_STORE, ptx) > 0) == store_tile
     assert "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
 
 
@@ -159,7 +156,7 @@ def test_ws_row_stats_logit_options_compile_for_hopper(option: str) -> None:
     else:
         assert exps == 0 and loads > 0
     assert ptx.count("st.global.b32") == plain.count("st.global.b32")  # the same partials
-    assert _TMA_STORE in ptx and "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
+    assert count(TMA_STORE, ptx) > 0 and "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
 
 
 def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -164,7 +164,7 @@ class _Reasons:
                                         f"{sizes.FUSED_FORWARD_MIN_ROWS} tokens: cuBLAS")
         self.forward_logits = self._path("forward_logits", tuned.forward_logits, forced,
                                          "the warp-specialised GEMM writes them" if eligible.ws_logits
-                                         else "no warp-specialised GEMM here: cuBLAS")
+                                         else f"no warp-specialised GEMM here ({logits}): cuBLAS")
         grad_forced = ('precision="accurate": fp32 logits come from cuBLAS' if logits_dtype(call.dtype, cfg) !=
                        call.dtype else f"fallback: the fused gradient GEMM failed to compile here earlier "
                        f"({grad_failed})" if grad_failed else None)

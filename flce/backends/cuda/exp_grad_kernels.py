@@ -33,12 +33,14 @@ def _exp_offsets_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, offset_ptr
     t = tl.load(target_ptr + row)
     valid = (t != ignore_index) & (t >= 0) & (t < vocab)
     safe_t = tl.where(valid, t, 0).to(tl.int64)
+    # An ignored row reads no weights: its weight columns end at 0. (A bound, not `mask & valid`: Triton 3.9's
+    # interpreter turns a block mask & a scalar mask into int32, which it then refuses as a load mask.)
+    w_cols = tl.where(valid, hidden, 0)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for start in range(0, hidden, BLOCK_H):
         cols = start + tl.arange(0, BLOCK_H)
-        mask = cols < hidden
-        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + safe_t * stride_w + cols, mask=mask & valid, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + safe_t * stride_w + cols, mask=cols < w_cols, other=0.0).to(tl.float32)
         acc += x * w
     offset = tl.sum(acc, axis=0) * LOG2E + OFFSET_ABOVE_TARGET
     tl.store(offset_ptr + row, tl.where(valid, offset, 0.0))

@@ -9,6 +9,7 @@ package's metadata.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 from functools import cache
 
 import torch
@@ -32,8 +33,11 @@ KNOWN_GPUS: dict[str, tuple[tuple[int, int], int, int]] = {
     "NVIDIA GeForce RTX 4090": ((8, 9), 128, 24564 * MiB),
     "NVIDIA B200": ((10, 0), 148, 183359 * MiB),
 }
-# The Triton whose Gluon API the warp-specialised kernels are written against (ws_gemm_kernels.py).
-GLUON_TRITON = (3, 6)
+# The oldest Triton whose Gluon API the warp-specialised kernels build with (gluon_compat.py maps 3.5 to 3.9;
+# its OLDEST_TRITON, restated here so that a predicate imports no Triton), and the Triton a described GPU
+# is assumed to have where none is installed or named (the GPU machines' and CI's).
+OLDEST_GLUON_TRITON = (3, 5)
+TESTED_TRITON = "3.6.0"
 
 
 def is_hopper(device: DeviceDescription) -> bool:
@@ -61,8 +65,9 @@ def triton_supports_gluon_hopper(triton_version: str | None) -> tuple[bool, str]
         release = tuple(int(part) for part in triton_version.split("+")[0].split(".")[:2])
     except ValueError:
         return False, f"triton {triton_version}: cannot read its version"
-    if release < GLUON_TRITON:
-        return False, f"triton {triton_version} predates the Gluon API of the kernels (written for 3.6)"
+    if release < OLDEST_GLUON_TRITON:
+        return False, (f"triton {triton_version} predates the Gluon API the kernels build with (3.5 and later, "
+                       "gluon_compat.py)")
     return True, f"triton {triton_version} has Gluon"
 
 
@@ -74,7 +79,22 @@ def warp_specialized_available(device: DeviceDescription) -> tuple[bool, str]:
         arch = ("no compute capability" if device.capability is None
                 else f"sm_{device.capability[0]}{device.capability[1]}")
         return False, f"{arch}: the kernels are written for sm_90 (Hopper)"
-    return triton_supports_gluon_hopper(device.triton)
+    builds, why = triton_supports_gluon_hopper(device.triton)
+    if builds and device.triton == installed_triton():
+        # The Triton installed here: whether its Gluon module has what the kernels call (a broken install, or
+        # triton-ascend under the same name, has the version but not the API), probed once per process.
+        from flce.backends.cuda.gluon_compat import gluon_support
+
+        builds, why = gluon_support()
+        if not builds:
+            _say_once(f"flce: the warp-specialised Gluon GEMM cannot be built here ({why}); the fused Triton GEMM "
+                      "and cuBLAS take its place")
+    return builds, why
+
+
+@cache
+def _say_once(message: str) -> None:
+    logging.getLogger("flce").warning(message)
 
 
 @cache
@@ -126,4 +146,4 @@ def gpu_description(name: str, capability: tuple[int, int] | None = None, multip
     capability = capability or known[0]
     return DeviceDescription(type="cuda", name=name, total_memory=total_memory or known[2],
                              capability=capability, multiprocessors=multiprocessors or known[1],
-                             triton=triton or installed_triton() or ".".join(map(str, GLUON_TRITON)) + ".0")
+                             triton=triton or installed_triton() or TESTED_TRITON)

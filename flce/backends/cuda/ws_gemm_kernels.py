@@ -10,7 +10,7 @@ TMA store takes. One kernel covers the three products of the loss by the operand
 A TMA descriptor's block is the tile as it lies in memory ([BLOCK_K, BLOCK_M] for an M-major A); the
 consumer hands wgmma a transposed view of the shared tile, which wgmma reads in either order.
 
-Partitions (``gl.warp_specialize``):
+Partitions (``warp_specialize``; gluon_compat.py maps the Gluon names that moved between Triton releases):
 
 * **load** (1 warp, few registers): walks the program's tiles in the same order as the consumers and
   issues the TMA loads of each K step into a ring of NUM_STAGES shared-memory stages; ``ready[s]``
@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from flce.backends.cuda.gluon_compat import cta_barrier, tma_load, tma_store, warp_specialize
 from flce.backends.cuda.ws_stats_kernels import STATS_CHUNKS, STATS_ROWS, _stats_chunk, _stats_layout
 
 
@@ -84,13 +85,13 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
             mbarrier.expect(ready.index(s), stage_bytes)
             k = kk * BLOCK_K
             if A_MMAJOR:
-                tma.async_copy_global_to_shared(a_desc, [k, off_m], ready.index(s), a_bufs.index(s))
+                tma_load(a_desc, [k, off_m], ready.index(s), a_bufs.index(s))
             else:
-                tma.async_copy_global_to_shared(a_desc, [off_m, k], ready.index(s), a_bufs.index(s))
+                tma_load(a_desc, [off_m, k], ready.index(s), a_bufs.index(s))
             if B_KMAJOR:
-                tma.async_copy_global_to_shared(b_desc, [off_n, k], ready.index(s), b_bufs.index(s))
+                tma_load(b_desc, [off_n, k], ready.index(s), b_bufs.index(s))
             else:
-                tma.async_copy_global_to_shared(b_desc, [k, off_n], ready.index(s), b_bufs.index(s))
+                tma_load(b_desc, [k, off_n], ready.index(s), b_bufs.index(s))
             step += 1
 
 
@@ -127,8 +128,8 @@ def _store_exp_tile(c_desc, tile_smem, off_m, pid_n, BLOCK_N: gl.constexpr):
     none waits) to HBM; the next epilogue waits for the store before it writes tile_smem again."""
     if off_m >= 0:
         fence_async_shared()  # the chunks' shared stores, visible to the TMA unit
-        gl.thread_barrier()  # every warp of this warpgroup has written its part
-        tma.async_copy_shared_to_global(c_desc, [off_m, pid_n * BLOCK_N], tile_smem)
+        cta_barrier()  # every warp of this warpgroup has written its part
+        tma_store(c_desc, [off_m, pid_n * BLOCK_N], tile_smem)
 
 
 # ACCUMULATE: the K step at which C's tile is fetched. Step 0 would wait on the previous tile's store
@@ -164,8 +165,10 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
     ACCUMULATE_PREFETCH_STEP (``c_ready[WG]`` completes one phase a tile) and added in the epilogue."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    # wgmma's widest N is 256. (A conditional, not min(): Triton 3.5's min of two constexprs is a tensor.)
+    INSTR_N: gl.constexpr = 256 if BLOCK_N > 256 else BLOCK_N
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, min(BLOCK_N, 256), 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, INSTR_N, 16])
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -202,7 +205,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                 if kk == prefetch_at:
                     tma.store_wait(0)  # the previous tile's store has left tile_smem (long since)
                     mbarrier.expect(c_ready.index(WG), c_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(c_desc, [off_m, pid_n * BLOCK_N], c_ready.index(WG), tile_smem)
+                    tma_load(c_desc, [off_m, pid_n * BLOCK_N], c_ready.index(WG), tile_smem)
             acc = _retire_step(empty, acc, step, kk)
             step += 1
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -215,13 +218,13 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             out = acc.to(tile_smem.dtype)
             if STORE_TILE or STORE_EXP:
                 tma.store_wait(0)  # the previous tile's store has left tile_smem
-            gl.thread_barrier()  # every warp of this warpgroup has read the previous tile's chunks
+            cta_barrier()  # every warp of this warpgroup has read the previous tile's chunks
             tile_smem.store(out)
             if STORE_TILE:
                 fence_async_shared()
-            gl.thread_barrier()  # the whole half tile is stored before any warp reads a chunk
+            cta_barrier()  # the whole half tile is stored before any warp reads a chunk
             if STORE_TILE:
-                tma.async_copy_shared_to_global(c_desc, [off_m, pid_n * BLOCK_N], tile_smem)
+                tma_store(c_desc, [off_m, pid_n * BLOCK_N], tile_smem)
             if INTERLEAVE:
                 prev_m = off_m
                 prev_n = pid_n
@@ -236,12 +239,12 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             if ACCUMULATE:
                 mbarrier.wait(c_ready.index(WG), tiles_done & 1)
                 acc = acc + tile_smem.load(acc_layout).to(gl.float32)
-                gl.thread_barrier()  # every warp has read C before any overwrites it
+                cta_barrier()  # every warp has read C before any overwrites it
             out = acc.to(c_desc.dtype)
             tma.store_wait(0)  # the previous tile's store has left tile_smem
             tile_smem.store(out)
             fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [off_m, pid_n * BLOCK_N], tile_smem)
+            tma_store(c_desc, [off_m, pid_n * BLOCK_N], tile_smem)
         tiles_done += 1
     if ROW_STATS:
         if INTERLEAVE:
@@ -310,7 +313,7 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
 
     stats_ptrs = (part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, part_sum_y_ptr, target_ptr,
                   target_z_ptr, class_weight_ptr, bias_ptr, exp_offset_ptr)
-    gl.warp_specialize([
+    warp_specialize([
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
                                z_scale, softcap, 0, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                ROW_STATS, INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
