@@ -22,7 +22,8 @@ part of every method's growth; the table also gives the growth above them.
 Methods:
   floor          x @ W.T, G @ W, G.T @ x (G: the [BT, V] product of the first GEMM)
   eager          F.cross_entropy(x @ W.T, t), materialised logits
-  torch_chunked  F.linear_cross_entropy(x, W, t, options=torch.nn.LinearCrossEntropyOptions())
+  torch_chunked  F.linear_cross_entropy(x, W, t, options=torch.nn.LinearCrossEntropyOptions()), where this
+                 torch has it
   flce           flce.linear_cross_entropy(x, W, t) (the backend flce.get_impl picks)
 """
 
@@ -43,6 +44,9 @@ import torch.nn.functional as F
 from flce.testing.measure import MiB, Timing, cpu_description, interleaved_timings, shape_inputs
 
 METHODS = ("floor", "eager", "torch_chunked", "flce")
+# torch's own chunked loss (F.linear_cross_entropy) is newer than the oldest torch flce supports.
+TORCH_CHUNKED = hasattr(torch.nn, "LinearCrossEntropyOptions")
+AVAILABLE = tuple(m for m in METHODS if m != "torch_chunked" or TORCH_CHUNKED)
 CPU = torch.device("cpu")
 
 
@@ -132,7 +136,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (each method once per round)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument("--methods", default=",".join(AVAILABLE),
+                        help=f"comma-separated subset of {METHODS} (default: those this torch has)")
     parser.add_argument("--no-memory", action="store_true", help="skip the child-process RSS measurements")
     parser.add_argument("--markdown", action="store_true", help="print the table for docs/benchmarks.md")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -145,6 +150,9 @@ def main() -> None:
     for m in methods:
         if m not in METHODS:
             parser.error(f"--methods: unknown method {m!r}; expected some of {METHODS}")
+        if m not in AVAILABLE:
+            parser.error(f"--methods: {m} needs torch.nn.LinearCrossEntropyOptions, which torch {torch.__version__} "
+                         "lacks")
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats}: expected an int >= 1")
     started = datetime.now(timezone.utc)

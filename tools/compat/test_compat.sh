@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make test-compat`: flce at both ends of its supported range (pyproject.toml's bounds), each in an
-# environment of its own under build/compat/, built once from wheels cached in build/compat/wheels and
-# reused on later runs (rebuilt when this script's requirements change):
+# environment of its own under build/compat/, built once from wheels cached in build/compat/wheels/<pair>
+# and reused on later runs (rebuilt when this script's requirements change):
 #
 #   oldest   torch 2.9.1 + triton 3.5.1 (the Triton it pins), Python 3.10
 #   newest   torch 2.15.0 + triton 3.9.0 (the Triton it pins), Python 3.13
@@ -43,7 +43,7 @@ find_python() {  # an interpreter of Python $1 (on PATH, or pyenv's), else pytho
 }
 
 build_env() {  # name torch triton python -> the environment's directory, built unless already there
-    local name=$1 torch=$2 triton=$3 python
+    local name=$1 torch=$2 triton=$3 python wheels=$WHEELS/$1
     python=$(find_python "$4")
     local requirements=("torch==$torch" "triton==$triton" "${TEST_PACKAGES[@]}")
     local env=$ROOT/$name-torch$torch-triton$triton-py$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -53,12 +53,12 @@ build_env() {  # name torch triton python -> the environment's directory, built 
         local log=$env.log
         echo "test-compat: building $env (once; reused on later runs; pip's output in $log)" >&2
         rm -rf "$env"
-        mkdir -p "$WHEELS"
+        mkdir -p "$wheels"
         {
             "$python" -m venv "$env" &&
-            PIP_CONSTRAINT=/dev/null "$env/bin/python" -m pip download --no-cache-dir -d "$WHEELS" \
+            PIP_CONSTRAINT=/dev/null "$env/bin/python" -m pip download --no-cache-dir -d "$wheels" \
                 "${requirements[@]}" &&
-            PIP_CONSTRAINT=/dev/null "$env/bin/python" -m pip install --no-index --find-links "$WHEELS" \
+            PIP_CONSTRAINT=/dev/null "$env/bin/python" -m pip install --no-index --find-links "$wheels" \
                 "${requirements[@]}"
         } > "$log" 2>&1 || { tail -30 "$log" >&2; echo "test-compat: building $env failed (above)" >&2; return 1; }
         touch "$stamp"
@@ -74,7 +74,8 @@ check_pair() {
     # Ordinary resolution (dependencies included, nothing but the cached wheels to choose from): pip must
     # find this torch and Triton within flce's bounds and keep them.
     "$env/bin/python" -m pip uninstall -q -y flce 2> /dev/null || true
-    PIP_CONSTRAINT=/dev/null "$env/bin/python" -m pip install -q --no-index --find-links "$WHEELS" "$wheel[triton]"
+    PIP_CONSTRAINT=/dev/null "$env/bin/python" -m pip install -q --no-index --find-links "$WHEELS/$name" \
+        "$wheel[triton]"
     "$env/bin/python" - "$torch" "$triton" <<'PY'
 import sys
 from importlib.metadata import version
@@ -94,7 +95,7 @@ TESTS=(
     tests/test_reference_contract.py tests/test_inputs.py tests/test_module.py tests/test_registry.py
     tests/test_autograd_contract.py tests/test_compile.py
     tests/test_cuda_backend.py tests/test_cuda_fused_forward.py tests/test_exp_grad.py
-    tests/test_ws_gemm.py tests/test_gluon_compat.py
+    tests/test_ws_gemm.py tests/test_gluon_compat.py tests/test_packaging.py
 )
 
 rm -rf "$ROOT/dist"
