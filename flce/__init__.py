@@ -5,6 +5,7 @@
     loss = loss_fn(hidden, lm_head.weight, labels)
 """
 
+from flce.explain import explain
 from flce.module import LinearCrossEntropy, get_impl, linear_cross_entropy
 from flce.outputs import LCEOutput
 from flce.registry import Backend, available_backends, register_backend
@@ -16,6 +17,7 @@ __all__ = [
     "LCEOutput",
     "LinearCrossEntropy",
     "available_backends",
+    "explain",
     "get_impl",
     "linear_cross_entropy",
     "register_backend",

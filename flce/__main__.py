@@ -1,4 +1,5 @@
-"""``python -m flce info``: the device, every backend's availability and the selection.
+"""``python -m flce info``: the device, every backend's availability and the selection;
+``python -m flce explain``: what a call would run and why (flce/explain.py).
 
 The autotune section is printed by ``flce.autotune.info_lines(device)`` when that module is
 importable; flce works without it.
@@ -16,6 +17,8 @@ import torch
 
 import flce
 from flce.config import LCEConfig
+from flce.explain import add_arguments as explain_arguments
+from flce.explain import run as explain_call
 from flce.registry import available_backends, candidates_for, choose_for_call, resolve_device
 from flce.testing.measure import cpu_model
 
@@ -122,7 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     info_parser = commands.add_parser("info", help="the device, the backends and which one is selected")
     info_parser.add_argument("--device", default=None,
                              help="device to report on (default: the current accelerator, else cpu)")
+    explain_parser = commands.add_parser("explain", help="what a call would run and why, without running it")
+    explain_arguments(explain_parser)
     args = parser.parse_args(argv)
+    if args.command == "explain":
+        try:
+            return explain_call(args)
+        except (TypeError, ValueError) as exc:
+            parser.error(f"explain: {exc}")
     if args.command == "info":
         try:
             device = resolve_device(args.device)

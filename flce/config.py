@@ -1,6 +1,6 @@
 """The options of one linear cross-entropy call, validated once.
 
-Every backend receives an :class:`LCEConfig`; the option table in DESIGN.md is
+Every backend receives an :class:`LCEConfig`; the option table in docs/design.md is
 the source of truth for names, defaults and meaning.
 """
 
@@ -39,7 +39,7 @@ _FULL_FEATURE_OPTIONS = {
 
 @dataclass(frozen=True)
 class LCEConfig:
-    """Validated options; see DESIGN.md's option table."""
+    """Validated options; see docs/design.md's option table."""
 
     ignore_index: int = -100
     reduction: str = "mean"
@@ -62,48 +62,7 @@ class LCEConfig:
     precision: str = "fast"
 
     def __post_init__(self) -> None:
-        _check_int("ignore_index", self.ignore_index)
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"reduction={self.reduction!r}: expected one of {REDUCTIONS}")
-        _check_real("label_smoothing", self.label_smoothing)
-        if not 0.0 <= self.label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing={self.label_smoothing}: expected a value in [0, 1]")
-        _check_real("lse_square_scale", self.lse_square_scale)
-        if self.lse_square_scale < 0.0:
-            raise ValueError(f"lse_square_scale={self.lse_square_scale}: expected a value >= 0")
-        if self.softcap is not None:
-            _check_real("softcap", self.softcap)
-            if not self.softcap > 0.0:
-                raise ValueError(f"softcap={self.softcap}: expected None or a value > 0")
-        _check_real("temperature", self.temperature)
-        if not self.temperature > 0.0:
-            raise ValueError(f"temperature={self.temperature}: expected a value > 0")
-        if self.class_weight is not None:
-            w = self.class_weight
-            if not isinstance(w, torch.Tensor) or w.dim() != 1 or not w.is_floating_point():
-                raise ValueError(
-                    f"class_weight: expected a 1-D floating-point tensor of shape [V], got "
-                    f"{_describe(w)}"
-                )
-            if w.requires_grad:
-                # As torch's cross_entropy(weight=...) refuses: no gradient flows to class weights.
-                raise ValueError(
-                    "class_weight requires grad, but class weights are constants (no gradient flows to them, "
-                    "as for torch's cross_entropy weight=); pass class_weight.detach()"
-                )
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r}: expected one of {PRECISIONS}")
-        if self.accum_dtype not in (None, torch.float32):
-            raise ValueError(f"accum_dtype={self.accum_dtype}: expected None or torch.float32")
-        if self.memory_budget is not None:
-            _check_int("memory_budget", self.memory_budget)
-            if self.memory_budget <= 0:
-                raise ValueError(f"memory_budget={self.memory_budget}: expected a positive byte count")
-        for name in ("token_scaling", "return_z_loss", "return_token_accuracy",
-                     "return_predicted_tokens", "return_logprobs", "return_entropy", "return_logit_stats",
-                     "batch_invariant"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}={getattr(self, name)!r}: expected a bool")
+        validate_options(self, _OPTION_NAMES)
 
     def full_feature_options(self) -> list[str]:
         """Names of the options set here that the plain variant cannot serve."""
@@ -120,9 +79,119 @@ class LCEConfig:
                 or self.return_logprobs or self.return_entropy or self.return_logit_stats)
 
     def replace(self, **changes: Any) -> LCEConfig:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        """A copy with ``changes``, of which only the changed options are checked: the others were when
+        this config was made (a call's options are validated once, however often flce derives from them)."""
+        unknown = set(changes) - set(_OPTION_NAMES)
+        if unknown:
+            raise TypeError(f"LCEConfig.replace() got unknown options {sorted(unknown)}")
+        values = {name: getattr(self, name) for name in _OPTION_NAMES}
         values.update(changes)
-        return LCEConfig(**values)
+        derived = _unchecked(values)
+        validate_options(derived, tuple(changes))
+        return derived
+
+
+
+def _unchecked(values: dict[str, Any]) -> LCEConfig:
+    """An LCEConfig of values that were already checked (a frozen dataclass built without __post_init__)."""
+    cfg = object.__new__(LCEConfig)
+    for name, value in values.items():
+        object.__setattr__(cfg, name, value)
+    return cfg
+
+
+def validate_options(cfg: LCEConfig, names: tuple[str, ...]) -> None:
+    """Check the options ``names`` of ``cfg``; raises naming the option, its value and what was expected."""
+    for name in names:
+        check = _CHECKS.get(name)
+        if check is not None:
+            check(getattr(cfg, name))
+
+
+def _check_reduction(value: Any) -> None:
+    if value not in REDUCTIONS:
+        raise ValueError(f"reduction={value!r}: expected one of {REDUCTIONS}")
+
+
+def _check_label_smoothing(value: Any) -> None:
+    _check_real("label_smoothing", value)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"label_smoothing={value}: expected a value in [0, 1]")
+
+
+def _check_lse_square_scale(value: Any) -> None:
+    _check_real("lse_square_scale", value)
+    if value < 0.0:
+        raise ValueError(f"lse_square_scale={value}: expected a value >= 0")
+
+
+def _check_softcap(value: Any) -> None:
+    if value is not None:
+        _check_real("softcap", value)
+        if not value > 0.0:
+            raise ValueError(f"softcap={value}: expected None or a value > 0")
+
+
+def _check_temperature(value: Any) -> None:
+    _check_real("temperature", value)
+    if not value > 0.0:
+        raise ValueError(f"temperature={value}: expected a value > 0")
+
+
+def _check_class_weight(w: Any) -> None:
+    if w is None:
+        return
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not w.is_floating_point():
+        raise ValueError(f"class_weight: expected a 1-D floating-point tensor of shape [V], got {_describe(w)}")
+    if w.requires_grad:
+        # As torch's cross_entropy(weight=...) refuses: no gradient flows to class weights.
+        raise ValueError(
+            "class_weight requires grad, but class weights are constants (no gradient flows to them, "
+            "as for torch's cross_entropy weight=); pass class_weight.detach()"
+        )
+
+
+def _check_precision(value: Any) -> None:
+    if value not in PRECISIONS:
+        raise ValueError(f"precision={value!r}: expected one of {PRECISIONS}")
+
+
+def _check_accum_dtype(value: Any) -> None:
+    if value not in (None, torch.float32):
+        raise ValueError(f"accum_dtype={value}: expected None or torch.float32")
+
+
+def _check_memory_budget(value: Any) -> None:
+    if value is not None:
+        _check_int("memory_budget", value)
+        if value <= 0:
+            raise ValueError(f"memory_budget={value}: expected a positive byte count")
+
+
+def _check_bool(name: str) -> Any:
+    def check(value: Any) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r}: expected a bool")
+
+    return check
+
+
+# One check per option (process_group: any object, checked where it is used).
+_CHECKS: dict[str, Any] = {
+    "ignore_index": lambda value: _check_int("ignore_index", value),
+    "reduction": _check_reduction,
+    "label_smoothing": _check_label_smoothing,
+    "lse_square_scale": _check_lse_square_scale,
+    "softcap": _check_softcap,
+    "temperature": _check_temperature,
+    "class_weight": _check_class_weight,
+    "precision": _check_precision,
+    "accum_dtype": _check_accum_dtype,
+    "memory_budget": _check_memory_budget,
+    **{name: _check_bool(name) for name in ("token_scaling", "return_z_loss", "return_token_accuracy",
+                                            "return_predicted_tokens", "return_logprobs", "return_entropy",
+                                            "return_logit_stats", "batch_invariant")},
+}
 
 
 # Computed once: dataclasses.fields cannot be traced by torch.compile, and the functional form
@@ -211,8 +280,10 @@ def primitive_options(cfg: LCEConfig) -> dict[str, Primitive]:
 
 def config_from_primitives(options: dict[str, Any], class_weight: torch.Tensor | None = None,
                            process_group: Any = None) -> LCEConfig:
-    """The inverse of :func:`primitive_options`; ``options`` may hold other keys, which are ignored."""
+    """The inverse of :func:`primitive_options`; ``options`` may hold other keys, which are ignored.
+    Not checked again: the values are :func:`primitive_options`' of a config checked when it was made (the
+    compile path's ops and dispatch carry a call's options this way)."""
     values = {name: options[name] for name in PRIMITIVE_OPTION_NAMES}
     fp32 = values.pop("fp32_accumulation")
-    return LCEConfig(class_weight=class_weight, process_group=process_group,
-                     accum_dtype=torch.float32 if fp32 else None, **values)
+    return _unchecked({**values, "class_weight": class_weight, "process_group": process_group,
+                       "accum_dtype": torch.float32 if fp32 else None})

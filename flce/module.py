@@ -20,7 +20,7 @@ from flce.registry import VARIANTS, HardwareProbe, candidates_for, dispatch, reg
 class LinearCrossEntropy(torch.nn.Module):
     """``CE(hidden @ weight.T + bias, target)`` without materialising the logits.
 
-    Constructor keywords are DESIGN.md's options; ``forward(hidden, weight, target, bias=None, *,
+    Constructor keywords are docs/design.md's options; ``forward(hidden, weight, target, bias=None, *,
     selected_ids=None)`` returns the loss, or an :class:`flce.LCEOutput` when a ``return_*`` option
     or ``selected_ids`` (integer ``[*target.shape, K]``: ``selected_logprobs``) is set.
     Subclasses made by :func:`get_impl` fix the device type, backend and variant.

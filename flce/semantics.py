@@ -152,8 +152,14 @@ def needs_logit_stats(cfg: LCEConfig) -> bool:
 class Denominators:
     """Divisors of the mean reduction, computed on the device without a host sync."""
 
-    cross_entropy: torch.Tensor  # scalar fp32: non-ignored tokens, or their class-weight sum
+    cross_entropy: torch.Tensor  # scalar fp32: non-ignored tokens, or their class-weight sum (any sign, or NaN)
     z_loss: torch.Tensor  # scalar fp32: non-ignored tokens
+
+    def mean(self, total: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+        """total / denominator as torch's mean divides (a class-weight sum that is negative, zero or NaN
+        included), and 0 where no token was counted (every target ignored: torch gives NaN there)."""
+        counted = self.z_loss > 0
+        return torch.where(counted, total / torch.where(counted, denominator, 1.0), 0.0)
 
 
 def denominators(target: torch.Tensor, cfg: LCEConfig, dtype: torch.dtype = torch.float32) -> Denominators:
@@ -161,18 +167,16 @@ def denominators(target: torch.Tensor, cfg: LCEConfig, dtype: torch.dtype = torc
     count = valid.sum(dtype=dtype)
     if cfg.class_weight is None:
         return Denominators(count, count)
-    weights = class_weight_of_target(target, cfg, dtype) * valid
-    return Denominators(weights.sum(dtype=dtype), count)
+    return Denominators(class_weight_of_target(target, cfg, dtype).sum(dtype=dtype), count)
 
 
 def class_weight_of_target(target: torch.Tensor, cfg: LCEConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Each row's target class weight, 0 on ignored rows: selected, not multiplied, since an ignored row's
+    clamped index reads some class's weight, which may be NaN (torch lets a NaN weight reach only the rows
+    whose target it is, and, through label smoothing, every row)."""
     assert cfg.class_weight is not None
-    return cfg.class_weight.to(dtype)[target.clamp(0, cfg.class_weight.shape[0] - 1)]
-
-
-def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """numerator / denominator, and 0 where nothing was counted (all tokens ignored)."""
-    return torch.where(denominator > 0, numerator / denominator.clamp_min(1e-30), 0.0)
+    weight = cfg.class_weight.to(dtype)[target.clamp(0, cfg.class_weight.shape[0] - 1)]
+    return torch.where(target != cfg.ignore_index, weight, 0.0)
 
 
 @dataclass
@@ -182,6 +186,9 @@ class RowTerms:
     cross_entropy: torch.Tensor  # [n] fp32, token scaling included
     z_loss: torch.Tensor  # [n] fp32
     valid: torch.Tensor  # [n] bool
+    # [n] fp32, the label-smoothing part of cross_entropy, kept with class weights only: torch's mean divides
+    # it and the rest by the weight sum separately, which differs from dividing their sum where that sum is 0.
+    smoothing: torch.Tensor | None = None
 
 
 def row_terms(stats: RowStats, target: torch.Tensor, cfg: LCEConfig, vocab: int) -> RowTerms:
@@ -193,14 +200,19 @@ def row_terms(stats: RowStats, target: torch.Tensor, cfg: LCEConfig, vocab: int)
     if cfg.class_weight is not None:
         nll = nll * class_weight_of_target(target, cfg, dtype)
     ce = nll if eps == 0.0 else (1.0 - eps) * nll
+    smoothing = None
     if eps != 0.0:
         weight_sum = float(vocab) if cfg.class_weight is None else cfg.class_weight.to(dtype).sum()
-        ce = ce + (eps / vocab) * (weight_sum * stats.lse - stats.weighted_sum_z)
+        smoothing = (eps / vocab) * (weight_sum * stats.lse - stats.weighted_sum_z)
+        ce = ce + smoothing
     if cfg.token_scaling:
-        ce = ce * torch.exp(stats.target_z - stats.lse)
+        scale = torch.exp(stats.target_z - stats.lse)
+        ce = ce * scale
+        smoothing = None if smoothing is None else smoothing * scale
     zl = cfg.lse_square_scale * stats.lse.square() if cfg.lse_square_scale else torch.zeros_like(ce)
     zero = torch.zeros((), dtype=ce.dtype, device=ce.device)
-    return RowTerms(torch.where(valid, ce, zero), torch.where(valid, zl, zero), valid)
+    kept_smoothing = None if smoothing is None or cfg.class_weight is None else torch.where(valid, smoothing, zero)
+    return RowTerms(torch.where(valid, ce, zero), torch.where(valid, zl, zero), valid, kept_smoothing)
 
 
 def reduce_terms(terms: RowTerms, cfg: LCEConfig, denoms: Denominators) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,8 +222,12 @@ def reduce_terms(terms: RowTerms, cfg: LCEConfig, denoms: Denominators) -> tuple
     ce_sum, zl_sum = terms.cross_entropy.sum(), terms.z_loss.sum()
     if cfg.reduction == "sum":
         return ce_sum + zl_sum, zl_sum
-    zl = safe_divide(zl_sum, denoms.z_loss)
-    return safe_divide(ce_sum, denoms.cross_entropy) + zl, zl
+    zl = denoms.mean(zl_sum, denoms.z_loss)
+    if terms.smoothing is None:
+        return denoms.mean(ce_sum, denoms.cross_entropy) + zl, zl
+    smoothing_sum = terms.smoothing.sum()
+    ce = denoms.mean(ce_sum - smoothing_sum, denoms.cross_entropy) + denoms.mean(smoothing_sum, denoms.cross_entropy)
+    return ce + zl, zl
 
 
 def extras(stats: RowStats, terms: RowTerms, target: torch.Tensor, cfg: LCEConfig, denoms: Denominators,
@@ -226,7 +242,7 @@ def extras(stats: RowStats, terms: RowTerms, target: torch.Tensor, cfg: LCEConfi
         elif cfg.reduction == "sum":
             out["token_accuracy"] = correct.sum()
         else:
-            out["token_accuracy"] = safe_divide(correct.sum(), denoms.z_loss)
+            out["token_accuracy"] = denoms.mean(correct.sum(), denoms.z_loss)
     if cfg.return_predicted_tokens:
         out["predicted_tokens"] = torch.where(valid, stats.argmax, -1)
     if cfg.return_logprobs:
@@ -260,8 +276,8 @@ def upstream_scales(
     if cfg.reduction == "sum":
         g_ce = g_z = g
     else:
-        g_ce = safe_divide(g, denoms.cross_entropy)
-        g_z = safe_divide(g, denoms.z_loss)
+        g_ce = denoms.mean(g, denoms.cross_entropy)
+        g_z = denoms.mean(g, denoms.z_loss)
     return g_ce.expand(n_rows), g_z.expand(n_rows)
 
 
@@ -276,8 +292,10 @@ def grad_coefficients(
     grad_entropy: torch.Tensor | None,
 ) -> GradCoefficients:
     dtype = stats.lse.dtype
-    valid = (target != cfg.ignore_index).to(dtype)
-    g_ce = grad_ce * valid
+    # Selected, not multiplied: an ignored row gets no gradient even where the upstream scale is inf or
+    # NaN (a class-weighted mean over weights that sum to 0 or NaN), as in torch.
+    valid = target != cfg.ignore_index
+    g_ce = torch.where(valid, grad_ce, 0.0)
     if cfg.token_scaling:
         g_ce = g_ce * torch.exp(stats.target_z - stats.lse)
     w_y = class_weight_of_target(target, cfg, dtype) if cfg.class_weight is not None else 1.0
@@ -291,14 +309,14 @@ def grad_coefficients(
         a = a + g_ce * (eps * weight_sum / vocab)
         e = g_ce * (eps / vocab)
     if cfg.lse_square_scale:
-        a = a + (2.0 * cfg.lse_square_scale) * (grad_z_loss * valid) * stats.lse
+        a = a + (2.0 * cfg.lse_square_scale) * torch.where(valid, grad_z_loss, 0.0) * stats.lse
     if grad_logprobs is not None:
-        g_lp = grad_logprobs.to(dtype) * valid
+        g_lp = torch.where(valid, grad_logprobs.to(dtype), 0.0)
         a = a - g_lp
         d = d - g_lp
     h = None
     if grad_entropy is not None:
         # d entropy / d z = -p (z - E[z]) = -p ((z - lse) + (lse - E[z])): the kernels multiply h by z - lse.
-        h = grad_entropy.to(dtype) * valid
+        h = torch.where(valid, grad_entropy.to(dtype), 0.0)
         a = a - h * stats.lse_minus_mean_z
     return GradCoefficients(a=a, h=h, d=d, e=e)

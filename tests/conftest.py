@@ -145,3 +145,15 @@ def isolated_registry() -> Iterator[None]:
         selection._warned.clear()
         selection._warned.update(saved_warned)
         flce.module._impl_class.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def fresh_planner_memos() -> Iterator[None]:
+    """The planners memoise their records by call description (a pure function of it in a process); tests
+    that patch a planner's constants (block widths, budgets) must not meet a record another test made."""
+    from flce.backends import cuda
+    from flce.backends.reference import plan as reference_plan
+
+    cuda._planned.clear()
+    reference_plan._planned.clear()
+    yield

@@ -1,4 +1,4 @@
-"""Shared test helpers: DESIGN.md's tolerances, upstream gradients, and the float64 oracle
+"""Shared test helpers: docs/design.md's tolerances, upstream gradients, and the float64 oracle
 (flce.testing.reference_loss, re-exported here).
 
 Import them from other test files as ``from helpers import reference_loss``: tests/ has no
@@ -16,13 +16,13 @@ from flce import LCEOutput
 from flce.testing import reference_loss
 from flce.testing.measure import relative_difference as relative_error  # the tests import it from here
 
-# DESIGN.md "Correctness tolerances (vs float64 reference)": (rtol, atol) per case.
+# docs/design.md, "Correctness tolerances": (rtol, atol) per case.
 DESIGN_TOLERANCES: dict[str, tuple[float, float]] = {
     "forward_float32": (1e-5, 1e-5),
     "forward_bfloat16": (2e-2, 2e-2),
     "forward_float16": (1e-2, 1e-2),
-    # Not in DESIGN.md: float64 inputs compute the logits and softmax in float64, but the
-    # per-call scalars of flce.semantics (mean denominators, class-weight sums) are float32.
+    # float64 inputs compute the logits and softmax in float64, but the per-call scalars of
+    # flce.semantics (mean denominators, class-weight sums) are float32.
     "forward_float64": (1e-7, 1e-7),
     "temperature_float32": (1e-5, 1e-5),
     "grad_hidden_float32": (1e-4, 1e-4),
@@ -32,7 +32,7 @@ DESIGN_TOLERANCES: dict[str, tuple[float, float]] = {
 }
 
 def tolerance(kind: str, dtype: torch.dtype) -> tuple[float, float]:
-    """(rtol, atol) from DESIGN.md for ``kind`` in {"forward", "temperature", "grad_hidden",
+    """(rtol, atol) from docs/design.md for ``kind`` in {"forward", "temperature", "grad_hidden",
     "grad_weight", "grad_weight_large"} at ``dtype``; low-precision gradients are compared
     by relative norm instead (see :func:`relative_error`)."""
     name = dtype_name(dtype)
@@ -41,10 +41,10 @@ def tolerance(kind: str, dtype: torch.dtype) -> tuple[float, float]:
     key = f"{kind}_{name}"
     if key not in DESIGN_TOLERANCES:
         if kind.startswith("grad") and name in ("bfloat16", "float16"):
-            raise ValueError(f"{kind} at {name}: DESIGN.md compares these by relative norm, use relative_error")
+            raise ValueError(f"{kind} at {name}: docs/design.md compares these by relative norm, use relative_error")
         if kind == "temperature":
             return DESIGN_TOLERANCES[f"forward_{name}"]
-        raise ValueError(f"no DESIGN.md tolerance for kind={kind!r} dtype={name}")
+        raise ValueError(f"no docs/design.md tolerance for kind={kind!r} dtype={name}")
     return DESIGN_TOLERANCES[key]
 
 
@@ -55,7 +55,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def assert_close_per_design(
     actual: torch.Tensor | None, expected: torch.Tensor | None, *, kind: str, dtype: torch.dtype, name: str
 ) -> None:
-    """Compare ``actual`` (any dtype) to the float64 ``expected`` with DESIGN.md's tolerance for
+    """Compare ``actual`` (any dtype) to the float64 ``expected`` with docs/design.md's tolerance for
     (kind, dtype); the failure message names the output and the tolerance used."""
     assert actual is not None, f"{name}: got None, expected a tensor"
     assert expected is not None, f"{name}: the oracle produced None"

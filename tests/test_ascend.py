@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from planning import ascend_plan as ascend_plan_for
 
 import flce
 from flce.backends import ascend
@@ -179,47 +180,49 @@ def test_driver_properties_from_a_faked_torch_npu_and_triton_ascend(monkeypatch)
 @pytest.mark.parametrize(("total", "limit"), [(4 * GiB, GiB), (8 * GiB, GiB), (16 * GiB, 2 * GiB),
                                               (32 * GiB, 4 * GiB), (64 * GiB, 4 * GiB), (96 * GiB, 4 * GiB)])
 def test_logits_save_limit_rule(total, limit):
-    assert ascend_plan.logits_save_limit_bytes(total) == limit
+    from flce.engine.memory import logits_save_limit_for
+
+    assert logits_save_limit_for(total) == limit
 
 
 def test_logits_saved_exactly_when_they_fit_under_the_limit():
     # 16 GiB NPU: limit 2 GiB. bf16 logits of 8192 x 131072 are exactly 2 GiB; one token more is not.
     props = _props(total=16 * GiB)
-    assert ascend_plan.plan_chunks(_meta_inputs(8192, 1024, 131072), LCEConfig(), props, "full").saved_rows == 8192
+    assert ascend_plan_for(_meta_inputs(8192, 1024, 131072), LCEConfig(), props, "full").saved_rows == 8192
     # One token more: the leading whole chunks that fit beside one recomputed chunk are kept.
-    plan = ascend_plan.plan_chunks(_meta_inputs(8193, 1024, 131072), LCEConfig(), props, "full")
+    plan = ascend_plan_for(_meta_inputs(8193, 1024, 131072), LCEConfig(), props, "full")
     chunk_bytes = plan.tokens_per_chunk * 256 * KiB
     assert plan.saved_rows == (2 * GiB - chunk_bytes) // chunk_bytes * plan.tokens_per_chunk
     assert 0 < plan.saved_rows < 8193 and plan.saved_rows * 256 * KiB + chunk_bytes <= 2 * GiB
     # A 64 GiB NPU keeps up to 4 GiB.
-    assert ascend_plan.plan_chunks(_meta_inputs(16384, 1024, 131072), LCEConfig(), _props(total=64 * GiB),
+    assert ascend_plan_for(_meta_inputs(16384, 1024, 131072), LCEConfig(), _props(total=64 * GiB),
                            "full").saved_rows == 16384
 
 
 def test_logits_save_limit_from_the_environment(monkeypatch):
     monkeypatch.setenv(ops.ENV_TOTAL_MEMORY, str(8 * GiB))  # limit 1 GiB
     props = ops.device_properties(torch.device("cpu"))
-    assert ascend_plan.plan_chunks(_meta_inputs(4096, 512, 131072), LCEConfig(), props, "full").saved_rows == 4096
-    assert ascend_plan.plan_chunks(_meta_inputs(4097, 512, 131072), LCEConfig(), props, "full").saved_rows < 4096
+    assert ascend_plan_for(_meta_inputs(4096, 512, 131072), LCEConfig(), props, "full").saved_rows == 4096
+    assert ascend_plan_for(_meta_inputs(4097, 512, 131072), LCEConfig(), props, "full").saved_rows < 4096
 
 
 def test_default_chunk_and_memory_budget():
     flat = _meta_inputs(100000, 1024, 131072)  # 256 KiB of bf16 logits per row
-    plan = ascend_plan.plan_chunks(flat, LCEConfig(), _props(), "plain")
+    plan = ascend_plan_for(flat, LCEConfig(), _props(), "plain")
     assert plan.tokens_per_chunk == ascend_plan.DEFAULT_CHUNK_BUDGET // (256 * KiB)
     # A budget bounds the chunk and what may be kept: 64 rows of logits leave nothing to save.
-    plan = ascend_plan.plan_chunks(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=64 * 256 * KiB),
+    plan = ascend_plan_for(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=64 * 256 * KiB),
                                    _props(), "full")
     assert (plan.tokens_per_chunk, plan.saved_rows) == (64, 0)
     # A budget with room for all the logits keeps them (the kernels turn them into the gradient in place).
     budget = 1000 * 256 * KiB
-    plan = ascend_plan.plan_chunks(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=budget), _props(), "full")
+    plan = ascend_plan_for(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=budget), _props(), "full")
     assert (plan.tokens_per_chunk, plan.saved_rows) == (1000, 1000)
     # A budget of 320 rows makes 320-row chunks: no room to keep any beside a recomputed one.
-    plan = ascend_plan.plan_chunks(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=320 * 256 * KiB), _props(),
+    plan = ascend_plan_for(_meta_inputs(1000, 1024, 131072), LCEConfig(memory_budget=320 * 256 * KiB), _props(),
                            "full")
     assert (plan.tokens_per_chunk, plan.saved_rows) == (320, 0)
-    assert ascend_plan.plan_chunks(_meta_inputs(3, 8, 10), LCEConfig(), _props(), "plain").tokens_per_chunk == 3
+    assert ascend_plan_for(_meta_inputs(3, 8, 10), LCEConfig(), _props(), "plain").tokens_per_chunk == 3
 
 
 def test_autotuned_chunk_and_limit_win():
@@ -228,24 +231,24 @@ def test_autotuned_chunk_and_limit_win():
     flat = _meta_inputs(8192, 1024, 131072)  # 2 GiB of logits, over a 16 GiB NPU's limit
     props = _props(total=16 * GiB)
     with override_params({"tokens_per_chunk": 777}, logits_save_limit_bytes=3 * GiB, backend="ascend"):
-        plan = ascend_plan.plan_chunks(flat, LCEConfig(), props, "full")
+        plan = ascend_plan_for(flat, LCEConfig(), props, "full")
     assert (plan.tokens_per_chunk, plan.saved_rows) == (777, 8192)
     with override_params({"tokens_per_chunk": 777}, logits_save_limit_bytes=GiB, backend="ascend"):
         # 1 GiB holds 4096 rows: four whole 777-row chunks beside a fifth, recomputed one.
-        assert ascend_plan.plan_chunks(flat, LCEConfig(), props, "full").saved_rows == 4 * 777
+        assert ascend_plan_for(flat, LCEConfig(), props, "full").saved_rows == 4 * 777
         # The budget still bounds a tuned chunk.
-        budget_plan = ascend_plan.plan_chunks(flat, LCEConfig(memory_budget=100 * 256 * KiB), props, "full")
+        budget_plan = ascend_plan_for(flat, LCEConfig(memory_budget=100 * 256 * KiB), props, "full")
         assert budget_plan.tokens_per_chunk == 100
     # A tuned 64-row chunk within a budget of 320 rows: four kept chunks beside a recomputed one.
     with override_params({"tokens_per_chunk": 64}, backend="ascend"):
-        plan = ascend_plan.plan_chunks(flat, LCEConfig(memory_budget=320 * 256 * KiB), props, "full")
+        plan = ascend_plan_for(flat, LCEConfig(memory_budget=320 * 256 * KiB), props, "full")
     assert (plan.tokens_per_chunk, plan.saved_rows) == (64, 256)
     # Knobs for another backend, or values the planner cannot use, fall back to the heuristic.
-    heuristic = ascend_plan.plan_chunks(flat, LCEConfig(), props, "full")
+    heuristic = ascend_plan_for(flat, LCEConfig(), props, "full")
     for params, backend in (({"tokens_per_chunk": 777}, "cuda"), ({"tokens_per_chunk": 0}, "ascend"),
                             ({"tokens_per_chunk": "777"}, "ascend"), ({"tokens_per_chunk": True}, "ascend")):
         with override_params(params, backend=backend):
-            assert ascend_plan.plan_chunks(flat, LCEConfig(), props, "full") == heuristic, (params, backend)
+            assert ascend_plan_for(flat, LCEConfig(), props, "full") == heuristic, (params, backend)
 
 
 # ----------------------------------------------------------------------------- registry
@@ -391,7 +394,7 @@ def test_tuning_space_matches_the_planner():
     space = spaces.tuning_space("ascend")
     shape = spaces.TuneShape(torch.device("cpu"), torch.bfloat16, hidden=1024, vocab=131072, tokens=8192,
                              variant="plain")
-    planned = ascend_plan.plan_chunks(shape.stand_in_inputs(), LCEConfig(), ops.device_properties(shape.device),
+    planned = ascend_plan_for(shape.stand_in_inputs(), LCEConfig(), ops.device_properties(shape.device),
                                       "plain").tokens_per_chunk
     assert space.heuristic(shape) == {"tokens_per_chunk": planned}
     candidates = space.candidates(shape, True)

@@ -40,6 +40,7 @@ from helpers import (  # noqa: E402
     large_logits_inputs,
     reference_loss,
 )
+from planning import ascend_plan as ascend_plan_for  # noqa: E402
 
 import flce  # noqa: E402
 from flce.backends import ascend  # noqa: E402
@@ -188,7 +189,7 @@ def test_several_chunks_with_saved_logits(monkeypatch):
     # The deferred schedule reusing forward's logits, chunk by chunk.
     monkeypatch.setattr(ascend_plan, "DEFAULT_CHUNK_BUDGET", 7 * V * 4)
     flat = prepare_inputs(*(t.float() for t in make_inputs()[:2]), make_inputs()[3], None, LCEConfig())
-    plan = ascend_plan.plan_chunks(flat, LCEConfig(), ops.device_properties(torch.device("cpu")), "full")
+    plan = ascend_plan_for(flat, LCEConfig(), ops.device_properties(torch.device("cpu")), "full")
     assert plan.tokens_per_chunk == 7 and plan.saved_rows == flat.target.shape[0]
     got, want = run_both({"reduction": "none", "return_logprobs": True}, upstream=("loss", "logprobs"))
     assert_matches(got, want, 1e-5, 1e-4)

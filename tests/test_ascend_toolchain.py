@@ -1,4 +1,4 @@
-"""The Ascend kernels through triton-ascend's own compiler (issue 13).
+"""The Ascend kernels through triton-ascend's own compiler.
 
 triton-ascend installs itself as ``triton``, so it lives in its own environment, build/ascend-venv
 (``make ascend-venv``; ``make test ASCEND=1`` and CI build it first). test_every_variant_lowers_and_fits_the_ub

@@ -155,7 +155,7 @@ def test_single_backward_scales_the_in_forward_gradients_in_place(reduction: str
 
 
 # gradcheck differentiates numerically: every option whose gradient is the true derivative. Token
-# scaling multiplies by a detached probability (DESIGN.md), so its gradient is not the derivative
+# scaling multiplies by a detached probability (docs/design.md), so its gradient is not the derivative
 # of the loss; test_token_scaling_jacobian_matches_the_oracle checks it instead.
 GRADCHECK_CASES: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -298,7 +298,7 @@ def test_cuda_backend_retained_and_batched_backward_match_the_oracle(reduction: 
     grad_outputs, each against float64 autograd through the oracle."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
-        monkeypatch.setattr("flce.backends.cuda.ops.MAX_BLOCK_V", 64)
+        monkeypatch.setattr("flce.backends.cuda.plan.MAX_BLOCK_V", 64)
     torch.manual_seed(int(torch.randint(0, 2**31, (), generator=generator)))  # lm_head_inputs draws from it
     x, w, b, t = lm_head_inputs(12, 16, 203, torch.float32, device, with_bias=True)
     options = {"label_smoothing": 0.1, "softcap": 3.0, "reduction": reduction}
@@ -317,3 +317,94 @@ def test_cuda_backend_retained_and_batched_backward_match_the_oracle(reduction: 
             torch.testing.assert_close(g.double(), o, rtol=5e-5, atol=5e-5,
                                        msg=lambda m, what=what, name=name: f"{what}, grad {name}: {m}")
 
+
+
+def _second_derivative_calls(loss_of: Any, point: torch.Tensor, generator: torch.Generator) -> dict[str, Any]:
+    """torch.autograd's ways to a second derivative of ``loss_of`` (a scalar function) at ``point``: each
+    gave zeros or None with no error while flce's first-order gradients carried no graph back to the inputs."""
+    direction = torch.randn(point.shape, generator=generator, dtype=point.dtype).to(point.device)
+
+    def grad_of_grad(**options: Any):
+        leaf = point.detach().clone().requires_grad_()
+        (grad,) = torch.autograd.grad(loss_of(leaf), leaf, create_graph=True)
+        return torch.autograd.grad(grad, leaf, direction, allow_unused=True, **options)
+
+    return {
+        "hessian": lambda: torch.autograd.functional.hessian(loss_of, point),
+        "hvp": lambda: torch.autograd.functional.hvp(loss_of, point, direction),
+        "vhp": lambda: torch.autograd.functional.vhp(loss_of, point, direction),
+        "grad-of-grad": grad_of_grad,
+        "grad-of-grad-materialized": lambda: grad_of_grad(materialize_grads=True),
+    }
+
+
+SECOND_DERIVATIVES = ("hessian", "hvp", "vhp", "grad-of-grad", "grad-of-grad-materialized")
+
+
+@pytest.mark.parametrize("how", SECOND_DERIVATIVES)
+@pytest.mark.parametrize("wrt", ["hidden", "weight"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("plan", PLANS.values(), ids=PLANS.keys())
+def test_second_derivatives_by_autograd_are_refused(plan: object, reduction: str, wrt: str, how: str,
+                                                    generator: torch.Generator) -> None:
+    """The eager Function, every schedule (gradients in forward, deferred, kept logits, vocabulary blocks):
+    a second derivative raises flce's first-order message instead of returning zeros."""
+    hidden, weight, target, bias = make_inputs((5,), 3, 7, dtype=torch.float64, bias=True, generator=generator)
+    options = _options(FULL_OPTIONS, 7, generator, reduction=reduction)
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        leaves = [x, weight, bias] if wrt == "hidden" else [hidden, x, bias]
+        return _eager_loss(plan, leaves, target, options).sum()
+
+    point = hidden if wrt == "hidden" else weight
+    with pytest.raises(RuntimeError, match="first-order only"):
+        _second_derivative_calls(loss_of, point, generator)[how]()
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("cuda", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("how", SECOND_DERIVATIVES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_second_derivatives_through_the_public_api_are_refused(reduction: str, how: str, backend: str,
+                                                               generator: torch.Generator) -> None:
+    """The reference backend and the CUDA backend's kernels (interpreted on CPU tensors without a GPU)."""
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    device = "cuda" if backend == "cuda" and torch.cuda.is_available() else "cpu"
+    hidden, weight, target, _ = make_inputs((5,), 3, 7, dtype=dtype, generator=generator, device=device)
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        return flce.linear_cross_entropy(x, weight, target, reduction=reduction, backend=backend).sum()
+
+    with pytest.raises(RuntimeError, match="first-order only"):
+        _second_derivative_calls(loss_of, hidden, generator)[how]()
+
+
+@pytest.mark.parametrize("how", ["hessian", "grad-of-grad"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_second_derivatives_through_the_custom_ops_called_eagerly_are_refused(reduction: str, how: str,
+                                                                              generator: torch.Generator) -> None:
+    """The compile path's ops (``flce::chunked_forward``) run outside torch.compile: their autograd formula."""
+    from flce.engine.custom_ops import apply_op
+
+    hidden, weight, target, _ = make_inputs((5,), 3, 7, dtype=torch.float64, generator=generator)
+    cfg = LCEConfig(reduction=reduction)
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        return apply_op("reference", prepare_inputs(x, weight, target, None, cfg), cfg, "full").sum()
+
+    with pytest.raises(RuntimeError, match="first-order only"):
+        _second_derivative_calls(loss_of, hidden, generator)[how]()
+
+
+def test_create_graph_first_order_gradients_still_match_the_oracle(generator: torch.Generator) -> None:
+    """What the guard must not break: create_graph=True gives the first-order gradients (a gradient penalty
+    on something else, torch.func.grad's own create_graph)."""
+    hidden, weight, target, bias = make_inputs((5,), 3, 7, dtype=torch.float64, bias=True, generator=generator)
+    options = _options(FULL_OPTIONS, 7, generator)
+    leaves = [t.requires_grad_() for t in (hidden, weight, bias)]
+    for plan in PLANS.values():
+        got = torch.autograd.grad(_eager_loss(plan, leaves, target, options), leaves, create_graph=True)
+        want = _oracle_grads(leaves, target, options, torch.ones((), dtype=torch.float64))
+        for name, g, w in zip(("hidden", "weight", "bias"), got, want, strict=True):
+            assert g.requires_grad, f"grad {name} under create_graph=True must carry the first-order guard"
+            torch.testing.assert_close(g.detach(), w, rtol=1e-9, atol=1e-10,
+                                       msg=lambda m, n=name, p=plan: f"{p} {n}: {m}")

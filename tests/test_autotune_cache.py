@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import stat
 import warnings
 from pathlib import Path
@@ -13,13 +14,14 @@ import pytest
 import torch
 import yaml
 from helpers import assert_close_per_design, make_inputs, reference_loss
+from planning import reference_bytes_per_row, reference_plan
 
 import flce
 import flce.autotune as autotune
 from flce.autotune import cache as cache_files
-from flce.autotune import locations
-from flce.autotune.schema import HEADER, Entry, SchemaError, entry_from_dict, merge, parse_document
-from flce.backends.reference.plan import DEFAULT_CHUNK_BUDGET, plan_chunks, working_bytes_per_row
+from flce.autotune import files, locations
+from flce.autotune.schema import FORMER_HEADERS, HEADER, Entry, SchemaError, entry_from_dict, merge, parse_document
+from flce.backends.reference.plan import DEFAULT_CHUNK_BUDGET
 from flce.config import LCEConfig
 from flce.engine.plans import TokenChunks
 from flce.inputs import prepare_inputs
@@ -78,6 +80,27 @@ def test_update_merges_by_key_and_keeps_order_and_notes(tmp_path: Path) -> None:
         (64, 32), (128, 8), (256, 8)]
     assert path.read_text().splitlines()[:2] == [HEADER, "# made by: flce-autotune tune ..."]
     assert merge([entry(tokens=1)], [entry(tokens=1, params={})]) == [entry(tokens=1, params={})]
+
+
+@pytest.mark.parametrize("header", FORMER_HEADERS)
+def test_a_file_with_a_former_header_stays_flces_and_gets_the_current_one(tmp_path: Path, header: str) -> None:
+    """Cache files already on disk carry the header of their day: a truncated one is still flce's (so
+    `clear` may delete it), and an update writes the current header once, keeping the notes below it."""
+    path = tmp_path / "c.yaml"
+    text = cache_files.render([entry(tokens=64)], ["# made by: flce-autotune tune ..."])
+    path.write_text(text.replace(HEADER, header, 1))
+    truncated = tmp_path / "truncated.yaml"
+    truncated.write_text(header + "\nschema: 1\nentries:\n- {device: d, backend")
+    assert cache_files.is_flce_file(truncated)
+    write(path, [entry(tokens=128)])
+    assert path.read_text().splitlines()[:3] == [HEADER, "# made by: flce-autotune tune ...", "schema: 1"]
+    assert [e.tokens for e in cache_files.read_file(path).entries] == [64, 128]
+
+
+def test_the_header_names_a_document_the_repository_ships() -> None:
+    """The header tells whoever opens a cache file where its format is described."""
+    cited = re.findall(r"[\w/.-]+\.md", HEADER)
+    assert cited == ["docs/design.md"] and (Path(__file__).resolve().parents[1] / cited[0]).is_file()
 
 
 @pytest.mark.parametrize("change, message", [
@@ -246,7 +269,7 @@ CORRUPT_FILES = {
     "whitespace": ("\n  \n", "the file is empty"),
     "truncated": (VALID[: VALID.index("tokens_per_chunk") + 5], "not valid YAML"),
     "binary yaml error": ("schema: 1\nentries: [\x07]", "not valid YAML"),
-    "foreign schema": ("schema: 2\nentries: []\n", "schema=2: this flce reads schema 1"),
+    "a schema that never was": ("schema: 0\nentries: []\n", "schema=0: this flce reads schema 1"),
     "entries not a list": ("schema: 1\nentries: {a: 1}\n", "entries: expected a list, got a dict"),
 }
 # Files that do not say they are flce caches: ignored by lookups alike, but never replaced.
@@ -290,6 +313,41 @@ def test_corrupt_file_is_reported_once_ignored_and_moved_aside_by_a_save(
     assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64)[0] == {"tokens_per_chunk": 2}
 
 
+NEWER_SCHEMA = ("schema: 2\nentries:\n- {device: d, tokens: 64, new_field: 1, measured: {flce: 0.4.0}}\n",
+                "schema: 2.5\nentries: []\n")
+
+
+@pytest.mark.parametrize("content", NEWER_SCHEMA, ids=["schema-2-by-flce-0.4.0", "schema-2.5"])
+def test_a_newer_schema_is_ignored_and_never_replaced(cache_env: dict[str, Path], content: str) -> None:
+    """A file a newer flce wrote: lookups here ignore it (once reported), and a save refuses to replace
+    it, saying which flce reads it, instead of moving it aside and writing schema 1 in its place."""
+    path = cache_env["user"]
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with pytest.warns(RuntimeWarning, match="written by a newer flce"):
+        assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64) == (None, None)
+    schema = content.split()[1]
+    for attempt in (lambda: cache_files.save_entries([entry()], log=lambda _: None),
+                    lambda: cache_files.save_target(log=lambda _: None)):
+        with pytest.raises(cache_files.NotACacheError, match=rf"schema {schema}.*reads schema 1.*refusing") as caught:
+            attempt()
+        if "0.4.0" in content:
+            assert "flce 0.4.0" in str(caught.value)
+    assert path.read_text() == content
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name], "nothing moved aside, no lock file left"
+
+
+def test_schema_written_as_a_float_one_is_schema_one(cache_env: dict[str, Path]) -> None:
+    path = cache_env["user"]
+    path.parent.mkdir(parents=True)
+    path.write_text(VALID.replace("schema: 1", "schema: 1.0").replace("device: d", f"device: '{entry().device}'"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64)[0] == {"tokens_per_chunk": 8}
+    assert cache_files.save_entries([entry(tokens=128)], log=lambda _: None).moved_aside is None
+    assert [e.tokens for e in cache_files.read_file(path).entries] == [64, 128]
+
+
 @pytest.mark.parametrize("case", sorted(FOREIGN_FILES))
 def test_a_file_that_is_not_a_cache_is_ignored_and_never_replaced(cache_env: dict[str, Path], case: str) -> None:
     content, problem = FOREIGN_FILES[case]
@@ -331,8 +389,8 @@ def test_stale_entries_from_other_versions_fall_back_to_the_heuristic(cache_env:
         assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64) == (None, None)
     for n in (64, 4096, 16384):
         flat = prepare_inputs(torch.randn(n, 16), torch.randn(40, 16), torch.randint(0, 40, (n,)), None, LCEConfig())
-        heuristic = min(n, DEFAULT_CHUNK_BUDGET // working_bytes_per_row(flat))
-        assert plan_chunks(flat, LCEConfig()).tokens_per_chunk == heuristic
+        heuristic = min(n, DEFAULT_CHUNK_BUDGET // reference_bytes_per_row(flat))
+        assert reference_plan(flat, LCEConfig()).tokens_per_chunk == heuristic
 
 
 # Concurrency and permissions ---------------------------------------------------------------------
@@ -442,6 +500,83 @@ def test_remove_file_deletes_only_flce_files(tmp_path: Path) -> None:
         cache_files.remove_file(tmp_path / "absent.yaml")
 
 
+# Files that are not regular files ----------------------------------------------------------------
+
+
+def _finishes(action, fifo: Path | None = None, timeout_s: float = 30.0):
+    """Run ``action`` in a thread; fail if it has not returned within ``timeout_s`` (a read blocked on a
+    FIFO with no writer), unblocking it by opening the FIFO's other end. Returns the action's result."""
+    import threading
+
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = action()
+        except BaseException as exc:  # re-raised in the test's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        if fifo is not None:
+            os.close(os.open(fifo, os.O_WRONLY))  # the blocked reader sees end of file
+        thread.join(timeout_s)
+        pytest.fail(f"blocked for more than {timeout_s} s on {fifo}")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+@pytest.mark.parametrize("where", ["user", "env", "arg"])
+def test_a_fifo_at_a_cache_path_never_blocks_and_is_never_replaced(cache_env: dict[str, Path], where: str,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   generator: torch.Generator) -> None:
+    """A lookup, a training call (the reference planner reads the cache), show's read and a tune's save
+    each return at once: only regular files are read. The FIFO is reported, ignored, and left in place."""
+    fifo = cache_env[where]
+    fifo.parent.mkdir(parents=True)
+    os.mkfifo(fifo)
+    if where == "env":
+        monkeypatch.setenv(locations.CACHE_ENV, str(fifo))
+    cache = fifo if where == "arg" else None
+    with pytest.warns(RuntimeWarning, match="not a regular file"):
+        assert _finishes(lambda: autotune.lookup("cpu", "float32", hidden=16, vocab=40, tokens=64, cache=cache),
+                         fifo) is None
+    if where != "arg":
+        hidden, weight, target, _ = make_inputs((8,), 16, 40, generator=generator)
+        loss = _finishes(lambda: flce.linear_cross_entropy(hidden, weight.requires_grad_(), target), fifo)
+        assert torch.isfinite(loss)
+    assert _finishes(lambda: cache_files.read_file(fifo), fifo).status == cache_files.INVALID
+    for save in (lambda: cache_files.save_entries([entry()], cache=cache, log=lambda _: None),
+                 lambda: cache_files.save_target(cache, log=lambda _: None)):
+        with pytest.raises(cache_files.NotACacheError, match="not a regular file"):
+            _finishes(save, fifo)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(p.name for p in fifo.parent.iterdir()) == [fifo.name], "nothing moved aside, no lock file"
+    with pytest.raises(ValueError, match="not an flce autotune cache; left untouched"):
+        _finishes(lambda: cache_files.remove_file(fifo), fifo)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/null"), reason="no /dev/null")
+def test_a_device_file_as_the_cache_is_not_read(cache_env: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device is not a cache file, whatever it holds (/dev/zero would never end)."""
+    monkeypatch.setenv(locations.CACHE_ENV, "/dev/null")
+    with pytest.warns(RuntimeWarning, match="is a character device, not a regular file"):
+        assert autotune.tuned_params(CPU, "reference", "plain", torch.float32, 16, 40, 64) == (None, None)
+
+
+def test_an_oversized_cache_file_is_read_no_further_than_the_limit(cache_env: dict[str, Path],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = cache_env["user"]
+    write(path, [entry()])
+    monkeypatch.setattr(files, "MAX_FILE_BYTES", path.stat().st_size - 1)
+    loaded = cache_files.read_file(path)
+    assert loaded.status == cache_files.INVALID and "larger than" in loaded.problem
+
+
 # The reference planner ---------------------------------------------------------------------------
 
 
@@ -455,13 +590,12 @@ def test_reference_planner_uses_cached_chunk_and_limit_and_stays_correct(
         entry(variant="full", tokens=64, params={"tokens_per_chunk": 7}, logits_save_limit_bytes=1 << 30),
     ])
     flat = prepare_inputs(hidden, weight, target, None, LCEConfig())
-    assert plan_chunks(flat, LCEConfig()) == TokenChunks(5)
+    assert reference_plan(flat, LCEConfig()) == TokenChunks(5)
     full_cfg = LCEConfig(label_smoothing=0.1)
-    assert plan_chunks(flat, full_cfg) == TokenChunks(7, saved_rows=n)
-    assert plan_chunks(flat, LCEConfig(), variant="full").tokens_per_chunk == 7
+    assert reference_plan(flat, full_cfg) == TokenChunks(7, saved_rows=n)
     # An explicit memory budget still bounds the cached chunk.
-    budget = 3 * working_bytes_per_row(flat)
-    assert plan_chunks(flat, LCEConfig(memory_budget=budget)).tokens_per_chunk == 3
+    budget = 3 * reference_bytes_per_row(flat)
+    assert reference_plan(flat, LCEConfig(memory_budget=budget)).tokens_per_chunk == 3
     assert n == 69 and n % 5 and n % 7  # ragged last chunks are exercised
 
     for options in ({}, {"label_smoothing": 0.1, "reduction": "none"}):

@@ -25,6 +25,7 @@ from flce.autotune.cli import main, parse_bytes
 from flce.autotune.lookup import override_params
 from flce.autotune.tuner import Tuner, TuneRequest, resolve_backend
 from flce.backends.reference.plan import plan_call, working_bytes_per_row
+from flce.config import LCEConfig
 from flce.engine.function import apply_eager, needs_autograd
 from flce.engine.plans import PlanRequest
 from flce.inputs import FlatInputs
@@ -120,6 +121,30 @@ def test_tune_fails_before_measuring_when_its_cache_path_cannot_take_the_entries
     assert not list(cache_env.glob("*.corrupt-*")) and not locations.user_cache_path().exists()
 
 
+@pytest.mark.parametrize("where", ["--cache", "env", "user"])
+def test_tune_refuses_a_directory_at_the_cache_path_and_moves_nothing(
+        cache_env: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A directory where the cache file should be is someone's: tune fails before measuring (rc 1), the
+    directory and what it holds stay, and no file or lock is written beside it."""
+    def refuse_to_measure(self: Tuner) -> None:
+        raise AssertionError("the tuner measured before the cache path was checked")
+
+    monkeypatch.setattr(Tuner, "run", refuse_to_measure)
+    directory = {"--cache": cache_env / "mine", "env": cache_env / "env-dir",
+                 "user": locations.user_cache_path()}[where]
+    directory.mkdir(parents=True)
+    (directory / "keep.txt").write_text("precious")
+    argv = ["tune", *TINY, "--tokens", "64", "--quick", "--no-progress"]
+    if where == "--cache":
+        argv += ["--cache", str(directory)]
+    elif where == "env":
+        monkeypatch.setenv(locations.CACHE_ENV, str(directory))
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 1 and str(directory) in err and "is a directory, not a regular file" in err, err
+    assert (directory / "keep.txt").read_text() == "precious"
+    assert sorted(p.name for p in directory.parent.iterdir()) == [directory.name], "nothing moved or written"
+
+
 def _cache_with(path: Path, entries: list[dict]) -> None:
     path.write_text(yaml.safe_dump({"schema": 1, "entries": entries}))
 
@@ -174,9 +199,7 @@ def test_clear_defaults_to_the_user_cache_and_spares_other_files(cache_env: Path
 
 def reference_bytes_per_row(vocab: int, hidden: int = 16) -> int:
     """The reference planner's working memory per token row for a float32 CPU call."""
-    flat = FlatInputs(hidden=torch.empty(0, hidden), weight=torch.empty(vocab, hidden),
-                      target=torch.empty(0, dtype=torch.int64), bias=None, token_shape=torch.Size([0]))
-    return working_bytes_per_row(flat)
+    return working_bytes_per_row("cpu", vocab, torch.float32, LCEConfig())
 
 
 def test_memory_budget_skips_and_counts_candidates(cache_env: Path, capsys: pytest.CaptureFixture) -> None:
@@ -218,18 +241,86 @@ def test_unwritable_env_cache_path_falls_back_to_the_user_cache(cache_env: Path,
 
 
 @pytest.mark.parametrize("use_tqdm", [True, False])
-def test_progress_bar_or_plain_lines(cache_env: Path, capsys: pytest.CaptureFixture,
-                                     monkeypatch: pytest.MonkeyPatch, use_tqdm: bool) -> None:
-    if use_tqdm:
-        pytest.importorskip("tqdm")
+def test_progress_in_a_pipe_is_plain_lines(cache_env: Path, capsys: pytest.CaptureFixture,
+                                           monkeypatch: pytest.MonkeyPatch, use_tqdm: bool) -> None:
+    """stderr not a terminal (a pipe, a log file): one line per measurement and no carriage return,
+    whether tqdm is installed or not."""
     monkeypatch.setattr(progress, "_tqdm_available", lambda: use_tqdm)
     code, _, err = run_cli(capsys, "tune", *TINY, "--tokens", "64", "--variant", "plain", "--quick",
                            "--cache", str(cache_env / "c.yaml"))
     assert code == 0
-    if use_tqdm:
-        assert "5/5" in err and "run" in err  # floor, heuristic, one candidate, recompute, keep
-    else:
-        assert "[1/5] float32 H=16 V=64 T=64 plain: floor" in err and "[5/5]" in err
+    assert "\r" not in err
+    assert "[1/5] float32 H=16 V=64 T=64 plain: floor" in err and "[5/5]" in err  # floor, heuristic, one
+    # candidate, recompute, keep
+
+
+def test_progress_on_a_terminal_is_a_bar(cache_env: Path, capsys: pytest.CaptureFixture,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(progress, "_tqdm_available", lambda: True)
+    monkeypatch.setattr(progress, "_is_terminal", lambda stream: True)
+    code, _, err = run_cli(capsys, "tune", *TINY, "--tokens", "64", "--variant", "plain", "--quick",
+                           "--cache", str(cache_env / "c.yaml"))
+    assert code == 0 and "5/5" in err and "run" in err and "\r" in err and "[1/5]" not in err
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--tokens", "64"], "1 shape, plain and full variants"),
+    (["--tokens", "64,128", "--variant", "full"], "2 shapes, full variant"),
+])
+def test_tune_says_how_many_shapes_and_which_variants(cache_env: Path, capsys: pytest.CaptureFixture,
+                                                      argv: list[str], said: str) -> None:
+    code, _, err = run_cli(capsys, "tune", *TINY, *argv, "--quick", "--no-progress",
+                           "--cache", str(cache_env / "c.yaml"))
+    assert code == 0 and said in err, err
+
+
+def test_tune_leaves_no_lock_file(cache_env: Path, capsys: pytest.CaptureFixture) -> None:
+    path = cache_env / "tuned" / "c.yaml"
+    code, _, err = run_cli(capsys, "tune", *TINY, "--tokens", "64", "--variant", "plain", "--quick",
+                           "--no-progress", "--cache", str(path))
+    assert code == 0, err
+    assert sorted(p.name for p in path.parent.iterdir()) == ["c.yaml"]
+
+
+def test_the_floor_is_measured_once_per_shape_and_shared_by_the_variants(
+        cache_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flce.autotune import workload
+
+    measured: list[tuple] = []
+
+    def counted_floor(shape, inputs, warmup, repeats):
+        measured.append((shape.dtype, shape.hidden, shape.vocab, shape.tokens))
+        return 1e-9  # never above a real time: no re-measurement for implausibility
+
+    monkeypatch.setattr(workload, "floor_ms", counted_floor)
+    request = TuneRequest(device=torch.device("cpu"), dtypes=[torch.float32], hiddens=[16], vocabs=[64],
+                          tokens=[64, 128], variants=["plain", "full"], quick=True)
+    results = Tuner(request).run()
+    assert sorted(Counter(measured).values()) == [1, 1], measured
+    for tokens in (64, 128):
+        floors = {r.shape.variant: r.entry.measured["floor_ms"] for r in results if r.shape.tokens == tokens}
+        assert set(floors) == {"plain", "full"} and floors["plain"] == floors["full"]
+
+
+def test_the_floor_is_repeated_until_steady(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first GEMM of a process pays for thread pools and kernel selection: the floor is measured
+    again until two attempts agree, and the smallest kept (143 ms then 84 ms was once stored as 143)."""
+    from flce.autotune import workload
+    from flce.autotune.spaces import TuneShape
+
+    times = iter([143.1, 90.0, 84.0, 83.9, 83.8, 83.7, 83.6, 83.5])
+    calls = []
+
+    def scripted(fn, device, warmup, repeats, reset=None):
+        calls.append(1)
+        return next(times), None, 0.01  # each attempt's repeats agree: steady within itself
+
+    monkeypatch.setattr(workload, "time_call", scripted)
+    shape = TuneShape(torch.device("cpu"), torch.float32, 16, 64, 32, "plain")
+    inputs = workload.make_inputs(shape, seed=0)
+    assert workload.floor_ms(shape, inputs, warmup=1, repeats=3) == 83.9
+    assert len(calls) == 4
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -424,14 +515,16 @@ def test_logits_save_limit_needs_two_rounds_that_agree(cache_env: Path, isolated
 @pytest.mark.parametrize("variant", ["plain", "full"])
 def test_reference_space_reports_the_planners_chunk(variant: str) -> None:
     """The reference space's heuristic is what the planner does with nothing cached."""
-    from flce.backends.reference.plan import plan_chunks
+    from planning import reference_plan
+
     from flce.config import LCEConfig
 
     shape = spaces.TuneShape(torch.device("cpu"), torch.float32, hidden=64, vocab=1 << 20, tokens=4096,
                              variant=variant)
     with override_params(None):
         reported = spaces.tuning_space("reference").heuristic(shape)
-        planned = plan_chunks(shape.stand_in_inputs(), LCEConfig(), variant).tokens_per_chunk
+        options = {} if variant == "plain" else {"label_smoothing": 0.1}
+        planned = reference_plan(shape.stand_in_inputs(), LCEConfig(**options)).tokens_per_chunk
     assert reported == {"tokens_per_chunk": planned}
     assert 1 < planned < shape.tokens, "a shape whose heuristic splits the tokens, so the value says something"
 

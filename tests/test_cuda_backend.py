@@ -56,7 +56,7 @@ def test_interpreter_contract_fp32(options, reduction, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("interpreter test: runs where there is no GPU")
     # Small blocks so every row spans several blocks and a ragged tail, as at a real vocabulary.
-    monkeypatch.setattr("flce.backends.cuda.ops.MAX_BLOCK_V", 64)
+    monkeypatch.setattr("flce.backends.cuda.plan.MAX_BLOCK_V", 64)
     n, h, v = 12, 16, 203
     _run_and_compare(n, h, v, torch.float32, "cpu", options, reduction, with_bias=True, tol=1e-5)
 
@@ -64,7 +64,7 @@ def test_interpreter_contract_fp32(options, reduction, monkeypatch):
 def test_interpreter_plain_fp16_and_chunks(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("interpreter test: runs where there is no GPU")
-    monkeypatch.setattr("flce.backends.cuda.ops.MAX_BLOCK_V", 64)
+    monkeypatch.setattr("flce.backends.cuda.plan.MAX_BLOCK_V", 64)
     n, h, v = 20, 16, 150
     x, w, b, t = lm_head_inputs(n, h, v, torch.float16, "cpu", with_bias=False)
     # Four-row chunks: the chunk loop and the in-forward gradient schedule cross chunk borders.
@@ -83,8 +83,10 @@ def test_interpreter_gradient_pass_splits_rows_into_column_spans(monkeypatch):
     one ragged); every span writes (softmax - onehot) * scale with the row's lse, ignored rows zero."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test: runs where there is no GPU")
+    from planning import interpreter_kernels
+
     from flce.backends.cuda import ops
-    from flce.backends.cuda.plan import LaunchParams
+    from flce.backends.cuda.configs import LaunchParams
 
     monkeypatch.setattr(ops, "GRAD_BLOCKS_PER_PROGRAM", 2)
     n, v = 6, 150  # 16-column blocks, 32-column spans: 5 programs a row, the last 22 columns wide
@@ -96,7 +98,7 @@ def test_interpreter_gradient_pass_splits_rows_into_column_spans(monkeypatch):
     onehot = torch.nn.functional.one_hot(target.clamp(min=0), v)
     expected = (torch.softmax(logits.double(), 1) - onehot) * scale[:, None]
     expected[2] = 0
-    out = ops.TritonChunkKernels(launch=LaunchParams(block_v=16, num_warps=1)).plain_grad_(
+    out = interpreter_kernels(launch=LaunchParams(block_v=16, num_warps=1)).plain_grad_(
         logits.clone(), target, -100, lse.float(), scale)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
 
@@ -179,7 +181,7 @@ def test_interpreter_inference_scans_vocab_blocks(options, monkeypatch):
     block statistics must equal the one-pass result, ties and tails included."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test: runs where there is no GPU")
-    monkeypatch.setattr("flce.backends.cuda.ops.MAX_BLOCK_V", 32)
+    monkeypatch.setattr("flce.backends.cuda.plan.MAX_BLOCK_V", 32)
     monkeypatch.setattr("flce.backends.cuda.plan.MIN_VOCAB_BLOCK", 16)
     monkeypatch.setattr("flce.backends.cuda.plan.INFERENCE_CHUNK_BUDGET", 9 * 48 * 4)
     n, h, v = 9, 16, 203
@@ -189,13 +191,14 @@ def test_interpreter_inference_scans_vocab_blocks(options, monkeypatch):
     w.data[150] = w.data[20]
     if b is not None:
         b.data[150] = b.data[20]
-    from flce.backends.cuda.plan import plan_chunks
+    from planning import cuda_plan
+
     from flce.config import LCEConfig
-    from flce.engine.plans import AllRows, PlanRequest
+    from flce.engine.plans import AllRows
     from flce.inputs import prepare_inputs
 
     with torch.no_grad():
-        plan = plan_chunks(prepare_inputs(x, w, t, b, LCEConfig()), LCEConfig(), PlanRequest(training=False))
+        plan = cuda_plan(prepare_inputs(x, w, t, b, LCEConfig()), LCEConfig(), training=False)
         assert plan == AllRows(forward_stats="cublas", scan_block=48)
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", **options)
     want = reference_loss(x.double(), w.double(), t, b.double(), **options)
@@ -232,23 +235,20 @@ def test_plan_follows_the_training_flag_not_grad_mode():
     (6144, 4, (1536, 8 * 1536)),  # a tuned limit still applies
 ])
 def test_deferred_plan_keeps_the_logits_that_fit(budget_mib, limit_gib, want):
-    """The RL shape of issue 11 (16384 x 4096 x 151936 bf16, 4.6 GiB of logits, reduction="none"):
+    """The RL benchmark shape (16384 x 4096 x 151936 bf16, 4.6 GiB of logits, reduction="none"):
     tokens per chunk and the leading rows whose logits forward keeps for backward; where nothing
     is kept, vocabulary blocks of all rows within the budget."""
-    from flce.backends.cuda.plan import STATS_BYTES_PER_ROW, TunedKnobs, plan_chunks
+    from planning import cuda_plan, meta_inputs
+
+    from flce.backends.cuda.plan import STATS_BYTES_PER_ROW
     from flce.config import LCEConfig
-    from flce.engine.plans import PlanRequest, TokenChunks, VocabBlocks
-    from flce.inputs import FlatInputs
+    from flce.engine.plans import TokenChunks, VocabBlocks
 
     n, h, v = 16384, 4096, 151936
-    x = torch.empty(n, h, dtype=torch.bfloat16, device="meta")
-    w = torch.empty(v, h, dtype=torch.bfloat16, device="meta")
-    t = torch.empty(n, dtype=torch.int64, device="meta")
-    flat = FlatInputs(hidden=x, weight=w, target=t, bias=None, token_shape=t.shape)
+    flat = meta_inputs(n, h, v)
     cfg = LCEConfig(reduction="none", return_logprobs=True,
                     memory_budget=None if budget_mib is None else budget_mib << 20)
-    tuned = TunedKnobs(logits_save_limit=None if limit_gib is None else limit_gib << 30)
-    plan = plan_chunks(flat, cfg, PlanRequest(training=True), tuned)
+    plan = cuda_plan(flat, cfg, limit=None if limit_gib is None else limit_gib << 30)
     if want == "blocks":
         assert isinstance(plan, VocabBlocks)
         assert plan.grad_vocab_block * n * 2 + n * STATS_BYTES_PER_ROW <= budget_mib << 20
@@ -259,6 +259,28 @@ def test_deferred_plan_keeps_the_logits_that_fit(budget_mib, limit_gib, want):
         kept_bytes = plan.saved_rows * v * 2
         working = 0 if plan.saved_rows == n else plan.tokens_per_chunk * v * 2
         assert kept_bytes + working <= budget_mib << 20
+
+
+@pytest.mark.parametrize(("budget_mib", "want"), [
+    (None, 2048),  # the shipped entry's chunk within the default budget
+    (256, (256 << 20) // (128256 * 2)),  # a smaller budget bounds the tuned chunk (1046 rows)
+    (1024, 4096),  # a larger one buys larger chunks than the entry's
+    (2048, 8192),  # all rows in one chunk: one write of the weight gradient
+])
+def test_a_larger_budget_buys_larger_training_chunks(budget_mib, want):
+    """A scalar loss on an H100 (8192 x 4096 x 128256 bf16, whose shipped autotune entry holds 2048-row
+    chunks): an explicit memory_budget above the default plans the largest chunks it holds, each within it."""
+    from planning import cuda_plan, described_gpu, meta_inputs
+
+    from flce.config import LCEConfig
+    from flce.engine.plans import TokenChunks
+
+    n, h, v = 8192, 4096, 128256
+    cfg = LCEConfig(memory_budget=None if budget_mib is None else budget_mib << 20)
+    plan = cuda_plan(meta_inputs(n, h, v), cfg, params={"tokens_per_chunk": 2048}, device=described_gpu())
+    assert isinstance(plan, TokenChunks) and plan.tokens_per_chunk == want
+    if budget_mib is not None:
+        assert plan.tokens_per_chunk * v * 2 <= budget_mib << 20
 
 
 @pytest.mark.cuda

@@ -132,16 +132,15 @@ def test_interpreter_fused_logits_schedules(options, reduction, kept, fused_call
     options = materialise_options(options, v, "cpu")
     x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
     knobs = dict(SMALL_TILES, forward_logits="fused", tokens_per_chunk=8, grad_schedule="token_chunks")
-    from flce.backends.cuda.plan import plan_chunks, tuned_knobs
+    from planning import cuda_plan
+
     from flce.config import LCEConfig
-    from flce.engine.plans import PlanRequest
     from flce.inputs import prepare_inputs
 
     limit = 1 << 30 if kept == "all" else 2 * 8 * v * x.element_size()
     with override_params(knobs, logits_save_limit_bytes=limit, backend="cuda"):
         cfg = LCEConfig(reduction=reduction)
-        flat = prepare_inputs(x, w, t, b, cfg)
-        saved_rows = plan_chunks(flat, cfg, PlanRequest(training=True), tuned_knobs(flat, "full")).saved_rows
+        saved_rows = cuda_plan(prepare_inputs(x, w, t, b, cfg), cfg, params=knobs, limit=limit).saved_rows
         assert saved_rows == (0 if reduction == "mean" else n if kept == "all" else 8)
         out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", reduction=reduction, **options)
     assert fused_calls == [torch.Size([8, h]), torch.Size([8, h]), torch.Size([5, h])]
@@ -181,44 +180,51 @@ def test_interpreter_extreme_logits_ties_and_ignored_rows(dtype, fused_calls):
 
 @interpreter_only
 def test_fallback_when_the_fused_kernel_fails(monkeypatch, caplog):
-    """A kernel that does not compile here falls back to the row-kernel path with one log line."""
-    from flce.backends.cuda import ops
+    """A kernel that does not compile here falls back to cuBLAS and the row kernels with one log line; the
+    failure is recorded (cuda/fallback.py), so the next call's record plans the fallback and says why."""
+    from flce.backends import cuda
+    from flce.backends.cuda import fallback, ops
+    from flce.config import LCEConfig
+    from flce.engine.plans import PlanRequest, TokenChunks
+    from flce.inputs import prepare_inputs
 
     def failing(*args, **kwargs):
         raise triton.OutOfResources(300000, 232448, "shared memory")
 
     monkeypatch.setattr(ops, "gemm_row_stats", failing)
-    monkeypatch.setattr(ops, "_failed_gemm_configs", set())
+    monkeypatch.setattr(fallback, "_failed", {})
     n, h, v = 10, 16, 203
     x, w, b, t = lm_head_inputs(n, h, v, torch.float32, "cpu", with_bias=True)
     want = reference_loss(x.double(), w.double(), t, b.double())
     with override_params(SMALL_TILES, backend="cuda"), torch.no_grad(), caplog.at_level("WARNING", logger="flce"):
         first = flce.linear_cross_entropy(x, w, t, b, backend="cuda")
         second = flce.linear_cross_entropy(x, w, t, b, backend="cuda")
-    assert [r.message.count("fused forward kernel failed") for r in caplog.records] == [1]
+        call = cuda.BACKEND.plan_call(prepare_inputs(x, w, t, b, LCEConfig()), LCEConfig(), "plain",
+                                      PlanRequest(training=False))
+    assert [r.message.count("_gemm_row_stats_kernel") for r in caplog.records] == [1]
+    assert [key[2] for key in fallback.failed_kernels()] == ["flce.backends.cuda.gemm_kernels._gemm_row_stats_kernel"]
+    assert isinstance(call.plan, TokenChunks) and call.plan.forward_logits == "cublas"  # no fused statistics
+    assert "failed to compile here earlier (OutOfResources" in call.choice.steps[0].reason
     for loss in (first, second):
         torch.testing.assert_close(loss.double(), want.loss.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_tuned_knobs_read_the_fused_forward_entries():
-    from flce.backends.cuda.gemm_ops import GemmConfig
+    from flce.autotune.lookup import TunedEntry
+    from flce.backends.cuda.configs import GemmConfig
     from flce.backends.cuda.plan import tuned_knobs
-    from flce.config import LCEConfig
-    from flce.inputs import prepare_inputs
 
-    x, w, _, t = lm_head_inputs(8, 16, 64, torch.float32, "cpu", with_bias=False)
-    flat = prepare_inputs(x, w, t, None, LCEConfig())
-    with override_params(SMALL_TILES, backend="cuda"):
-        knobs = tuned_knobs(flat, "plain")
+    def knobs_of(params: dict):
+        return tuned_knobs(TunedEntry(params, None, "test"))
+
+    knobs = knobs_of(SMALL_TILES)
     assert knobs.forward_stats == "fused"
     assert knobs.gemm == GemmConfig(16, 32, 16, 2, 4, 1, splits=3)
     assert GemmConfig.from_params(knobs.gemm.as_params()) == knobs.gemm
-    with override_params(dict(SMALL_TILES, forward_stats="bogus", gemm_block_m=48), backend="cuda"):
-        knobs = tuned_knobs(flat, "plain")
+    knobs = knobs_of(dict(SMALL_TILES, forward_stats="bogus", gemm_block_m=48))
     assert knobs.forward_stats is None and knobs.gemm is None  # unusable values fall back to the heuristic
     for value, expected in (("triton", "triton"), ("warp_specialized", "warp_specialized"), ("ws", None)):
-        with override_params(dict(SMALL_TILES, stats_kernel=value, logits_kernel=value), backend="cuda"):
-            knobs = tuned_knobs(flat, "plain")
+        knobs = knobs_of(dict(SMALL_TILES, stats_kernel=value, logits_kernel=value))
         assert (knobs.stats_kernel, knobs.logits_kernel) == (expected, expected)
 
 
@@ -326,41 +332,32 @@ def test_interpreter_vocab_block_gradients(options, reduction, fused, monkeypatc
 
 
 def test_small_budgets_plan_the_vocab_block_schedule():
-    from flce.backends.cuda.plan import plan_chunks
+    from planning import cuda_plan
+
     from flce.config import LCEConfig
-    from flce.engine.plans import AllRows, PlanRequest, TokenChunks, VocabBlocks
+    from flce.engine.plans import AllRows, TokenChunks, VocabBlocks
     from flce.inputs import prepare_inputs
 
     x, w, _, t = lm_head_inputs(4096, 8, 32000, torch.float16, "cpu", with_bias=False)
     flat = prepare_inputs(x, w, t, None, LCEConfig())
-    training, inference = PlanRequest(training=True), PlanRequest(training=False)
-    lean = plan_chunks(flat, LCEConfig(memory_budget=16 << 20), training)
+    lean = cuda_plan(flat, LCEConfig(memory_budget=16 << 20))
     assert isinstance(lean, VocabBlocks)
     assert lean.grad_vocab_block == 1920  # (16 MiB - 64 bytes per row) / (4096 rows x 2 bytes), in 128s
-    roomy = plan_chunks(flat, LCEConfig(memory_budget=512 << 20), training)
+    roomy = cuda_plan(flat, LCEConfig(memory_budget=512 << 20))
     assert isinstance(roomy, TokenChunks)  # token chunks hold 1024+ rows: the weight gradient is cheap
-    assert isinstance(plan_chunks(flat, LCEConfig(memory_budget=16 << 20), inference), AllRows)
-    sharded = plan_chunks(flat, LCEConfig(memory_budget=16 << 20), PlanRequest(training=True, sharded=True))
+    assert isinstance(cuda_plan(flat, LCEConfig(memory_budget=16 << 20), training=False), AllRows)
+    sharded = cuda_plan(flat, LCEConfig(memory_budget=16 << 20), sharded=True)
     assert isinstance(sharded, TokenChunks), "a vocabulary shard cannot be scanned by blocks of all rows"
 
 
-def _meta_inputs(n: int, h: int, v: int):
-    from flce.inputs import FlatInputs
-
-    t = torch.empty(n, dtype=torch.int64, device="meta")
-    return FlatInputs(hidden=torch.empty(n, h, dtype=torch.bfloat16, device="meta"),
-                      weight=torch.empty(v, h, dtype=torch.bfloat16, device="meta"), target=t, bias=None,
-                      token_shape=t.shape)
-
-
 def test_tuning_under_a_budget_times_both_exact_schedules_at_its_size():
-    """flce-autotune --memory-budget 64MiB at issue 11's shape: the largest token chunk and the widest
+    """flce-autotune --memory-budget 64MiB at the RL benchmark shape: the largest token chunk and the widest
     vocabulary block that fit (gradient from the fused GEMM and from cuBLAS) are candidates, their
     estimates fit, and the planner runs each as stated when the cache holds it."""
+    from planning import cuda_plan, meta_inputs
+
     from flce.autotune import spaces
-    from flce.backends.cuda.plan import TunedKnobs, plan_chunks
-    from flce.config import LCEConfig
-    from flce.engine.plans import PlanRequest, TokenChunks, VocabBlocks
+    from flce.engine.plans import TokenChunks, VocabBlocks
 
     space = spaces.tuning_space("cuda")
     shape = spaces.TuneShape(torch.device("cpu"), torch.bfloat16, hidden=2048, vocab=151936, tokens=16384,
@@ -375,12 +372,10 @@ def test_tuning_under_a_budget_times_both_exact_schedules_at_its_size():
     assert all(0 < space.working_bytes(shape, c) <= budget for c in candidates)
     assert not any(space.working_bytes(shape, c) <= budget for c in space.candidates(shape, True)), \
         "the regular ladder has nothing within 64 MiB here: without these the tuner would store no entry"
-    flat = _meta_inputs(16384, 2048, 151936)
+    flat = meta_inputs(16384, 2048, 151936)
     for knobs in candidates:
-        tuned = TunedKnobs(tokens_per_chunk=knobs.get("tokens_per_chunk"), grad_schedule=knobs["grad_schedule"],
-                           grad_vocab_block=knobs.get("grad_vocab_block"), backward_grad=knobs.get("backward_grad"))
         # A call without a budget runs what was tuned.
-        plan = plan_chunks(flat, LCEConfig(), PlanRequest(training=True), tuned)
+        plan = cuda_plan(flat, params=knobs)
         if knobs["grad_schedule"] == "vocab_blocks":
             assert isinstance(plan, VocabBlocks)
             assert (plan.grad_vocab_block, plan.backward_grad) == (knobs["grad_vocab_block"], knobs["backward_grad"])
@@ -393,16 +388,17 @@ def test_tuning_under_a_budget_times_both_exact_schedules_at_its_size():
 def test_tuned_vocab_blocks_yield_to_kept_logits():
     """A tuned lean schedule was measured with nothing kept: an RL call whose budget keeps logits
     keeps them (and recomputes by token chunks); one whose budget keeps none takes the tuned blocks."""
-    from flce.backends.cuda.plan import TunedKnobs, plan_chunks
-    from flce.config import LCEConfig
-    from flce.engine.plans import PlanRequest, TokenChunks, VocabBlocks
+    from planning import cuda_plan, meta_inputs
 
-    flat = _meta_inputs(16384, 4096, 151936)
-    tuned = TunedKnobs(grad_schedule="vocab_blocks", grad_vocab_block=1920)
+    from flce.config import LCEConfig
+    from flce.engine.plans import TokenChunks, VocabBlocks
+
+    flat = meta_inputs(16384, 4096, 151936)
+    tuned = {"grad_schedule": "vocab_blocks", "grad_vocab_block": 1920}
     rl = {"reduction": "none", "return_logprobs": True}
-    kept = plan_chunks(flat, LCEConfig(memory_budget=6 << 30, **rl), PlanRequest(training=True), tuned)
+    kept = cuda_plan(flat, LCEConfig(memory_budget=6 << 30, **rl), params=tuned)
     assert isinstance(kept, TokenChunks) and kept.saved_rows == 16384
-    lean = plan_chunks(flat, LCEConfig(memory_budget=512 << 20, **rl), PlanRequest(training=True), tuned)
+    lean = cuda_plan(flat, LCEConfig(memory_budget=512 << 20, **rl), params=tuned)
     assert isinstance(lean, VocabBlocks) and lean.grad_vocab_block == 1920
 
 
@@ -542,34 +538,35 @@ def test_interpreter_split_merge_across_split_blocks():
 
 
 def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
-    """On Hopper (the check patched here; the GPU tests run the real thing): a training call's chunk
-    logits default to the warp-specialised statistics GEMM, whose epilogue computes every statistic and
-    option (the plain and the RL statistics: temperature, entropy; label smoothing, class weights, a
-    softcap, a bias), and to cuBLAS under precision="accurate" or off Hopper; the gradient products stay
-    on cuBLAS; flce-autotune times the ws forward and both gradient kernels."""
-    from flce.autotune import spaces
-    from flce.backends.cuda import plan
-    from flce.config import LCEConfig
-    from flce.engine.plans import PlanRequest, TokenChunks
-    from flce.inputs import FlatInputs
+    """On Hopper (a described H100: the choice is a function of the description; the GPU tests run the real
+    thing): a training call's chunk logits default to the warp-specialised statistics GEMM, whose epilogue
+    computes every statistic and option (the plain and the RL statistics: temperature, entropy; label
+    smoothing, class weights, a softcap, a bias), and to cuBLAS under precision="accurate" or off Hopper; the
+    gradient products stay on cuBLAS; flce-autotune times the ws forward and both gradient kernels."""
+    from planning import cuda_choice, cuda_plan, described_gpu, meta_inputs
 
-    training = PlanRequest(training=True)
-    flat = _meta_inputs(16384, 2048, 151936)
-    monkeypatch.setattr(plan, "hopper_16bit", lambda *args: True)
-    chosen = plan.plan_chunks(flat, LCEConfig(), training)
-    assert isinstance(chosen, TokenChunks) and chosen.forward_logits == "fused"
+    from flce.autotune import spaces
+    from flce.autotune.lookup import TunedEntry
+    from flce.backends.cuda import choice, hardware, plan
+    from flce.config import LCEConfig
+    from flce.engine.plans import TokenChunks
+
+    flat, h100 = meta_inputs(16384, 2048, 151936), described_gpu()
+    chosen, kernels = cuda_choice(flat, device=h100)
+    assert isinstance(chosen.plan, TokenChunks) and chosen.plan.forward_logits == "fused"
+    assert (kernels.logits, kernels.products) == ("warp_specialized", "cublas")
     rl = LCEConfig(reduction="none", return_logprobs=True, return_entropy=True, temperature=0.7)
-    assert plan.plan_chunks(flat, rl, training).forward_logits == "fused"
-    assert plan.plan_chunks(flat, LCEConfig(label_smoothing=0.1), training).forward_logits == "fused"
+    assert cuda_plan(flat, rl, device=h100).forward_logits == "fused"
+    assert cuda_plan(flat, LCEConfig(label_smoothing=0.1), device=h100).forward_logits == "fused"
     weights = torch.ones(151936)
     for cfg in (LCEConfig(softcap=30.0), LCEConfig(class_weight=weights, label_smoothing=0.1)):
-        assert plan.plan_chunks(flat, cfg, training).forward_logits == "fused", cfg
-    assert plan.plan_chunks(flat, LCEConfig(precision="accurate"), training).forward_logits == "cublas"
-    biased = FlatInputs(hidden=flat.hidden, weight=flat.weight, target=flat.target, bias=torch.empty(
-        151936, dtype=torch.bfloat16, device="meta"), token_shape=flat.token_shape)
-    assert plan.plan_chunks(biased, LCEConfig(softcap=30.0), training).forward_logits == "fused"
-    assert plan.DEFAULT_GRAD_GEMM_KERNEL == "cublas"
+        assert cuda_plan(flat, cfg, device=h100).forward_logits == "fused", cfg
+    assert cuda_plan(flat, LCEConfig(precision="accurate"), device=h100).forward_logits == "cublas"
+    biased = meta_inputs(16384, 2048, 151936, bias=True)
+    assert cuda_plan(biased, LCEConfig(softcap=30.0), device=h100).forward_logits == "fused"
+    assert choice.DEFAULT_GRAD_GEMM_KERNEL == "cublas"
 
+    monkeypatch.setattr(hardware, "describe_device", lambda device: h100)
     space = spaces.tuning_space("cuda")
     shape = spaces.TuneShape(torch.device("cpu"), torch.bfloat16, hidden=2048, vocab=151936, tokens=16384,
                              variant="plain")
@@ -581,15 +578,18 @@ def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
     # overlay the tuner adds to the winner cannot change the kernel its training time was measured on
     assert not any("stats_kernel" in c for c in candidates)
     assert all("logits_kernel" not in overlay for overlay in space.inference_overlays)
-    assert space.heuristic(shape)["forward_logits"] == "fused"
+    heuristic = space.heuristic(shape)
+    assert heuristic["forward_logits"] == "fused"
+    assert not any(k.startswith("gemm_") for k in heuristic), "the Triton GEMM's tiles do nothing where ws runs"
     for knobs in candidates:  # what the cache would hold parses back to the same choices
-        with override_params(knobs, backend="cuda"):
-            tuned = plan.tuned_knobs(flat, "plain")
+        tuned = plan.tuned_knobs(TunedEntry(knobs, None, "test"))
         assert (tuned.forward_logits, tuned.grad_gemm_kernel) == (knobs["forward_logits"], knobs["grad_gemm_kernel"])
 
-    monkeypatch.setattr(plan, "hopper_16bit", lambda *args: False)
-    assert plan.plan_chunks(flat, LCEConfig(), training).forward_logits == "cublas"
+    a100 = described_gpu("NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(hardware, "describe_device", lambda device: a100)
+    assert cuda_plan(flat, LCEConfig(), device=a100).forward_logits == "cublas"
     assert "grad_gemm_kernel" not in space.candidates(shape, True)[0]
+    assert "gemm_block_m" in space.heuristic(shape)
 
 
 @pytest.mark.parametrize("stats_kernel, logits_kernel",
@@ -597,14 +597,15 @@ def test_hopper_training_defaults_and_tuning_candidates(monkeypatch):
 def test_statistics_and_chunk_logits_take_their_own_kernel(monkeypatch, stats_kernel, logits_kernel):
     """stats_kernel picks the fused statistics GEMM where only statistics are taken, logits_kernel where
     the GEMM also writes a training chunk's logits (the tuner measures the two in different calls)."""
+    from planning import interpreter_kernels
+
     from flce.backends.cuda import ops
     from flce.config import LCEConfig
 
     used = []
-    monkeypatch.setattr(ops, "ws_stats_eligible", lambda *args: True)
     monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *args: used.append("warp_specialized"))
     monkeypatch.setattr(ops, "gemm_row_stats", lambda *args: used.append("triton"))
-    kernels = ops.TritonChunkKernels(stats_kernel=stats_kernel, logits_kernel=logits_kernel)
+    kernels = interpreter_kernels(stats=stats_kernel, logits=logits_kernel)
     x, w, _, t = lm_head_inputs(8, 16, 64, torch.bfloat16, "cpu", with_bias=False)
     cfg = LCEConfig()
     kernels.gemm_row_stats(x, w, None, t, cfg, 0)

@@ -48,6 +48,7 @@ from flce.distributed import (
     clear_cache,
     payload_bytes_per_step,
     record_collectives,
+    token_sharded_mean,
 )
 from flce.distributed.collectives import key_to_float, order_preserving_key, pack_max_argmax, unpack_max_argmax
 
@@ -432,6 +433,17 @@ def section_errors(checker: Checker, rank: int, world_size: int) -> None:
         second = torch.autograd.grad(loss, h)[0]
         assert torch.equal(first, second), "a retained graph's second backward differs from its first"
         _expect_error(lambda: loss.backward(), RuntimeError, "a second time")
+    for reduction in ("mean", "none"):  # gradients in forward, deferred
+        with checker.case(f"second derivatives are refused ({reduction})"):
+            def loss_of(h: torch.Tensor, reduction: str = reduction) -> torch.Tensor:
+                return sharded_loss(h, w_shard.double(), target, None, world, {"reduction": reduction}).sum()
+
+            h = hidden.double().requires_grad_()
+            _expect_error(lambda h=h, f=loss_of: torch.autograd.functional.hessian(f, h), RuntimeError,
+                          "first-order only")
+            (grad,) = torch.autograd.grad(loss_of(h), h, create_graph=True)
+            _expect_error(lambda h=h, g=grad: torch.autograd.grad(g, h, torch.ones_like(g), allow_unused=True),
+                          RuntimeError, "first-order only")
     with checker.case("batched gradients are refused"):
         h = hidden.clone().requires_grad_()
         loss = sharded_loss(h, w_shard, target, None, world, {})
@@ -477,6 +489,66 @@ def section_communication(checker: Checker, rank: int, world_size: int) -> None:
                 payloads.append(payload)
         with checker.case(f"bytes/{set_name}/{reduction}: independent of V"):
             assert payloads[0] == payloads[1], f"payload changed with V: {payloads}"
+
+
+TOKEN_SHARDED_OPTIONS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "z-loss+smoothing": dict(lse_square_scale=1e-2, label_smoothing=0.1),
+    "class_weight+smoothing": dict(label_smoothing=0.1, class_weight=True),
+}
+
+
+def section_token_sharded(checker: Checker, rank: int, world_size: int) -> None:
+    """Tokens split unevenly across the ranks (one rank's all ignored in one case), the whole weight on
+    each: token_sharded_mean of each rank's summed loss equals the unsharded mean over all tokens, the
+    rank's grad_hidden rows equal the unsharded ones, and the ranks' weight gradients add up to the
+    unsharded one ("sum") or average to it ("mean")."""
+    world = dist.group.WORLD
+    counts = [3 + 4 * r for r in range(world_size)]  # uneven token counts
+    for name, options in TOKEN_SHARDED_OPTIONS.items():
+        for layout in ("mixed", "one rank all ignored", "all ignored"):
+            case = f"token-sharded/{name}/{layout}"
+            gen = seed_of(case)
+            hidden, weight, target, _ = make_inputs((sum(counts),), 8, 13, generator=gen, ignore_fraction=0.3)
+            mine = shard_rows(tuple(counts), rank)
+            if layout == "one rank all ignored":
+                target[shard_rows(tuple(counts), world_size - 1)] = -100
+            elif layout == "all ignored":
+                target[:] = -100
+            call = dict(options)
+            if call.get("class_weight") is True:
+                call["class_weight"] = random_class_weight(13, gen)
+            want_h, want_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            want = flce.linear_cross_entropy(want_h, want_w, target, **call)
+            want.backward()
+            # Every collective first, on every rank: an assertion that fails on one rank must not
+            # leave the others waiting in a collective.
+            got = {}
+            for reduction in ("sum", "mean"):
+                h, w = hidden[mine].clone().requires_grad_(), weight.clone().requires_grad_()
+                out = flce.linear_cross_entropy(h, w, target[mine], reduction="sum", return_z_loss=True, **call)
+                loss = token_sharded_mean(out.loss, target[mine], world, class_weight=call.get("class_weight"),
+                                          z_loss_sum=out.z_loss, gradient_reduction=reduction)
+                loss.backward()
+                grad_weight = w.grad.clone()
+                dist.all_reduce(grad_weight)
+                got[reduction] = (loss.detach(), h.grad, grad_weight)
+            with checker.case(case):
+                for reduction, (loss, grad_hidden, grad_weight) in got.items():
+                    scale = world_size if reduction == "mean" else 1
+                    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+                    torch.testing.assert_close(grad_hidden, scale * want_h.grad[mine], rtol=1e-5, atol=1e-6)
+                    torch.testing.assert_close(grad_weight / scale, want_w.grad, rtol=1e-5, atol=1e-6)
+    with checker.case("token-sharded: class_weight without z_loss_sum"):
+        _expect_error(lambda: token_sharded_mean(torch.zeros(()), torch.zeros(3, dtype=torch.long), world,
+                                                 class_weight=torch.ones(4)), ValueError, "z_loss_sum=None")
+    with checker.case("token-sharded: class_weight with a z-loss"):
+        _expect_error(lambda: token_sharded_mean(torch.ones(()), torch.zeros(3, dtype=torch.long), world,
+                                                 class_weight=torch.ones(4), z_loss_sum=torch.ones(())),
+                      RuntimeError, "not supported")
+    with checker.case("token-sharded: a per-token loss"):
+        _expect_error(lambda: token_sharded_mean(torch.zeros(3), torch.zeros(3, dtype=torch.long), world),
+                      ValueError, "reduction='sum'")
 
 
 def _expect_error(fn: Callable[[], Any], error: type[Exception], fragment: str) -> None:
@@ -571,6 +643,7 @@ SECTIONS: dict[str, dict[str, Callable[[Checker, int, int], None]]] = {
         "errors": section_errors,
         "communication": section_communication,
         "compiled": section_compiled,
+        "token_sharded": section_token_sharded,
     },
     "2-interpreted": {
         "cuda_kernels_interpreted": section_cuda_kernels_interpreted,
@@ -580,6 +653,7 @@ SECTIONS: dict[str, dict[str, Callable[[Checker, int, int], None]]] = {
         "argmax_ties": section_argmax_ties,
         "subgroups": section_subgroups,
         "communication": section_communication,
+        "token_sharded": section_token_sharded,
     },
 }
 
@@ -588,7 +662,7 @@ SECTIONS: dict[str, dict[str, Callable[[Checker, int, int], None]]] = {
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("section", ["matches_unsharded", "argmax_ties", "communication"])
+@pytest.mark.parametrize("section", ["matches_unsharded", "argmax_ties", "communication", "token_sharded"])
 def test_vocab_parallel(reports: Callable[[int], list[dict[str, dict]]], world_size: int, section: str) -> None:
     assert_section(reports(world_size), section)
 

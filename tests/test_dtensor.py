@@ -194,6 +194,90 @@ def section_fsdp2_inside_forward(checker: Checker, rank: int, world_size: int) -
             torch.testing.assert_close(runs[True][1][key], want, **GRADS, msg=lambda m, k=key: f"{k}: {m}")
 
 
+def _fsdp2_tp_head(mesh, weight: torch.Tensor, bias: torch.Tensor | None, policy=None) -> torch.nn.Linear:
+    """torchtitan's order on a (dp, tp) mesh: the head ColwiseParallel over tp, then fully_shard over dp."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        if bias is not None:
+            head.bias.copy_(bias)
+    parallelize_module(head, mesh["tp"], ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    fully_shard(head, mesh=mesh["dp"], mp_policy=policy or MixedPrecisionPolicy())
+    return head
+
+
+def section_fsdp2_tp(checker: Checker, rank: int, world_size: int) -> None:
+    """FSDP2 over a tensor-parallel head on a 2 x 2 (dp, tp) mesh, the weight used outside the head's
+    forward: gradients equal the mean over the data-parallel ranks of each one's materialised loss
+    gradient (FSDP2's reduction), for plain and sequence-sharded hidden states, with and without a
+    bias, even and uneven vocabularies; with a bf16 / fp32-reduce mixed-precision policy, equal to
+    FSDP2's own forward of the head under loss_parallel."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    for vocab, with_bias in ((32, False), (21, True)):
+        per_dp = [_inputs(f"fsdp2_tp/V={vocab}/dp{d}", vocab) for d in range(2)]
+        weight, bias = per_dp[0][1], per_dp[0][2] if with_bias else None
+        grads = [_reference(h, weight, bias, t)[1] for h, _, _, t in per_dp]
+        want = [(a + b) / 2 for a, b in zip(grads[0][1:], grads[1][1:], strict=True)]
+        hidden, target = per_dp[dp][0], per_dp[dp][3]
+        for hidden_kind in ("plain", "sequence-sharded"):
+            with checker.case(f"V={vocab} bias={with_bias} hidden={hidden_kind}"):
+                head = _fsdp2_tp_head(mesh, weight, bias)
+                assert head.weight.device_mesh.ndim == 2, f"test setup: {head.weight.placements}"
+                h = hidden.clone() if hidden_kind == "plain" else distribute_tensor(hidden, mesh["tp"], [Shard(1)])
+                h.requires_grad_()
+                loss = flce.linear_cross_entropy(h, head.weight, target, head.bias)
+                loss.backward()
+                torch.testing.assert_close(loss, _reference(hidden, weight, bias, target)[0], **FORWARD)
+                params = [head.weight] + ([head.bias] if with_bias else [])
+                for param, expected in zip(params, want, strict=False):
+                    assert isinstance(param.grad, DTensor) and param.grad.placements == param.placements, \
+                        f"grad placements {getattr(param.grad, 'placements', None)} vs {param.placements}"
+                    torch.testing.assert_close(param.grad.full_tensor(), expected, **GRADS)
+                grad_hidden = h.grad.full_tensor() if isinstance(h.grad, DTensor) else h.grad
+                torch.testing.assert_close(grad_hidden, _reference(hidden, weight, bias, target)[1][0], **GRADS)
+    with checker.case("mixed precision: bf16 parameters, fp32 reduction, as FSDP2's own forward"):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        hidden, weight, _, target = _inputs(f"fsdp2_tp/mixed/dp{dp}", 32)
+        weight = _inputs("fsdp2_tp/mixed/dp0", 32)[1]
+        runs = {}
+        for kind in ("torch", "flce"):
+            head = _fsdp2_tp_head(mesh, weight, None, policy)
+            h = hidden.to(torch.bfloat16)
+            if kind == "torch":
+                with loss_parallel():
+                    loss = torch.nn.functional.cross_entropy(head(h).float().flatten(0, -2), target.flatten())
+                    loss.backward()
+            else:
+                loss = flce.linear_cross_entropy(h, head.weight, target)
+                loss.backward()
+            runs[kind] = (float(loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()),
+                          head.weight.grad)
+        assert runs["flce"][1].dtype == torch.float32, f"grad dtype {runs['flce'][1].dtype}: expected the fp32 master's"
+        torch.testing.assert_close(runs["flce"][0], runs["torch"][0], rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(runs["flce"][1].full_tensor(), runs["torch"][1].full_tensor(), rtol=2e-2, atol=2e-3)
+    with checker.case("a plain bias beside an FSDP2 x TP weight"):
+        head = _fsdp2_tp_head(mesh, _inputs("fsdp2_tp/bias", 32)[1], None)
+        hidden, _, bias, target = _inputs("fsdp2_tp/bias", 32)
+        _expect_error(lambda: flce.linear_cross_entropy(hidden, head.weight, target, bias), ValueError,
+                      "bias: not an FSDP2 parameter")
+    with checker.case("the torchtitan-style client, fsdp_tp mode"):
+        client = _client()
+        args = client.ModelArgs(vocab=96, dim=32, layers=2, heads=4, ffn=64, seq=16, batch=2)
+        (result,) = client.run(args, steps=2, device=torch.device("cpu"), modes=("fsdp_tp",))
+        assert result["max_loss_diff"] < 1e-5 and result["max_grad_rel_error"] < 1e-5, result
+        assert result["max_param_rel_error"] < 1e-5, result
+
+
 def section_real_client(checker: Checker, rank: int, world_size: int) -> None:
     from torch.distributed.tensor import Shard
 
@@ -273,6 +357,9 @@ SECTIONS: dict[str, dict[str, Callable[[Checker, int, int], None]]] = {
         "compile": section_compile,
         "errors": section_errors,
     },
+    "4": {
+        "fsdp2_tp": section_fsdp2_tp,
+    },
 }
 PRELOAD = ("flce.backends.reference", "torch.distributed.tensor", "torch.distributed.fsdp") + (
     ("transformers.models.llama.modeling_llama",) if HAS_TRANSFORMERS else ())
@@ -289,6 +376,11 @@ def dtensor_reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, 
 @pytest.mark.parametrize("section", [s for s in SECTIONS["2"] if s != "fsdp2_inside_forward"])
 def test_dtensor_weights(dtensor_reports: list[dict[str, dict]], section: str) -> None:
     assert_section(dtensor_reports, section)
+
+
+@pytest.mark.distributed
+def test_fsdp2_over_tensor_parallel_2x2_mesh(tmp_path: Path) -> None:
+    assert_section(run_ranks(4, tmp_path, sections_module=__name__, preload=PRELOAD), "fsdp2_tp")
 
 
 @pytest.mark.distributed

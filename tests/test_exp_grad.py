@@ -112,17 +112,16 @@ def test_exponentials_planned_where_they_apply():
     """The tuned knob takes effect for a plain bf16/fp32 training call with a scalar loss and no bias; a bias,
     fp16, another option or reduction="none" keep the logits path, and so does a call the cache says nothing
     for off Hopper (here: a CPU tensor)."""
-    from flce.backends.cuda.plan import plan_chunks, tuned_knobs
+    from planning import cuda_plan
+
     from flce.config import LCEConfig
-    from flce.engine.plans import EXPONENTIALS, LOGITS, PlanRequest
+    from flce.engine.plans import EXPONENTIALS, LOGITS
     from flce.inputs import prepare_inputs
 
     def chunk_grad(dtype=torch.float32, bias=False, knobs=KNOBS, **options) -> str:
         x, w, b, t = lm_head_inputs(16, 8, 64, dtype, "cpu", with_bias=bias)
         cfg = LCEConfig(**options)
-        with override_params(knobs, backend="cuda"):
-            flat = prepare_inputs(x, w, t, b, cfg)
-            return plan_chunks(flat, cfg, PlanRequest(training=True), tuned_knobs(flat, "plain")).chunk_grad
+        return cuda_plan(prepare_inputs(x, w, t, b, cfg), cfg, params=knobs).chunk_grad
 
     assert chunk_grad() == EXPONENTIALS
     assert chunk_grad(torch.bfloat16) == EXPONENTIALS

@@ -7,11 +7,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
-from flce.backends.cuda import gluon_compat, ops
+from flce.backends.cuda import gluon_compat
 
 
 def test_this_triton_builds_the_gluon_kernels_with_its_own_names() -> None:
@@ -38,27 +37,27 @@ def test_the_probe_says_why_not(monkeypatch: pytest.MonkeyPatch, version, ok: bo
     assert got_ok == ok and got_reason.startswith(reason), got_reason
 
 
-def test_without_gluon_the_gradient_gemm_falls_back_to_cublas_with_one_log_line(
+def test_without_gluon_the_choice_takes_the_triton_gemm_and_cublas_with_one_log_line(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """Where the warp-specialised GEMM would run but this Triton cannot build it, the gradient products go
-    to torch's GEMM, and the reason is logged once per process."""
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("ws_matmul ran although gluon_support() said no")
+    """On a Hopper GPU whose installed Triton cannot build the warp-specialised GEMM, the kernel choice takes the
+    fused Triton GEMM and cuBLAS, its record says why, and the reason is logged once per process."""
+    from planning import cuda_choice, meta_inputs
 
-    monkeypatch.setattr(ops, "gluon_support", lambda: (False, "triton 3.4 is older than 3.5"))
-    monkeypatch.setattr(ops, "_gluon_reason_logged", False)
-    monkeypatch.setattr(ops, "ws_matmul_supported", lambda a, b, out: True)
-    monkeypatch.setattr(ops, "ws_matmul", must_not_run)
-    generator = torch.Generator().manual_seed(0)
-    a, b = torch.randn(5, 7, generator=generator), torch.randn(7, 3, generator=generator)
-    kernels = ops.TritonChunkKernels(grad_gemm_kernel=ops.WARP_SPECIALIZED)
+    from flce.backends.cuda import hardware
+    from flce.backends.cuda.configs import WARP_SPECIALIZED
+
+    monkeypatch.setattr(gluon_compat, "gluon_support", lambda: (False, "triton 3.4 is older than 3.5"))
+    hardware._say_once.cache_clear()
+    gpu = hardware.gpu_description("NVIDIA H100 80GB HBM3", triton=hardware.installed_triton())
     with caplog.at_level(logging.WARNING, logger="flce"):
-        for _ in range(2):
-            out = torch.empty(5, 3)
-            kernels.matmul_(a, b, out, accumulate=False)
-            torch.testing.assert_close(out, a @ b)
+        for tokens in (8192, 4096):  # two calls: one log line
+            record, kernels = cuda_choice(meta_inputs(tokens, 4096, 128256), device=gpu)
+            assert WARP_SPECIALIZED not in (kernels.stats, kernels.logits, kernels.products)
+            assert not any("ws_gemm_kernels" in name for step in record.steps for name in step.kernels), record
+            assert "triton 3.4 is older than 3.5" in str(record)
     notes = [r.getMessage() for r in caplog.records if "warp-specialised Gluon GEMM" in r.getMessage()]
     assert len(notes) == 1 and "triton 3.4 is older than 3.5" in notes[0], notes
+    hardware._say_once.cache_clear()
 
 
 def test_info_lists_the_cuda_kernels(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""Every bad-input case of DESIGN.md gets a clear error (type + the argument, value and what was
+"""Every bad-input case of docs/design.md gets a clear error (type + the argument, value and what was
 expected) before any kernel runs; the valid edge cases (empty, non-contiguous) are accepted."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The package's import structure: no import circle between flce's modules, and every package
-imports only from its own layer or the layers below it (DESIGN.md's layout, bottom to top).
+imports only from its own layer or the layers below it (docs/architecture.md's layout, bottom to top).
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency);
 read from the source with ast, so nothing is imported."""
@@ -108,4 +108,22 @@ def test_the_check_sees_a_circle() -> None:
     graph = _graph()
     assert "flce.engine.schedule" in graph["flce.engine.run"]
     assert "flce.backends.cuda.tuning" in graph["flce.backends.cuda"]
-    assert "flce.backends.cuda.plan" in graph["flce.backends.cuda.ops"]
+    assert "flce.backends.cuda.configs" in graph["flce.backends.cuda.ops"]
+
+
+def test_cuda_launchers_reach_no_planner_and_no_schedule() -> None:
+    """The CUDA launchers launch what the kernel choice says: none of them imports, even indirectly, the
+    planner (cuda/plan.py, choice.py, steps.py) or an engine schedule (engine -> backend -> engine)."""
+    graph = _graph()
+    planner = {"flce.backends.cuda.plan", "flce.backends.cuda.choice", "flce.backends.cuda.steps",
+               "flce.backends.cuda.tuning", "flce.engine.schedule", "flce.engine.all_rows",
+               "flce.engine.token_chunks", "flce.engine.vocab_blocks"}
+    launchers = [m for m in graph if m.startswith("flce.backends.cuda.") and m.endswith("ops")]
+    assert "flce.backends.cuda.ops" in launchers
+    for launcher in launchers:
+        reached, todo = set(), [launcher]
+        while todo:
+            for dep in graph[todo.pop()] - reached:
+                reached.add(dep)
+                todo.append(dep)
+        assert not reached & planner, f"{launcher} reaches {sorted(reached & planner)}"

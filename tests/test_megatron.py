@@ -7,21 +7,28 @@ tensor-parallel output layer. Patched and unpatched models must give the same pe
 and the same gradients for every parameter, at TP=1 and TP=2, tied and untied embeddings. With
 sequence parallelism megatron-core's decoder and head need CUDA, so the patched
 sequence-parallel post-processing step is compared with the unpatched one without sequence
-parallelism, fed the full sequence.
+parallelism, fed the full sequence. The RL outputs (log-probs and entropy at a temperature) through
+megatron-core's ``output_processor`` hook (0.19) are compared with Megatron's native vocab-parallel
+path and with float64 log-softmax over the gathered logits.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from test_distributed import Checker, _expect_error, assert_section, run_ranks, seed_of
 
+import flce
 from flce.integrations import megatron as flce_megatron
 
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and \
@@ -36,6 +43,8 @@ if HAS_MEGATRON:
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
         from megatron.core.transformer.transformer_config import TransformerConfig
 
+# megatron-core's output_processor hook (0.19): where flce's RL outputs plug in without a patch.
+HAS_OUTPUT_PROCESSOR = HAS_MEGATRON and "output_processor" in inspect.signature(GPTModel.forward).parameters
 VOCAB, HIDDEN, SEQ, BATCH = 64, 32, 8, 2
 FORWARD = dict(rtol=1e-5, atol=1e-5)
 GRADS = dict(rtol=1e-4, atol=1e-4)
@@ -199,11 +208,92 @@ def _smoothed_reference(model: torch.nn.Module, ids: torch.Tensor, labels: torch
                                              reduction="none", label_smoothing=0.1).reshape(BATCH, SEQ).float()
 
 
+def _megatron_client() -> ModuleType:
+    """tools/distributed/megatron_client.py: Megatron's native RL outputs (logits, vocab-parallel CE, entropy)."""
+    path = Path(__file__).resolve().parent.parent / "tools" / "distributed" / "megatron_client.py"
+    spec = importlib.util.spec_from_file_location("megatron_client", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def section_output_processor_rl(checker: Checker, rank: int, world_size: int) -> None:
+    """flce's output_processor (RL log-probs + entropy at a temperature) against Megatron's native
+    path (the head's logits, -vocab_parallel_cross_entropy(logits / T) and a vocab-parallel entropy)
+    and against float64 log-softmax over the gathered logits; gradients of every parameter through both."""
+    client = _megatron_client()
+    temperature = 0.7
+    for tp in (1, 2):
+        for tied in (False, True):
+            name = f"RL TP={tp} tied={tied}"
+            with checker.case(name):
+                model = build_model(tp, tied=tied)
+                ids, labels, upstream = batch(name)
+                got = _rl_outputs(model, ids, labels, upstream, flce_megatron.output_processor(
+                    temperature=temperature, return_logprobs=True, return_entropy=True))
+                want = _rl_outputs(model, ids, labels, upstream, client.megatron_rl_processor(temperature))
+                for key in ("logprobs", "entropy"):
+                    torch.testing.assert_close(got[0][key], want[0][key], **FORWARD, msg=lambda m, k=key: f"{k}: {m}")
+                exact = _gathered_rl_reference(model, ids, labels, temperature)
+                for key in ("logprobs", "entropy"):
+                    torch.testing.assert_close(got[0][key].double(), exact[key], **FORWARD,
+                                               msg=lambda m, k=key: f"{k} vs float64: {m}")
+                assert got[1].keys() == want[1].keys(), f"grads for {sorted(got[1])} vs {sorted(want[1])}"
+                for key in want[1]:
+                    torch.testing.assert_close(got[1][key], want[1][key], **GRADS, msg=lambda m, k=key: f"{k}: {m}")
+    with checker.case("a patched model with an output_processor runs the processor"):
+        model = build_model(2)
+        ids, labels, upstream = batch("patched+processor")
+        flce_megatron.apply(model)
+        out = model(ids, torch.arange(SEQ).expand(BATCH, SEQ), None, labels=labels,
+                    output_processor=flce_megatron.output_processor(return_logprobs=True))
+        assert isinstance(out, flce.LCEOutput) and out.logprobs.shape == (BATCH, SEQ), type(out)
+    with checker.case("output_processor errors"):
+        _expect_error(lambda: flce_megatron.output_processor(reduction="sum"), ValueError, "reduction")
+        _expect_error(lambda: flce_megatron.output_processor(temperature=-1.0), ValueError, "temperature")
+        model = build_model(2)
+        ids, labels, _ = batch("errors")
+        process = flce_megatron.output_processor()
+        _expect_error(lambda: model(ids, torch.arange(SEQ).expand(BATCH, SEQ), None, output_processor=process),
+                      ValueError, "labels=None")
+        model.config.use_mup = True
+        try:
+            _expect_error(lambda: model(ids, torch.arange(SEQ).expand(BATCH, SEQ), None, labels=labels,
+                                        output_processor=process), NotImplementedError, "use_mup")
+            _expect_error(lambda: flce_megatron.apply(model), NotImplementedError, "use_mup")
+        finally:
+            model.config.use_mup = False
+
+
+def _rl_outputs(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, upstream: torch.Tensor,
+                processor: Callable[..., Any]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(ids, torch.arange(SEQ).expand(BATCH, SEQ), None, labels=labels, output_processor=processor)
+    ((out.logprobs * upstream).sum() + (out.entropy * upstream.flip(0)).sum()).backward()
+    return {"logprobs": out.logprobs.detach(), "entropy": out.entropy.detach()}, \
+        {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _gathered_rl_reference(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+                           temperature: float) -> dict[str, torch.Tensor]:
+    """Megatron's own logit shards gathered over TP; float64 log-softmax at the temperature."""
+    with torch.no_grad():
+        shard = model(ids, torch.arange(SEQ).expand(BATCH, SEQ), None).contiguous()  # [b, s, V/tp]
+    group = model.output_layer.tp_group
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group=group))]
+    dist.all_gather(parts, shard, group=group)
+    logprobs = (torch.cat(parts, dim=-1).double() / temperature).log_softmax(-1)
+    return {"logprobs": logprobs.gather(-1, labels[..., None])[..., 0],
+            "entropy": -(logprobs.exp() * logprobs).sum(-1)}
+
+
 SECTIONS: dict[str, dict[str, Callable[[Checker, int, int], None]]] = {
     "2": {
         "patched_equals_unpatched": section_patched_equals_unpatched,
         "sequence_parallel": section_sequence_parallel,
         "patch_time_errors": section_patch_time_errors,
+        **({"output_processor_rl": section_output_processor_rl} if HAS_OUTPUT_PROCESSOR else {}),
     },
 }
 
@@ -218,9 +308,17 @@ def megatron_reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str,
 
 @pytest.mark.distributed
 @pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed (pip install -e '.[megatron]')")
-@pytest.mark.parametrize("section", list(SECTIONS["2"]))
+@pytest.mark.parametrize("section", [s for s in SECTIONS["2"] if s != "output_processor_rl"])
 def test_megatron_adapter(megatron_reports: list[dict[str, dict]], section: str) -> None:
     assert_section(megatron_reports, section)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed (pip install -e '.[megatron]')")
+def test_megatron_output_processor_present(megatron_reports: list[dict[str, dict]]) -> None:
+    if not HAS_OUTPUT_PROCESSOR:
+        pytest.skip("this megatron-core has no output_processor hook (added in 0.19)")
+    assert_section(megatron_reports, "output_processor_rl")
 
 
 def test_missing_megatron_is_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,3 +88,27 @@ def test_tools_readme_lists_every_script() -> None:
     assert scripts
     missing = [str(p.relative_to(tools)) for p in scripts if f"`{p.name}`" not in listed]
     assert not missing, f"tools/README.md has no row for {missing}"
+
+
+def test_the_license_is_an_spdx_expression_that_the_build_requirement_can_read() -> None:
+    """`license = {text = ...}` is deprecated by setuptools (an error from 2027-02-18); the SPDX string
+    form needs setuptools >= 77, which [build-system] must then require. Applying the configuration
+    with the installed setuptools (what a wheel build does first, offline) warns about nothing."""
+    import warnings
+
+    setuptools = pytest.importorskip("setuptools")
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    toml = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert toml["project"]["license"] == "Apache-2.0"
+    (build_requirement,) = [requirements.Requirement(r) for r in toml["build-system"]["requires"]
+                            if requirements.Requirement(r).name == "setuptools"]
+    assert not build_requirement.specifier.contains("76.9"), f"{build_requirement} admits a setuptools before 77"
+    assert build_requirement.specifier.contains(setuptools.__version__), (
+        f"the installed setuptools {setuptools.__version__} is outside {build_requirement}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distribution = apply_configuration(Distribution(), REPO / "pyproject.toml")
+    assert not [str(w.message).splitlines()[0] for w in caught if "license" in str(w.message).lower()]
+    assert distribution.metadata.license_expression == "Apache-2.0"

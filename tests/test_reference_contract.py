@@ -1,8 +1,8 @@
 """The reference backend against the float64 materialised oracle (tests/helpers.py).
 
-Every option of DESIGN.md's table x every reduction x with and without bias, forward and
+Every option of docs/design.md's table x every reduction x with and without bias, forward and
 backward with random upstream gradients (through loss, logprobs and entropy), plus the
-cases DESIGN.md calls out: low precision, autocast, [..., H] and non-contiguous inputs,
+cases docs/design.md calls out: low precision, autocast, [..., H] and non-contiguous inputs,
 empty and all-ignored input, accum_dtype, chunking and the deferred gradient schedule.
 """
 
@@ -27,10 +27,11 @@ from helpers import (
     reference_loss,
     relative_error,
 )
+from planning import reference_bytes_per_row, reference_plan
 
 import flce
 from flce import LCEOutput
-from flce.backends.reference.plan import plan_call, plan_chunks, working_bytes_per_row
+from flce.backends.reference.plan import plan_call
 from flce.config import LCEConfig
 from flce.engine.function import apply_eager
 from flce.engine.plans import PlanRequest, TokenChunks
@@ -181,7 +182,7 @@ def test_low_precision_forward(case: str, reduction: str, dtype: torch.dtype, ge
 
 
 def test_bf16_gradients_within_eager_error(generator: torch.Generator) -> None:
-    """DESIGN.md: bf16 gradients within 1.5x of what materialised bf16 eager PyTorch achieves."""
+    """docs/design.md: bf16 gradients within 1.5x of what materialised bf16 eager PyTorch achieves."""
     hidden, weight, target, _ = make_inputs((256,), 64, 1000, dtype=torch.bfloat16, generator=generator)
     upstream = Upstream(loss=torch.tensor(1.0, dtype=torch.float64))
     _, grads = flce_grads(flce.get_impl("cpu")(), hidden, weight, target, None, upstream)
@@ -332,7 +333,7 @@ def test_small_memory_budget_equals_large(case: str, reduction: str, generator: 
     hidden, weight, target, b = make_inputs((40,), HIDDEN, VOCAB, bias=True, generator=generator,
                                             ignore_index=options.get("ignore_index", -100))
     upstream = upstream_for(options, (40,), generator)
-    per_row = working_bytes_per_row(prepare_inputs(hidden, weight, target, b, LCEConfig()))
+    per_row = reference_bytes_per_row(prepare_inputs(hidden, weight, target, b, LCEConfig()))
     results = {}
     for budget in (3 * per_row, 1 << 30):
         module = flce.get_impl("cpu")(memory_budget=budget, **options)
@@ -354,13 +355,13 @@ def test_small_memory_budget_equals_large(case: str, reduction: str, generator: 
 def test_plan_respects_memory_budget(generator: torch.Generator) -> None:
     hidden, weight, target, _ = make_inputs((100,), HIDDEN, VOCAB, generator=generator)
     flat = prepare_inputs(hidden, weight, target, None, LCEConfig())
-    per_row = working_bytes_per_row(flat)
+    per_row = reference_bytes_per_row(flat)
     for budget in (1, per_row, 7 * per_row + 1, 1000 * per_row):
-        plan = plan_chunks(flat, LCEConfig(memory_budget=budget))
+        plan = reference_plan(flat, LCEConfig(memory_budget=budget))
         assert 1 <= plan.tokens_per_chunk <= 100
         assert plan.tokens_per_chunk * per_row <= max(budget, per_row), (budget, plan)
-    assert plan_chunks(flat, LCEConfig()).tokens_per_chunk == 100, "a tiny call fits in one chunk by default"
-    assert plan_chunks(flat, LCEConfig(memory_budget=per_row)).saved_rows == 0, "no room left to save logits"
+    assert reference_plan(flat, LCEConfig()).tokens_per_chunk == 100, "a tiny call fits in one chunk by default"
+    assert reference_plan(flat, LCEConfig(memory_budget=per_row)).saved_rows == 0, "no room left to save logits"
 
 
 @pytest.mark.parametrize("case", ["defaults", "everything"])

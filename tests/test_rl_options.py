@@ -249,7 +249,7 @@ def test_cuda_row_kernel_keeps_logit_stats(generator: torch.Generator, monkeypat
     none) keeps the row min and sum of z, across vocabulary blocks with a ragged tail and across
     token chunks."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    monkeypatch.setattr("flce.backends.cuda.ops.MAX_BLOCK_V", 64)
+    monkeypatch.setattr("flce.backends.cuda.plan.MAX_BLOCK_V", 64)
     data = leaf_inputs(generator, (10,), 16, 203, torch.float32, bias=True)
     hidden, weight, bias = (data[name].detach().to(device).requires_grad_() for name in ("hidden", "weight", "bias"))
     target = data["target"].to(device)

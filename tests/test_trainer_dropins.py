@@ -43,7 +43,7 @@ from flce.integrations import areal as flce_areal
 from flce.integrations import trl as flce_trl
 from flce.integrations import verl as flce_verl
 
-# fp32: DESIGN.md's 1e-5 for values; the trainers' own code sums in another order, so gradients
+# fp32: docs/design.md's 1e-5 for values; the trainers' own code sums in another order, so gradients
 # get 1e-5 relative and 1e-5 absolute too (they hold at these sizes). fp64 against the float64
 # formula: 1e-10.
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)

@@ -163,3 +163,41 @@ def test_a_forward_set_on_the_instance_is_kept(generator: torch.Generator) -> No
     assert calls == [False], "only the logits call goes through the instance's forward"
     flce_hf.remove(model)
     assert model.forward is hooked_forward
+
+
+@pytest.fixture
+def transformers_warnings(caplog: pytest.LogCaptureFixture):
+    """Every warning transformers logs during the test, its once-only ones included (their memo is
+    cleared before and after, so that an earlier test's warning does not hide this test's)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    once = getattr(logging.Logger, "warning_once", None)
+    if once is not None and hasattr(once, "cache_clear"):
+        once.cache_clear()
+    hf_logging.enable_propagation()
+    caplog.set_level(logging.WARNING, logger="transformers")
+    try:
+        yield lambda: [r.getMessage() for r in caplog.records if r.name.startswith("transformers")]
+    finally:
+        hf_logging.disable_propagation()
+        if once is not None and hasattr(once, "cache_clear"):
+            once.cache_clear()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_the_patched_forward_makes_transformers_warn_no_more_than_the_model(
+        family: str, generator: torch.Generator, transformers_warnings) -> None:
+    """The output carries the backbone's cache under the name the installed transformers uses (``cache``
+    in 5.x, ``past_key_values`` before): no deprecation warning on every forward with labels."""
+    model, patched = _models(family, seed=8)
+    input_ids, attention_mask, labels = _batch(generator)
+    model.eval(), patched.eval()  # use_cache: the backbone returns a cache to carry over
+    want = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    unpatched_warnings = transformers_warnings()
+    got = patched(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    assert got.logits is None, "the patched path ran"
+    assert transformers_warnings() == unpatched_warnings, transformers_warnings()
+    name = next(n for n in ("cache", "past_key_values") if n in type(want).__dataclass_fields__)
+    assert type(getattr(got, name)) is type(getattr(want, name)) and getattr(want, name) is not None

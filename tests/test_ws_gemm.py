@@ -17,9 +17,13 @@ import pytest
 import torch
 from hopper_ptx import TMA_LOAD, TMA_STORE, count
 
+# tools/benchmarks/ws_kernels.py: the kernel's standalone entry points (the library's calls go through ops.py).
+WS_KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "benchmarks")
+sys.path.insert(0, WS_KERNELS)
 _COMPILE = """
 import json, sys
-from flce.backends.cuda.ws_gemm_ops import compile_for_hopper
+sys.path.insert(0, sys.argv[2])
+from ws_kernels import compile_for_hopper
 compiled = compile_for_hopper(**json.loads(sys.argv[1]))
 sys.stdout.write(json.dumps({"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}))
 """
@@ -34,7 +38,7 @@ def _compile(a_mmajor: bool, b_kmajor: bool, row_stats: bool, **options: bool) -
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     flags = json.dumps({"a_mmajor": a_mmajor, "b_kmajor": b_kmajor, "row_stats": row_stats, **options})
-    done = subprocess.run([sys.executable, "-c", _COMPILE, flags], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _COMPILE, flags, WS_KERNELS], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
@@ -167,27 +171,22 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.cuda
 @pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32001), (333, 512, 1000), (130, 4096, 520)])
 def test_ws_gemm_products_match_float64(tokens: int, hidden: int, vocab: int) -> None:
-    from flce.backends.cuda.ws_gemm_ops import (
-        lm_head_grad_hidden,
-        lm_head_grad_weight,
-        lm_head_logits,
-        padded_empty,
-        ws_supported,
-    )
+    from flce.backends.cuda.ws_gemm_ops import padded_empty, ws_matmul, ws_supported
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16)
     if not ws_supported(x, w.T):
         pytest.skip(f"ws_matmul needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
     g = padded_empty(tokens, vocab, torch.bfloat16, x.device).normal_()
-    cases = {"logits": (lm_head_logits, (x, w), _reference(x, w.T), (tokens, vocab)),
-             "grad_hidden": (lm_head_grad_hidden, (g, w), _reference(g, w), (tokens, hidden)),
-             "grad_weight": (lm_head_grad_weight, (g, x), _reference(g.T, x), (vocab, hidden))}
-    for name, (fn, args, ref, shape) in cases.items():
+    # The three products of the loss as ws_matmul calls on views: x @ W.T, G @ W, G.T @ x.
+    cases = {"logits": ((x, w.T), _reference(x, w.T), (tokens, vocab)),
+             "grad_hidden": ((g, w), _reference(g, w), (tokens, hidden)),
+             "grad_weight": ((g.T, x), _reference(g.T, x), (vocab, hidden))}
+    for name, (args, ref, shape) in cases.items():
         out = padded_empty(*shape, torch.bfloat16, x.device).fill_(float("nan"))
-        assert fn(*args, out=out) is out
+        assert ws_matmul(*args, out=out) is out
         assert _rel(out, ref) < 1e-2, name
-        fresh = fn(*args)  # allocates its own (padded) output
+        fresh = ws_matmul(*args)  # allocates its own (padded) output
         assert fresh.shape == shape and _rel(fresh, ref) < 1e-2, name
 
 
@@ -217,7 +216,9 @@ def test_ws_gemm_accumulates_like_addmm(tokens: int, hidden: int, vocab: int) ->
 def test_ws_row_stats_writes_the_logits(tokens: int, hidden: int, vocab: int) -> None:
     """With logits_out the statistics kernel also stores every logits tile (no tile left unwritten:
     the buffer starts as NaN), and the statistics are those of the stored logits."""
-    from flce.backends.cuda.ws_gemm_ops import padded_empty, ws_row_stats, ws_supported
+    from ws_kernels import ws_row_stats
+
+    from flce.backends.cuda.ws_gemm_ops import padded_empty, ws_supported
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(vocab, hidden, device="cuda") * 3 / hidden ** 0.5).to(torch.bfloat16)
@@ -299,7 +300,9 @@ def test_ws_gemm_rejects_unaligned_operands() -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32001), (130, 4096, 520)])
 def test_ws_row_stats_plain_loss_matches_float64(tokens: int, hidden: int, vocab: int) -> None:
-    from flce.backends.cuda.ws_gemm_ops import ws_row_stats, ws_supported
+    from ws_kernels import ws_row_stats
+
+    from flce.backends.cuda.ws_gemm_ops import ws_supported
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(vocab, hidden, device="cuda") * 3 / hidden ** 0.5).to(torch.bfloat16)
@@ -592,29 +595,32 @@ def test_ws_logit_options_through_flce_match_float64(options: str, training: boo
 def test_ws_stats_eligibility_is_what_the_epilogue_computes() -> None:
     """Every statistic and option goes to the ws kernel on Hopper (the plain statistics, the RL ones:
     temperature, entropy, the argmax; label smoothing's sum, with class weights too; a softcap, a bias);
-    kept logits a TMA store cannot write keep the fused Triton GEMM, and CPU tensors never qualify."""
-    from flce.backends.cuda.ws_gemm_ops import ws_stats_eligible
+    operands a TMA load cannot read (fp32, unaligned rows) keep the fused Triton GEMM, and so does a GPU
+    that is not sm_90 or a Triton without Gluon. The choice is made from descriptions: no GPU needed."""
+    from planning import cuda_choice, described_gpu, meta_inputs
+
+    from flce.backends.cuda.hardware import gpu_description
     from flce.config import LCEConfig
 
-    x = torch.randn(8, 16, dtype=torch.bfloat16)
-    w = torch.randn(32, 16, dtype=torch.bfloat16)
-    assert not ws_stats_eligible(x, w, None, LCEConfig(), None)  # CPU
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
-        x, w = x.cuda(), w.cuda()
-        assert ws_stats_eligible(x, w, None, LCEConfig(reduction="none", return_logprobs=True,
-                                                       lse_square_scale=1e-4), None)
-        assert ws_stats_eligible(x, w, None, LCEConfig(reduction="none", return_logprobs=True, return_entropy=True,
-                                                       temperature=0.7), None)
-        assert ws_stats_eligible(x, w, None, LCEConfig(return_token_accuracy=True, return_predicted_tokens=True), None)
-        assert ws_stats_eligible(x, w, None, LCEConfig(label_smoothing=0.1), None)
-        for cfg in (LCEConfig(softcap=30.0), LCEConfig(class_weight=torch.ones(32, device="cuda")),
-                    LCEConfig(class_weight=torch.ones(32, device="cuda"), label_smoothing=0.1)):
-            assert ws_stats_eligible(x, w, None, cfg, None), cfg
-        assert ws_stats_eligible(x, w, torch.zeros(32, device="cuda", dtype=torch.bfloat16), LCEConfig(), None)
-        assert ws_stats_eligible(x, w, None, LCEConfig(), torch.empty(8, 32, device="cuda", dtype=x.dtype))
-        unaligned = torch.empty(8, 33, device="cuda", dtype=x.dtype)[:, :32].T.contiguous().T  # column-major
-        assert not ws_stats_eligible(x, w, None, LCEConfig(), unaligned)
-        assert not ws_stats_eligible(x, w, None, LCEConfig(), torch.empty(8, 32, device="cuda"))  # fp32 logits
+    h100, flat = described_gpu(), meta_inputs(4096, 16, 32)
+
+    def kernels(cfg: LCEConfig | None = None, inputs=flat, device=h100) -> tuple[str, str]:
+        chosen = cuda_choice(inputs, cfg, training=False, device=device)[1]
+        return chosen.stats, chosen.logits
+
+    ws = ("warp_specialized", "warp_specialized")
+    for cfg in (LCEConfig(reduction="none", return_logprobs=True, lse_square_scale=1e-4),
+                LCEConfig(reduction="none", return_logprobs=True, return_entropy=True, temperature=0.7),
+                LCEConfig(return_token_accuracy=True, return_predicted_tokens=True), LCEConfig(label_smoothing=0.1),
+                LCEConfig(softcap=30.0), LCEConfig(class_weight=torch.ones(32)),
+                LCEConfig(class_weight=torch.ones(32), label_smoothing=0.1)):
+        assert kernels(cfg) == ws, cfg
+    assert kernels(inputs=meta_inputs(4096, 16, 32, bias=True)) == ws
+    assert kernels(inputs=meta_inputs(4096, 16, 32, dtype=torch.float32)) == ("triton", "triton")
+    assert kernels(inputs=meta_inputs(4096, 16, 36)) == ("warp_specialized", "triton")  # logits rows: 72 bytes
+    assert kernels(inputs=meta_inputs(4096, 12, 32)) == ("triton", "triton")  # operand rows: 24 bytes
+    assert kernels(device=described_gpu("NVIDIA A100-SXM4-80GB")) == ("triton", "triton")
+    assert kernels(device=gpu_description("NVIDIA H100 80GB HBM3", triton="3.4.0")) == ("triton", "triton")
 
 
 @pytest.mark.cuda

@@ -3,7 +3,7 @@
 Dispatch calls :func:`tuned_params` (one line in a backend's planner); users and tools call
 :func:`lookup` and :func:`info_lines`; backends make themselves tunable with
 :func:`register_tuning_space`; ``flce-autotune`` (:mod:`flce.autotune.cli`) fills the cache.
-See DESIGN.md, "Autotune cache", for the file format and the lookup order.
+See docs/design.md, "Autotune cache", for the file format and the lookup order.
 """
 
 from flce.autotune.devices import device_name, dtype_name

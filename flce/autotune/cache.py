@@ -1,7 +1,10 @@
 """Reading and writing cache files.
 
-Reads never fail: a missing file has no entries, and an unreadable, corrupt, truncated, empty or
-foreign-schema file is reported once (a RuntimeWarning naming the path) and contributes none.
+Reads never fail and never block: a missing file has no entries, and an unreadable, corrupt,
+truncated, empty, oversized or foreign-schema file is reported once (a RuntimeWarning naming the
+path) and contributes none. Only regular files are read, opened without blocking and read no
+further than :data:`MAX_FILE_BYTES`: a FIFO with no writer, a device or a directory at a cache path
+is reported, never waited on, and never replaced by a save.
 Writes go through :func:`update_file`: an exclusive lock on ``<file>.lock``, a fresh read, a merge,
 and an atomic rename of a temporary file, so concurrent tuners never lose each other's entries
 and a reader never sees half a file.
@@ -23,7 +26,19 @@ from typing import TypeVar
 import yaml
 
 from flce.autotune import locations
-from flce.autotune.schema import HEADER, Entry, SchemaError, ShapeKey, document_of, merge, parse_document
+from flce.autotune.files import UnreadablePathError, read_bytes, special_file
+from flce.autotune.schema import (
+    FORMER_HEADERS,
+    HEADER,
+    Entry,
+    NewerSchemaError,
+    SchemaError,
+    ShapeKey,
+    document_of,
+    is_header,
+    merge,
+    parse_document,
+)
 
 T = TypeVar("T")
 
@@ -37,8 +52,6 @@ _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 # Status of a loaded file.
 OK, ABSENT, INVALID = "ok", "absent", "invalid"
-
-
 @dataclass
 class CacheFile:
     """One file as read: its entries, indexed by shape for nearest-bucket lookups."""
@@ -46,6 +59,7 @@ class CacheFile:
     path: Path
     status: str
     problem: str | None = None  # why an INVALID file was ignored
+    newer_schema: bool = False  # INVALID because a newer flce wrote it: only such an flce may replace it
     skipped: list[str] = field(default_factory=list)  # entries left out of an OK file, and why
     entries: list[Entry] = field(default_factory=list)
     by_shape: dict[ShapeKey, list[Entry]] = field(default_factory=dict)  # each list sorted by tokens
@@ -59,9 +73,11 @@ def read_file(path: str | os.PathLike) -> CacheFile:
     """Parse a file now (no in-process caching, no warning)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bytes(path).decode("utf-8")
     except FileNotFoundError:
         return CacheFile(path, ABSENT)
+    except UnreadablePathError as exc:
+        return CacheFile(path, INVALID, problem=str(exc))
     except (OSError, UnicodeDecodeError) as exc:
         return CacheFile(path, INVALID, problem=f"cannot be read ({exc})")
     try:
@@ -73,7 +89,7 @@ def read_file(path: str | os.PathLike) -> CacheFile:
     try:
         entries, skipped = parse_document(document)
     except SchemaError as exc:
-        return CacheFile(path, INVALID, problem=str(exc))
+        return CacheFile(path, INVALID, problem=str(exc), newer_schema=isinstance(exc, NewerSchemaError))
     entries = [replace(e, source=str(path)) for e in entries]
     loaded = CacheFile(path, OK, skipped=skipped, entries=entries)
     for entry in entries:
@@ -140,27 +156,28 @@ def leading_comments(path: Path) -> list[str]:
     made a shipped file survive later updates."""
     comments = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if not line.startswith("#"):
-                    break
-                if line.rstrip("\n") != HEADER:
-                    comments.append(line.rstrip("\n"))
+        text = read_bytes(path).decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        if not is_header(line):
+            comments.append(line)
     return comments
 
 
 def is_flce_file(path: Path) -> bool:
     """True for a file flce wrote (its header survives truncation) or one that parses as a cache."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            if f.readline().rstrip("\n") == HEADER:
-                return True
+        head = read_bytes(path, limit=max(len(h.encode()) for h in (HEADER, *FORMER_HEADERS)) + 1)
+        head = head.decode("utf-8", errors="replace")
     except OSError:
         return False
+    if is_header(head.split("\n", 1)[0]):
+        return True
     loaded = read_file(path)
-    return loaded.status == OK or (loaded.problem or "").startswith("schema=")
+    return loaded.status == OK or loaded.newer_schema or (loaded.problem or "").startswith("schema=")
 
 
 # A top-level `schema:` key at the start of a line: what a cache file says it is, even when the YAML
@@ -175,20 +192,27 @@ def claims_to_be_a_cache(path: Path) -> bool:
     if is_flce_file(path):
         return True
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = read_bytes(path).decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return False
     return not text.strip() or bool(_SCHEMA_LINE.search(text))
 
 
 class NotACacheError(ValueError):
-    """A save would replace a file that is not an flce cache."""
+    """A save would replace what is not this flce's to replace: a file that is not an flce cache, a
+    directory, FIFO or device, or the cache of a newer flce (a newer schema)."""
 
 
 def _refuse_foreign(path: Path, loaded: CacheFile) -> None:
     # Only an existing file can be someone else's: a path that cannot exist (under a regular file)
-    # is an unwritable location, reported as such by the write.
-    if loaded.status == INVALID and path.is_file() and not claims_to_be_a_cache(path):
+    # is an unwritable location, reported as such by the write. A directory, a FIFO or a device is never
+    # a cache, whatever it holds.
+    if loaded.newer_schema:
+        raise NotACacheError(
+            f"{path} {loaded.problem}: refusing to replace it: tune with that flce, or pass another --cache path "
+            "(or FLCE_AUTOTUNE_CACHE)"
+        )
+    if loaded.status == INVALID and (special_file(path) or (path.is_file() and not claims_to_be_a_cache(path))):
         raise NotACacheError(
             f"{path} is not an flce autotune cache ({loaded.problem}); refusing to replace it: pass "
             "another --cache path (or FLCE_AUTOTUNE_CACHE), or move the file away yourself"
@@ -197,7 +221,9 @@ def _refuse_foreign(path: Path, loaded: CacheFile) -> None:
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``<path>.lock`` (created with its folder when missing)."""
+    """Hold an exclusive lock on ``<path>.lock`` (created with its folder when missing), and remove the
+    lock file before releasing it: no ``.lock`` stays beside the cache. A process that was waiting on
+    the removed file sees that it is no longer the live one and locks a fresh one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lock_path = path.with_name(path.name + ".lock")
     while True:
@@ -219,6 +245,8 @@ def locked(path: Path) -> Iterator[None]:
     try:
         yield
     finally:
+        with contextlib.suppress(OSError):  # Windows cannot remove an open file: it stays there
+            os.unlink(lock_path)
         os.close(fd)  # closing releases the flock
 
 

@@ -123,7 +123,7 @@ def _tune(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         raise _UsageError(str(exc)) from None
     print(f"flce-autotune: tuning backend {tuner.space.backend!r} on {device_name(device)!r} ({device}); "
-          f"{len(tuner.shapes())} shape(s); writing to {target}", file=sys.stderr)
+          f"{_shapes_text(request)}; writing to {target}", file=sys.stderr)
     interrupted, save_error = False, None
     try:
         tuner.run()
@@ -149,6 +149,14 @@ def _tune(args: argparse.Namespace) -> int:
         print("flce-autotune: interrupted; entries finished before the interruption were saved", file=sys.stderr)
         return 130
     return 0 if results and done == len(results) else 1
+
+
+def _shapes_text(request) -> str:
+    """'1 shape, plain and full variants': each (dtype, H, V, tokens) is tuned once per variant."""
+    shapes = len(request.dtypes) * len(request.hiddens) * len(request.vocabs) * len(request.tokens)
+    variants = request.variants
+    names = variants[0] if len(variants) == 1 else ", ".join(variants[:-1]) + f" and {variants[-1]}"
+    return f"{shapes} shape{'' if shapes == 1 else 's'}, {names} variant{'' if len(variants) == 1 else 's'}"
 
 
 def summary_table(results: list) -> str:

@@ -25,6 +25,7 @@ Params = dict[str, Scalar]
 # Memoised answers of tuned_params; cleared when it grows past this (shapes vary little in training).
 _MEMO_LIMIT = 4096
 _memo: dict[tuple, tuple[tuple[tuple[str, Scalar], ...] | None, int | None]] = {}
+_named_memo: dict[tuple, TunedEntry] = {}
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def lookup(
 
     ``device`` is a torch device ("cuda", "cuda:1", a torch.device) or a device name as the cache
     files store it ("NVIDIA H100 80GB HBM3", "cpu:<model>"); backend and variant None match any.
-    Sources are searched in DESIGN.md's order, ``cache`` first.
+    Sources are searched in docs/design.md's order, ``cache`` first.
     """
     for name, value in (("hidden", hidden), ("vocab", vocab), ("tokens", tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -146,6 +147,51 @@ _memoised_lookup._dynamo_marked_constant = True  # type: ignore[attr-defined]
 _constant_lookup = _memoised_lookup
 
 
+@dataclass(frozen=True)
+class TunedEntry:
+    """What the cache holds for one call's shape: the knobs, the logits-save limit (either None where it
+    holds nothing) and where they came from, for the record of the call's choice."""
+
+    params: Params | None
+    logits_save_limit_bytes: int | None
+    source: str
+
+    @property
+    def key(self) -> tuple:
+        """The entry, hashable (a planner's memo key)."""
+        params = None if self.params is None else tuple(sorted(self.params.items()))
+        return params, self.logits_save_limit_bytes, self.source
+
+
+def tuned_entry(device: str, backend: str, variant: str, dtype: torch.dtype | str, hidden: int, vocab: int,
+                tokens: int) -> TunedEntry:
+    """:func:`tuned_params` for a device named as the cache names it (``device_name``), with the entry's
+    file and token bucket: what a planner reads, and what ``python -m flce explain`` reads for a GPU it
+    only knows by name."""
+    if _overrides:
+        override = _overrides[-1]
+        if override.backend in (None, backend):
+            return TunedEntry(_as_dict(override.params), override.logits_save_limit_bytes, "override_params")
+    key = ("named", device, backend, variant, dtype_name(dtype), hidden, vocab, tokens,
+           os.environ.get(locations.CACHE_ENV), os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"),
+           locations.DEFAULTS_DIR, cache_files.generation)
+    answer = _named_memo.get(key)
+    if answer is None:
+        entry = _find(locations.lookup_sources(), device, dtype_name(dtype), hidden, vocab, tokens, backend, variant)
+        if entry is None:
+            answer = TunedEntry(None, None, f"none for {device} {backend} {variant} {dtype_name(dtype)} "
+                                            f"H {hidden} V {vocab}")
+        else:
+            answer = TunedEntry(dict(entry.params), entry.logits_save_limit_bytes,
+                                f"{entry.source or 'a cache file'}: {entry.device} {entry.variant} "
+                                f"{entry.dtype} H {entry.hidden} V {entry.vocab}, tokens bucket {entry.tokens}")
+        if len(_named_memo) >= _MEMO_LIMIT:
+            _named_memo.clear()
+        _named_memo[key] = answer
+    return TunedEntry(None if answer.params is None else dict(answer.params), answer.logits_save_limit_bytes,
+                      answer.source)
+
+
 def _as_dict(items: tuple[tuple[str, Scalar], ...] | None) -> Params | None:
     return None if items is None else dict(items)
 
@@ -177,3 +223,4 @@ def reload() -> None:
     """Forget every parsed file and memoised answer: the next lookup reads the files again."""
     cache_files.forget()
     _memo.clear()
+    _named_memo.clear()

@@ -1,5 +1,6 @@
-"""Progress reporting for ``flce-autotune tune``: a tqdm bar when tqdm is installed, plain lines
-otherwise (tqdm is optional; nothing else in flce needs it)."""
+"""Progress reporting for ``flce-autotune tune``: a tqdm bar on a terminal when tqdm is installed,
+plain lines otherwise (in a pipe or a log file a bar's carriage returns would make one long line;
+tqdm is optional, nothing else in flce needs it)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ class Progress:
     def __init__(self, enabled: bool = True, stream: TextIO | None = None, use_tqdm: bool | None = None):
         self.enabled = enabled
         self.stream = stream or sys.stderr
-        self.use_tqdm = _tqdm_available() if use_tqdm is None else use_tqdm
+        self.use_tqdm = (_tqdm_available() and _is_terminal(self.stream)) if use_tqdm is None else use_tqdm
         self._bar = None
         self._done = 0
         self._total = 0
@@ -58,3 +59,11 @@ def _tqdm_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        return False

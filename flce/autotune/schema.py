@@ -15,7 +15,15 @@ from typing import Any
 SCHEMA_VERSION = 1
 VARIANT_NAMES = ("plain", "full")
 # Marks a file as flce's own: `clear` deletes nothing else, even when the YAML is truncated.
-HEADER = "# flce autotune cache (flce-autotune writes this file; see DESIGN.md, 'Autotune cache')"
+HEADER = "# flce autotune cache (flce-autotune writes this file; format: flce's docs/design.md, 'Autotune cache')"
+# Headers that files already on users' disks may carry (it named a design document flce does not ship):
+# still flce's own, and replaced by HEADER when such a file is saved again.
+FORMER_HEADERS = ("# flce autotune cache (flce-autotune writes this file; see DESIGN.md, 'Autotune cache')",)
+
+
+def is_header(line: str) -> bool:
+    """True for a line (with or without its newline) that marks a file as flce's cache."""
+    return line.rstrip("\n") in (HEADER, *FORMER_HEADERS)
 
 Scalar = int | float | str | bool | None
 # (device, backend, variant, dtype, hidden, vocab): entries sharing it differ only in token bucket.
@@ -33,6 +41,11 @@ POSITIVE_INT_KNOBS = frozenset({
 
 class SchemaError(ValueError):
     """A file or entry that does not follow the schema; the message says where and what."""
+
+
+class NewerSchemaError(SchemaError):
+    """A file of a newer schema than this flce reads: a newer flce wrote it, and only such an flce may
+    change it (a save here would drop what this flce cannot read)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,12 @@ def parse_document(document: Any) -> tuple[list[Entry], list[str]]:
     if "schema" not in document:
         raise SchemaError("no 'schema' key: not an flce autotune cache")
     schema = document["schema"]
-    if schema != SCHEMA_VERSION or isinstance(schema, bool):
+    if isinstance(schema, (int, float)) and not isinstance(schema, bool) and schema > SCHEMA_VERSION:
+        writer = _writer_version(document.get("entries"))
+        reader = f"flce {writer}, which reads it" if writer else f"one that reads schema {schema}"
+        raise NewerSchemaError(f"is of schema {schema}, written by a newer flce ({reader}); this flce reads "
+                               f"schema {SCHEMA_VERSION}")
+    if schema != SCHEMA_VERSION or isinstance(schema, bool):  # 1.0 is 1
         raise SchemaError(f"schema={schema!r}: this flce reads schema {SCHEMA_VERSION}")
     raw_entries = document.get("entries")
     if raw_entries is None:
@@ -95,6 +113,16 @@ def parse_document(document: Any) -> tuple[list[Entry], list[str]]:
         except SchemaError as exc:
             problems.append(f"entry {position}: {exc}")
     return entries, problems
+
+
+def _writer_version(raw_entries: Any) -> str | None:
+    """The flce version an entry says wrote it (``measured.flce``), if any says so."""
+    for raw in raw_entries if isinstance(raw_entries, list) else []:
+        measured = raw.get("measured") if isinstance(raw, Mapping) else None
+        version = measured.get("flce") if isinstance(measured, Mapping) else None
+        if isinstance(version, (str, int, float)) and not isinstance(version, bool):
+            return str(version)
+    return None
 
 
 def entry_from_dict(raw: Any, source: str | None = None) -> Entry:

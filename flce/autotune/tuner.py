@@ -56,9 +56,9 @@ from flce.autotune.spaces import TuneShape, TuningSpace, tunable_backends, tunin
 from flce.autotune.workload import (
     MAX_REPEAT_SPREAD,
     MEASURE_ATTEMPTS,
+    Floors,
     Workload,
     WorkloadInputs,
-    floor_ms,
     make_inputs,
     release_memory,
     time_call,
@@ -105,7 +105,7 @@ class Tuner:
         self._versions = versions()
         self._device_name = device_name(request.device)
         self.results: list[ShapeResult] = []  # filled as shapes finish, also when run() is interrupted
-        self._floor: float | None = None  # the current shape's floor, which _checked_time compares against
+        self.floors = Floors(self.warmup, self.repeats)
 
     def shapes(self) -> list[TuneShape]:
         r = self.request
@@ -145,8 +145,7 @@ class Tuner:
         inputs = make_inputs(shape, self.request.seed)
 
         self.progress.step(f"{label}: floor")
-        result.floor_ms = floor_ms(shape, inputs, self.warmup, self.repeats)
-        self._floor = result.floor_ms
+        result.floor_ms = self.floors.of(shape, inputs)
 
         self.progress.step(f"{label}: heuristic")
         after_heuristic = len(candidates) + (2 if self.space.tunes_logits_save_limit else 0)
@@ -197,6 +196,7 @@ class Tuner:
             limit, save_ms, recompute_ms = self._logits_save_limit(shape, inputs, best_params, best, budget, label,
                                                                    result)
         overlay, inference_ms = self._inference_overlay(shape, inputs, best_params, label, result)
+        result.floor_ms = self.floors.of(shape, inputs)  # lower where a time below half of it re-measured it
         measured: dict[str, Scalar] = {
             "ms": round4(best.ms), "heuristic_ms": round4(baseline.ms), "floor_ms": round4(result.floor_ms),
             "speedup": round4(baseline.ms / best.ms), "peak_mib": round4(result.peak_mib),
@@ -304,7 +304,7 @@ class Tuner:
         stored = [(params_text(o), ms) for o, ms in timed]
         if best_overlay is first:
             return dict(first), stored
-        # One round once picked a path 5% slower on the same GPU (docs/benchmarks.md): it must win again.
+        # One round once picked a path 5% slower on the same GPU (docs/design-notes.md): it must win again.
         first_again = self._forward_only_ms(shape, inputs, params, first, result)
         best_again = self._forward_only_ms(shape, inputs, params, best_overlay, result)
         if first_again is None or best_again is None:
@@ -373,13 +373,13 @@ class Tuner:
         attempt is plausible."""
         plausible: list[tuple[float, float, int | None]] = []
         problem = ""
-        floor = self._floor
+        floor = self.floors.of(shape, inputs)
         for _ in range(MEASURE_ATTEMPTS):
             ms, peak, spread = time_call(workload, shape.device, self.warmup, self.repeats, reset=inputs.clear_grads)
             if floor and ms < MIN_FLOOR_RATIO * floor:
                 # Either time may be the wrong one; noise only ever adds time, so the floor is
                 # measured again too and the smaller floor kept.
-                floor = self._floor = min(floor, floor_ms(shape, inputs, self.warmup, self.repeats) or floor)
+                floor = self.floors.measure_again(shape, inputs)
             if floor and ms < MIN_FLOOR_RATIO * floor:
                 problem = f"{ms:.4g} ms is {ms / floor:.2f}x the floor of {floor:.4g} ms (at least {MIN_FLOOR_RATIO}x)"
                 continue

@@ -7,27 +7,31 @@ flce's kernels take plain tensors. A training framework may hand over something 
   the mesh's process group; the weight's gradient comes back as a DTensor with the same placements;
 * a **replicated DTensor**: its local tensor is the whole weight;
 * an **FSDP2-sharded parameter** (``fully_shard``) used outside its module's forward, where FSDP2
-  has not gathered it: it is all-gathered for the call, and its gradient is reduce-scattered back
-  to the parameter's placement with FSDP2's default reduction (the mean over the data-parallel
-  ranks), so the parameter's ``.grad`` is what FSDP2 itself would have produced;
+  has not gathered it, FSDP2 alone or over a tensor-parallel weight (a 2-D ``(dp, tp)`` mesh): it is
+  all-gathered over the data-parallel dimensions in its unit's mixed-precision parameter dtype, and
+  its gradient is reduce-scattered back to the parameter's placement as FSDP2 does it (reduce dtype,
+  mean over the data-parallel ranks), so the parameter's ``.grad`` is what FSDP2 itself would have
+  produced (:mod:`flce.distributed.fsdp2`); a tensor-parallel ``Shard(0)`` left after that gather
+  goes to the vocab-parallel path with that mesh dimension's group;
 * a **partitioned parameter that is not a DTensor** (DeepSpeed ZeRO-3 outside the owner's forward,
   an FSDP1 flat parameter or a sharded view of one): refused before any compute, saying how to
   call flce instead.
 
-``hidden`` may be a DTensor on the weight's mesh: replicated, or sharded over tokens (sequence
-parallelism), which is all-gathered; its gradient comes back in its own placement (flce's
+``hidden`` may be a DTensor on the weight's (tensor-parallel) mesh: replicated, or sharded over
+tokens (sequence parallelism), which is all-gathered; its gradient comes back in its own placement (flce's
 ``grad_hidden`` is already complete on every rank, so the backward only keeps this rank's part).
 """
 
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from flce.config import LCEConfig
+from flce.distributed.fsdp2 import Fsdp2Layout, fsdp2_layout, gather_over_data_parallel
 
 # (hidden, weight, target, bias, config) of one call.
 CallInputs = tuple[Any, Any, Any, Any, LCEConfig]
@@ -62,8 +66,9 @@ def localize_inputs(hidden: Any, weight: Any, target: Any, bias: Any, cfg: LCECo
             f"process_group={cfg.process_group!r}: weight is a DTensor (placements {_placements(weight)}), whose "
             "device mesh already names the group; pass process_group=None"
         )
-    if is_fsdp2_sharded(weight):
-        return _fsdp2_call(hidden, weight, target, bias, cfg)
+    layout = fsdp2_layout(weight)
+    if layout is not None:
+        return _fsdp2_call(hidden, weight, target, bias, cfg, layout)
     return _tensor_parallel_call(hidden, weight, target, bias, cfg)
 
 
@@ -99,64 +104,46 @@ def check_not_partitioned(name: str, tensor: Any, expected_dim: int) -> None:
 
 # --------------------------------------------------------------------------- FSDP2
 
-# id(weight) -> (a weak reference to it, whether an FSDP2 module manages it). Keyed by id with a
-# callback that drops the entry: a WeakKeyDictionary would compare tensors with ==, elementwise.
-_fsdp2_answers: dict[int, tuple[weakref.ref, bool]] = {}
+def _fsdp2_call(hidden: Any, weight: Any, target: Any, bias: Any, cfg: LCEConfig, layout: Fsdp2Layout) -> CallInputs:
+    """Gather over the data-parallel mesh dimensions (flce.distributed.fsdp2); what remains is the
+    whole weight, or (FSDP2 x TP) this rank's vocabulary shard of the tensor-parallel dimension."""
+    mesh = weight.device_mesh
+    model_parallel = [d for d in range(mesh.ndim) if d not in layout.data_parallel_dims]
+    sharded = [d for d in model_parallel if not weight.placements[d].is_replicate()]
+    if len(sharded) > 1 or (sharded and not weight.placements[sharded[0]].is_shard(0)):
+        raise ValueError(
+            f"weight: an FSDP2 parameter with placements {_placements(weight)} on a {mesh.ndim}-D mesh; expected "
+            "FSDP2 over a tensor-parallel weight that is Shard(0) (vocabulary-parallel) or Replicate() on one "
+            "mesh dimension"
+        )
+    group = mesh.get_group(sharded[0]) if sharded else None
+    if bias is not None:
+        bias_layout = fsdp2_layout(bias) if _is_dtensor(bias) else None
+        if bias_layout is not None:
+            bias = gather_over_data_parallel(bias, bias_layout)
+        elif group is not None:
+            raise ValueError(
+                f"bias: not an FSDP2 parameter; expected the bias of the weight's fully_shard unit, sharded like "
+                f"the weight ({_placements(weight)})"
+            )
+    weight = gather_over_data_parallel(weight, layout)
+    if group is None:
+        if _is_dtensor(hidden):
+            raise TypeError(
+                f"hidden is a DTensor (placements {_placements(hidden)}) but weight is an FSDP2-sharded parameter "
+                "without tensor parallelism; expected hidden as a plain tensor of this rank's tokens"
+            )
+        return hidden, weight, _plain_target(target), bias, cfg
+    # FSDP2 x TP: the tensor-parallel ranks hold the same tokens; a sequence-sharded hidden lives on
+    # the tensor-parallel sub-mesh.
+    return (_replicated_hidden(hidden, group), weight, _plain_target(target), bias,
+            cfg.replace(process_group=group))
 
 
-def is_fsdp2_sharded(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is a parameter of a ``fully_shard`` module (FSDP2).
-
-    A vocab-sharded weight and an FSDP2-sharded one are both DTensors sharded on dim 0; they
-    differ in what the other ranks hold (the same tokens, or other tokens), which only FSDP2's own
-    bookkeeping tells: the modules it manages are found through torch's registry of composable
-    states, and their parameters compared by identity.
-    """
-    key = id(weight)
-    known = _fsdp2_answers.get(key)
-    if known is not None and known[0]() is weight:
-        return known[1]
-    answer = any(weight is p for module in _fsdp2_modules() for p in module.parameters())
-    _fsdp2_answers[key] = (weakref.ref(weight, lambda _, key=key: _fsdp2_answers.pop(key, None)), answer)
-    return answer
-
-
-def _fsdp2_modules() -> list[torch.nn.Module]:
-    from torch.distributed._composable_state import _module_state_mapping
-    from torch.distributed.fsdp import FSDPModule
-
-    return [module for module in list(_module_state_mapping.keys()) if isinstance(module, FSDPModule)]
-
-
-def _fsdp2_call(hidden: Any, weight: Any, target: Any, bias: Any, cfg: LCEConfig) -> CallInputs:
+def _is_dtensor(tensor: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
-    if isinstance(hidden, DTensor):
-        raise TypeError(
-            f"hidden is a DTensor (placements {_placements(hidden)}) but weight is an FSDP2-sharded parameter; "
-            "expected hidden as a plain tensor of this rank's tokens"
-        )
-    return hidden, _fsdp2_unshard("weight", weight), _plain_target(target), _fsdp2_unshard("bias", bias), cfg
-
-
-def _fsdp2_unshard(name: str, param: Any) -> Any:
-    """All-gather an FSDP2 parameter; its gradient goes back reduce-scattered, averaged over the ranks.
-
-    The mean is FSDP2's default gradient reduction: each rank's gradient is of its own tokens'
-    loss, and the parameter's ``.grad`` then equals what FSDP2's post-backward would have stored.
-    """
-    from torch.distributed.tensor import DTensor, Partial
-
-    if not isinstance(param, DTensor):
-        return param
-    shards = [p for p in param.placements if not p.is_replicate()]
-    if len(shards) != 1 or not shards[0].is_shard():
-        raise NotImplementedError(
-            f"{name}: an FSDP2 parameter with placements {_placements(param)} on a {param.device_mesh.ndim}-D mesh "
-            "(FSDP2 combined with tensor parallelism); call flce inside the forward of the fully_shard module "
-            "that owns it, where FSDP2 gathers it over the data-parallel mesh"
-        )
-    return param.full_tensor(grad_placements=[Partial("avg")] * param.device_mesh.ndim)
+    return isinstance(tensor, DTensor)
 
 
 # --------------------------------------------------------------------------- tensor parallelism
@@ -176,23 +163,27 @@ def _tensor_parallel_call(hidden: Any, weight: Any, target: Any, bias: Any, cfg:
             got = f"placements {_placements(bias)}" if isinstance(bias, DTensor) else "a plain tensor"
             raise ValueError(f"bias: {got}; expected a DTensor on the weight's mesh with placements ({placement},)")
         bias = bias.to_local()
-    hidden = _replicated_hidden(hidden, mesh)
     group = mesh.get_group() if placement.is_shard() else None
+    hidden = _replicated_hidden(hidden, mesh.get_group())
     if group is not None:
         cfg = cfg.replace(process_group=group)
     # to_local's backward wraps the local gradient in the weight's own placements.
     return hidden, weight.to_local(), _plain_target(target), bias, cfg
 
 
-def _replicated_hidden(hidden: Any, mesh: Any) -> Any:
-    """Every rank's full hidden states; a token-sharded DTensor (sequence parallelism) is all-gathered."""
-    from torch.distributed.tensor import DTensor, Replicate
+def _replicated_hidden(hidden: Any, group: Any) -> Any:
+    """Every rank's full hidden states; a token-sharded DTensor (sequence parallelism) is all-gathered.
+    A DTensor hidden must live on the mesh (or sub-mesh) of ``group``, the weight's tensor-parallel ranks."""
+    from torch.distributed.tensor import Replicate
 
-    if not isinstance(hidden, DTensor):
+    if not _is_dtensor(hidden):
         return hidden
-    if hidden.device_mesh != mesh:
+    mesh = hidden.device_mesh
+    expected = dist.get_process_group_ranks(group)
+    if mesh.ndim != 1 or mesh.mesh.flatten().tolist() != expected:
         raise ValueError(
-            f"hidden: a DTensor on mesh {hidden.device_mesh} but weight is on mesh {mesh}; expected one mesh"
+            f"hidden: a DTensor on mesh {mesh} but the weight's tensor-parallel ranks are {expected}; expected "
+            "hidden on the weight's (tensor-parallel) mesh"
         )
     placement = hidden.placements[0]
     token_dims = hidden.dim() - 1

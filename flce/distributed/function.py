@@ -68,7 +68,7 @@ def sharded_call(flat: FlatInputs, cfg: LCEConfig, backend: Backend, training: b
     own = planned_call(backend, flat, cfg, "full", request)
     plan = _agreed_plan(backend, own.plan, flat, cfg, shard, request)
     # The shard-local scan is the "full" variant's: only it produces combinable statistics.
-    return replace(own, plan=plan, plain=False, sharding=Sharding(
+    return replace(own.with_plan(plan), plain=False, sharding=Sharding(
         vocab_offset=shard.offset,
         global_vocab=shard.global_vocab,
         combine=functools.partial(collectives.combine_row_stats, group=group),

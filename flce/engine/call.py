@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from flce.config import LCEConfig
+from flce.engine.choice import CallChoice
 from flce.engine.plans import Plan
 from flce.semantics import Denominators, PartialRowStats, RowStats
 
@@ -30,7 +31,8 @@ class Sharding:
 @dataclass(frozen=True)
 class EngineCall:
     """Everything about a call that is not a tensor autograd must track. ``kernels`` implement
-    flce.engine.kernels.RowKernels and the capabilities the plan requires."""
+    flce.engine.kernels.RowKernels and the capabilities the plan requires; ``choice`` is the planner's
+    record of the decision (flce.engine.choice: the plan, its memory, each step's kernel and why)."""
 
     kernels: object
     cfg: LCEConfig
@@ -38,6 +40,11 @@ class EngineCall:
     plain: bool
     token_shape: torch.Size
     sharding: Sharding | None = None
+    choice: CallChoice | None = None
+
+    def with_plan(self, plan: Plan) -> EngineCall:
+        """The call with ``plan`` instead of the planner's (an engine path's adjustment), in its record too."""
+        return replace(self, plan=plan, choice=None if self.choice is None else self.choice.with_plan(plan))
 
     @property
     def vocab_offset(self) -> int:

@@ -106,7 +106,7 @@ def _chunked_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target
         _check_target_range(target, weight.shape[0], cfg.ignore_index, sharded=False)
     wanted = _wanted(kw, bias)
     call = _engine_call(kw["backend"], flat, cfg, kw["variant"], kw["group_name"], wanted)
-    call = EngineCall(call.kernels, call.cfg, recomputing(call.plan), call.plain, call.token_shape, call.sharding)
+    call = call.with_plan(recomputing(call.plan))
     in_forward = wanted.any and grads_in_forward_allowed(call.cfg)
     state = run_forward(call, flat, grads_in_forward=wanted if in_forward else None, backward_follows=wanted.any)
 
@@ -172,7 +172,7 @@ def _chunked_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targe
     flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
     wanted = _wanted(kw, bias)
     call = _engine_call(kw["backend"], flat, cfg, kw["variant"], kw["group_name"], wanted)
-    call = EngineCall(call.kernels, call.cfg, recomputing(call.plan), call.plain, call.token_shape, call.sharding)
+    call = call.with_plan(recomputing(call.plan))
     with_mean_z = not call.plain and needs_sum_exp_dz(call.cfg)
     empty = hidden.new_empty(0)
     state = ForwardState(loss=empty, z_loss=empty, extras={},
@@ -214,7 +214,11 @@ def _forward_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
     ctx.wanted = wanted
     ctx.in_forward = wanted.any and grads_in_forward_allowed(config_from_primitives(kw))
     if ctx.in_forward:
-        ctx.save_for_backward(*output[_GRADS])
+        # Called eagerly (not traced), the op also keeps its inputs: a create_graph backward hangs its
+        # first-order guard on them (see _forward_backward). Traced, AOTAutograd owns double backward and
+        # the inputs would only hold memory.
+        anchors = () if torch.compiler.is_compiling() else (hidden, weight, bias)
+        ctx.save_for_backward(*output[_GRADS], *anchors)
     elif wanted.any:
         ctx.save_for_backward(hidden, weight, bias, target, class_weight, *output[_STATS])
     z_loss, acc, pred = output[1:4]
@@ -227,7 +231,9 @@ def _forward_backward(ctx, grad_loss, _z, _acc, _pred, grad_logprobs, grad_entro
     if create_graph:
         with torch.no_grad():
             grads = _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
-        return (*first_order_only(grads[:3], create_graph=True), None, None)
+        saved_inputs = ctx.saved_tensors[3:6] if ctx.in_forward else ctx.saved_tensors[:3]
+        anchors = tuple(t for t in saved_inputs if t is not None and t.requires_grad)
+        return (*first_order_only(grads[:3], create_graph=True, anchors=anchors), None, None)
     return _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
 
 
@@ -241,7 +247,7 @@ def _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy):
         # would clone them before it (module docstring). Inductor donates them to the backward
         # graph and writes the product over their buffers, in one pass that multiplies in the
         # scale's fp32 (grad_output is not rounded to bf16 first).
-        saved = ctx.saved_tensors
+        saved = ctx.saved_tensors[:3]  # the gradients forward computed (then, eagerly, the inputs)
         if grad_loss is None:
             grad_loss = torch.zeros((), device=saved[0].device)
         scale = grad_loss.reshape(())

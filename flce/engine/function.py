@@ -32,6 +32,7 @@ class _Handoff:
 
     state: ForwardState
     in_forward: bool
+    anchors: tuple[Tensor, ...]
 
 
 class LCEFunction(torch.autograd.Function):
@@ -53,7 +54,7 @@ class LCEFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         hidden, weight, bias, target, call, wanted, handoff = inputs
         ctx.state, ctx.in_forward = handoff.state.for_backward(), handoff.in_forward
-        ctx.call, ctx.wanted = call, wanted
+        ctx.call, ctx.wanted, ctx.anchors = call, wanted, handoff.anchors
         if not ctx.in_forward and wanted.any:
             ctx.save_for_backward(hidden, weight, bias, target)
         ctx.mark_non_differentiable(output[1], output[2], output[3], output[6])
@@ -63,7 +64,7 @@ class LCEFunction(torch.autograd.Function):
         create_graph = torch.is_grad_enabled()
         with torch.no_grad():
             grads = _gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
-        return (*first_order_only(grads, create_graph), None, None, None, None)
+        return (*first_order_only(grads, create_graph, ctx.anchors), None, None, None, None)
 
 
 def graph_retained() -> bool:
@@ -122,7 +123,7 @@ class _FirstOrderOnly(torch.autograd.Function):
     generate_vmap_rule = True  # a batched gradient passes through too
 
     @staticmethod
-    def forward(grad, _anchor):
+    def forward(grad, *_anchors):
         return grad.view_as(grad)
 
     @staticmethod
@@ -138,14 +139,26 @@ class _FirstOrderOnly(torch.autograd.Function):
         )
 
 
-def first_order_only(grads: tuple[Tensor | None, ...], create_graph: bool) -> tuple[Tensor | None, ...]:
+def first_order_only(grads: tuple[Tensor | None, ...], create_graph: bool,
+                     anchors: tuple[Tensor, ...] = ()) -> tuple[Tensor | None, ...]:
     """Under create_graph=True, each gradient as a tensor whose own backward raises; else unchanged.
-    The anchor is a leaf that requires grad, so the wrapped gradients require grad even though
-    nothing in flce's backward builds a graph."""
+    The gradients hang on ``anchors`` (:func:`first_order_anchors`), so that differentiating one with
+    respect to an input reaches that backward; with none, on a fresh leaf, so that they still require grad
+    although nothing in flce's backward builds a graph."""
     if not create_graph:
         return grads
-    anchor = torch.zeros((), requires_grad=True)
-    return tuple(None if g is None else _FirstOrderOnly.apply(g, anchor) for g in grads)
+    anchors = anchors or (torch.zeros((), requires_grad=True),)
+    return tuple(None if g is None else _FirstOrderOnly.apply(g, *anchors) for g in grads)
+
+
+def first_order_anchors(tensors: tuple[Tensor | None, ...]) -> tuple[Tensor, ...]:
+    """For each input that requires grad, an empty tensor whose autograd history leads to it and holds none
+    of its memory (a narrow to no elements, copied: the nodes keep sizes only). Without a path from a
+    gradient back to the inputs, autograd finds nothing to differentiate: hessian, hvp and
+    torch.autograd.grad(..., allow_unused=True) returned zeros or None without reaching _FirstOrderOnly.
+    Inputs wrapped by a torch.func transform get none: check_first_order refuses nested transforms."""
+    return tuple(t.narrow(-1, 0, 0).clone() for t in tensors
+                 if t is not None and t.requires_grad and not is_transformed(t))
 
 
 def needs_autograd(flat: FlatInputs) -> bool:
@@ -162,8 +175,10 @@ def apply_eager(flat: FlatInputs, call: EngineCall) -> Tensor | LCEOutput:
         bias = flat.bias
         wanted = GradTargets(hidden=flat.hidden.requires_grad, weight=flat.weight.requires_grad,
                              bias=bias is not None and bias.requires_grad)
+        handoff = _Handoff()
+        handoff.anchors = first_order_anchors((flat.hidden, flat.weight, bias))
         *outputs, logit_stats = LCEFunction.apply(flat.hidden, flat.weight, bias, flat.target, call, wanted,
-                                                  _Handoff())
+                                                  handoff)
     else:
         # Inference (no_grad, evaluation, RL log-probs): the statistics alone, nothing kept.
         state = run_forward(call, flat, grads_in_forward=None, backward_follows=False)

@@ -99,7 +99,7 @@ class KeptExponentials(Protocol):
     """Capability KEPT_EXPONENTIALS (the plain variant: no option changes the gradient's formula)."""
 
     def gemm_exp_grad(
-        self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
+        self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, cfg: LCEConfig,
         grad_scale: torch.Tensor, exp_out: torch.Tensor,
     ) -> tuple[RowStats, torch.Tensor]:
         """(row statistics, row_scale [n] fp32) of the logits hidden @ weight.T, with ``exp_out`` [n, V] (the

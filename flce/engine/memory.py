@@ -52,3 +52,22 @@ def saved_logits_rows(n_rows: int, tokens_per_chunk: int, logits_row_bytes: int,
         return n_rows
     chunks = (save_limit - tokens_per_chunk * working_row_bytes) // max(1, tokens_per_chunk * logits_row_bytes)
     return max(0, min(chunks * tokens_per_chunk, n_rows))
+
+
+def positive_int(value: object) -> int | None:
+    """A cached knob that counts something, where it is one: files outlive the versions that wrote them."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def tuned_chunk_rows(n_rows: int, row_bytes: int, tuned_rows: object, memory_budget: int | None,
+                     default_budget: int) -> int:
+    """Rows per token chunk of a planner without a heuristic of its own beyond the budget: the autotune
+    cache's ``tokens_per_chunk`` where it holds a usable one, still bounded by an explicit memory_budget;
+    else as many rows of ``row_bytes`` as the budget (memory_budget, or ``default_budget``) holds. At least
+    one row, at most all of them."""
+    tuned = positive_int(tuned_rows)
+    if tuned is not None:
+        rows = tuned if memory_budget is None else min(tuned, memory_budget // max(1, row_bytes))
+    else:
+        rows = (memory_budget if memory_budget is not None else default_budget) // max(1, row_bytes)
+    return max(1, min(n_rows, rows))

@@ -172,6 +172,7 @@ def concat_terms(chunks: list[RowTerms], target: torch.Tensor) -> RowTerms:
         torch.cat([c.cross_entropy for c in chunks]),
         torch.cat([c.z_loss for c in chunks]),
         torch.cat([c.valid for c in chunks]),
+        None if chunks[0].smoothing is None else torch.cat([c.smoothing for c in chunks]),
     )
 
 

@@ -88,8 +88,7 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
             # The statistics GEMM keeps exponentials whose row scaling is the gradient: no row kernel
             # passes over them, and the gradient GEMMs scale rows instead.
             grad_scale = upstream_scales(cfg, denoms, one, rows, n)[0]
-            stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg.ignore_index,
-                                                     grad_scale, out)
+            stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg, grad_scale, out)
             terms_per_chunk.append(row_terms(stats, t, cfg, vocab))
             acc.add_row_scaled(out, row_scale, rows)
             stats_per_chunk.append(stats)

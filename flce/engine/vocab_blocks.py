@@ -87,7 +87,7 @@ def block_gradients(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, stats
             grad = kernels.full_grad_(logits, target, cfg, start, stats.lse, coeffs)
         if grad_bias is not None:
             # Through the backend: PyTorch's own column sum of a bf16 block into fp32 held ~130 MiB
-            # more than a 64 MiB budget's block (H100, docs/benchmarks.md).
+            # more than a 64 MiB budget's block (H100, docs/design-notes.md).
             sums = torch.zeros(grad.shape[1], dtype=statistics_dtype(grad.dtype), device=grad.device)
             kernels.add_column_sums_(sums, grad)
             grad_bias[cols] = sums

@@ -12,6 +12,13 @@ tensor-parallel size works; with sequence parallelism the hidden states are gath
 sequence first (forward all-gather; backward keeps this rank's slice of the already complete grad).
 Calls without labels (inference, logits wanted) run Megatron's own code unchanged.
 
+For RL (per-token log-probs and entropy of the sampled tokens, with a temperature), megatron-core's
+``output_processor`` hook (0.19) takes :func:`output_processor`, no patch needed:
+
+    process = flce_megatron.output_processor(temperature=0.7, return_logprobs=True, return_entropy=True)
+    out = model(input_ids, position_ids, attention_mask, labels=labels, output_processor=process)
+    out.logprobs, out.entropy     # [b, s] each, differentiable, as Megatron-LM's RL path computes them
+
 Checked at patch time, failing loudly: the model is a megatron-core GPTModel with a
 ``_postprocess(hidden_states=..., labels=...)`` step (megatron-core 0.13 and later), no
 multi-token prediction, no deferred embedding wgrad, and a head whose input-grad all-reduce is
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,15 +64,16 @@ def apply(model: torch.nn.Module, *, backend: str | None = None, variant: str = 
                          "tensor-parallel group); remove them")
     LCEConfig(reduction="none", **options)  # validate the option values now, not at the first step
     original = _check_supported(gpt)
-    head = _FlceHead(gpt, backend, variant, options)
+    head = _FlceHead(gpt.output_layer, backend, variant, dict(options, reduction="none"))
 
     def postprocess(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         bound = original.signature.bind(self, *args, **kwargs)
         call = bound.arguments
         inference = call.get("inference_context") is not None and not self.training
-        if call.get("labels") is None or call.get("mtp_in_postprocess") or inference:
+        if (call.get("labels") is None or call.get("mtp_in_postprocess") or inference
+                or call.get("output_processor") is not None):
             return original.function(self, *args, **kwargs)
-        return head.loss(call["hidden_states"], call["labels"])
+        return head.outputs(call["hidden_states"], _head_weight(self), call["labels"])
 
     remove(gpt)
     gpt._postprocess = types.MethodType(postprocess, gpt)
@@ -93,37 +102,75 @@ class _Original:
 
 
 class _FlceHead:
-    """What the patched _postprocess calls: gather (sequence parallel), then flce with the TP group."""
+    """flce over one ColumnParallelLinear head: gather the sequence (sequence parallelism), then flce
+    with the head's tensor-parallel group; per-token results come back [b, s], as Megatron's are."""
 
-    def __init__(self, gpt: torch.nn.Module, backend: str | None, variant: str, options: dict[str, Any]) -> None:
-        self.gpt = gpt
+    def __init__(self, output_layer: torch.nn.Module, backend: str | None, variant: str,
+                 options: dict[str, Any]) -> None:
+        self.output_layer = output_layer
         self.backend, self.variant, self.options = backend, variant, dict(options)
-        group = gpt.output_layer.tp_group
+        group = output_layer.tp_group
         self.group = group if dist.get_world_size(group=group) > 1 else None
         self._loss_fns: dict[torch.device, torch.nn.Module] = {}
-
-    def weight(self) -> torch.Tensor:
-        """The [V/tp, H] head weight this rank holds, as Megatron's own _postprocess picks it."""
-        if self.gpt.share_embeddings_and_output_weights:
-            return self.gpt.shared_embedding_or_output_weight()
-        return self.gpt.output_layer.weight
 
     def loss_fn(self, device: torch.device) -> torch.nn.Module:
         if device not in self._loss_fns:
             impl = flce.get_impl(device, backend=self.backend, variant=self.variant)
-            self._loss_fns[device] = impl(reduction="none", process_group=self.group, **self.options)
+            self._loss_fns[device] = impl(process_group=self.group, **self.options)
         return self._loss_fns[device]
 
-    def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token loss [b, s] from hidden states [s, b, H] (or [s/tp, b, H] with sequence
-        parallelism) and labels [b, s], as GPTModel returns it."""
-        layer = self.gpt.output_layer
+    def outputs(self, hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> Any:
+        """From hidden states [s, b, H] (or [s/tp, b, H] with sequence parallelism), this rank's
+        [V/tp, H] weight and labels [b, s]: the per-token loss [b, s], or an LCEOutput of [b, s] fields."""
+        layer = self.output_layer
         if layer.sequence_parallel and self.group is not None:
             hidden_states = gather_sequence_shards(hidden_states, self.group)
         bias = layer.bias if layer.bias is not None and not layer.skip_bias_add else None
         target = labels.transpose(0, 1)  # [s, b], the hidden states' token order
-        loss = self.loss_fn(hidden_states.device)(hidden_states, self.weight(), target, bias)
-        return loss.transpose(0, 1).contiguous()
+        out = self.loss_fn(hidden_states.device)(hidden_states, weight, target, bias)
+        if isinstance(out, torch.Tensor):
+            return out.transpose(0, 1).contiguous()
+        return flce.LCEOutput(*(None if t is None or t.dim() < 2 else t.transpose(0, 1).contiguous() for t in out))
+
+
+def _head_weight(gpt: torch.nn.Module) -> torch.Tensor:
+    """The [V/tp, H] head weight this rank holds, as Megatron's own _postprocess picks it."""
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def output_processor(*, backend: str | None = None, variant: str = "auto", **options: Any) -> Callable[..., Any]:
+    """A megatron-core ``output_processor`` (``model(..., labels=labels, output_processor=...)``,
+    megatron-core 0.19) that runs flce on the head instead of the logits and the loss.
+
+    ``options`` are flce options with a per-token result (``reduction`` is "none"): typically
+    ``temperature`` and ``return_logprobs`` / ``return_entropy`` for RL. The model's forward then
+    returns the per-token loss [b, s], or (with a ``return_*`` option) an :class:`flce.LCEOutput`
+    whose per-token fields are [b, s]. Sequence parallelism, tied embeddings and the head's bias are
+    handled as in :func:`apply`; MuP logit scaling is refused.
+    """
+    if "reduction" in options or "process_group" in options:
+        raise ValueError("options reduction / process_group: set by the Megatron adapter (per-token results, "
+                         "the head's tensor-parallel group); remove them")
+    options = dict(options, reduction="none")
+    LCEConfig(**options)  # validate the option values now, not at the first step
+    heads: dict[int, _FlceHead] = {}
+
+    def process(*, hidden_states: torch.Tensor, output_layer: torch.nn.Module, output_weight: torch.Tensor | None,
+                labels: torch.Tensor | None, config: Any = None, **_context: Any) -> Any:
+        if labels is None:
+            raise ValueError("labels=None: flce's output_processor computes per-token results of the labels; "
+                             "call the model without output_processor for logits")
+        if getattr(config, "use_mup", False):
+            raise NotImplementedError("use_mup=True: Megatron scales the logits (MuP); flce does not apply it")
+        head = heads.get(id(output_layer))
+        if head is None or head.output_layer is not output_layer:
+            head = heads[id(output_layer)] = _FlceHead(output_layer, backend, variant, options)
+        weight = output_weight if output_weight is not None else output_layer.weight
+        return head.outputs(hidden_states, weight, labels)
+
+    return process
 
 
 class _GatherSequenceShards(torch.autograd.Function):
@@ -191,6 +238,8 @@ def _check_supported(gpt: torch.nn.Module) -> _Original:
         raise NotImplementedError(
             f"mtp_num_layers={config.mtp_num_layers}: multi-token prediction heads are not routed through flce"
         )
+    if getattr(config, "use_mup", False):
+        raise NotImplementedError("use_mup=True: Megatron scales the logits (MuP); flce does not apply it")
     if getattr(config, "defer_embedding_wgrad_compute", False):
         raise NotImplementedError(
             "defer_embedding_wgrad_compute=True: flce computes the head's weight gradient in its own "

@@ -153,16 +153,26 @@ def _forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     )
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    # The key-value cache's field is `cache` from transformers 5.x (reading or passing the old name
+    # `past_key_values` warns on every call), `past_key_values` before: take the name the installed
+    # output class declares.
+    cache_field = _cache_field(CausalLMOutputWithPast)
     result = CausalLMOutputWithPast(
         loss=loss,
         logits=None,
-        past_key_values=getattr(outputs, "past_key_values", None),
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
+        **{cache_field: getattr(outputs, _cache_field(type(outputs)), None)},
     )
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
     return result if return_dict else result.to_tuple()
+
+
+def _cache_field(output_class: type) -> str:
+    """The name under which ``output_class`` (a transformers ModelOutput dataclass) holds the cache."""
+    fields = getattr(output_class, "__dataclass_fields__", {})
+    return "cache" if "cache" in fields else "past_key_values"
 
 
 def _flatten(bound: inspect.BoundArguments) -> dict[str, Any]:

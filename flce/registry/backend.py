@@ -21,6 +21,9 @@ RunFn = Callable[[FlatInputs, LCEConfig, str], "torch.Tensor | LCEOutput"]
 # the backend's kernels and the named plan the shared engine runs (request.training says whether
 # gradients follow: a caller inside an autograd op, where grad mode is off, must say so).
 PlanCallFn = Callable[[FlatInputs, LCEConfig, str, Any], Any]
+# choose(device, call) -> flce.engine.choice.CallChoice for a flce.engine.choice.DeviceDescription and
+# CallDescription: what plan_call decides for such a call, without its tensors or its device (explain).
+ChooseFn = Callable[[Any, Any], Any]
 # supports(config, dtype, hidden_size, vocab) -> (ok, reason): decided once per call signature.
 SupportsFn = Callable[[LCEConfig, torch.dtype, int, int], tuple[bool, str]]
 
@@ -30,7 +33,8 @@ class Backend:
     """name: what users pass as backend=; device_types: torch device types it serves;
     priority: higher wins among available backends; is_available(probe) and supports(config,
     dtype, hidden_size, vocab) answer (ok, reason). A backend built on the shared engine gives
-    ``plan_call`` and the kernel ``capabilities`` it offers (flce.engine.kernels); ``run`` replaces
+    ``plan_call`` and the kernel ``capabilities`` it offers (flce.engine.kernels), and ``choose``, the same
+    decision from descriptions (``python -m flce explain``); ``run`` replaces
     the engine for a backend with an entry point of its own (None: the engine runs ``plan_call``'s
     plan)."""
 
@@ -40,6 +44,7 @@ class Backend:
     is_available: Callable[[HardwareProbe], tuple[bool, str]]
     supports: SupportsFn
     plan_call: PlanCallFn | None = None
+    choose: ChooseFn | None = None
     run: RunFn | None = None
     capabilities: frozenset[str] = frozenset()
     variants: tuple[str, ...] = VARIANTS

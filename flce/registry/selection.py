@@ -1,7 +1,7 @@
 """Which backend runs a call: the registry, device resolution and the selection order.
 
-Order (DESIGN.md): explicit ``backend=`` > ``FLCE_BACKEND`` > the highest-priority
-available backend that supports the call > the reference backend, with a
+Order (docs/design.md, "Backend selection"): explicit ``backend=`` > ``FLCE_BACKEND`` > the
+highest-priority available backend that supports the call > the reference backend, with a
 one-time warning saying why the better one was passed over.
 """
 

@@ -20,7 +20,7 @@ import torch
 
 MiB = 1 << 20
 IGNORE_INDEX = -100
-# Every 17th target is ignore_index (5.9% padding), as in every table published since issue 7.
+# Every 17th target is ignore_index (5.9% padding), as in the published benchmark tables.
 IGNORED_EVERY = 17
 # triton.testing.do_bench empties the L2 cache before each timed call by writing this much; the
 # counted timer does the same, so its times mean what do_bench's do.

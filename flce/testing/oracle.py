@@ -1,4 +1,4 @@
-"""The float64 oracle: DESIGN.md's contract materialised, the obvious way.
+"""The float64 oracle: docs/design.md's contract materialised, the obvious way.
 
 :func:`reference_loss` builds the whole ``[tokens, vocab]`` logits in float64 and calls torch's own
 ``cross_entropy`` for the cross-entropy part, so any backend (flce's, or a kernel of your own) can
@@ -37,7 +37,7 @@ def reference_loss(
     bias: torch.Tensor | None = None,
     **options: Any,
 ) -> LCEOutput:
-    """DESIGN.md's contract, materialised in float64.
+    """docs/design.md's contract, materialised in float64.
 
     Returns an LCEOutput with every field filled whatever the ``return_*`` options say:
     loss (reduced), z_loss (reduced like the loss), token_accuracy (reduced like the loss),
@@ -71,28 +71,35 @@ def reference_loss(
     safe_t = torch.where(valid, t, 0)
     lse = torch.logsumexp(z, dim=-1) if z.shape[0] else z.new_zeros(0)
     target_z = z.gather(1, safe_t.unsqueeze(1)).squeeze(1)
+    nll = F.cross_entropy(z, t, weight=cw, ignore_index=ignore_index, reduction="none")
     ce = F.cross_entropy(z, t, weight=cw, ignore_index=ignore_index, reduction="none",
                          label_smoothing=label_smoothing)
+    # torch's weighted mean divides the smoothing part and the rest by the weight sum separately (which
+    # matters where that sum is 0): keep them apart.
+    smoothing = ce - (1.0 - label_smoothing) * nll
     if token_scaling:
-        ce = ce * torch.exp(target_z - lse).detach()
+        scale = torch.exp(target_z - lse).detach()
+        ce, smoothing = ce * scale, smoothing * scale
     ce = torch.where(valid, ce, 0.0)
+    smoothing = torch.where(valid, smoothing, 0.0)
     zl = torch.where(valid, lse_square_scale * lse.square(), 0.0)
 
     count = valid.sum().double()
-    ce_denominator = count if cw is None else (cw[safe_t] * valid).sum()
+    ce_denominator = count if cw is None else torch.where(valid, cw[safe_t], 0.0).sum()
     if reduction == "none":
         loss, z_loss = ce + zl, zl
     elif reduction == "sum":
         loss, z_loss = ce.sum() + zl.sum(), zl.sum()
     elif reduction == "mean":
-        z_loss = _mean(zl.sum(), count)
-        loss = _mean(ce.sum(), ce_denominator) + z_loss
+        z_loss = _mean(zl.sum(), count, count)
+        rest = ce.sum() - smoothing.sum()
+        loss = _mean(rest, ce_denominator, count) + _mean(smoothing.sum(), ce_denominator, count) + z_loss
     else:
         raise ValueError(f"reduction={reduction!r}")
 
     argmax = z.argmax(dim=-1) if z.shape[0] else t.new_zeros(0)
     correct = ((argmax == t) & valid).double()
-    accuracy = {"none": correct, "sum": correct.sum(), "mean": _mean(correct.sum(), count)}[reduction]
+    accuracy = {"none": correct, "sum": correct.sum(), "mean": _mean(correct.sum(), count, count)}[reduction]
     log_p = z - lse.unsqueeze(1)
     entropy = -(log_p.exp() * log_p).sum(-1)
     shape = target.shape
@@ -107,6 +114,8 @@ def reference_loss(
     )
 
 
-def _mean(total: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """total / denominator, and 0 (with zero gradient) when nothing was counted."""
-    return torch.where(denominator > 0, total / denominator.clamp_min(1e-300), 0.0)
+def _mean(total: torch.Tensor, denominator: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """total / denominator as torch divides (a class-weight sum may be negative, zero or NaN), and 0 with
+    zero gradient when no token was counted."""
+    counted = count > 0
+    return torch.where(counted, total / torch.where(counted, denominator, 1.0), 0.0)

@@ -1,4 +1,4 @@
-"""Compile and run the Ascend backend's Triton kernels on an NVIDIA GPU (issue 4).
+"""Compile and run the Ascend backend's Triton kernels on an NVIDIA GPU.
 
 No Ascend NPU is reachable from here. The interpreter checks the kernels' arithmetic but not that
 a compiler accepts them; this script has upstream Triton compile the very same kernels for CUDA

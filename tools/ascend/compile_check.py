@@ -1,4 +1,4 @@
-"""Lower every Ascend kernel variant through triton-ascend's own compiler, up to BiSheng (issue 13).
+"""Lower every Ascend kernel variant through triton-ascend's own compiler, up to BiSheng.
 
 Runs in a virtual environment with ``triton-ascend==3.2.0`` (it installs itself as ``triton``;
 ``make ascend-venv`` builds one under build/), on any machine: no NPU and no CANN toolkit needed.

@@ -1,6 +1,6 @@
 """CPU benchmark of a fused forward+backward: flce against the 3-GEMM floor and PyTorch.
 
-    python tools/benchmarks/cpu.py                      # issue 2's shape: 4096 x 1024 x 32000 fp32
+    python tools/benchmarks/cpu.py                      # 4096 x 1024 x 32000 fp32
     python tools/benchmarks/cpu.py --markdown           # also print the docs/benchmarks.md table
 
 Inputs: flce.testing.measure's draw for the shape (logits of std 1, every 17th target ignored), fp32.

@@ -1,4 +1,4 @@
-"""Forward-only benchmark of the CUDA backend's fused forward (issue 10), one GPU, bf16.
+"""Forward-only benchmark of the CUDA backend's fused forward, one GPU, bf16.
 
 For each shape: one cuBLAS GEMM ``x @ W.T`` (the floor of a forward), the fused statistics kernel
 alone for each tile configuration (TFLOP/s beside cuBLAS's), and flce's no-grad calls (plain loss;
@@ -20,7 +20,9 @@ import triton
 
 import flce
 from flce.autotune import override_params
-from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_row_stats
+from flce.backends.cuda.configs import GemmConfig, default_gemm_config
+from flce.backends.cuda.gemm_ops import gemm_row_stats
+from flce.backends.cuda.hardware import describe_device
 from flce.config import LCEConfig
 from flce.testing.measure import median_ms, parse_shape, peak_mib_above, publish, shape_inputs
 
@@ -87,7 +89,7 @@ def main() -> int:
         flops = 2.0 * n * h * v
         gemm_ms = median_ms(lambda x=x, w=w: x @ w.t())
         best = None
-        configs = [default_gemm_config(dev, x.dtype)] if args.quick else list(CONFIGS)
+        configs = [default_gemm_config(describe_device(x.device), x.dtype)] if args.quick else list(CONFIGS)
         for config in configs:
             try:
                 ms = median_ms(lambda x=x, w=w, t=t, c=config: gemm_row_stats(x, w, None, t, LCEConfig(), 0, c))

@@ -1,4 +1,4 @@
-"""Side-by-side GPU benchmark of linear cross-entropy implementations (issue 7).
+"""Side-by-side GPU benchmark of linear cross-entropy implementations.
 
 One process, one GPU. For each shape (tokens x hidden x vocab, bf16) and method: forward+backward
 median time (triton.testing.do_bench), its ratio to the 3-GEMM floor measured in the same process,
@@ -7,6 +7,7 @@ and peak memory above the gradients ((V*H + BT*H) * element size); forward-only 
     python tools/benchmarks/peers.py                       # all shapes, every method importable here
     python tools/benchmarks/peers.py --shapes 8192x4096x128256 --methods flce,liger --markdown out.md
     python tools/benchmarks/peers.py --methods flce,quack --rounds 3   # interleaved, median (range)
+    python tools/benchmarks/peers.py --rounds 3 --json h100.json      # then: tools/benchmarks/plot.py h100.json
 
 Inputs, timing and peak memory come from flce.testing.measure (the same as every tool and the tuner).
 
@@ -20,9 +21,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.metadata
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -205,20 +208,15 @@ def best_gemm_floors(case: Case, device: str) -> tuple[float, float, list[str]]:
     """Each product timed with the fastest GEMM available here (cuBLAS; flce's warp-specialised Gluon
     GEMM on Hopper; quack's autotuned GEMM where it imports): (3-product floor ms, forward floor ms,
     one table row per product with ms and TFLOP/s per GEMM)."""
-    from flce.backends.cuda.ws_gemm_ops import (
-        lm_head_grad_hidden,
-        lm_head_grad_weight,
-        lm_head_logits,
-        ws_supported,
-    )
+    from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_supported
 
     x, w, _ = make_inputs(case, device)
     x, w = x.detach(), w.detach()
     g = torch.randn(case.tokens, case.vocab, device=device, dtype=case.dtype) / case.vocab
     quack = quack_gemm()
     ws = ws_supported(x, w.t())
-    products = {"x @ W.T": ((x, w.t()), lm_head_logits, (x, w)), "G @ W": ((g, w), lm_head_grad_hidden, (g, w)),
-                "G.T @ x": ((g.t(), x), lm_head_grad_weight, (g, x))}
+    products = {"x @ W.T": ((x, w.t()), ws_matmul, (x, w.t())), "G @ W": ((g, w), ws_matmul, (g, w)),
+                "G.T @ x": ((g.t(), x), ws_matmul, (g.t(), x))}
     tflop = 2 * case.tokens * case.hidden * case.vocab / 1e9
     best, lines = {}, []
     for name, ((a, b), ws_fn, ws_args) in products.items():
@@ -298,7 +296,9 @@ def main() -> None:
     parser.add_argument("--methods", default=None, help="comma-separated method names, run in this order")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="also write the rows, with GPU, date, versions and command")
+    parser.add_argument("--revision", default=None,
+                        help="flce's revision for --json (default: the checkout's git commit, where it has .git)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure each shape's floor and methods this many times, in turn; ratios are "
                              "reported as the median over rounds with their range")
@@ -337,14 +337,42 @@ def main() -> None:
             rounds["3-GEMM floor"][-1].update(floor_ms=floor3, fwd_floor_ms=floor1)
         rows += [summary(measured, best3, best1) for measured in rounds.values()]
     gpu = torch.cuda.get_device_name()
-    header = (f"### {gpu}, {args.dtype}, {datetime.date.today()} — torch {torch.__version__}\n\n"
-              f"Command: `python tools/benchmarks/peers.py --shapes {args.shapes}"
-              f"{f' --methods {args.methods}' if args.methods else ''}"
-              f"{f' --rounds {args.rounds}' if args.rounds > 1 else ''}`")
+    command = (f"python tools/benchmarks/peers.py --shapes {args.shapes}"
+               f"{f' --methods {args.methods}' if args.methods else ''}"
+               f"{f' --rounds {args.rounds}' if args.rounds > 1 else ''}")
+    header = f"### {gpu}, {args.dtype}, {datetime.date.today()} — torch {torch.__version__}\n\nCommand: `{command}`"
     publish(markdown(rows, header, gemm_lines).rstrip("\n"), args.markdown)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(run_record(rows, gpu, args.dtype, command, args.revision or flce_revision()), f, indent=1)
+
+
+def run_record(rows: list[dict], gpu: str, dtype: str, command: str, revision: str) -> dict:
+    """The --json file: the rows with what a reader needs to trust them (GPU, date, versions, command);
+    tools/benchmarks/plot.py draws and tabulates it."""
+    versions = {"torch": torch.__version__}
+    for package in ("triton", "liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-cutlass-dsl"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"gpu": gpu, "date": str(datetime.date.today()), "dtype": dtype, "call": "fwd+bwd, mean loss",
+            "versions": versions, "flce": revision, "command": command,
+            "inputs": "flce.testing.measure.shape_inputs: logits of std 1, uniform targets, every 17th ignored",
+            "rows": rows}
+
+
+def flce_revision() -> str:
+    """The checkout's commit ("+ local changes" where tracked files differ from it), else flce's version."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    git = ["git", "-C", root]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return f"flce {flce.__version__} (not a git checkout)"
+    return commit.stdout.strip() + (" + local changes" if dirty.stdout.strip() else "")
 
 
 if __name__ == "__main__":

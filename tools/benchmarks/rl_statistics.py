@@ -1,8 +1,8 @@
 """The RL statistics (log-probs and entropy at a temperature), label smoothing's sum and the logit
 options (softcap, bias, class weights) on the warp-specialised statistics GEMM against the fused Triton
-one, side by side (issue 20), one GPU, bf16, one process.
+one, side by side, one GPU, bf16, one process.
 
-The RL call of the issue: ``reduction="none"``, log-probs and entropy at temperature 0.7, objective
+The RL call: ``reduction="none"``, log-probs and entropy at temperature 0.7, objective
 ``-(adv * logp).mean() - 0.01 * entropy.mean()``. Per shape, in each of ``--rounds`` rounds, the
 references first (one cuBLAS ``x @ W.T``; with ``--training`` the three cuBLAS products, the floor),
 then each variant in turn, so the kernels alternate:

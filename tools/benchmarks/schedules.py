@@ -1,4 +1,4 @@
-"""Gradient schedules of the CUDA backend side by side (issue 11), one GPU, bf16, one process.
+"""Gradient schedules of the CUDA backend side by side, one GPU, bf16, one process.
 
 For each shape and memory budget: forward+backward with token chunks (each chunk read-modify-writes
 the V x H weight gradient) and with vocabulary blocks over all rows (statistics first, then each

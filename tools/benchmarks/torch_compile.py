@@ -1,6 +1,6 @@
-"""torch.compile vs eager flce, and the Hugging Face adapter's memory, on one GPU (issue 6).
+"""torch.compile vs eager flce, and the Hugging Face adapter's memory, on one GPU.
 
-    python tools/benchmarks/torch_compile.py                   # both parts at the issue's sizes
+    python tools/benchmarks/torch_compile.py                   # both parts at their default sizes
     python tools/benchmarks/torch_compile.py --skip-hf --tokens 4096 --vocab 32000
 
 Part 1, compiled step: forward+backward of flce at tokens x hidden x vocab in --dtype, eager (the

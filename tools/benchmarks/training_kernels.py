@@ -1,4 +1,4 @@
-"""Which GEMMs the default training call runs, side by side (issue 20), one GPU, bf16, one process.
+"""Which GEMMs the default training call runs, side by side, one GPU, bf16, one process.
 
 The default call (plain loss, mean, gradients in forward) runs per token chunk: the chunk's logits
 (``forward_logits``: cuBLAS and the row kernel, or the fused statistics GEMM that also writes them:

@@ -24,13 +24,14 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from ws_kernels import ws_row_stats
+
 from flce.backends.cuda.ws_gemm_ops import (
     DEFAULT_CONFIG,
     ROW_STATS_CONFIG,
     WsGemmConfig,
     padded_empty,
     ws_matmul,
-    ws_row_stats,
 )
 
 
@@ -106,7 +107,9 @@ def loss_float64(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, rows: i
 def forward_loss_rows(shapes: str, config: WsGemmConfig) -> list[str]:
     """Forward-only plain loss: flce's ws row-statistics epilogue against cuBLAS x @ W.T alone and
     against gemm_ops.gemm_row_stats (today's fused forward)."""
-    from flce.backends.cuda.gemm_ops import default_gemm_config, gemm_row_stats
+    from flce.backends.cuda.configs import default_gemm_config
+    from flce.backends.cuda.gemm_ops import gemm_row_stats
+    from flce.backends.cuda.hardware import describe_device
     from flce.config import LCEConfig
 
     lines = ["", f"Forward only, plain loss (ws row statistics, stages {config.stages}, group_m {config.group_m}):",
@@ -119,7 +122,7 @@ def forward_loss_rows(shapes: str, config: WsGemmConfig) -> list[str]:
         ref = loss_float64(x, w, target)
         row_max, sum_exp, target_z = ws_row_stats(x, w, target, config)
         ws_err = abs(float(loss_from_stats(row_max, sum_exp, target_z, target)) - ref) / abs(ref)
-        gconf = default_gemm_config(x.device, x.dtype)
+        gconf = default_gemm_config(describe_device(x.device), x.dtype)
         stats = gemm_row_stats(x, w, None, target, cfg, 0, gconf)
         old_err = abs(float(loss_from_stats(stats.row_max, stats.sum_exp, stats.target_z, target)) - ref) / abs(ref)
         out = padded_empty(tokens, vocab, x.dtype, x.device)

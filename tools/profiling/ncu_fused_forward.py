@@ -11,7 +11,9 @@ import argparse
 
 import torch
 
-from flce.backends.cuda.gemm_ops import default_gemm_config, gemm_row_stats
+from flce.backends.cuda.configs import default_gemm_config
+from flce.backends.cuda.gemm_ops import gemm_row_stats
+from flce.backends.cuda.hardware import describe_device
 from flce.config import LCEConfig
 from flce.testing.measure import parse_shape, shape_inputs
 
@@ -21,7 +23,7 @@ def main() -> None:
     parser.add_argument("shape")
     args = parser.parse_args()
     x, w, t, _ = shape_inputs(*parse_shape(args.shape), "cuda", requires_grad=False)
-    config = default_gemm_config(x.device, x.dtype)
+    config = default_gemm_config(describe_device(x.device), x.dtype)
     gemm_row_stats(x, w, None, t, LCEConfig(), 0, config)  # compiles outside the profiled range
     x @ w.t()
     torch.cuda.synchronize()

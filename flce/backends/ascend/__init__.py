@@ -17,6 +17,7 @@ import torch
 from flce.backends.ascend import tuning  # noqa: F401  (registers the tuning space)
 from flce.config import LCEConfig
 from flce.engine.call import EngineCall
+from flce.engine.choice import CallChoice, CallDescription, DeviceDescription
 from flce.engine.kernels import options_only_reference_serves
 from flce.engine.plans import PlanRequest
 from flce.inputs import FlatInputs
@@ -95,6 +96,12 @@ def _plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequ
     return plan_call(flat, cfg, variant, request)
 
 
+def _choose(device: DeviceDescription, call: CallDescription) -> CallChoice:
+    from flce.backends.ascend.plan import choose
+
+    return choose(device, call)
+
+
 BACKEND = Backend(
     name="ascend",
     device_types=("npu", "interpret"),
@@ -102,5 +109,6 @@ BACKEND = Backend(
     is_available=_is_available,
     supports=_supports,
     plan_call=_plan_call,
+    choose=_choose,
 )
 register_backend(BACKEND)

@@ -1,17 +1,28 @@
 """The Ascend backend's planner: always TokenChunks, the chunk size from the memory budget (or the
-autotune cache), the logits-save limit from the device's memory."""
+autotune cache), the logits-save limit from the device's memory. A pure function of the device's and the
+call's descriptions (flce.engine.choice), whose record ``python -m flce explain`` prints."""
 
 from __future__ import annotations
 
 import warnings
 
-from flce.autotune.lookup import tuned_params
-from flce.backends.ascend.ops import AscendChunkKernels, AscendDeviceProperties, device_properties
+from flce.autotune.devices import device_name
+from flce.autotune.lookup import TunedEntry, tuned_entry
+from flce.backends.ascend.ops import (
+    DEFAULT_UB_BYTES,
+    AscendChunkKernels,
+    AscendDeviceProperties,
+    block_size,
+    device_properties,
+    ub_bytes_for_arch,
+)
 from flce.config import LCEConfig
-from flce.engine.call import EngineCall
-from flce.engine.memory import GiB, MiB, logits_save_limit, saved_logits_rows
+from flce.engine.call import EngineCall, grads_in_forward_allowed
+from flce.engine.choice import CallChoice, CallDescription, DeviceDescription, MemoryPlan
+from flce.engine.memory import MiB, logits_save_limit, logits_save_limit_for, saved_logits_rows, tuned_chunk_rows
 from flce.engine.plans import PlanRequest, TokenChunks
-from flce.engine.rows import logits_bytes_per_row
+from flce.engine.rows import logits_bytes_per_row, logits_dtype
+from flce.engine.steps import RowKernelNames, row_kernel_steps
 from flce.inputs import FlatInputs
 
 # Without a memory budget one chunk's logits may use this much (as the other backends).
@@ -20,6 +31,10 @@ DEFAULT_CHUNK_BUDGET = 256 * MiB
 # A square weight this large is no LM head (H <= 16k, V >= 32k in practice): the caller most
 # likely passed logits as `hidden` with an identity weight.
 LOGITS_LIKE_MIN_VOCAB = 4096
+_K = "flce.backends.ascend.kernels."
+KERNEL_NAMES = RowKernelNames(plain_loss=_K + "_plain_loss_kernel", plain_grad=_K + "_plain_grad_kernel",
+                              row_stats=_K + "_row_stats_kernel", full_grad=_K + "_full_grad_kernel",
+                              scale=_K + "_scale_kernel", bias_sums="torch.Tensor.sum", fp32_product="torch.matmul")
 
 _warned_logits_like = False
 
@@ -41,50 +56,64 @@ def warn_if_logits_like(flat: FlatInputs) -> bool:
     return True
 
 
-def logits_save_limit_bytes(total_memory: int) -> int:
-    """max(1 GiB, min(4 GiB, total memory / 8)): flce.engine.memory.default_logits_save_limit's
-    rule, applied to the (possibly overridden) device memory."""
-    return max(GiB, min(4 * GiB, total_memory // 8))
-
-
-def plan_chunks(flat: FlatInputs, cfg: LCEConfig, props: AscendDeviceProperties, variant: str) -> TokenChunks:
+def plan_chunks(device: DeviceDescription, call: CallDescription, entry: TunedEntry) -> tuple[TokenChunks, MemoryPlan]:
     """Tokens per chunk and the rows whose logits a deferred backward keeps from forward.
 
     The autotune cache's ``tokens_per_chunk`` and logits-save limit win when it holds them for
-    this device and shape; otherwise tokens come from the memory budget and the limit is
-    :func:`logits_save_limit_bytes`. A given memory_budget bounds both, and without a tuned limit
-    is the limit. The kernels overwrite
-    the logits with their gradient, so a chunk needs its logits and nothing else of size [n, V].
+    this device and shape; otherwise tokens come from the memory budget and the limit is 1/8 of the
+    device's memory, within 1-4 GiB. A given memory_budget bounds both, and without a tuned limit is
+    the limit. The kernels overwrite the logits with their gradient, so a chunk needs its logits and
+    nothing else of size [n, V].
     """
-    n_rows = flat.target.shape[0]
-    hidden_size = flat.weight.shape[1]
-    row_bytes = logits_bytes_per_row(flat.weight.shape[0], flat.weight.dtype, cfg)
-    params, tuned_limit = tuned_params(flat.hidden.device, "ascend", variant, flat.weight.dtype, hidden_size,
-                                       flat.weight.shape[0], n_rows)
-    tuned_tokens = (params or {}).get("tokens_per_chunk")
-    budget = cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET
-    if _is_positive_int(tuned_tokens):
-        tokens = tuned_tokens
-        if cfg.memory_budget is not None:
-            tokens = min(tokens, cfg.memory_budget // max(1, row_bytes))
-    else:
-        tokens = budget // max(1, row_bytes)
-    tokens = max(1, min(n_rows, tokens))
-    save_limit = logits_save_limit(tuned_limit, cfg.memory_budget, logits_save_limit_bytes(props.total_memory_bytes))
-    return TokenChunks(tokens_per_chunk=tokens,
-                     saved_rows=saved_logits_rows(n_rows, tokens, row_bytes, row_bytes, save_limit))
+    cfg = call.cfg
+    row_bytes = logits_bytes_per_row(call.vocab, call.dtype, cfg)
+    tokens = tuned_chunk_rows(call.n_rows, row_bytes, (entry.params or {}).get("tokens_per_chunk"),
+                              cfg.memory_budget, DEFAULT_CHUNK_BUDGET)
+    save_limit = logits_save_limit(entry.logits_save_limit_bytes, cfg.memory_budget,
+                                   logits_save_limit_for(device.total_memory))
+    saved = saved_logits_rows(call.n_rows, tokens, row_bytes, row_bytes, save_limit)
+    memory = MemoryPlan(cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET,
+                        "memory_budget" if cfg.memory_budget is not None else "DEFAULT_CHUNK_BUDGET",
+                        0 if saved == call.n_rows else tokens * row_bytes, saved * row_bytes, save_limit,
+                        "the autotune cache's" if entry.logits_save_limit_bytes is not None else
+                        "memory_budget" if cfg.memory_budget is not None else "1/8 of the device's memory, 1-4 GiB")
+    return TokenChunks(tokens_per_chunk=tokens, saved_rows=saved), memory
 
 
-def _is_positive_int(value: object) -> bool:
-    """A cached knob is used only if it is a value the planner can use (files outlive versions)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+def properties_of(device: DeviceDescription) -> AscendDeviceProperties:
+    """The launchers' figures for a described NPU: its vector cores, the UB of its SoC (910B's by default)."""
+    return AscendDeviceProperties(vector_cores=device.multiprocessors or 40,
+                                  ub_bytes=ub_bytes_for_arch(device.name) or DEFAULT_UB_BYTES,
+                                  total_memory_bytes=device.total_memory, source="described")
 
 
+def choose(device: DeviceDescription, call: CallDescription, entry: TunedEntry | None = None,
+           props: AscendDeviceProperties | None = None) -> CallChoice:
+    """The same plan whether gradients follow or not (inference keeps no logits whatever saved_rows says)."""
+    if entry is None:
+        entry = tuned_entry(device.name, "ascend", call.variant, call.dtype, call.hidden, call.vocab, call.n_rows)
+    props = props or properties_of(device)
+    plan, memory = plan_chunks(device, call, entry)
+    if not call.request.training or grads_in_forward_allowed(call.cfg):
+        # No deferred backward: the plan's saved rows are never kept.
+        memory = memory.without_kept_logits(min(plan.tokens_per_chunk, call.n_rows)
+                                            * logits_bytes_per_row(call.vocab, call.dtype, call.cfg))
+
+    def launch(kernel: str) -> str:
+        dtype = logits_dtype(call.dtype, call.cfg)
+        return (f"BLOCK_V {block_size(kernel, dtype, call.vocab, props.ub_bytes)} (a {props.ub_bytes >> 10} KiB "
+                f"UB), up to {props.vector_cores} programs")
+
+    return CallChoice(backend="ascend", device=device.text(), inputs=call.text(), cache=entry.source, plan=plan,
+                      memory=memory, steps=row_kernel_steps(call, plan, KERNEL_NAMES, launch),
+                      kernel_package="flce.backends.ascend.kernels")
 
 
 def plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequest) -> EngineCall:
-    """The same plan whether gradients follow or not (inference keeps no logits whatever saved_rows says)."""
     warn_if_logits_like(flat)
     props = device_properties(flat.hidden.device)
-    return EngineCall(kernels=AscendChunkKernels(props), cfg=cfg, plan=plan_chunks(flat, cfg, props, variant),
-                      plain=variant == "plain", token_shape=flat.token_shape)
+    device = DeviceDescription(type=flat.hidden.device.type, name=device_name(flat.hidden.device),
+                               total_memory=props.total_memory_bytes, multiprocessors=props.vector_cores)
+    record = choose(device, CallDescription.of(flat, cfg, variant, request), props=props)
+    return EngineCall(kernels=AscendChunkKernels(props), cfg=cfg, plan=record.plan, plain=variant == "plain",
+                      token_shape=flat.token_shape, choice=record)

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from flce.autotune.devices import device_name
 from flce.autotune.schema import Scalar
 from flce.autotune.spaces import Params, TuneShape, TuningSpace, chunk_candidates, register_tuning_space
 from flce.backends.ascend.ops import device_properties
-from flce.backends.ascend.plan import plan_chunks
+from flce.backends.ascend.plan import choose
 from flce.config import LCEConfig
+from flce.engine.choice import CallDescription, DeviceDescription
+from flce.engine.plans import PlanRequest
 
 
 def _candidates(shape: TuneShape, quick: bool) -> list[Params]:
@@ -23,8 +26,11 @@ def _working_bytes(shape: TuneShape, params: Mapping[str, Scalar]) -> int:
 
 
 def _heuristic(shape: TuneShape) -> Params:
-    plan = plan_chunks(shape.stand_in_inputs(), LCEConfig(), device_properties(shape.device), shape.variant)
-    return {"tokens_per_chunk": plan.tokens_per_chunk}
+    props = device_properties(shape.device)
+    device = DeviceDescription(type=shape.device.type, name=device_name(shape.device),
+                               total_memory=props.total_memory_bytes, multiprocessors=props.vector_cores)
+    call = CallDescription.of(shape.stand_in_inputs(), LCEConfig(), shape.variant, PlanRequest(training=True))
+    return {"tokens_per_chunk": choose(device, call, props=props).plan.tokens_per_chunk}
 
 
 register_tuning_space(TuningSpace("ascend", candidates=_candidates, working_bytes=_working_bytes,

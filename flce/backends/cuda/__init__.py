@@ -1,4 +1,5 @@
-"""CUDA backend: Triton row kernels between cuBLAS GEMMs, for NVIDIA (and other Triton CUDA/HIP) GPUs.
+"""CUDA backend: Triton and Gluon kernels (fused statistics and gradient GEMMs, row kernels between cuBLAS
+GEMMs) for NVIDIA GPUs; cuda/choice.py decides which run for a call.
 
 Triton is imported only when a kernel first runs, so ``import flce`` works without it.
 With TRITON_INTERPRET=1 the same kernels run on CPU tensors (``get_impl("cpu", backend="cuda")``).
@@ -11,6 +12,7 @@ import torch
 from flce.backends.cuda import tuning  # noqa: F401  (registers the tuning space)
 from flce.config import LCEConfig
 from flce.engine.call import EngineCall
+from flce.engine.choice import CallChoice, CallDescription, DeviceDescription
 from flce.engine.kernels import FUSED_GRAD_GEMM, FUSED_STATS_GEMM, KEPT_EXPONENTIALS, options_only_reference_serves
 from flce.engine.plans import PlanRequest
 from flce.inputs import FlatInputs
@@ -37,26 +39,38 @@ def _supports(cfg: LCEConfig, dtype: torch.dtype, hidden_size: int, vocab: int) 
     return True, "supported"
 
 
-# The kernels of calls the cache holds nothing for, one object per gradient-GEMM choice.
-_default_kernels: dict = {}
+# The record and the launchers of each distinct call description (calls of one shape share them): the
+# choice is a pure function of the key, and making it costs more than a dictionary lookup.
+_planned: dict[tuple, tuple[CallChoice, object]] = {}
+_PLANNED_LIMIT = 256
 
 
 def _plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequest) -> EngineCall:
-    """The kernels (with the cache's tuned launches and tiles) and the plan for one call."""
+    """The record of what the call runs (cuda/choice.py) and the launchers that run it."""
+    from flce.backends.cuda.choice import choose, entry_for
+    from flce.backends.cuda.fallback import failures
+    from flce.backends.cuda.hardware import describe_device
     from flce.backends.cuda.ops import TritonChunkKernels
-    from flce.backends.cuda.plan import DEFAULT_GRAD_GEMM_KERNEL, WARP_SPECIALIZED, plan_chunks, tuned_knobs
 
-    tuned = tuned_knobs(flat, variant)
-    grad_gemm_kernel = tuned.grad_gemm_kernel or DEFAULT_GRAD_GEMM_KERNEL
-    if tuned.launch is None and tuned.gemm is None and tuned.stats_kernel is None and tuned.logits_kernel is None:
-        kernels = _default_kernels.get(grad_gemm_kernel)
-        if kernels is None:
-            kernels = _default_kernels[grad_gemm_kernel] = TritonChunkKernels(grad_gemm_kernel=grad_gemm_kernel)
-    else:
-        kernels = TritonChunkKernels(tuned.launch, tuned.gemm, tuned.stats_kernel or WARP_SPECIALIZED,
-                                     grad_gemm_kernel, tuned.logits_kernel or WARP_SPECIALIZED)
-    return EngineCall(kernels=kernels, cfg=cfg, plan=plan_chunks(flat, cfg, request, tuned),
-                      plain=variant == "plain", token_shape=flat.token_shape)
+    device = describe_device(flat.hidden.device)
+    call = CallDescription.of(flat, cfg, variant, request)
+    entry, failed = entry_for(device, call), failures(flat.hidden.device, flat.weight.dtype)
+    key = (device, call.key, entry.key, tuple(sorted(failed.items())))
+    planned = _planned.get(key)
+    if planned is None:
+        record, choice = choose(device, call, entry, failed)
+        if len(_planned) >= _PLANNED_LIMIT:
+            _planned.clear()
+        planned = _planned[key] = (record, TritonChunkKernels(choice))
+    record, kernels = planned
+    return EngineCall(kernels=kernels, cfg=cfg, plan=record.plan, plain=variant == "plain",
+                      token_shape=flat.token_shape, choice=record)
+
+
+def _choose(device: DeviceDescription, call: CallDescription) -> CallChoice:
+    from flce.backends.cuda.choice import explain
+
+    return explain(device, call)
 
 
 BACKEND = Backend(
@@ -66,6 +80,7 @@ BACKEND = Backend(
     is_available=_is_available,
     supports=_supports,
     plan_call=_plan_call,
+    choose=_choose,
     capabilities=frozenset({FUSED_STATS_GEMM, FUSED_GRAD_GEMM, KEPT_EXPONENTIALS}),
 )
 register_backend(BACKEND)

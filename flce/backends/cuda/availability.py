@@ -1,5 +1,5 @@
 """Which of the CUDA backend's kernel families this process can build and run, and why not: the
-lines ``python -m flce info`` prints. The launchers make the same checks per call and fall back
+lines ``python -m flce info`` prints. The kernel choice (choice.py) makes the same checks per call and falls back
 (warp-specialised Gluon GEMM -> fused Triton GEMM -> cuBLAS and row kernels); this is the summary."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import os
 import torch
 
 from flce.backends.cuda.gluon_compat import gluon_support, triton_version
+from flce.backends.cuda.hardware import describe_device, has_tma, warp_specialized_available
+from flce.engine.choice import DeviceDescription
 
 
 def kernel_availability(device: torch.device) -> list[tuple[str, bool, str]]:
@@ -17,28 +19,29 @@ def kernel_availability(device: torch.device) -> list[tuple[str, bool, str]]:
     if version is None:
         return [("Triton kernels", False, "triton is not installed: the cuda backend is unavailable")]
     triton_name = f"triton {version[0]}.{version[1]}"
-    if device.type == "cuda" and torch.cuda.is_available():
+    gpu = device.type == "cuda" and torch.cuda.is_available()
+    if gpu:
         runs, where = True, triton_name
     elif os.environ.get("TRITON_INTERPRET") == "1":
         runs, where = True, f"{triton_name}, on CPU tensors through the interpreter (TRITON_INTERPRET=1)"
     else:
         runs, where = False, f"{triton_name}; {device} runs them only under TRITON_INTERPRET=1"
-    hopper, hopper_why = _hopper(device)
-    gluon_ok, gluon_why = gluon_support()
+    if gpu:
+        description = describe_device(device)
+        tma = has_tma(description)
+        tma_why = f"{description.name} ({_arch(description)})" if tma else (
+            f"needs sm_90 or later, {description.name} is {_arch(description)}")
+        ws, ws_why = warp_specialized_available(description)
+    else:
+        tma, tma_why = False, f"runs on an sm_90 GPU only, {device} is none"
+        ws, ws_why = False, f"{gluon_support()[1]}; {tma_why}"
     return [
         ("row kernels (Triton)", runs, where),
         ("fused statistics and gradient GEMMs (Triton)", runs, where),
-        ("  their TMA variants (sm_90)", hopper, hopper_why),
-        ("warp-specialised GEMM (Gluon, sm_90a)", gluon_ok and hopper,
-         f"{gluon_why}; {hopper_why}" if gluon_ok else gluon_why),
+        ("  their TMA variants (sm_90)", tma, tma_why),
+        ("warp-specialised GEMM (Gluon, sm_90a)", ws, ws_why),
     ]
 
 
-def _hopper(device: torch.device) -> tuple[bool, str]:
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False, f"runs on an sm_90 GPU only, {device} is none"
-    capability = torch.cuda.get_device_capability(device)
-    name = torch.cuda.get_device_name(device)
-    if capability != (9, 0):
-        return False, f"runs on an sm_90 GPU only, {name} is sm_{capability[0]}{capability[1]}"
-    return True, f"{name} (sm_90)"
+def _arch(device: DeviceDescription) -> str:
+    return "no compute capability" if device.capability is None else f"sm_{device.capability[0]}{device.capability[1]}"

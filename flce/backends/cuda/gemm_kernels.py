@@ -42,10 +42,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flce.backends.cuda.kernels import _capped_scaled
+from flce.backends.cuda.kernels import LN2, _capped_scaled, _moved_to
 
 LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -139,16 +138,15 @@ def _gemm_row_stats_kernel(
         y = tl.where(col_ok[None, :], capped * (inv_temperature * LOG2E), float("-inf"))
         tile_max = tl.max(y, 1)
         new_max = tl.maximum(running_max, tile_max)
-        rescale = tl.exp2(running_max - new_max)
         e = tl.exp2(y - new_max[:, None])
+        # The earlier tiles' sums moved to the new max (the entropy's to natural z - r, r = max * ln 2),
+        # then this tile's added.
+        running_sum, running_sum_dz = _moved_to(running_max, running_sum, running_sum_dz, new_max, NEED_SUM_EXP_DZ,
+                                                True)
         if NEED_SUM_EXP_DZ:
-            # Natural z - r, r = max * ln 2: the earlier sum moves by its old r - new r (nothing
-            # before the first tile, where running_sum is 0 and the running max -inf).
-            reference = new_max * LN2
-            moved = tl.where(running_sum > 0.0, running_max * LN2 - reference, 0.0)
-            dz = tl.where(col_ok[None, :], capped * inv_temperature - reference[:, None], 0.0)
-            running_sum_dz = (running_sum_dz + moved * running_sum) * rescale + tl.sum(e * dz, 1)
-        running_sum = running_sum * rescale + tl.sum(e, 1)
+            dz = tl.where(col_ok[None, :], capped * inv_temperature - (new_max * LN2)[:, None], 0.0)
+            running_sum_dz += tl.sum(e * dz, 1)
+        running_sum += tl.sum(e, 1)
         if NEED_WEIGHTED_SUM_Z:
             if HAS_CLASS_WEIGHT:
                 cw = tl.load(class_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -352,18 +350,16 @@ def _merge_splits_kernel(
         new_max = tl.maximum(running_max, block_max)
         # Rows past M (all -inf): shift by 0 instead of -inf, so that no inf - inf makes a NaN.
         shift = tl.where(new_max > float("-inf"), new_max, 0.0)
-        scale_running = tl.exp2(running_max - shift)
-        scale_split = tl.exp2(split_max - shift[None, :])
         part_sum = tl.load(part_sum_ptr + offsets, mask=mask, other=0.0)
+        part_sum_dz = tl.load(part_sum_dz_ptr + offsets, mask=mask, other=0.0) if NEED_SUM_EXP_DZ else part_sum
+        # The running sums and every split's moved to the new max (the entropy's to r = max * ln 2, as its
+        # kernel computed them), then added.
+        running_sum, running_sum_dz = _moved_to(running_max, running_sum, running_sum_dz, shift, NEED_SUM_EXP_DZ,
+                                                True)
+        split_sum, split_sum_dz = _moved_to(split_max, part_sum, part_sum_dz, shift[None, :], NEED_SUM_EXP_DZ, True)
+        running_sum += tl.sum(split_sum, 0)
         if NEED_SUM_EXP_DZ:
-            # Each sum of exp * (z - r) moves to the new r = max * ln 2, computed as its kernel did.
-            reference = shift * LN2
-            running_moved = tl.where(running_sum > 0.0, running_max * LN2 - reference, 0.0)
-            split_moved = tl.where(part_sum > 0.0, split_max * LN2 - reference[None, :], 0.0)
-            split_sum_dz = tl.load(part_sum_dz_ptr + offsets, mask=mask, other=0.0) + split_moved * part_sum
-            running_sum_dz = ((running_sum_dz + running_moved * running_sum) * scale_running
-                              + tl.sum(split_sum_dz * scale_split, 0))
-        running_sum = running_sum * scale_running + tl.sum(part_sum * scale_split, 0)
+            running_sum_dz += tl.sum(split_sum_dz, 0)
         if NEED_WEIGHTED_SUM_Z:
             weighted_y += tl.sum(tl.load(part_weighted_y_ptr + offsets, mask=mask, other=0.0), 0)
         if NEED_ARGMAX:

@@ -8,13 +8,12 @@ call or the deferred schedule's forward runs over all rows in one launch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from flce.backends.cuda import gemm_kernels
+from flce.backends.cuda.configs import GemmConfig
 from flce.config import LCEConfig
 from flce.semantics import GradCoefficients, PartialRowStats, needs_argmax, needs_sum_exp_dz, needs_weighted_sum_z
 
@@ -26,63 +25,6 @@ _MAX_SPLITS = 256
 _MERGE_ROWS = 32
 _MERGE_SPLITS = 32
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """Tile shape and launch of the fused GEMM; the autotune cache stores these as gemm_* knobs."""
-
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 64
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
-    splits: int | None = None  # None: chosen per call from the SM count (split_count)
-    tma: bool = True  # tensor-descriptor loads where the GPU and the strides allow them
-    # The gradient GEMM only: one program per SM walking the tiles, with TMA stores (where tma applies).
-    persistent: bool = True
-
-    @staticmethod
-    def from_params(params: dict) -> GemmConfig | None:
-        """The gemm_* knobs of an autotune entry, or None when any is missing or unusable."""
-        def knob(name: str, allowed: tuple[int, ...]) -> int | None:
-            value = params.get(name)
-            ok = isinstance(value, int) and not isinstance(value, bool) and value in allowed
-            return value if ok else None
-
-        powers = (16, 32, 64, 128, 256)
-        values = (knob("gemm_block_m", powers), knob("gemm_block_n", powers), knob("gemm_block_k", powers),
-                  knob("gemm_group_m", (1, 2, 4, 8, 16, 32)), knob("gemm_warps", (4, 8)),
-                  knob("gemm_stages", (1, 2, 3, 4, 5, 6)))
-        if any(v is None for v in values):
-            return None
-        splits = params.get("gemm_splits")
-        if not (isinstance(splits, int) and not isinstance(splits, bool) and 1 <= splits <= _MAX_SPLITS):
-            splits = None
-        return GemmConfig(*values, splits=splits, tma=params.get("gemm_tma") is not False,  # type: ignore[arg-type]
-                          persistent=params.get("gemm_persistent") is not False)
-
-    def as_params(self) -> dict:
-        params = {"gemm_block_m": self.block_m, "gemm_block_n": self.block_n, "gemm_block_k": self.block_k,
-                  "gemm_group_m": self.group_m, "gemm_warps": self.num_warps, "gemm_stages": self.num_stages}
-        if self.splits is not None:
-            params["gemm_splits"] = self.splits
-        if not self.tma:
-            params["gemm_tma"] = False
-        if not self.persistent:
-            params["gemm_persistent"] = False
-        return params
-
-
-def default_gemm_config(device: torch.device, dtype: torch.dtype) -> GemmConfig:
-    """GPUs: 128 x 256 x 64 tiles, 8 warps, 3 stages, the fastest of six configurations on the H200
-    at three LM shapes (95-98% of cuBLAS's TFLOP/s; docs/benchmarks.md); fp32 operands halve the K
-    step to keep shared memory per stage the same. The interpreter: small tiles, so CPU tests run
-    in seconds."""
-    if device.type != "cuda":
-        return GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
-    return GemmConfig(block_n=256, block_k=32 if dtype == torch.float32 else 64)
 
 
 def split_count(n_rows: int, vocab: int, config: GemmConfig, device: torch.device) -> int:
@@ -100,17 +42,6 @@ def split_count(n_rows: int, vocab: int, config: GemmConfig, device: torch.devic
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
     return best
-
-
-def _uses_tma(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Tensor descriptors need Hopper (sm_90+), unit column strides and 16-byte aligned rows."""
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9:
-        return False
-    return _tma_aligned(x) and _tma_aligned(w)
-
-
-def _tma_aligned(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def gemm_row_stats(
@@ -219,7 +150,7 @@ def gemm_grad(
                   BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m, num_warps=config.num_warps)
     rows = (target, lse.float().contiguous(), a, h, d, e)
     tiles = triton.cdiv(n, config.block_m) * triton.cdiv(vocab, config.block_n)
-    if use_tma and config.persistent and _tma_aligned(grad):
+    if use_tma and config.persistent:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         # Two half-tile stores for the large tiles: the epilogue's fp32 temporaries of a whole
@@ -243,8 +174,9 @@ def gemm_grad(
 
 
 def _operands(x: torch.Tensor, w: torch.Tensor, config: GemmConfig, block_k: int) -> tuple:
-    """(x, w) as the kernels take them: tensor descriptors where TMA applies, else the tensors."""
-    if not (config.tma and _uses_tma(x, w)):
+    """(x, w) as the kernels take them: tensor descriptors where the configuration has TMA (the choice settled
+    it for the GPU and the operands' alignment), else the tensors."""
+    if not config.tma:
         return x, w, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -15,6 +15,29 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _moved_to(part_max, part_sum, part_sum_dz, shift, NEED_SUM_DZ: tl.constexpr, BASE2: tl.constexpr):
+    """The online-softmax merge, every Triton kernel's one copy of it (semantics.merge_partial_stats in
+    torch): a partial's sum of exp(z - max) and (NEED_SUM_DZ) the entropy's sum of exp(z - max) * (z - max),
+    both moved to ``shift`` >= max (finite: a caller whose rows may hold no column passes 0 for those). The
+    sum scales by exp(max - shift); the entropy's sum also moves by (max - shift) times the sum of exp,
+    nothing where the partial has no columns (sum 0, max -inf). BASE2: max and shift are base-2 maxima
+    (y = z * log2 e; exp2 scales) and the entropy's sums are taken against r = max * ln 2, as its kernel
+    computes them. Returns (sum, sum_dz) relative to shift."""
+    if BASE2:
+        scale = tl.exp2(part_max - shift)
+        moved = tl.where(part_sum > 0.0, part_max * LN2 - shift * LN2, 0.0)
+    else:
+        scale = tl.exp(part_max - shift)
+        moved = tl.where(part_sum > 0.0, part_max - shift, 0.0)
+    sum_dz = part_sum
+    if NEED_SUM_DZ:
+        sum_dz = (part_sum_dz + moved * part_sum) * scale
+    return part_sum * scale, sum_dz
+
 
 @triton.jit
 def _tanh(x):
@@ -64,7 +87,8 @@ def _plain_forward_kernel(
         mask = start + cols < V
         u = tl.load(row_ptr + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(running_max, tl.max(u, 0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(u - new_max), 0)
+        running_sum = _moved_to(running_max, running_sum, running_sum, new_max, False, False)[0]
+        running_sum += tl.sum(tl.exp(u - new_max), 0)
         running_max = new_max
     lse = running_max + tl.log(running_sum)
     safe_target = tl.where(valid, target, 0)
@@ -127,15 +151,13 @@ def _row_stats_kernel(
         z = tl.where(mask, _capped_scaled(u, softcap, inv_temperature, HAS_SOFTCAP), float("-inf"))
         block_max = tl.max(z, 0)
         new_max = tl.maximum(running_max, block_max)
-        rescale = tl.exp(running_max - new_max)
         e = tl.exp(z - new_max)
+        # The earlier blocks' sums moved to the new max, then this block's added.
+        running_sum, running_sum_dz = _moved_to(running_max, running_sum, running_sum_dz, new_max, NEED_SUM_EXP_DZ,
+                                                False)
         if NEED_SUM_EXP_DZ:
-            # Relative to the running max: the earlier sum moves by (old max - new max) times the
-            # earlier sum of exp (none before the first block, whose running max is -inf).
-            moved = tl.where(running_sum > 0.0, running_max - new_max, 0.0)
-            running_sum_dz = ((running_sum_dz + moved * running_sum) * rescale
-                              + tl.sum(e * tl.where(mask, z - new_max, 0.0), 0))
-        running_sum = running_sum * rescale + tl.sum(e, 0)
+            running_sum_dz += tl.sum(e * tl.where(mask, z - new_max, 0.0), 0)
+        running_sum += tl.sum(e, 0)
         if NEED_WEIGHTED_SUM_Z:
             if HAS_CLASS_WEIGHT:
                 w = tl.load(class_weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -157,19 +179,17 @@ def _row_stats_kernel(
     target_z = tl.where(in_shard, _capped_scaled(target_u, softcap, inv_temperature, HAS_SOFTCAP), 0.0)
     best_index += vocab_offset
     if ACCUMULATE:
-        # Merge with the earlier columns' statistics (semantics.merge_partial_stats).
+        # Merge with the earlier columns' statistics: both moved to the merged max.
         earlier_max = tl.load(row_max_ptr + row)
         merged_max = tl.maximum(earlier_max, running_max)
-        scale_earlier = tl.exp(earlier_max - merged_max)
-        scale_block = tl.exp(running_max - merged_max)
-        earlier_sum = tl.load(sum_exp_ptr + row)
+        earlier_sum, earlier_sum_dz = _moved_to(earlier_max, tl.load(sum_exp_ptr + row),
+                                                tl.load(sum_exp_dz_ptr + row) if NEED_SUM_EXP_DZ else running_sum,
+                                                merged_max, NEED_SUM_EXP_DZ, False)
+        block_sum, block_sum_dz = _moved_to(running_max, running_sum, running_sum_dz, merged_max, NEED_SUM_EXP_DZ,
+                                            False)
+        running_sum = earlier_sum + block_sum
         if NEED_SUM_EXP_DZ:
-            # Both sums relative to the merged max (semantics.shifted_sum_exp_dz).
-            earlier_moved = tl.where(earlier_sum > 0.0, earlier_max - merged_max, 0.0)
-            block_moved = tl.where(running_sum > 0.0, running_max - merged_max, 0.0)
-            running_sum_dz = ((tl.load(sum_exp_dz_ptr + row) + earlier_moved * earlier_sum) * scale_earlier
-                              + (running_sum_dz + block_moved * running_sum) * scale_block)
-        running_sum = earlier_sum * scale_earlier + running_sum * scale_block
+            running_sum_dz = earlier_sum_dz + block_sum_dz
         target_z += tl.load(target_z_ptr + row)
         if NEED_WEIGHTED_SUM_Z:
             weighted_sum += tl.load(weighted_sum_z_ptr + row)

@@ -2,18 +2,26 @@
 
 :class:`TritonChunkKernels` implements flce.engine.kernels.RowKernels and the capabilities
 (FusedStatsGemm, FusedGradGemm: gemm_ops.py and ws_gemm_ops.py launch their kernels; KeptExponentials:
-exp_grad_ops.py); the plain GEMMs around the row kernels stay in cuBLAS (torch.mm).
+exp_grad_ops.py); the plain GEMMs around the row kernels stay in cuBLAS (torch.mm). It launches the kernel
+each role is given by the call's kernel choice (configs.KernelChoice, made in choice.py) and decides nothing
+about eligibility; a kernel that fails to compile falls back through fallback.py.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
-from triton.runtime.errors import PTXASError
 
 from flce.backends.cuda import kernels
+from flce.backends.cuda.configs import (
+    TRITON_STATS_GEMM,
+    WARP_SPECIALIZED,
+    WS_GEMM,
+    WS_PRODUCTS,
+    WS_STATISTICS,
+    KernelChoice,
+    LaunchParams,
+)
 from flce.backends.cuda.exp_grad_ops import (
     exp_offsets,
     exponentials_from_logits_,
@@ -21,13 +29,10 @@ from flce.backends.cuda.exp_grad_ops import (
     redo_exp_rows,
     scale_rows,
 )
-from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config, gemm_grad, gemm_row_stats
-from flce.backends.cuda.gluon_compat import gluon_support
-from flce.backends.cuda.plan import MAX_BLOCK_V, WARP_SPECIALIZED, LaunchParams, fallback_scan_block
-from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_matmul_supported, ws_partial_row_stats, ws_stats_eligible
+from flce.backends.cuda.fallback import launch_or_fall_back
+from flce.backends.cuda.gemm_ops import gemm_grad, gemm_row_stats
+from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_partial_row_stats
 from flce.config import LCEConfig
-from flce.engine.all_rows import scan_vocab_blocks
-from flce.engine.plans import CUBLAS
 from flce.engine.rows import torch_matmul_
 from flce.semantics import GradCoefficients, PartialRowStats, RowStats
 
@@ -40,127 +45,92 @@ GRAD_BLOCKS_PER_PROGRAM = 8
 _FP32_ACCUMULATE_ROWS = 8192
 
 
-def launch_params(vocab: int, tuned: LaunchParams | None = None) -> LaunchParams:
-    widest = triton.next_power_of_2(max(vocab, 16))
-    if tuned is not None:
-        return LaunchParams(block_v=min(tuned.block_v, widest), num_warps=tuned.num_warps)
-    block_v = min(MAX_BLOCK_V, widest)
-    return LaunchParams(block_v=block_v, num_warps=8 if block_v >= 2048 else 4)
+def row_launch(width: int, launch: LaunchParams) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of a row kernel over rows of ``width`` columns: the chosen block, no wider than
+    the row needs; the chosen warps, else 8 for blocks of 2048 columns or more and 4 below."""
+    block = min(launch.block_v, triton.next_power_of_2(max(width, 16)))
+    return block, launch.num_warps or (8 if block >= 2048 else 4)
 
 
 def _scale_stride(t: torch.Tensor) -> int:
     return t.stride(0) if t.dim() else 0
 
 
-_log = logging.getLogger("flce")
-# What TritonChunkKernels._ws_row_stats returns where the warp-specialised GEMM did not run.
-_NOT_TAKEN = object()
-# (kernel, device, dtype, GemmConfig) whose fused kernel failed to compile: served by the fallback.
-_failed_gemm_configs: set[tuple] = set()
-
-
-def _gluon_builds() -> bool:
-    """Whether this Triton builds the warp-specialised Gluon GEMM (gluon_compat.gluon_support); where it does
-    not, the reason is logged once and the callers take the fused Triton GEMM or cuBLAS."""
-    global _gluon_reason_logged
-    builds, reason = gluon_support()
-    if not builds and not _gluon_reason_logged:
-        _gluon_reason_logged = True
-        _log.warning("flce: the warp-specialised Gluon GEMM cannot be built here (%s); using the fused Triton "
-                     "GEMM and cuBLAS instead", reason)
-    return builds
-
-
-_gluon_reason_logged = False
-
-
 class TritonChunkKernels:
-    """The chunk kernels of the CUDA backend (also run by the Triton interpreter on CPU tensors).
-    ``launch``: tuned block size and warps, else a heuristic per launch; ``gemm``: tuned tiles of
-    the fused GEMM, else :func:`default_gemm_config`; ``stats_kernel`` / ``logits_kernel``: the fused
-    statistics GEMM's kernel where it takes statistics only / where it also writes the logits,
-    "warp_specialized" (ws_gemm_ops, where it applies) or "triton" (gemm_ops); ``grad_gemm_kernel``:
-    the gradient products' GEMM (matmul_), "warp_specialized" or "cublas"."""
+    """The chunk kernels of the CUDA backend (also run by the Triton interpreter on CPU tensors), launched as
+    ``choice`` (cuda/choice.py) says: each role's kernel, the row kernels' blocks, the Triton GEMMs' tiles.
+    A kernel that fails to compile falls back through cuda/fallback.py, once per device and dtype."""
 
-    def __init__(self, launch: LaunchParams | None = None, gemm: GemmConfig | None = None,
-                 stats_kernel: str = WARP_SPECIALIZED, grad_gemm_kernel: str = CUBLAS,
-                 logits_kernel: str = WARP_SPECIALIZED) -> None:
-        self.launch = launch
-        self.gemm = gemm
-        self.stats_kernel = stats_kernel
-        self.logits_kernel = logits_kernel
-        self.grad_gemm_kernel = grad_gemm_kernel
+    def __init__(self, choice: KernelChoice) -> None:
+        self.choice = choice
 
     def matmul_(self, a, b, out, accumulate) -> None:
-        key = ("ws_gemm", a.device, a.dtype)
-        if (self.grad_gemm_kernel == WARP_SPECIALIZED and key not in _failed_gemm_configs
-                and ws_matmul_supported(a, b, out) and _gluon_builds()):
-            try:
-                ws_matmul(a, b, out, accumulate=accumulate)
-                return
-            except (triton.CompilationError, triton.OutOfResources, PTXASError) as error:
-                _failed_gemm_configs.add(key)
-                _log.warning("flce: the warp-specialised GEMM failed on %s %s (%s); the gradient products use "
-                             "cuBLAS instead", a.device, a.dtype, error)
+        if self.choice.products == WARP_SPECIALIZED:
+            launch_or_fall_back(WS_GEMM, WS_PRODUCTS, a, lambda: ws_matmul(a, b, out, accumulate=accumulate),
+                                lambda: torch_matmul_(a, b, out, accumulate), "cuBLAS for the gradient products")
+            return
         torch_matmul_(a, b, out, accumulate)
-
-    def _ws_row_stats(self, kernel: str, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,
-                      logits_out, **exp_offset) -> object:
-        """ws_partial_row_stats where ``kernel`` is the warp-specialised one and it applies (``exp_offset``: its
-        exponentials mode); _NOT_TAKEN where it does not, or where it failed to compile (said once per device
-        and dtype), so the caller takes the fused Triton GEMM instead."""
-        ws_key = ("ws_stats", hidden.device, hidden.dtype)
-        if (kernel == WARP_SPECIALIZED and ws_key not in _failed_gemm_configs
-                and ws_stats_eligible(hidden, weight, bias, cfg, logits_out) and _gluon_builds()):
-            # Hopper: the warp-specialised Gluon GEMM, whose epilogue computes every statistic and option
-            # (plain 0.94-1.02x one cuBLAS GEMM against 1.01-1.07x for gemm_row_stats, RL 0.99-1.04x against
-            # 1.03-1.10x, softcap + bias 1.07x against 1.11-1.21x on the H100; docs/ws_gemm_notes.md).
-            try:
-                return ws_partial_row_stats(hidden, weight, target, vocab_offset, cfg, logits_out, bias, **exp_offset)
-            except (triton.CompilationError, triton.OutOfResources, PTXASError) as error:
-                _failed_gemm_configs.add(ws_key)
-                _log.warning("flce: the warp-specialised forward kernel failed on %s %s (%s); using the fused "
-                             "Triton GEMM instead", hidden.device, hidden.dtype, error)
-        return _NOT_TAKEN
 
     def gemm_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,
                        logits_out=None) -> PartialRowStats:
-        kernel = self.stats_kernel if logits_out is None else self.logits_kernel
-        stats = self._ws_row_stats(kernel, hidden, weight, bias, target, cfg, vocab_offset, logits_out)
-        if stats is not _NOT_TAKEN:
-            return stats
-        config = self.gemm or default_gemm_config(hidden.device, hidden.dtype)
-        key = ("stats", hidden.device, hidden.dtype, config)
-        if key not in _failed_gemm_configs:
-            try:
-                return gemm_row_stats(hidden, weight, bias, target, cfg, vocab_offset, config, logits_out)
-            except (triton.CompilationError, triton.OutOfResources) as error:
-                # A GPU or Triton version the kernel does not compile for: the row-kernel path
-                # computes the same statistics; say so once per configuration.
-                _failed_gemm_configs.add(key)
-                _log.warning("flce: the fused forward kernel failed on %s %s with %s (%s); using cuBLAS GEMMs "
-                             "and row kernels instead", hidden.device, hidden.dtype, config, error)
-        if logits_out is not None:
-            if bias is None:
-                torch.mm(hidden, weight.t(), out=logits_out)
-            else:
-                torch.addmm(bias, hidden, weight.t(), out=logits_out)
-            return self.row_stats(logits_out, target, cfg, vocab_offset)
-        block = fallback_scan_block(target.shape[0], hidden.element_size())
-        return scan_vocab_blocks(self, hidden, weight, bias, target, cfg, vocab_offset, block)
+        kernel = self.choice.stats if logits_out is None else self.choice.logits
+        if kernel != WARP_SPECIALIZED:
+            return self._triton_row_stats(hidden, weight, bias, target, cfg, vocab_offset, logits_out)
+        # Hopper: the warp-specialised Gluon GEMM, whose epilogue computes every statistic and option
+        # (plain 0.94-1.02x one cuBLAS GEMM against 1.01-1.07x for gemm_row_stats, RL 0.99-1.04x against
+        # 1.03-1.10x, softcap + bias 1.07x against 1.11-1.21x on the H100; docs/design-notes.md).
+        return launch_or_fall_back(
+            WS_GEMM, WS_STATISTICS, hidden,
+            lambda: ws_partial_row_stats(hidden, weight, target, vocab_offset, cfg, logits_out, bias),
+            lambda: self._triton_row_stats(hidden, weight, bias, target, cfg, vocab_offset, logits_out),
+            "the Triton statistics GEMM")
 
-    def gemm_exp_grad(self, hidden, weight, target, ignore_index: int, grad_scale, exp_out):
-        offsets = exp_offsets(hidden, weight, target, ignore_index)
-        cfg = LCEConfig(ignore_index=ignore_index)
-        partial = self._ws_row_stats(self.logits_kernel, hidden, weight, None, target, cfg, 0, exp_out,
-                                     exp_offset=offsets)
-        if partial is _NOT_TAKEN:
-            # The logits from the other forward paths, then one pass turns them into the exponentials.
-            partial = self.gemm_row_stats(hidden, weight, None, target, cfg, 0, exp_out)
+    def _triton_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,
+                          logits_out) -> PartialRowStats:
+        config = self.choice.gemm
+        return launch_or_fall_back(
+            TRITON_STATS_GEMM, config.text(), hidden,
+            lambda: gemm_row_stats(hidden, weight, bias, target, cfg, vocab_offset, config, logits_out),
+            lambda: self._cublas_row_stats(hidden, weight, bias, target, cfg, vocab_offset, logits_out),
+            "cuBLAS GEMMs and the row kernel")
+
+    def _cublas_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,
+                          logits_out) -> PartialRowStats:
+        """The statistics from cuBLAS logits and the row kernel: into ``logits_out`` where given, else
+        block by block (``fallback_scan_block`` columns), each block's statistics merged into the running ones."""
+        if logits_out is not None:
+            _logits(hidden, weight, bias, logits_out)
+            return self.row_stats(logits_out, target, cfg, vocab_offset)
+        block = min(self.choice.fallback_scan_block, weight.shape[0])
+        buffer = hidden.new_empty(hidden.shape[0] * block)
+        running = None
+        for start in range(0, weight.shape[0], block):
+            w = weight[start:start + block]
+            logits = _logits(hidden, w, None if bias is None else bias[start:start + block],
+                             buffer[:hidden.shape[0] * w.shape[0]].view(hidden.shape[0], w.shape[0]))
+            running = self.row_stats(logits, target, cfg, vocab_offset + start, into=running)
+        assert running is not None
+        return running
+
+    def gemm_exp_grad(self, hidden, weight, target, cfg: LCEConfig, grad_scale, exp_out):
+        offsets = exp_offsets(hidden, weight, target, cfg.ignore_index)
+
+        def from_logits() -> PartialRowStats:
+            # The logits from the Triton GEMM, then one pass turns them into the exponentials.
+            partial = self._triton_row_stats(hidden, weight, None, target, cfg, 0, exp_out)
             exponentials_from_logits_(exp_out, offsets)
+            return partial
+
+        if self.choice.logits == WARP_SPECIALIZED:
+            partial = launch_or_fall_back(
+                WS_GEMM, WS_STATISTICS, hidden,
+                lambda: ws_partial_row_stats(hidden, weight, target, 0, cfg, exp_out, exp_offset=offsets),
+                from_logits, "the Triton statistics GEMM and a pass over its logits")
+        else:
+            partial = from_logits()
         stats = RowStats.from_partial(partial)
-        row_scale, redo_rows, redo_count = finish_exp_rows(exp_out, target, ignore_index, stats.lse, stats.target_z,
-                                                           offsets, grad_scale)
+        row_scale, redo_rows, redo_count = finish_exp_rows(exp_out, target, cfg.ignore_index, stats.lse,
+                                                           stats.target_z, offsets, grad_scale)
         redo_exp_rows(hidden, weight, target, redo_rows, redo_count, exp_out)
         return stats, row_scale
 
@@ -169,17 +139,16 @@ class TritonChunkKernels:
 
     def gemm_grad(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int, lse,
                   coeffs: GradCoefficients):
-        config = self.gemm or default_gemm_config(hidden.device, hidden.dtype)
-        key = ("grad", hidden.device, hidden.dtype, config)
-        if key not in _failed_gemm_configs:
-            try:
-                return gemm_grad(hidden, weight, bias, target, cfg, vocab_offset, lse, coeffs, config)
-            except (triton.CompilationError, triton.OutOfResources) as error:
-                _failed_gemm_configs.add(key)
-                _log.warning("flce: the fused gradient kernel failed on %s %s with %s (%s); using cuBLAS GEMMs "
-                             "and row kernels instead", hidden.device, hidden.dtype, config, error)
-        logits = torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
-        return self.full_grad_(logits, target, cfg, vocab_offset, lse, coeffs)
+        config = self.choice.gemm
+
+        def cublas_and_row_kernel() -> torch.Tensor:
+            logits = _logits(hidden, weight, bias, hidden.new_empty(hidden.shape[0], weight.shape[0]))
+            return self.full_grad_(logits, target, cfg, vocab_offset, lse, coeffs)
+
+        return launch_or_fall_back(
+            self.choice.grad_gemm, config.text(), hidden,
+            lambda: gemm_grad(hidden, weight, bias, target, cfg, vocab_offset, lse, coeffs, config),
+            cublas_and_row_kernel, "cuBLAS GEMMs and the row kernel")
 
     def plain_loss(self, logits, target, ignore_index, grad_scale):
         n, vocab = logits.shape
@@ -187,22 +156,22 @@ class TritonChunkKernels:
         lse = torch.empty_like(loss)
         if n == 0:
             return loss, lse, logits if grad_scale is not None else None
-        p = launch_params(vocab, self.launch)
+        block_v, num_warps = row_launch(vocab, self.choice.launch)
         scale = grad_scale if grad_scale is not None else loss
         kernels._plain_forward_kernel[(n,)](
             logits, logits.stride(0), target, scale, _scale_stride(scale), loss, lse, vocab, ignore_index,
-            WRITE_GRAD=grad_scale is not None, BLOCK_V=p.block_v, num_warps=p.num_warps,
+            WRITE_GRAD=grad_scale is not None, BLOCK_V=block_v, num_warps=num_warps,
         )
         return loss, lse, logits if grad_scale is not None else None
 
     def plain_grad_(self, logits, target, ignore_index, lse, grad_scale):
         n, vocab = logits.shape
         if n:
-            p = launch_params(vocab, self.launch)
-            span = p.block_v * GRAD_BLOCKS_PER_PROGRAM
+            block_v, num_warps = row_launch(vocab, self.choice.launch)
+            span = block_v * GRAD_BLOCKS_PER_PROGRAM
             kernels._plain_grad_kernel[(n, triton.cdiv(vocab, span))](
                 logits, logits.stride(0), target, lse, grad_scale, _scale_stride(grad_scale), vocab, ignore_index,
-                SPAN=span, BLOCK_V=p.block_v, num_warps=p.num_warps,
+                SPAN=span, BLOCK_V=block_v, num_warps=num_warps,
             )
         return logits
 
@@ -211,7 +180,7 @@ class TritonChunkKernels:
         stats = into if into is not None else PartialRowStats.allocate(n, cfg, logits.device)
         if n == 0:
             return stats
-        p = launch_params(vocab, self.launch)
+        block_v, num_warps = row_launch(vocab, self.choice.launch)
         unused = stats.row_max
         weight = _shard_class_weight(cfg, vocab_offset, vocab)
         kernels._row_stats_kernel[(n,)](
@@ -227,7 +196,7 @@ class TritonChunkKernels:
             NEED_SUM_EXP_DZ=stats.sum_exp_dz is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
             NEED_ARGMAX=stats.argmax is not None, NEED_LOGIT_STATS=stats.row_min is not None,
             ACCUMULATE=into is not None,
-            BLOCK_V=p.block_v, num_warps=p.num_warps,
+            BLOCK_V=block_v, num_warps=num_warps,
         )
         return stats
 
@@ -235,7 +204,7 @@ class TritonChunkKernels:
         n, vocab = logits.shape
         if n == 0:
             return logits
-        p = launch_params(vocab, self.launch)
+        block_v, num_warps = row_launch(vocab, self.choice.launch)
         weight = _shard_class_weight(cfg, vocab_offset, vocab)
         a, d = coeffs.a.contiguous(), coeffs.d.contiguous()
         h = coeffs.h.contiguous() if coeffs.h is not None else a
@@ -245,7 +214,7 @@ class TritonChunkKernels:
             vocab, vocab_offset, float(cfg.softcap or 1.0), 1.0 / cfg.temperature,
             HAS_SOFTCAP=cfg.softcap is not None, HAS_CLASS_WEIGHT=weight is not None,
             HAS_H=coeffs.h is not None, HAS_E=coeffs.e is not None,
-            BLOCK_V=p.block_v, num_warps=p.num_warps,
+            BLOCK_V=block_v, num_warps=num_warps,
         )
         return logits
 
@@ -274,6 +243,11 @@ class TritonChunkKernels:
         for start in range(0, acc.shape[0], _FP32_ACCUMULATE_ROWS):
             rows = slice(start, start + _FP32_ACCUMULATE_ROWS)
             acc[rows] += (a[rows] @ b).float()
+
+
+def _logits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out = x @ w.T + bias by cuBLAS, in the inputs' dtype."""
+    return torch.mm(x, w.t(), out=out) if bias is None else torch.addmm(bias, x, w.t(), out=out)
 
 
 def _shard_class_weight(cfg: LCEConfig, vocab_offset: int, vocab: int) -> torch.Tensor | None:

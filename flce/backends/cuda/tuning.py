@@ -18,17 +18,20 @@ def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
     the warp-specialised forward (which also writes the logits, or for bf16 the row-offset exponentials:
     chunk_grad), and each forward's gradient products on cuBLAS and on the warp-specialised GEMM
     (grad_gemm_kernel)."""
-    from flce.backends.cuda.gemm_ops import GemmConfig, default_gemm_config
-    from flce.backends.cuda.plan import GRAD_GEMM_KERNELS, WARP_SPECIALIZED, hopper_16bit
+    from flce.backends.cuda.choice import ws_takes_every_product
+    from flce.backends.cuda.configs import WARP_SPECIALIZED, GemmConfig, default_gemm_config
+    from flce.backends.cuda.hardware import describe_device
+    from flce.backends.cuda.plan import GRAD_GEMM_KERNELS
 
+    device = describe_device(torch.device(shape.device))
     launches = [(4096, 8)] if quick else [(4096, 8), (4096, 16), (2048, 8)]
-    tiles = [default_gemm_config(shape.device, shape.dtype)]
+    tiles = [default_gemm_config(device, shape.dtype)]
     if not quick:
         tiles += [GemmConfig(128, 256, 64, 16, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4)]
     rows = chunk_candidates(shape.tokens, quick, smallest=512)
     forwards = ([{"forward_logits": CUBLAS, "block_v": block_v, "num_warps": warps} for block_v, warps in launches]
                 + [{"forward_logits": FUSED, "logits_kernel": "triton", **t.as_params()} for t in tiles])
-    if hopper_16bit(torch.device(shape.device), shape.dtype, shape.hidden, shape.vocab):
+    if ws_takes_every_product(device, shape.dtype, shape.hidden, shape.vocab):
         forwards.append({"forward_logits": FUSED, "logits_kernel": WARP_SPECIALIZED, "chunk_grad": LOGITS})
         if shape.dtype == torch.bfloat16:  # the exponentials need bf16's exponent range
             forwards.append({"forward_logits": FUSED, "logits_kernel": WARP_SPECIALIZED, "chunk_grad": EXPONENTIALS})
@@ -68,19 +71,25 @@ def _tuning_working_bytes(shape: TuneShape, params: dict) -> int:
 def _tuning_heuristic(shape: TuneShape) -> dict:
     """The chunk, launch and forward-path knobs the planner picks with nothing cached (a training
     call). The gradient schedule is left out: the planner picks it per call from the budget."""
-    from flce.backends.cuda.gemm_ops import default_gemm_config
-    from flce.backends.cuda.ops import launch_params
-    from flce.backends.cuda.plan import DEFAULT_CHUNK_BUDGET, DEFAULT_GRAD_GEMM_KERNEL, chunk_rows, hopper_16bit
+    from flce.backends.cuda.choice import DEFAULT_GRAD_GEMM_KERNEL, ws_takes_every_product
+    from flce.backends.cuda.configs import LaunchParams, default_gemm_config
+    from flce.backends.cuda.hardware import describe_device
+    from flce.backends.cuda.ops import row_launch
+    from flce.backends.cuda.plan import DEFAULT_CHUNK_BUDGET, MAX_BLOCK_V, chunk_rows
 
+    device = describe_device(torch.device(shape.device))
     row_bytes = shape.vocab * shape.dtype.itemsize
-    launch = launch_params(shape.vocab)
-    hopper = hopper_16bit(torch.device(shape.device), shape.dtype, shape.hidden, shape.vocab)
-    return {"tokens_per_chunk": chunk_rows(shape.tokens, max(1, DEFAULT_CHUNK_BUDGET // row_bytes)),
-            "block_v": launch.block_v, "num_warps": launch.num_warps,
-            # a plain training call's defaults (plan.ws_forward_logits_default)
-            "forward_logits": FUSED if hopper else CUBLAS, "grad_gemm_kernel": DEFAULT_GRAD_GEMM_KERNEL,
-            "chunk_grad": EXPONENTIALS if hopper and shape.dtype == torch.bfloat16 else LOGITS,
-            **default_gemm_config(shape.device, shape.dtype).as_params()}
+    block_v, num_warps = row_launch(shape.vocab, LaunchParams(block_v=MAX_BLOCK_V))
+    ws = ws_takes_every_product(device, shape.dtype, shape.hidden, shape.vocab)
+    knobs = {"tokens_per_chunk": chunk_rows(shape.tokens, max(1, DEFAULT_CHUNK_BUDGET // row_bytes)),
+             "block_v": block_v, "num_warps": num_warps,
+             # a plain training call's defaults (choice.py): the warp-specialised statistics GEMM writes each
+             # chunk's logits or, for bf16, the kept exponentials
+             "forward_logits": FUSED if ws else CUBLAS, "grad_gemm_kernel": DEFAULT_GRAD_GEMM_KERNEL,
+             "chunk_grad": EXPONENTIALS if ws and shape.dtype == torch.bfloat16 else LOGITS}
+    # The Triton GEMMs' tiles only where they run: where the warp-specialised GEMM takes the statistics, they
+    # would be inert keys in the entry.
+    return knobs if ws else {**knobs, **default_gemm_config(device, shape.dtype).as_params()}
 
 
 # The default (plain, in-forward gradient) schedule never keeps logits, so the save limit is

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from flce.backends.cuda.hardware import describe_device, is_hopper
 from flce.config import LCEConfig
 from flce.semantics import PartialRowStats
 
@@ -39,7 +40,7 @@ class WsGemmConfig:
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
-    group_m: int = 16  # 16 row blocks a group: 7 of 9 products faster than 8 (H200, docs/ws_gemm_notes.md)
+    group_m: int = 16  # 16 row blocks a group: 7 of 9 products faster than 8 (H200, docs/design-notes.md)
     stages: int = 3
     consumer_regs: int = 232  # per thread, each consumer warpgroup (setmaxnreg)
     load_regs: int = 40  # per thread, the load warp's warpgroup
@@ -64,17 +65,11 @@ def _tma_ready(t: torch.Tensor) -> bool:
 def ws_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ws_matmul(a, b) runs here: a Hopper GPU (sm_90), bf16/fp16 operands of one dtype,
     each row- or column-major with 16-byte aligned leading strides."""
-    if not (a.is_cuda and b.is_cuda) or torch.cuda.get_device_capability(a.device) != (9, 0):
+    if not (a.is_cuda and b.is_cuda) or not is_hopper(describe_device(a.device)):
         return False
     if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16):
         return False
     return all(_tma_ready(t) or _tma_ready(t.T) for t in (a, b))
-
-
-def ws_matmul_supported(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether ws_matmul(a, b, out) runs here: ws_supported(a, b) and out row-major in a's dtype
-    with 16-byte aligned rows."""
-    return ws_supported(a, b) and out.dtype == a.dtype and _tma_ready(out)
 
 
 def padded_empty(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -150,16 +145,6 @@ def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
-def ws_row_stats(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, config: WsGemmConfig = ROW_STATS_CONFIG,
-                 logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The plain loss's row statistics of the logits z = x @ w.T (each rounded to x's dtype):
-    (row_max, sum_exp, target_z), [N] fp32 each, as semantics.PartialRowStats's fields (sum_exp =
-    sum exp(z - row_max); target_z = 0 where target is outside [0, V)). The logits are written into
-    ``logits_out`` ([N, V], x's dtype, 16-byte aligned rows) when given, and nowhere otherwise."""
-    stats = _row_stats(x, w, None, target, LCEConfig(), config, logits_out)
-    return stats.row_max, stats.sum_exp, stats.target_z
-
-
 def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, cfg: LCEConfig,
                config: WsGemmConfig, logits_out: torch.Tensor | None, class_weight: torch.Tensor | None = None,
                exp_offset: torch.Tensor | None = None) -> PartialRowStats:
@@ -174,16 +159,16 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     from flce.backends.cuda.gemm_ops import merge_splits
 
     if not ws_supported(x, w.T) or x.shape[1] != w.shape[1] or target.shape != (x.shape[0],):
-        raise ValueError(f"ws_row_stats: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, target "
+        raise ValueError(f"ws_partial_row_stats: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, target "
                          f"{tuple(target.shape)}: expected x [N, H] and w [V, H] row-major bf16/fp16 on an sm_90 "
                          "GPU (16-byte aligned rows) and target [N]")
     n, vocab = x.shape[0], w.shape[0]
     if bias is not None and bias.shape != (vocab,):
-        raise ValueError(f"ws_row_stats: bias {tuple(bias.shape)}: expected [{vocab}]")
+        raise ValueError(f"ws_partial_row_stats: bias {tuple(bias.shape)}: expected [{vocab}]")
     c_desc = None
     if logits_out is not None:
         if logits_out.shape != (n, vocab) or not _tma_ready(logits_out) or logits_out.dtype != x.dtype:
-            raise ValueError(f"ws_row_stats: logits_out {tuple(logits_out.shape)} {logits_out.dtype} strides "
+            raise ValueError(f"ws_partial_row_stats: logits_out {tuple(logits_out.shape)} {logits_out.dtype} strides "
                              f"{logits_out.stride()}: expected [{n}, {vocab}] row-major {x.dtype} with 16-byte "
                              "aligned rows")
         c_desc = _descriptor(logits_out, [config.block_m // 2, config.block_n])
@@ -204,7 +189,8 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     bias = bias.contiguous() if bias is not None else None
     if exp_offset is not None and (c_desc is None or cfg.needs_full or exp_offset.shape != (n,)
                                    or exp_offset.dtype != torch.float32 or not exp_offset.is_contiguous()):
-        raise ValueError("ws_row_stats: exp_offset needs logits_out, the plain loss and a contiguous [N] fp32 tensor")
+        raise ValueError("ws_partial_row_stats: exp_offset needs logits_out, the plain loss and a contiguous [N] fp32 "
+                         "tensor")
     unused = part_sum
     _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_dz, part_argmax, part_sum_y, target.long().contiguous(),
                              stats.target_z, weight if weight is not None else unused,
@@ -218,21 +204,13 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     return stats
 
 
-def ws_stats_eligible(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: LCEConfig,
-                      logits_out: torch.Tensor | None) -> bool:
-    """Whether ws_partial_row_stats computes what the fused forward (gemm_ops.gemm_row_stats) would: every
-    statistic and option of it (bias, softcap, temperature, the entropy's sum, the argmax, label smoothing's
-    sum with or without class weights) on an sm_90 GPU, for 16-bit inputs with 16-byte aligned rows; logits
-    kept only into a buffer a TMA store can write (the inputs' dtype, 16-byte aligned rows)."""
-    keeps_storable = logits_out is None or (_tma_ready(logits_out) and logits_out.dtype == hidden.dtype)
-    return keeps_storable and hidden.shape[-1] == weight.shape[-1] and ws_supported(hidden, weight.T)
-
-
 def ws_partial_row_stats(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_offset: int,
                          cfg: LCEConfig, logits_out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                          config: WsGemmConfig = ROW_STATS_CONFIG, exp_offset: torch.Tensor | None = None
                          ) -> PartialRowStats:
-    """gemm_row_stats's PartialRowStats for the cases ws_stats_eligible accepts: this shard's
+    """gemm_row_stats's PartialRowStats (every statistic and option of it: bias, softcap, temperature, the
+    entropy's sum, the argmax, label smoothing's sum with or without class weights) for 16-bit inputs with
+    16-byte aligned rows on an sm_90 GPU (the kernel choice checks that before it asks): this shard's
     (vocab_offset..; ``bias`` and cfg's class weights sliced to it) statistics, target_z 0 where the
     target is in another shard or ignored; the logits written into ``logits_out`` when given (with
     ``exp_offset``: exponentials instead, see _row_stats)."""
@@ -243,64 +221,3 @@ def ws_partial_row_stats(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     if vocab_offset and stats.argmax is not None:
         stats.argmax += vocab_offset  # a global class id, as gemm_row_stats's
     return stats
-
-
-def lm_head_logits(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [N, V] = x [N, H] @ w [V, H].T"""
-    return ws_matmul(x, w.T, out)
-
-
-def lm_head_grad_hidden(g: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """d loss / d x [N, H] = g [N, V] @ w [V, H]"""
-    return ws_matmul(g, w, out)
-
-
-def lm_head_grad_weight(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """d loss / d w [V, H] = g [N, V].T @ x [N, H]"""
-    return ws_matmul(g.T, x, out)
-
-
-def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | None = None,
-                       dtype: str = "bfloat16", row_stats: bool = False, store_tile: bool = False,
-                       accumulate: bool = False, sum_exp_dz: bool = False, argmax: bool = False,
-                       sum_z: bool = False, softcap: bool = False, class_weight: bool = False,
-                       bias: bool = False, store_exp: bool = False) -> object:
-    """Compile the kernel for sm_90a without a GPU (triton.compile on a Gluon source), for the CPU
-    tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``)."""
-    import inspect
-
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
-
-    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
-
-    def descriptor(block: list[int]) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, dtype))
-        return f"tensordesc<{short}[{block[0]},{block[1]}],{layout!r}>"
-
-    cfg = config or (ROW_STATS_CONFIG if row_stats else DEFAULT_CONFIG)
-    types = {"a_desc": descriptor([cfg.block_k, cfg.block_m] if a_mmajor else [cfg.block_m, cfg.block_k]),
-             "b_desc": descriptor([cfg.block_n, cfg.block_k] if b_kmajor else [cfg.block_k, cfg.block_n]),
-             "c_desc": descriptor([cfg.block_m // 2, cfg.block_n]), "M": "i32", "N": "i32", "K": "i32",
-             "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_sum_dz_ptr": "*fp32",
-             "part_argmax_ptr": "*i64", "part_sum_y_ptr": "*fp32", "target_ptr": "*i64",
-             "target_z_ptr": "*fp32", "class_weight_ptr": "*fp32", "bias_ptr": f"*{short}",
-             "exp_offset_ptr": "*fp32", "y_scale": "fp32", "z_scale": "fp32", "softcap": "fp32"}
-    constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
-                 "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
-                 "INTERLEAVE": row_stats, "STORE_TILE": store_tile, "ACCUMULATE": accumulate,
-                 "SUM_EXP_DZ": sum_exp_dz, "ARGMAX": argmax, "SUM_Z": sum_z, "SOFTCAP": softcap,
-                 "CLASS_WEIGHT": class_weight, "HAS_BIAS": bias, "STORE_EXP": store_exp,
-                 "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
-    names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
-    signature = {name: "constexpr" if name in constants else types[name] for name in names}
-    # What the JIT infers at a launch on 16-byte aligned tensors and a vocabulary that is a multiple of 16
-    # (N): divisible by 16, which lets masked loads along the columns be vectorised.
-    divisible = [name for name, kind in types.items() if kind.startswith("*")] + ["N"]
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    source = GluonASTSource(_ws_gemm_kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "maxnreg": cfg.max_regs})

@@ -35,7 +35,7 @@ def _softcapped(u, softcap):
     """softcap * tanh(u / softcap) as softcap - 2 softcap / (exp2(u * 2 log2(e) / softcap) + 1): kernels._tanh's
     formula (saturating to +-softcap without NaN) in one exp2, one approximate reciprocal and three FMAs a
     logit; the precise division's ~14 instructions a logit more did not hide under the wgmma (measured:
-    docs/ws_gemm_notes.md). Agrees with the gradient kernels' recomputation to fp32 rounding (~1e-5 at 30)."""
+    docs/design-notes.md). Agrees with the gradient kernels' recomputation to fp32 rounding (~1e-5 at 30)."""
     e = gl.exp2(u * (2.8853900817779268 / softcap))  # 2 log2(e) / softcap
     reciprocal = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [e + 1.0], dtype=gl.float32,
                                            is_pure=True, pack=1)
@@ -114,7 +114,7 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     if SUM_EXP_DZ:
         # sum e * (z - r) as sum e * (u - max u) * z_scale + (max z - r) * sum e: u - max u is exact (16-bit
         # logits; with a softcap, the capped ones are fp32), so the max column's term is the gradient kernels'
-        # max z - r exactly (this form and order spill least: docs/ws_gemm_notes.md). Columns past N: e = 0
+        # max z - r exactly (this form and order spill least: docs/design-notes.md). Columns past N: e = 0
         # and u - max u = -inf, floored at -3e38 so their product is 0, not NaN; a quarter past N has
         # max u = r = 0 (shift): no inf - inf there.
         top_u = gl.where(top > float("-inf"), top, 0.0)

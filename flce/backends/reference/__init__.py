@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from flce.backends.reference import tuning  # noqa: F401  (registers the tuning space)
-from flce.backends.reference.plan import plan_call
+from flce.backends.reference.plan import choose, plan_call
 from flce.config import LCEConfig
 from flce.registry import Backend, HardwareProbe, register_backend
 
@@ -26,5 +26,6 @@ BACKEND = Backend(
     is_available=_always_available,
     supports=_supports_everything,
     plan_call=plan_call,
+    choose=choose,
 )
 register_backend(BACKEND)

@@ -68,6 +68,9 @@ class ReferenceKernels:
             # The logits may be kept for backward (deferred schedule): read them, never write.
             for rows in row_blocks(logits):
                 torch.logsumexp(logits[rows].to(math), dim=1, out=lse[rows])
+            # torch.logsumexp gives +inf for a row holding a +inf logit, where cross_entropy's log_softmax
+            # gives NaN (inf - inf), as the scan below and every other kernel do: the same here, per row.
+            lse.masked_fill_(lse == float("inf"), float("nan"))
             grad = None
         else:
             scale = torch.where(valid, grad_scale.to(math), 0.0)

@@ -1,15 +1,20 @@
 """The reference backend's planner: always TokenChunks, the chunk size from the memory budget (or the
-autotune cache), and how many rows a deferred backward keeps the logits of."""
+autotune cache), and how many rows a deferred backward keeps the logits of. A pure function of the
+device's and the call's descriptions (flce.engine.choice), whose record ``python -m flce explain`` prints."""
 
 from __future__ import annotations
 
-from flce.autotune.lookup import tuned_params
-from flce.backends.reference.kernels import ReferenceKernels, math_dtype
+import torch
+
+from flce.autotune.lookup import TunedEntry, tuned_entry
+from flce.backends.reference.kernels import CPU_BLOCK_BYTES, ReferenceKernels, math_dtype
 from flce.config import LCEConfig
-from flce.engine.call import EngineCall
-from flce.engine.memory import MiB, default_logits_save_limit, logits_save_limit, saved_logits_rows
+from flce.engine.call import EngineCall, grads_in_forward_allowed
+from flce.engine.choice import CallChoice, CallDescription, DeviceDescription, MemoryPlan, describe_device
+from flce.engine.memory import MiB, logits_save_limit, logits_save_limit_for, saved_logits_rows, tuned_chunk_rows
 from flce.engine.plans import BATCH_INVARIANT_TOKENS, PlanRequest, TokenChunks
 from flce.engine.rows import logits_bytes_per_row
+from flce.engine.steps import RowKernelNames, row_kernel_steps
 from flce.inputs import FlatInputs
 
 # Without a budget a chunk may use this much: large enough for full-speed CPU GEMMs
@@ -18,9 +23,14 @@ DEFAULT_CHUNK_BUDGET = 256 * MiB
 # Math-dtype temporaries the kernels hold at once over the rows they work on (the full variant's
 # z, probabilities and one product; the plain variant needs at most one, for low-precision logits).
 _TEMPORARIES = 3
+_KERNELS_CLASS = "flce.backends.reference.kernels.ReferenceKernels."
+KERNEL_NAMES = RowKernelNames(**{role: _KERNELS_CLASS + method for role, method in (
+    ("plain_loss", "plain_loss"), ("plain_grad", "plain_grad_"), ("row_stats", "row_stats"),
+    ("full_grad", "full_grad_"), ("scale", "scale_"), ("bias_sums", "add_column_sums_"),
+    ("fp32_product", "accumulate_fp32_"))})
 
 
-def working_bytes_per_row(flat: FlatInputs, cfg: LCEConfig | None = None) -> int:
+def working_bytes_per_row(device_type: str, vocab: int, dtype: torch.dtype, cfg: LCEConfig) -> int:
     """Working memory per token row of a chunk.
 
     On the CPU the kernels work in place on the chunk's logits and keep their temporaries to
@@ -28,46 +38,78 @@ def working_bytes_per_row(flat: FlatInputs, cfg: LCEConfig | None = None) -> int
     shape), so a row costs its logits alone. On other devices a block is the whole chunk: each
     row also carries the temporaries.
     """
-    vocab = flat.weight.shape[0]
-    logits = logits_bytes_per_row(vocab, flat.weight.dtype, cfg or LCEConfig())
-    if flat.hidden.device.type == "cpu":
+    logits = logits_bytes_per_row(vocab, dtype, cfg)
+    if device_type == "cpu":
         return logits
-    return logits + vocab * _TEMPORARIES * math_dtype(flat.weight.dtype).itemsize
+    return logits + vocab * _TEMPORARIES * math_dtype(dtype).itemsize
 
 
-def plan_chunks(flat: FlatInputs, cfg: LCEConfig, variant: str | None = None) -> TokenChunks:
+def lookup_variant(cfg: LCEConfig) -> str:
+    """The cache entry a call reads: the one of the variant its options need (a forced variant too)."""
+    return "full" if cfg.needs_full else "plain"
+
+
+def plan_chunks(device: DeviceDescription, call: CallDescription, entry: TunedEntry) -> tuple[TokenChunks, MemoryPlan]:
     """The autotune cache's tokens_per_chunk and logits_save_limit_bytes for this shape replace the
-    heuristic's; an explicit memory_budget still bounds them. variant None: the one "auto" picks.
-    Batch-invariant calls: tiles of BATCH_INVARIANT_TOKENS rows whatever the budget and the cache,
-    no kept logits (backward would turn them into gradients with GEMMs over all kept rows at once)."""
-    if cfg.batch_invariant:
-        return TokenChunks(tokens_per_chunk=BATCH_INVARIANT_TOKENS, saved_rows=0)
-    n_rows = flat.target.shape[0]
-    per_row = working_bytes_per_row(flat, cfg)
+    heuristic's; an explicit memory_budget still bounds them. Batch-invariant calls: tiles of
+    BATCH_INVARIANT_TOKENS rows whatever the budget and the cache, no kept logits (backward would turn
+    them into gradients with GEMMs over all kept rows at once)."""
+    cfg = call.cfg
+    per_row = working_bytes_per_row(device.type, call.vocab, call.dtype, cfg)
     budget = cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET
-    tokens = max(1, min(n_rows, budget // per_row))
-    params, cached_limit = tuned_params(
-        flat.hidden.device, "reference", variant or ("full" if cfg.needs_full else "plain"), flat.weight.dtype,
-        flat.weight.shape[1], flat.weight.shape[0], n_rows,
-    )
-    cached_tokens = (params or {}).get("tokens_per_chunk")
-    # Entries from other flce versions may hold anything: only a positive int is used.
-    if isinstance(cached_tokens, int) and not isinstance(cached_tokens, bool) and cached_tokens > 0:
-        tokens = min(n_rows, cached_tokens)
-        if cfg.memory_budget is not None:
-            tokens = min(tokens, cfg.memory_budget // per_row)
-        tokens = max(1, tokens)
-    save_limit = logits_save_limit(cached_limit, cfg.memory_budget, default_logits_save_limit(flat.hidden.device))
-    logits_row_bytes = logits_bytes_per_row(flat.weight.shape[0], flat.weight.dtype, cfg)
-    return TokenChunks(tokens_per_chunk=tokens,
-                     saved_rows=saved_logits_rows(n_rows, tokens, logits_row_bytes, per_row, save_limit))
+    budget_from = "memory_budget" if cfg.memory_budget is not None else "DEFAULT_CHUNK_BUDGET"
+    if cfg.batch_invariant:
+        return (TokenChunks(tokens_per_chunk=BATCH_INVARIANT_TOKENS, saved_rows=0),
+                MemoryPlan(budget, "batch_invariant: fixed tiles", BATCH_INVARIANT_TOKENS * per_row))
+    params = entry.params or {}
+    tokens = tuned_chunk_rows(call.n_rows, per_row, params.get("tokens_per_chunk"), cfg.memory_budget,
+                              DEFAULT_CHUNK_BUDGET)
+    save_limit = logits_save_limit(entry.logits_save_limit_bytes, cfg.memory_budget,
+                                   logits_save_limit_for(device.total_memory))
+    logits_row_bytes = logits_bytes_per_row(call.vocab, call.dtype, cfg)
+    saved = saved_logits_rows(call.n_rows, tokens, logits_row_bytes, per_row, save_limit)
+    limit_from = ("the autotune cache's" if entry.logits_save_limit_bytes is not None else
+                  "memory_budget" if cfg.memory_budget is not None else "1/8 of the device's memory, 1-4 GiB")
+    return (TokenChunks(tokens_per_chunk=tokens, saved_rows=saved),
+            MemoryPlan(budget, budget_from, 0 if saved == call.n_rows else tokens * per_row,
+                       saved * logits_row_bytes, save_limit, limit_from))
+
+
+def choose(device: DeviceDescription, call: CallDescription, entry: TunedEntry | None = None) -> CallChoice:
+    """The same plan whether gradients follow or not (inference keeps no logits whatever saved_rows says)."""
+    if entry is None:
+        entry = entry_for(device, call)
+    plan, memory = plan_chunks(device, call, entry)
+    if not call.request.training or grads_in_forward_allowed(call.cfg):
+        # No deferred backward: the plan's saved rows are never kept.
+        per_row = working_bytes_per_row(device.type, call.vocab, call.dtype, call.cfg)
+        memory = memory.without_kept_logits(min(plan.tokens_per_chunk, call.n_rows) * per_row)
+    blocks = (f"row blocks of {CPU_BLOCK_BYTES >> 20} MiB" if device.type == "cpu" else "the whole chunk at once")
+    return CallChoice(backend="reference", device=device.text(), inputs=call.text(), cache=entry.source, plan=plan,
+                      memory=memory,
+                      steps=row_kernel_steps(call, plan, KERNEL_NAMES, lambda role: f"torch ops, {blocks}"),
+                      kernel_package="flce.backends.reference.kernels")
+
+
+def entry_for(device: DeviceDescription, call: CallDescription) -> TunedEntry:
+    return tuned_entry(device.name, "reference", lookup_variant(call.cfg), call.dtype, call.hidden, call.vocab,
+                       call.n_rows)
 
 
 _KERNELS = ReferenceKernels()
+# Records by call description: the choice is a pure function of it and costs more than a dictionary lookup.
+_planned: dict[tuple, CallChoice] = {}
+_PLANNED_LIMIT = 256
 
 
 def plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequest) -> EngineCall:
-    """The same plan whether gradients follow or not (inference keeps no logits whatever saved_rows
-    says); the cache entry is the one of the variant the options need."""
-    return EngineCall(kernels=_KERNELS, cfg=cfg, plan=plan_chunks(flat, cfg), plain=variant == "plain",
-                      token_shape=flat.token_shape)
+    device, call = describe_device(flat.hidden.device), CallDescription.of(flat, cfg, variant, request)
+    entry = entry_for(device, call)
+    key = (device, call.key, entry.key)
+    record = _planned.get(key)
+    if record is None:
+        if len(_planned) >= _PLANNED_LIMIT:
+            _planned.clear()
+        record = _planned[key] = choose(device, call, entry)
+    return EngineCall(kernels=_KERNELS, cfg=cfg, plan=record.plan, plain=variant == "plain",
+                      token_shape=flat.token_shape, choice=record)

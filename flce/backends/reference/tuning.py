@@ -6,8 +6,10 @@ from collections.abc import Mapping
 
 from flce.autotune.schema import Scalar
 from flce.autotune.spaces import Params, TuneShape, TuningSpace, chunk_candidates, register_tuning_space
-from flce.backends.reference.plan import plan_chunks, working_bytes_per_row
+from flce.backends.reference.plan import choose, working_bytes_per_row
 from flce.config import LCEConfig
+from flce.engine.choice import CallDescription, describe_device
+from flce.engine.plans import PlanRequest
 
 
 def _candidates(shape: TuneShape, quick: bool) -> list[Params]:
@@ -17,13 +19,13 @@ def _candidates(shape: TuneShape, quick: bool) -> list[Params]:
 def _working_bytes(shape: TuneShape, params: Mapping[str, Scalar]) -> int:
     # The planner's own per-row figure (it depends on the device).
     rows = min(int(params.get("tokens_per_chunk") or shape.tokens), shape.tokens)
-    return rows * working_bytes_per_row(shape.stand_in_inputs())
+    return rows * working_bytes_per_row(shape.device.type, shape.vocab, shape.dtype, LCEConfig())
 
 
 def _heuristic(shape: TuneShape) -> Params:
     # The chunk depends on the memory budget alone, not on the other options: default ones do.
-    plan = plan_chunks(shape.stand_in_inputs(), LCEConfig(), shape.variant)
-    return {"tokens_per_chunk": plan.tokens_per_chunk}
+    call = CallDescription.of(shape.stand_in_inputs(), LCEConfig(), shape.variant, PlanRequest(training=True))
+    return {"tokens_per_chunk": choose(describe_device(shape.device), call).plan.tokens_per_chunk}
 
 
 register_tuning_space(TuningSpace("reference", candidates=_candidates, working_bytes=_working_bytes,

@@ -1,0 +1,251 @@
+"""``flce.explain`` / ``python -m flce explain``: the record of what a call runs, made without the device.
+
+On the CPU: every kernel a record names (and every fallback) is a real function of the module it names, for
+the H100, the H200, an A100, the CPU and an Ascend NPU; the record explain prints equals the one a real call
+plans (the reference backend; the CUDA backend under the Triton interpreter, and on a described H100 whose
+description is injected where a call reads its device's). On a GPU (``cuda``): the kernels that ran are the
+ones the record named (tests/test_explain_gpu.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import flce
+from flce.__main__ import main
+from flce.config import LCEConfig
+from flce.engine import run as engine_run
+from flce.engine.choice import CallChoice
+
+H100, H200, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB"
+RL = {"reduction": "none", "return_logprobs": True, "return_entropy": True, "temperature": 0.7}
+CALLS = {
+    "default": {},
+    "no-grad": {"training": False},
+    "rl": RL,
+    "rl-no-grad": dict(RL, training=False),
+    "smoothing-softcap-bias": {"label_smoothing": 0.1, "softcap": 30.0, "bias": True},
+    "budget-64MiB": {"memory_budget": 64 << 20},
+    "budget-64MiB-rl": dict(RL, memory_budget=64 << 20),
+    "accurate-fp32-accumulation": {"precision": "accurate", "accum_dtype": torch.float32},
+}
+DEVICES = {"H100": {"device": "cuda", "gpu": H100}, "H200": {"device": "cuda", "gpu": H200},
+           "A100": {"device": "cuda", "gpu": A100}, "cpu": {"device": "cpu"}, "npu": {"device": "npu"}}
+
+
+def resolve(path: str) -> object:
+    """The object a dotted path names: the longest importable module prefix, then attributes."""
+    parts = path.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            target = getattr(target, name)
+        return target
+    raise ImportError(path)
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("device", list(DEVICES))
+def test_records_name_real_functions(device: str, call: str) -> None:
+    pytest.importorskip("triton")
+    record = flce.explain(**DEVICES[device], shape="8192x4096x128256", dtype="bfloat16", **CALLS[call])
+    backend = {"cpu": "reference", "npu": "ascend"}.get(device, "cuda")
+    assert record.backend == backend
+    names = record.kernel_names() | {k for step in record.steps for k in step.fallback}
+    assert names and all(step.reason for step in record.steps)
+    for name in names:
+        assert callable(resolve(name)) or hasattr(resolve(name), "fn"), name  # a function or a Triton kernel
+    text = str(record)
+    assert f"backend: {backend}" in text and "schedule:" in text and "memory:" in text
+
+
+def test_hopper_defaults_name_the_warp_specialised_kernel_and_the_shipped_entry() -> None:
+    """The default bf16 training call at 8192x4096x128256: 2048-row chunks from the shipped H100 entry, each
+    chunk's kept exponentials from the warp-specialised statistics GEMM, cuBLAS gradient products; on an A100
+    no warp-specialised kernel and no H100 entry."""
+    h100 = flce.explain("cuda", gpu=H100, shape="8192x4096x128256", dtype="bfloat16")
+    assert h100.plan.tokens_per_chunk == 2048 and h100.plan.chunk_grad == "exponentials"
+    assert "nvidia-h100.yaml" in h100.cache
+    ws = "flce.backends.cuda.ws_gemm_kernels._ws_gemm_kernel"
+    assert ws in h100.steps[0].kernels and "torch.mm" in h100.steps[1].kernels
+    a100 = flce.explain("cuda", gpu=A100, shape="8192x4096x128256", dtype="bfloat16")
+    assert ws not in a100.kernel_names() and a100.cache.startswith("none")
+    assert a100.plan.forward_logits == "cublas" and "flce.backends.cuda.kernels._plain_forward_kernel" in \
+        a100.kernel_names()
+    old_triton = flce.explain("cuda", gpu=H100, triton="3.4.0", shape="8192x4096x128256", dtype="bfloat16")
+    assert ws not in old_triton.kernel_names() and "predates the Gluon API" in str(old_triton)
+
+
+def test_explain_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["explain", "--device", "cuda", "--gpu", H200, "--dtype", "bfloat16", "--shape", "16384x4096x151936",
+                 "--reduction", "none", "--return-logprobs", "true", "--memory_budget", "512MiB", "--no-grad"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "backend: cuda" in out and "device: NVIDIA H200, sm_90" in out and "no gradient" in out
+    assert "ws_gemm_kernels._ws_gemm_kernel" in out and "why:" in out
+    assert "options: reduction=none, memory_budget=536870912, return_logprobs=True" in out
+
+
+def test_explain_command_errors_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--shape", "8192x4096"], ["--gpu", "NVIDIA Imaginary", "--shape", "1x2x3"],
+                 ["--shape", "8x8x8", "--temperature", "0"], ["--shape", "8x8x8", "--reduction", "mode"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["explain", *argv])
+        assert exit_info.value.code == 2
+        assert "explain:" in capsys.readouterr().err
+
+
+def _planned(monkeypatch: pytest.MonkeyPatch, step) -> CallChoice:
+    """The record of the call ``step`` makes (the eager path's EngineCall carries it)."""
+    records = []
+    real = engine_run.apply_eager
+
+    def capturing(flat, call):
+        records.append(call.choice)
+        return real(flat, call)
+
+    monkeypatch.setattr(engine_run, "apply_eager", capturing)
+    step()
+    assert len(records) == 1 and records[0] is not None
+    return records[0]
+
+
+@pytest.mark.parametrize("call", ["default", "no-grad", "rl", "smoothing-softcap-bias", "budget-64MiB"])
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_explain_equals_what_a_call_plans(backend: str, call: str, monkeypatch: pytest.MonkeyPatch,
+                                          generator: torch.Generator) -> None:
+    """A CPU call (the CUDA backend: in the Triton interpreter) and explain of the same description."""
+    if backend == "cuda":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("interpreter test: runs where there is no GPU")
+    options = dict(CALLS[call])
+    training, bias = options.pop("training", True), options.pop("bias", False)
+    if "memory_budget" in options:
+        options["memory_budget"] = 64 << 10  # small inputs: a budget that makes small chunks
+    n, h, v = 40, 16, 96
+    x = torch.randn(n, h, generator=generator).requires_grad_(training)
+    w = torch.randn(v, h, generator=generator).requires_grad_(training)
+    b = torch.randn(v, generator=generator).requires_grad_(training) if bias else None
+    t = torch.randint(0, v, (n,), generator=generator)
+
+    def step() -> None:
+        out = flce.linear_cross_entropy(x, w, t, b, backend=backend, **options)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        if training:
+            loss.sum().backward()
+
+    planned = _planned(monkeypatch, step)
+    explained = flce.explain("cpu", backend=backend, shape=(n, h, v), dtype="float32", training=training, bias=bias,
+                             **options)
+    assert explained == planned
+    assert explained.backend == backend
+
+
+@pytest.mark.parametrize("options", [{}, RL, {"memory_budget": 64 << 20}], ids=["default", "rl", "budget"])
+def test_explain_equals_the_plan_on_a_described_gpu(options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA backend's planner reads its device through one function (hardware.describe_device): with an
+    H100's description injected there, a call's record on CPU tensors (planned, not run) equals explain's."""
+    pytest.importorskip("triton")
+    from flce.backends import cuda
+    from flce.backends.cuda import hardware
+    from flce.engine.plans import PlanRequest
+    from flce.inputs import prepare_inputs
+
+    monkeypatch.setattr(hardware, "describe_device", lambda device: hardware.gpu_description(H100))
+    n, h, v = 8192, 4096, 128256
+    x, w = (torch.empty(n, h, dtype=torch.bfloat16), torch.empty(v, h, dtype=torch.bfloat16))
+    t = torch.zeros(n, dtype=torch.int64)
+    cfg = LCEConfig(**options)
+    variant = "full" if cfg.needs_full else "plain"
+    planned = cuda.BACKEND.plan_call(prepare_inputs(x, w, t, None, cfg), cfg, variant, PlanRequest(training=True))
+    explained = flce.explain("cuda", gpu=H100, shape=(n, h, v), dtype="bfloat16", **options)
+    assert planned.choice == explained
+    assert planned.plan == explained.plan
+
+
+# Interpreter tiles: several vocabulary tiles and splits at V = 96.
+_TILES = {"gemm_block_m": 16, "gemm_block_n": 32, "gemm_block_k": 16, "gemm_group_m": 2, "gemm_warps": 4,
+          "gemm_stages": 1, "gemm_splits": 2}
+_CHUNKS = {"tokens_per_chunk": 16, "grad_schedule": "token_chunks"}
+INTERPRETER_CALLS = {  # name: (options, bias, training, autotune knobs, logits-save limit)
+    "cublas-plain": ({}, False, True, _CHUNKS, None),
+    "cublas-full-bias": ({"label_smoothing": 0.1}, True, True, _CHUNKS, None),
+    "triton-logits": ({}, True, True, dict(_TILES, **_CHUNKS, forward_logits="fused", logits_kernel="triton"), None),
+    "exponentials": ({}, False, True, dict(_TILES, **_CHUNKS, chunk_grad="exponentials"), None),
+    "exponentials-fp32-accumulation": ({"accum_dtype": torch.float32}, False, True,
+                                       dict(_TILES, **_CHUNKS, chunk_grad="exponentials"), None),
+    "vocab-blocks-fused": ({"label_smoothing": 0.1}, True, True,
+                           dict(_TILES, forward_stats="fused", backward_grad="fused", grad_schedule="vocab_blocks",
+                                grad_vocab_block=32), None),
+    "deferred-kept": (RL, False, True, _CHUNKS, 1 << 30),
+    "deferred-recomputed-fused": (RL, True, True, dict(_TILES, **_CHUNKS, forward_stats="fused", backward_grad="fused"),
+                                  0),
+    "no-grad-fused-stats": (RL, False, False, dict(_TILES, forward_stats="fused"), None),
+}
+
+
+@pytest.mark.parametrize("name", list(INTERPRETER_CALLS))
+def test_interpreter_kernels_that_ran_are_the_ones_the_record_named(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                                    generator: torch.Generator) -> None:
+    """The CPU analogue of tests/test_explain_gpu.py: every Triton kernel launch counted by name (the CUDA
+    backend in the interpreter), the torch GEMMs too; they are exactly the kernels and GEMMs the call's
+    record names (torch's other ops, a column sum, are not counted)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test: runs where there is no GPU")
+    from flce.autotune import override_params
+
+    options, bias, training, knobs, limit = INTERPRETER_CALLS[name]
+    ran: set[str] = set()
+    for module_name in ("kernels", "gemm_kernels", "exp_grad_kernels"):
+        module = importlib.import_module(f"flce.backends.cuda.{module_name}")
+        for attr, value in list(vars(module).items()):
+            if attr.endswith("_kernel") and hasattr(value, "fn"):
+                monkeypatch.setattr(module, attr, _Counted(value, f"{module.__name__}.{attr}", ran))
+    for owner, attr, label in ((torch, "mm", "torch.mm"), (torch, "addmm", "torch.addmm"),
+                               (torch.Tensor, "addmm_", "torch.Tensor.addmm_"),
+                               (torch.Tensor, "__matmul__", "torch.matmul")):
+        monkeypatch.setattr(owner, attr, _counted_function(getattr(owner, attr), label, ran))
+    n, h, v = 40, 16, 96
+    x = torch.randn(n, h, generator=generator).requires_grad_(training)
+    w = torch.randn(v, h, generator=generator).requires_grad_(training)
+    b = torch.randn(v, generator=generator).requires_grad_(training) if bias else None
+    t = torch.randint(0, v, (n,), generator=generator)
+
+    def step() -> None:
+        with override_params(knobs, limit, backend="cuda"):
+            out = flce.linear_cross_entropy(x, w, t, b, backend="cuda", **options)
+        if training:
+            loss = out if isinstance(out, torch.Tensor) else out.loss.sum() + out.entropy.sum() + out.logprobs.sum()
+            loss.backward()
+
+    record = _planned(monkeypatch, step)
+    gemms = {"torch.mm", "torch.addmm", "torch.Tensor.addmm_", "torch.matmul"}
+    named = {k for k in record.kernel_names() if k.startswith("flce.") or k in gemms}
+    assert ran == named, f"ran {sorted(ran)}\n{record}"
+
+
+class _Counted:
+    """A Triton kernel whose launches (``kernel[grid](...)``) are noted by name."""
+
+    def __init__(self, kernel: object, name: str, sink: set[str]) -> None:
+        self.kernel, self.name, self.sink, self.fn = kernel, name, sink, kernel.fn
+
+    def __getitem__(self, grid: object) -> object:
+        self.sink.add(self.name)
+        return self.kernel[grid]
+
+
+def _counted_function(function, name: str, sink: set[str]):
+    def counted(*args, **kwargs):
+        sink.add(name)
+        return function(*args, **kwargs)
+
+    return counted

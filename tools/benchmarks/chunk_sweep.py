@@ -1,0 +1,80 @@
+"""What memory buys: the default training call at several token-chunk sizes, one GPU, bf16.
+
+For each shape, fwd+bwd of ``flce.linear_cross_entropy`` with ``tokens_per_chunk`` forced to each size
+(the autotune override, so neither the shipped cache nor the 512 MiB default budget caps it), beside
+the cuBLAS 3-GEMM floor, all interleaved round by round in one process: median (range) of the ratio
+to the same round's floor, and MiB above the gradients. Larger chunks mean fewer read-modify-writes
+of the V x H weight gradient and larger GEMMs, at chunk x V x 2 bytes of kept logits or exponentials.
+
+    python tools/benchmarks/chunk_sweep.py --shapes 8192x4096x128256,16384x2048x151936 --chunks 2048,4096,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+
+import torch
+
+import flce
+from flce.autotune import override_params
+from flce.testing.measure import gpu_timing, parse_shape, peak_mib_above, shape_inputs
+
+
+def sweep(label: str, chunks: list[int], rounds: int) -> dict:
+    tokens, hidden, vocab = parse_shape(label)
+    x, w, t, _ = shape_inputs(tokens, hidden, vocab)
+    g = torch.randn(tokens, vocab, device=x.device, dtype=x.dtype)
+    xd, wd = x.detach(), w.detach()
+
+    def floor() -> None:
+        xd @ wd.T
+        g @ wd
+        g.T @ xd
+
+    def step(chunk: int | None):
+        knobs = None if chunk is None else {"tokens_per_chunk": chunk}
+        with override_params(knobs, backend="cuda") if knobs else contextlib.nullcontext():
+            loss = flce.linear_cross_entropy(x, w, t)
+            return torch.autograd.grad(loss, (x, w))
+
+    calls = {"floor": floor, "default": lambda: step(None)}
+    calls.update({f"chunk {c}": (lambda c=c: step(c)) for c in chunks if c <= tokens})
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            samples[name].append(gpu_timing(fn, warmup_ms=25, rep_ms=200).median_ms)
+    memory = {name: peak_mib_above(fn) for name, fn in calls.items() if name != "floor"}
+    ratios = {name: [ms / f for ms, f in zip(values, samples["floor"], strict=True)]
+              for name, values in samples.items() if name != "floor"}
+    return {"shape": label, "floor_ms": samples["floor"], "ms": samples, "ratio": ratios, "mib_above_grads": memory}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="8192x4096x128256,16384x2048x151936,4096x4096x32000")
+    parser.add_argument("--chunks", default="1024,2048,4096,8192,16384")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    results = []
+    for label in args.shapes.split(","):
+        result = sweep(label, [int(c) for c in args.chunks.split(",")], args.rounds)
+        results.append(result)
+        print(f"\n## {label}: floor {statistics.median(result['floor_ms']):.2f} ms")
+        print("| chunk | x floor, median (range) | MiB above grads |\n|---|---|---|")
+        for name, ratios in result["ratio"].items():
+            print(f"| {name} | {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | "
+                  f"{result['mib_above_grads'][name]:.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
