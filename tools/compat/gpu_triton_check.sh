@@ -77,10 +77,13 @@ elif [ "$step" = bench ]; then
     python3 - "$results" "$version" <<'PY' | tee "$OUT/compare-$version.md"
 import glob, json, statistics, sys
 out, version = sys.argv[1], sys.argv[2]
-rows = {}
+rows, tritons = {}, {}
 for side in ("image", version):
     for path in sorted(glob.glob(f"{out}/bench-{side}-r*.json")):
-        for row in json.load(open(path)):
+        run = json.load(open(path))  # peers.py --json: the rows with the GPU and the versions they ran with
+        tritons.setdefault(side, set()).add(f"{run['gpu']}, torch {run['versions']['torch']}, "
+                                            f"triton {run['versions'].get('triton', '?')}")
+        for row in run["rows"]:
             rows.setdefault((row["shape"], row["method"]), {}).setdefault(side, []).append(row)
 def cell(measured):
     if not measured:
@@ -91,7 +94,10 @@ def cell(measured):
     ms = statistics.median(r["fwd_bwd_ms"] for r in measured)
     ratio = statistics.median(r.get("ratio", 1.0) for r in measured)
     return f"{ms:.2f} ms ({ratio:.3f}x floor, {len(measured)} rounds)"
-print(f"fwd+bwd, bf16, median over rounds (one process per Triton and round, alternating); image Triton vs {version}\n")
+print(f"fwd+bwd, bf16, median over rounds (one process per Triton and round, alternating); image Triton vs {version}")
+for side, runs in tritons.items():
+    print(f"- {side}: {'; '.join(sorted(runs))}")
+print()
 print(f"| shape | method | image Triton | triton {version} | {version} / image |")
 print("|---|---|---|---|---|")
 for (shape, method), sides in sorted(rows.items()):
