@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "$PART" = tests ]; then
   workers=()
-  python3 -c "import xdist" 2>/dev/null && workers=(-n 3)
+  python3 -c "import xdist" 2>/dev/null && workers=(-n 2)
   python3 -m pytest -p no:cacheprovider tests -m cuda -q "${workers[@]}" --ignore=tests/test_ws_gemm.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
   python3 -m pytest -p no:cacheprovider tests/test_ws_gemm.py -m cuda -q 2>&1 | tail -25 | tee -a "$OUT/tests.txt"
   python3 -m pytest -p no:cacheprovider tests/test_compile.py tests/test_cuda_graphs.py -q 2>&1 | tail -5 | tee -a "$OUT/tests.txt"

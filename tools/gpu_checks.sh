@@ -14,9 +14,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 # tests/test_ws_gemm.py serially: its float64 oracles at V = 130k-150k hold up to ~30 GB each, so pytest-xdist
 # workers on one GPU run out of memory there (3 workers on an H100, 2026-11-25: 3 of its tests did). The other
-# cuda tests in 3 workers where pytest-xdist is installed (a cold H100 ran those 76 in 125 s, 2026-11-25).
+# cuda tests in 2 workers where pytest-xdist is installed (3 workers ran out of the H100's memory, 2026-11-26).
 workers=()
-python3 -c "import xdist" 2>/dev/null && workers=(-n 3)
+python3 -c "import xdist" 2>/dev/null && workers=(-n 2)
 python3 -m pytest -p no:cacheprovider tests -m cuda -q "${workers[@]}" --ignore=tests/test_ws_gemm.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
 python3 -m pytest -p no:cacheprovider tests/test_ws_gemm.py -m cuda -q 2>&1 | tail -25 | tee -a "$OUT/tests.txt"
 python3 -m pytest -p no:cacheprovider tests/test_compile.py tests/test_cuda_graphs.py -q 2>&1 | tail -5 | tee -a "$OUT/tests.txt"

@@ -51,7 +51,7 @@ if [ "$step" = tests ]; then
     versions "$PYTHONPATH" | tee "$log"
     python3 -m flce info 2>&1 | sed -n '/cuda kernels:/,/^$/p' | tee -a "$log"
     workers=()
-    python3 -c "import xdist" 2>/dev/null && workers=(-n 3)
+    python3 -c "import xdist" 2>/dev/null && workers=(-n 2)
     # tests/test_ws_gemm.py serially: its float64 oracles hold up to ~30 GB each (see tools/gpu_checks.sh).
     timeout 330 python3 -m pytest -p no:cacheprovider tests -m cuda -q "${workers[@]}" \
         --ignore=tests/test_ws_gemm.py 2>&1 | tail -15 | tee -a "$log"
