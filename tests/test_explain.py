@@ -116,6 +116,16 @@ def _planned(monkeypatch: pytest.MonkeyPatch, step) -> CallChoice:
     return records[0]
 
 
+def _small_inputs(generator: torch.Generator, training: bool, bias: bool) -> tuple:
+    """(hidden [40, 16], weight [96, 16], bias [96] or None, target [40]), leaves that require grad when training."""
+    n, h, v = 40, 16, 96
+    x = torch.randn(n, h, generator=generator).requires_grad_(training)
+    w = torch.randn(v, h, generator=generator).requires_grad_(training)
+    b = torch.randn(v, generator=generator).requires_grad_(training) if bias else None
+    t = torch.randint(0, v, (n,), generator=generator)
+    return x, w, b, t
+
+
 @pytest.mark.parametrize("call", ["default", "no-grad", "rl", "smoothing-softcap-bias", "budget-64MiB"])
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
 def test_explain_equals_what_a_call_plans(backend: str, call: str, monkeypatch: pytest.MonkeyPatch,
@@ -129,11 +139,7 @@ def test_explain_equals_what_a_call_plans(backend: str, call: str, monkeypatch: 
     training, bias = options.pop("training", True), options.pop("bias", False)
     if "memory_budget" in options:
         options["memory_budget"] = 64 << 10  # small inputs: a budget that makes small chunks
-    n, h, v = 40, 16, 96
-    x = torch.randn(n, h, generator=generator).requires_grad_(training)
-    w = torch.randn(v, h, generator=generator).requires_grad_(training)
-    b = torch.randn(v, generator=generator).requires_grad_(training) if bias else None
-    t = torch.randint(0, v, (n,), generator=generator)
+    x, w, b, t = _small_inputs(generator, training, bias)
 
     def step() -> None:
         out = flce.linear_cross_entropy(x, w, t, b, backend=backend, **options)
@@ -142,8 +148,8 @@ def test_explain_equals_what_a_call_plans(backend: str, call: str, monkeypatch: 
             loss.sum().backward()
 
     planned = _planned(monkeypatch, step)
-    explained = flce.explain("cpu", backend=backend, shape=(n, h, v), dtype="float32", training=training, bias=bias,
-                             **options)
+    explained = flce.explain("cpu", backend=backend, shape=(*x.shape, w.shape[0]), dtype="float32",
+                             training=training, bias=bias, **options)
     assert explained == planned
     assert explained.backend == backend
 
@@ -213,11 +219,7 @@ def test_interpreter_kernels_that_ran_are_the_ones_the_record_named(name: str, m
                                (torch.Tensor, "addmm_", "torch.Tensor.addmm_"),
                                (torch.Tensor, "__matmul__", "torch.matmul")):
         monkeypatch.setattr(owner, attr, _counted_function(getattr(owner, attr), label, ran))
-    n, h, v = 40, 16, 96
-    x = torch.randn(n, h, generator=generator).requires_grad_(training)
-    w = torch.randn(v, h, generator=generator).requires_grad_(training)
-    b = torch.randn(v, generator=generator).requires_grad_(training) if bias else None
-    t = torch.randint(0, v, (n,), generator=generator)
+    x, w, b, t = _small_inputs(generator, training, bias)
 
     def step() -> None:
         with override_params(knobs, limit, backend="cuda"):

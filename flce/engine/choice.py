@@ -36,10 +36,15 @@ class DeviceDescription:
     interpreter: bool = False  # Triton kernels run in its interpreter, on CPU tensors
     triton: str | None = None  # the version of Triton the kernels compile with (None: not installed)
 
+    @property
+    def arch(self) -> str:
+        """``sm_90`` and the like, from the compute capability."""
+        return "no compute capability" if self.capability is None else f"sm_{self.capability[0]}{self.capability[1]}"
+
     def text(self) -> str:
         parts = [self.name]
         if self.capability is not None:
-            parts.append(f"sm_{self.capability[0]}{self.capability[1]}")
+            parts.append(self.arch)
         if self.multiprocessors:
             parts.append(f"{self.multiprocessors} {'SMs' if self.type == 'cuda' else 'cores'}")
         parts.append(f"{self.total_memory / 2**30:.0f} GiB")

@@ -10,7 +10,6 @@ import torch
 
 from flce.backends.cuda.gluon_compat import gluon_support, triton_version
 from flce.backends.cuda.hardware import describe_device, has_tma, warp_specialized_available
-from flce.engine.choice import DeviceDescription
 
 
 def kernel_availability(device: torch.device) -> list[tuple[str, bool, str]]:
@@ -29,8 +28,8 @@ def kernel_availability(device: torch.device) -> list[tuple[str, bool, str]]:
     if gpu:
         description = describe_device(device)
         tma = has_tma(description)
-        tma_why = f"{description.name} ({_arch(description)})" if tma else (
-            f"needs sm_90 or later, {description.name} is {_arch(description)}")
+        tma_why = f"{description.name} ({description.arch})" if tma else (
+            f"needs sm_90 or later, {description.name} is {description.arch}")
         ws, ws_why = warp_specialized_available(description)
     else:
         tma, tma_why = False, f"runs on an sm_90 GPU only, {device} is none"
@@ -42,6 +41,3 @@ def kernel_availability(device: torch.device) -> list[tuple[str, bool, str]]:
         ("warp-specialised GEMM (Gluon, sm_90a)", ws, ws_why),
     ]
 
-
-def _arch(device: DeviceDescription) -> str:
-    return "no compute capability" if device.capability is None else f"sm_{device.capability[0]}{device.capability[1]}"

@@ -76,9 +76,7 @@ def warp_specialized_available(device: DeviceDescription) -> tuple[bool, str]:
     if device.interpreter:
         return False, "the Triton interpreter runs no Gluon kernel"
     if not is_hopper(device):
-        arch = ("no compute capability" if device.capability is None
-                else f"sm_{device.capability[0]}{device.capability[1]}")
-        return False, f"{arch}: the kernels are written for sm_90 (Hopper)"
+        return False, f"{device.arch}: the kernels are written for sm_90 (Hopper)"
     builds, why = triton_supports_gluon_hopper(device.triton)
     if builds and device.triton == installed_triton():
         # The Triton installed here: whether its Gluon module has what the kernels call (a broken install, or
