@@ -283,6 +283,25 @@ def test_a_larger_budget_buys_larger_training_chunks(budget_mib, want):
         assert plan.tokens_per_chunk * v * 2 <= budget_mib << 20
 
 
+@pytest.mark.parametrize(("n_rows", "max_rows", "want"), [
+    (16384, 1768, 1536),  # the default budget at 16384 x 2048 x 151936: 10 x 1536 + 1024 (whole 256-row tiles)
+    (16384, 7236, 5632),  # 2 GiB there: 5632 + 5632 + 5120, not 6912 + 6912 + 2560
+    (8192, 8192, 8192),
+    (8192, 6000, 4096),  # two even chunks, not 5888 + 2304
+    (1000, 300, 256),
+    (300, 100, 100),  # under one tile: as many rows as fit
+])
+def test_chunks_are_as_even_as_whole_tiles_allow(n_rows, max_rows, want):
+    """The fewest chunks of at most max_rows, each a multiple of 256 rows, as even as that allows: a short last
+    chunk costs a GEMM at a fraction of the GPU (chunk_rows' docstring has the measurements)."""
+    from flce.backends.cuda.plan import chunk_rows
+
+    rows = chunk_rows(n_rows, max_rows)
+    assert rows == want and rows <= max_rows
+    largest = max_rows - max_rows % 256 or max_rows  # no more chunks than of the largest whole-tile size
+    assert -(-n_rows // rows) == -(-n_rows // largest)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "return_entropy": True, "reduction": "none"}],
                          ids=["plain", "full-deferred"])
