@@ -296,10 +296,9 @@ def _vocab_blocks_pay(cfg: LCEConfig, n_rows: int, vocab: int, chunk: int, logit
 def chunk_rows(n_rows: int, max_rows: int) -> int:
     """Rows per chunk: all rows if they fit, else as few chunks as fit, each a multiple of ROW_MULTIPLE rows and
     as even as that allows (the last takes the rest). Measured on the H200 at 16384x2048x151936: 1536-row chunks
-    49.4 ms, evenly balanced 1664-row chunks 51.4 ms (half a 256-row GEMM tile wasted per chunk); on the H100
-    (tools/benchmarks/chunk_sweep.py, x the 3-GEMM floor) a short last chunk costs: 8192x4096x128256 in 7936 +
-    256 rows 1.062 against 2 x 4096 1.036, 16384x2048x151936 in 6912 + 6912 + 2560 rows 1.069 against 4 x 4096
-    1.044."""
+    49.4 ms, evenly balanced 1664-row chunks 51.4 ms (half a 256-row GEMM tile wasted per chunk). On the H100
+    (tools/benchmarks/chunk_sweep.py, x the 3-GEMM floor, one run each) a 2 GiB budget there planned 6912 + 6912 +
+    2560 rows at 1.069 against 1.044 for 4 x 4096, and plans 5632 + 5632 + 5120 at 1.043 against 1.028."""
     if n_rows <= max_rows:
         return max(1, n_rows)
     if max_rows < ROW_MULTIPLE:
