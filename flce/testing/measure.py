@@ -257,3 +257,18 @@ def publish(text: str, markdown: str | None) -> None:
     if markdown:
         with open(markdown, "w") as f:
             f.write(text + "\n")
+
+
+def median_range(values: list[float]) -> str:
+    """A table cell: the median of ``values`` and their range, three decimals."""
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def save_gpu_results(path: str | None, results: list) -> None:
+    """With a path, write ``results`` there as JSON beside the current GPU's name and the torch version."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f,
+                      indent=1)

@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 
 import torch
 
 import flce
 from flce.autotune import override_params
-from flce.testing.measure import gpu_timing, parse_shape, peak_mib_above, shape_inputs
+from flce.testing.measure import (
+    gpu_timing,
+    median_range,
+    parse_shape,
+    peak_mib_above,
+    save_gpu_results,
+    shape_inputs,
+)
 
 
 def sweep(label: str, chunks: list[int], budgets_mib: list[int], rounds: int) -> dict:
@@ -77,12 +83,8 @@ def main() -> int:
         print(f"\n## {label}: floor {statistics.median(result['floor_ms']):.2f} ms")
         print("| chunk | x floor, median (range) | MiB above grads |\n|---|---|---|")
         for name, ratios in result["ratio"].items():
-            print(f"| {name} | {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | "
-                  f"{result['mib_above_grads'][name]:.0f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f,
-                      indent=1)
+            print(f"| {name} | {median_range(ratios)} | {result['mib_above_grads'][name]:.0f} |")
+    save_gpu_results(args.json, results)
     return 0
 
 

@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import statistics
 
 import torch
 
 from flce.backends.cuda.exp_grad_ops import exp_offsets
 from flce.backends.cuda.ws_gemm_ops import ROW_STATS_CONFIG, padded_empty, ws_partial_row_stats
 from flce.config import LCEConfig
-from flce.testing.measure import IGNORE_INDEX, gpu_timing, parse_shape, shape_inputs
+from flce.testing.measure import (
+    IGNORE_INDEX,
+    gpu_timing,
+    median_range,
+    parse_shape,
+    save_gpu_results,
+    shape_inputs,
+)
 
 
 def calls(label: str, configs: list[str]) -> dict:
@@ -62,13 +67,9 @@ def main() -> int:
         print(f"\n## {label}\n| GEMM | ms, median (range) | x cuBLAS, median (range) |\n|---|---|---|")
         for name, ms in samples.items():
             ratios = [a / b for a, b in zip(ms, base, strict=True)]
-            print(f"| {name} | {statistics.median(ms):.3f} ({min(ms):.3f}-{max(ms):.3f}) | "
-                  f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |")
+            print(f"| {name} | {median_range(ms)} | {median_range(ratios)} |")
         results.append({"shape": label, "ms": samples})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f,
-                      indent=1)
+    save_gpu_results(args.json, results)
     return 0
 
 
