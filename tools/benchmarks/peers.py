@@ -115,6 +115,11 @@ def flce_64mib(x, w, t):
     return flce.linear_cross_entropy(x, w, t, memory_budget=64 * MiB)
 
 
+def flce_budget(budget: int) -> Callable:
+    """flce allowed ``budget`` bytes above the gradients: the planner's larger chunks (docs/usage.md)."""
+    return lambda x, w, t: flce.linear_cross_entropy(x, w, t, memory_budget=budget)
+
+
 def flce_accurate(x, w, t):
     return flce.linear_cross_entropy(x, w, t, precision="accurate")
 
@@ -146,7 +151,8 @@ def all_methods() -> dict[str, Callable]:
     methods = {"torch_eager": torch_eager, "torch_compile": torch_compile,
                "torch_chunked_compile": torch_chunked_compile}
     methods.update(peer_methods())
-    methods.update({"flce": flce_default, "flce_64MiB": flce_64mib, "flce_accurate": flce_accurate})
+    methods.update({"flce": flce_default, "flce_1GiB": flce_budget(1024 * MiB), "flce_2GiB": flce_budget(2048 * MiB),
+                    "flce_64MiB": flce_64mib, "flce_accurate": flce_accurate})
     return methods
 
 

@@ -31,7 +31,8 @@ REQUIRED = ("gpu", "date", "versions", "command", "rows")
 # Display names of peers.py's methods (and of the transcribed runs' extra ones); others show as named.
 LABELS = {
     "flce": "flce", "flce_64MiB": "flce, 64 MiB", "flce_128MiB": "flce, 128 MiB", "flce_512MiB": "flce, 512 MiB",
-    "flce_accurate": "flce, accurate", "quack": "quack scaled-exp", "quack_chunked": "quack chunked",
+    "flce_1GiB": "flce, 1 GiB", "flce_2GiB": "flce, 2 GiB", "flce_accurate": "flce, accurate",
+    "quack": "quack scaled-exp", "quack_chunked": "quack chunked",
     "torch_compile": "torch.compile", "torch_eager": "torch eager", "torch_chunked_compile": "torch chunked compile",
     "torch_native_chunked": "torch F.linear_cross_entropy", "liger": "Liger (Triton)", "liger_cute": "Liger CuTe SM90",
     "liger_cute_ce": "Liger CuTe CE", "liger_cute_rl": "Liger CuTe scaled (RL)", "cce": "Cut Cross-Entropy",
@@ -40,7 +41,8 @@ LABELS = {
 # One colour per implementation in every plot (tab10's, flce's in greys); others take the rest in turn.
 COLOURS = {
     "flce": "#000000", "flce_64MiB": "#7f7f7f", "flce_128MiB": "#a0a0a0", "flce_512MiB": "#7f7f7f",
-    "flce_accurate": "#505050", "quack_chunked": "#ff7f0e", "quack": "#2ca02c", "torch_compile": "#d62728",
+    "flce_1GiB": "#303030", "flce_2GiB": "#606060", "flce_accurate": "#505050",
+    "quack_chunked": "#ff7f0e", "quack": "#2ca02c", "torch_compile": "#d62728",
     "liger_cute": "#9467bd", "liger_cute_rl": "#9467bd", "liger": "#8c564b", "cce": "#e377c2", "verl": "#bcbd22",
     "areal": "#17becf", "trl": "#1f77b4",
 }
