@@ -2,6 +2,7 @@
 products of the LM-head loss, plus a large square GEMM for the sustained bf16 peak.
 
     python tools/benchmarks/ws_gemm.py [--shapes 8192x4096x128256,16384x2048x151936] [--configs 3:8:256]
+    python tools/benchmarks/ws_gemm.py --shapes 2048x4096x128256 --accumulate    # one token chunk's products
 
 Each product is first checked against torch.mm (relative Frobenius error < 1e-2; outputs poisoned
 with NaN before each run), then timed with the median of triton.testing.do_bench (the smaller of
@@ -48,7 +49,12 @@ def products(tokens: int, hidden: int, vocab: int) -> dict[str, tuple[torch.Tens
     return {"logits x@W.T": (x, w.T), "grad_hidden G@W": (g, w), "grad_weight G.T@x": (g.T, x)}
 
 
-def check(a: torch.Tensor, b: torch.Tensor, config: WsGemmConfig) -> float:
+def check(a: torch.Tensor, b: torch.Tensor, config: WsGemmConfig, accumulate: bool = False) -> float:
+    """ws_matmul's relative error against cuBLAS; accumulating, onto a random C (else into a NaN-poisoned one)."""
+    if accumulate:
+        c = padded_empty(a.shape[0], b.shape[1], a.dtype, a.device).normal_(0, 1e-2)
+        ref = torch.addmm(c, a, b)
+        return rel_error(ws_matmul(a, b, c, config, accumulate=True), ref)
     out = padded_empty(a.shape[0], b.shape[1], a.dtype, a.device).fill_(float("nan"))
     ws_matmul(a, b, out, config)
     return rel_error(out, torch.mm(a, b))
@@ -145,6 +151,9 @@ def main() -> None:
                         help="forward-only plain-loss shapes ('' to skip)")
     parser.add_argument("--stats-config", default="3:16:256", help="stages:group_m:block_n of the row statistics")
     parser.add_argument("--skip-products", action="store_true")
+    parser.add_argument("--accumulate", action="store_true",
+                        help="also time the weight gradient accumulated onto C (cuBLAS addmm_ against the ws GEMM's "
+                             "ACCUMULATE), as a token chunk of N rows does")
     args = parser.parse_args()
     configs = [parse_config(c) for c in args.configs.split(",")]
     name = torch.cuda.get_device_name()
@@ -156,14 +165,14 @@ def main() -> None:
              " | best ws / cuBLAS |",
              "|---|---|---|---|---|" + "---|" * len(configs) + "---|"]
 
-    def row(label: str, prod: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    def row(label: str, prod: str, a: torch.Tensor, b: torch.Tensor, accumulate: bool = False) -> None:
         m, k = a.shape
         n = b.shape[1]
         flop = 2.0 * m * n * k
-        out = padded_empty(m, n, a.dtype, a.device)
-        errors = [check(a, b, c) for c in configs]
-        t_ref, *t_ws = time_alternating([lambda: torch.mm(a, b, out=out)]
-                                        + [lambda c=c: ws_matmul(a, b, out, c) for c in configs])
+        out = padded_empty(m, n, a.dtype, a.device).normal_(0, 1e-2)
+        errors = [check(a, b, c, accumulate) for c in configs]
+        cublas = (lambda: out.addmm_(a, b)) if accumulate else (lambda: torch.mm(a, b, out=out))
+        t_ref, *t_ws = time_alternating([cublas] + [lambda c=c: ws_matmul(a, b, out, c, accumulate) for c in configs])
         cells, best = [], None
         for err, t in zip(errors, t_ws, strict=True):
             ok = err < 1e-2
@@ -186,6 +195,9 @@ def main() -> None:
         tokens, hidden, vocab = (int(v) for v in shape.split("x"))
         for prod, (a, b) in products(tokens, hidden, vocab).items():
             row(shape, prod, a, b)
+        if args.accumulate:  # a token chunk's weight-gradient update: C += G.T @ x, K = the chunk's rows
+            _, (g_t, x) = list(products(tokens, hidden, vocab).items())[2]
+            row(shape, "grad_weight C += G.T@x", g_t, x, accumulate=True)
         torch.cuda.empty_cache()
     if args.loss_shapes:
         stats_config = dataclasses.replace(ROW_STATS_CONFIG, **dataclasses.asdict(parse_config(args.stats_config)))
