@@ -158,7 +158,7 @@ def draw_bar(axis, x: float, width: float, row: dict, key: str, range_key: str |
         if range_key and range_key in row:
             low, top = row[range_key]
             axis.errorbar(x, value, yerr=[[value - low], [top - value]], color="grey", capsize=2, linewidth=0.8)
-        text = f"{value:.0f}" if key == "peak_mib" and value >= 10 else f"{value:g}"  # ratios as recorded
+        text = mib_text(value) if key == "peak_mib" else ratio_text(value)
         axis.annotate(text, (x, top), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
                       fontsize=6, rotation=90)
     elif error_key in row:
@@ -166,15 +166,25 @@ def draw_bar(axis, x: float, width: float, row: dict, key: str, range_key: str |
                       fontsize=6, rotation=90, color="firebrick", xycoords=("data", "axes fraction"))
 
 
+def ratio_text(value: float) -> str:
+    """A ratio to three decimals, or as recorded where it has fewer: a transcribed 1.34 stays 1.34, not 1.340."""
+    return f"{round(value, 3):g}"
+
+
+def mib_text(value: float) -> str:
+    """MiB whole from 10 up, to a tenth below (a peer that holds almost nothing)."""
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
 def cell(row: dict | None, key: str, range_key: str | None, error_key: str) -> str:
     if row is None:
         return ""
     if key in row:
         if key == "peak_mib":
-            return f"{row[key]:g}"
-        # As recorded: a transcribed 1.34 stays 1.34, not 1.340.
-        spread = f" ({row[range_key][0]:g}-{row[range_key][1]:g})" if range_key and range_key in row else ""
-        return f"{row[key]:g}x{spread}"
+            return mib_text(row[key])
+        spread = (f" ({ratio_text(row[range_key][0])}-{ratio_text(row[range_key][1])})"
+                  if range_key and range_key in row else "")
+        return f"{ratio_text(row[key])}x{spread}"
     if error_key in row and key != "peak_mib":
         return row[error_key]
     return row.get("peak_text", "") if key == "peak_mib" else ""
