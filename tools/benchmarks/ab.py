@@ -66,7 +66,8 @@ def worker(shapes: str) -> dict:
 
 
 def run_one(root: Path, shapes: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(root))
+    # The checkout first; a caller's PYTHONPATH (e.g. another Triton) after it.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
     script = str(Path(__file__).resolve())
     done = subprocess.run([sys.executable, script, "--worker", "--shapes", shapes], env=env, cwd=root,
                           capture_output=True, text=True, check=False)
