@@ -61,6 +61,20 @@ def test_ws_gemm_compiles_for_hopper(product: str) -> None:
     assert result["shared"] <= 227 * 1024
 
 
+def test_ws_sass_counts_the_products_kernel() -> None:
+    """tools/profiling/ws_sass.py (static SASS counts, to compare Triton releases) reads the compiled products
+    kernel: its eight wgmma and no local-memory spill, under every supported Triton."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tool = os.path.join(os.path.dirname(WS_KERNELS), "profiling", "ws_sass.py")
+    done = subprocess.run([sys.executable, tool, "--variants", "products", "--ops", "HGMMA,LDL,STL"], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| products |"))
+    hgmma, ldl, stl, total = (int(cell) for cell in row.strip("| ").split(" | ")[1:])
+    assert (hgmma, ldl, stl) == (8, 0, 0)
+    assert total > 500  # the whole kernel was read, not a stub
+
+
 def test_ws_row_stats_compiles_for_hopper() -> None:
     """The forward's row statistics: no logits stored (no TMA store); the first 16 K steps of a tile
     are peeled (16 x 4 wgmma a warpgroup beside the loop's 4), each with a chunk of the previous
