@@ -111,10 +111,6 @@ def flce_default(x, w, t):
     return flce.linear_cross_entropy(x, w, t)
 
 
-def flce_64mib(x, w, t):
-    return flce.linear_cross_entropy(x, w, t, memory_budget=64 * MiB)
-
-
 def flce_budget(budget: int) -> Callable:
     """flce allowed ``budget`` bytes above the gradients: the planner's larger chunks (docs/usage.md)."""
     return lambda x, w, t: flce.linear_cross_entropy(x, w, t, memory_budget=budget)
@@ -152,7 +148,7 @@ def all_methods() -> dict[str, Callable]:
                "torch_chunked_compile": torch_chunked_compile}
     methods.update(peer_methods())
     methods.update({"flce": flce_default, "flce_1GiB": flce_budget(1024 * MiB), "flce_2GiB": flce_budget(2048 * MiB),
-                    "flce_64MiB": flce_64mib, "flce_accurate": flce_accurate})
+                    "flce_64MiB": flce_budget(64 * MiB), "flce_accurate": flce_accurate})
     return methods
 
 

@@ -193,11 +193,12 @@ def main() -> None:
         del a, b
     for shape in ([] if args.skip_products else args.shapes.split(",")):
         tokens, hidden, vocab = (int(v) for v in shape.split("x"))
-        for prod, (a, b) in products(tokens, hidden, vocab).items():
+        operands = products(tokens, hidden, vocab)
+        for prod, (a, b) in operands.items():
             row(shape, prod, a, b)
         if args.accumulate:  # a token chunk's weight-gradient update: C += G.T @ x, K = the chunk's rows
-            _, (g_t, x) = list(products(tokens, hidden, vocab).items())[2]
-            row(shape, "grad_weight C += G.T@x", g_t, x, accumulate=True)
+            row(shape, "grad_weight C += G.T@x", *operands["grad_weight G.T@x"], accumulate=True)
+        del operands
         torch.cuda.empty_cache()
     if args.loss_shapes:
         stats_config = dataclasses.replace(ROW_STATS_CONFIG, **dataclasses.asdict(parse_config(args.stats_config)))
