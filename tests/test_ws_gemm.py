@@ -75,6 +75,21 @@ def test_ws_sass_counts_the_products_kernel() -> None:
     assert total > 500  # the whole kernel was read, not a stub
 
 
+@pytest.mark.parametrize("variant", ["statistics", "exponentials"])
+def test_ws_statistics_ring_arithmetic_stays_uniform(variant: str) -> None:
+    """The statistics GEMM with its chunks interleaved keeps the ring's index and wgmma-descriptor arithmetic on
+    the uniform datapath and does not spill: Triton 3.9 without the opaque ring position moved it to per-thread
+    registers (~290 R2UR moves back, 116-255 local loads); 3.5-3.9 with it have 19-27 and 2-27."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tool = os.path.join(os.path.dirname(WS_KERNELS), "profiling", "ws_sass.py")
+    done = subprocess.run([sys.executable, tool, "--variants", variant, "--ops", "R2UR,LDL"], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith(f"| {variant} |"))
+    r2ur, ldl, _ = (int(cell) for cell in row.strip("| ").split(" | ")[1:])
+    assert r2ur < 64 and ldl < 64, (r2ur, ldl)
+
+
 def test_ws_row_stats_compiles_for_hopper() -> None:
     """The forward's row statistics: no logits stored (no TMA store); the first 16 K steps of a tile
     are peeled (16 x 4 wgmma a warpgroup beside the loop's 4), each with a chunk of the previous
