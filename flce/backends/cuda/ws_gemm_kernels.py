@@ -190,6 +190,11 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
         first = 0
         if ROW_STATS and INTERLEAVE:
             for c in gl.static_range(STATS_CHUNKS):
+                # An opaque copy of the ring position (a mov the compiler cannot see through): without it Triton
+                # 3.9 computes the ring indices and wgmma descriptors of all 16 unrolled steps ahead, in vector
+                # registers (R2UR before each wgmma) that spill beside the chunks' values; 3.6 kept them uniform.
+                step = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [step], dtype=gl.int32, is_pure=False,
+                                                 pack=1)
                 acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
                 carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
                                      z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
