@@ -42,6 +42,11 @@ def test_shape_inputs_keep_the_dtype_and_can_skip_grad() -> None:
     assert not x.requires_grad and not w.requires_grad
 
 
+def test_budget_entries_name_the_keyword_and_the_default() -> None:
+    assert measure.budget_options(0) == {} and measure.budget_label(0) == "default"
+    assert measure.budget_options(2048) == {"memory_budget": 2 << 30} and measure.budget_label(2048) == "2048 MiB"
+
+
 @pytest.mark.parametrize("label", ["8x4", "8x4x2x1", "8xHx2", ""])
 def test_parse_shape_names_the_bad_label(label: str) -> None:
     with pytest.raises(ValueError, match="TOKENSxHIDDENxVOCAB"):

@@ -46,6 +46,17 @@ def parse_shape(label: str) -> tuple[int, int, int]:
     return tokens, hidden, vocab
 
 
+def budget_options(mib: int) -> dict:
+    """``linear_cross_entropy``'s keywords for a ``--budgets`` entry: ``memory_budget`` of ``mib`` MiB, or none
+    for 0 (the default plan)."""
+    return {"memory_budget": mib * MiB} if mib else {}
+
+
+def budget_label(mib: int) -> str:
+    """A table's name for a ``--budgets`` entry: ``"2048 MiB"``, or ``"default"`` for 0."""
+    return f"{mib} MiB" if mib else "default"
+
+
 def shape_inputs(tokens: int, hidden: int, vocab: int, device: torch.device | str = "cuda",
                  dtype: torch.dtype = torch.bfloat16, *, seed: int = 0, requires_grad: bool = True) -> ShapeInputs:
     """The inputs every measurement uses at one shape: hidden states ~ N(0, 1), a weight ~ N(0, 1/H)

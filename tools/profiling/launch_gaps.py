@@ -18,7 +18,15 @@ import argparse
 import torch
 
 import flce
-from flce.testing.measure import cublas_products_ms, median_ms, parse_shape, publish, shape_inputs
+from flce.testing.measure import (
+    budget_label,
+    budget_options,
+    cublas_products_ms,
+    median_ms,
+    parse_shape,
+    publish,
+    shape_inputs,
+)
 
 PAIRS = 3
 
@@ -57,13 +65,13 @@ def main() -> None:
         x, w, t, _ = shape_inputs(*parse_shape(label))
         floor = sum(cublas_products_ms(x, w))
         for budget in (int(b) for b in args.budgets.split(",")):
-            opts = {"memory_budget": budget << 20} if budget else {}
+            opts = budget_options(budget)
 
             def step(opts=opts, x=x, w=w, t=t):
                 return torch.autograd.grad(flce.linear_cross_entropy(x, w, t, **opts), (x, w))
 
             eager, replay = eager_and_replay_ms(step)
-            lines.append(f"| {label} | {f'{budget} MiB' if budget else 'default'} | {floor:.2f} | "
+            lines.append(f"| {label} | {budget_label(budget)} | {floor:.2f} | "
                          f"{eager:.2f} ({eager / floor:.3f}x) | {replay:.2f} ({replay / floor:.3f}x) |")
             print(lines[-1], flush=True)
     publish("\n".join(lines), args.markdown)

@@ -18,7 +18,14 @@ from torch.profiler import ProfilerActivity, profile
 
 import flce
 from flce.autotune import override_params
-from flce.testing.measure import cublas_products_ms, median_ms, parse_shape, shape_inputs
+from flce.testing.measure import (
+    budget_label,
+    budget_options,
+    cublas_products_ms,
+    median_ms,
+    parse_shape,
+    shape_inputs,
+)
 
 CALLS = 3
 
@@ -48,7 +55,7 @@ def profile_shape(label: str, extra: dict, forwards: list[str], budgets: list[in
           f"floor {sum(floor):.2f}")
     for forward, budget in ((f, b) for f in forwards for b in budgets):
         knobs = {"forward_logits": forward, **extra}
-        options = {"memory_budget": budget << 20} if budget else {}
+        options = budget_options(budget)
 
         def step(knobs=knobs, options=options):
             with override_params(knobs, backend="cuda"):
@@ -57,7 +64,7 @@ def profile_shape(label: str, extra: dict, forwards: list[str], budgets: list[in
 
         total = median_ms(step)
         rows = kernel_table(step)
-        print(f"\n### knobs {knobs}, budget {f'{budget} MiB' if budget else 'default'}: {total:.2f} ms = "
+        print(f"\n### knobs {knobs}, budget {budget_label(budget)}: {total:.2f} ms = "
               f"{total / sum(floor):.3f}x floor; "
               f"kernels {sum(r[1] for r in rows):.2f} ms")
         print("| kernel | ms per call | launches |\n|---|---|---|")
