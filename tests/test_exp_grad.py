@@ -35,9 +35,9 @@ def exp_calls(monkeypatch):
         calls.append([hidden.shape[0], None])
         return real_grad(self, hidden, *args, **kwargs)
 
-    def counting_redo(hidden, weight, target, redo_rows, redo_count, exp):
+    def counting_redo(hidden, weight, target, redo_rows, redo_count, exp, lse):
         calls[-1][1] = int(redo_count.item())
-        return real_redo(hidden, weight, target, redo_rows, redo_count, exp)
+        return real_redo(hidden, weight, target, redo_rows, redo_count, exp, lse)
 
     monkeypatch.setattr(ops.TritonChunkKernels, "gemm_exp_grad", counting_grad)
     monkeypatch.setattr(ops, "redo_exp_rows", counting_redo)

@@ -6,7 +6,8 @@ G = softmax - onehot = s * E with s = exp2(c - lse2) per row: the two gradient G
 rows, and no pass over the logits turns them into G. The target's column is overwritten with
 (p_t - 1) / s, so G is s * E exactly there too (no cancellation between the GEMM's p_t and the onehot).
 Rows whose logits exceed c + 64 (a target logit more than ~84 nats below the row's lse) were capped in
-the GEMM; they are recomputed here as their gradient, with their own lse.
+the GEMM, and so were their statistics, which the warp-specialised GEMM takes relative to c; they are
+recomputed here as their gradient, with their own lse, which replaces the GEMM's.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # (the GEMM's cap) while the row's loss is under (58 + 64) ln 2 = 84.6 nats, and E of logits more than
 # (133 - 58) ln 2 = 52 nats below the target's flushes to 0 in bf16 (p below 2^-75 of the target's).
 OFFSET_ABOVE_TARGET = tl.constexpr(58.0)
-# The GEMM caps exp2(max y - c) at 2^CAP (ws_stats_kernels._stats_chunk, which imports it): rows past it are
+# The GEMM caps exp2(y - c) at 2^CAP (ws_stats_kernels._exp_chunk, which imports it): rows past it are
 # recomputed.
 CAP = tl.constexpr(64.0)
+# A row is recomputed where its lse2 - c exceeds this: a row holding a capped value sums at least 2^CAP (its
+# lse2 - c at least CAP up to the merge's rounding), and one at most 2^(CAP - 1) holds none.
+REDO_ABOVE = tl.constexpr(63.0)
 
 
 @triton.jit
@@ -65,7 +69,8 @@ def _exp_rows_finish_kernel(exp_ptr, stride, target_ptr, lse_ptr, target_z_ptr, 
                             ignore_index, BLOCK: tl.constexpr):
     """Per row, from the merged statistics: the scale s (G = s * E) into row_scale, the target's column of E
     overwritten with (p_t - 1) / s; rows past the cap are listed in redo_rows (count in redo_count, any order)
-    with s = grad_scale, for _exp_rows_redo_kernel; ignored rows get s = 0. grid (cdiv(rows, BLOCK),)."""
+    with s = grad_scale, for _exp_rows_redo_kernel (which also replaces their lse); ignored rows get s = 0.
+    grid (cdiv(rows, BLOCK),)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < n_rows
     t = tl.load(target_ptr + rows, mask=in_range, other=ignore_index)
@@ -73,7 +78,7 @@ def _exp_rows_finish_kernel(exp_ptr, stride, target_ptr, lse_ptr, target_z_ptr, 
     lse2 = tl.load(lse_ptr + rows, mask=in_range, other=0.0) * LOG2E
     offset = tl.load(offset_ptr + rows, mask=in_range, other=0.0)
     scale = tl.load(grad_scale_ptr + rows * grad_scale_stride, mask=in_range, other=0.0)
-    redo = valid & (lse2 - offset > CAP)
+    redo = valid & (lse2 - offset > REDO_ABOVE)
     keep = valid & ~redo
     p_target = tl.exp2(tl.load(target_z_ptr + rows, mask=in_range, other=0.0) * LOG2E - lse2)
     # (p_t - 1) / exp2(c - lse2), at most 2^CAP in magnitude on the rows kept
@@ -107,12 +112,13 @@ def _redo_logits(x_ptr, stride_x, w_ptr, stride_w, rows, row_ok, cols, col_ok, h
 
 @triton.jit
 def _exp_rows_redo_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, redo_rows_ptr, redo_count_ptr, exp_ptr,
-                          stride_e, hidden, vocab, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+                          stride_e, lse_ptr, hidden, vocab, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """The listed rows' E recomputed as their gradient (E = softmax, the target's softmax - 1: G = E, s = the
     upstream scale) from logits recomputed here, with the lse of those same logits: two passes over V, the first
     for the row's max and sum, so each row's softmax is consistent in itself (the GEMM's lse came from logits
-    summed in another order, which can round a logit to a neighbouring value). grid (cdiv(rows, BLOCK_R),): each
+    summed in another order, which can round a logit to a neighbouring value); that lse (natural) replaces the
+    row's in lse_ptr, whose GEMM statistics summed capped values. grid (cdiv(rows, BLOCK_R),): each
     program one block of BLOCK_R listed rows, if there are that many; no rows (the usual case), every program
     only reads the count. IEEE: fp32 inputs, multiplied exactly (no TF32)."""
     count = tl.load(redo_count_ptr)
@@ -130,6 +136,7 @@ def _exp_rows_redo_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, redo_row
             row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(u - new_max[:, None]), axis=1)
             row_max = new_max
         lse = row_max + tl.log(row_sum)
+        tl.store(lse_ptr + rows, lse, mask=row_ok)
         t = tl.load(target_ptr + rows, mask=row_ok, other=-1)
         for v in range(0, vocab, BLOCK_V):
             cols = v + tl.arange(0, BLOCK_V)

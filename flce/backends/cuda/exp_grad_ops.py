@@ -8,7 +8,7 @@ The schedule (engine capability KEPT_EXPONENTIALS) for one token chunk of a plai
 3. :func:`finish_exp_rows`: per row the scale s with G = s * E, the target's column of E set so that s * E
    is p_t - 1 there, the rows past the GEMM's cap listed;
 4. :func:`redo_exp_rows`: those rows' E recomputed from their logits as their gradient, with the lse of those
-   logits (no rows: one launch whose programs read a count);
+   logits, which replaces theirs in the statistics (no rows: one launch whose programs read a count);
 5. the gradient GEMMs: grad_hidden = s * (E @ W), grad_weight += E.T @ (s * x) (engine/rows.py).
 
 What it saves: the pass that turns a chunk's logits into its gradient (one read and one write of
@@ -66,13 +66,14 @@ def finish_exp_rows(exp: torch.Tensor, target: torch.Tensor, ignore_index: int, 
 
 
 def redo_exp_rows(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, redo_rows: torch.Tensor,
-                  redo_count: torch.Tensor, exp: torch.Tensor) -> None:
+                  redo_count: torch.Tensor, exp: torch.Tensor, lse: torch.Tensor) -> None:
     """E of the listed rows recomputed as their gradient (finish_exp_rows gave them the upstream scale alone),
-    with the lse of the recomputed logits. No host sync: the kernel reads the count."""
+    with the lse of the recomputed logits, written into ``lse`` [n] (natural) for those rows. No host sync: the
+    kernel reads the count."""
     n, vocab = exp.shape
     if n:
         k._exp_rows_redo_kernel[(triton.cdiv(n, _REDO_ROWS),)](
-            hidden, hidden.stride(0), weight, weight.stride(0), target, redo_rows, redo_count, exp, exp.stride(0),
+            hidden, hidden.stride(0), weight, weight.stride(0), target, redo_rows, redo_count, exp, exp.stride(0), lse,
             hidden.shape[1], vocab, BLOCK_R=_REDO_ROWS, BLOCK_V=_REDO_COLS, BLOCK_K=_REDO_K,
             IEEE=hidden.dtype == torch.float32, num_warps=4)
 

@@ -131,7 +131,7 @@ class TritonChunkKernels:
         stats = RowStats.from_partial(partial)
         row_scale, redo_rows, redo_count = finish_exp_rows(exp_out, target, cfg.ignore_index, stats.lse,
                                                            stats.target_z, offsets, grad_scale)
-        redo_exp_rows(hidden, weight, target, redo_rows, redo_count, exp_out)
+        redo_exp_rows(hidden, weight, target, redo_rows, redo_count, exp_out, stats.lse)
         return stats, row_scale
 
     def scale_rows(self, src, scale, out):

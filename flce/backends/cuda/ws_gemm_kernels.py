@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flce.backends.cuda.gluon_compat import cta_barrier, tma_load, tma_store, warp_specialize
-from flce.backends.cuda.ws_stats_kernels import STATS_CHUNKS, STATS_ROWS, _stats_chunk, _stats_layout
+from flce.backends.cuda.ws_stats_kernels import STATS_CHUNKS, STATS_ROWS, _fold_chunk, _stats_layout
 
 
 @gluon.jit
@@ -196,7 +196,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                 step = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [step], dtype=gl.int32, is_pure=False,
                                                  pack=1)
                 acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
-                carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
+                carry = _fold_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
                                      z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
                                      CLASS_WEIGHT, STORE_EXP)
                 acc = _retire_step(empty, acc, step, c)
@@ -235,7 +235,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                 prev_n = pid_n
             else:
                 for c in gl.static_range(STATS_CHUNKS):
-                    carry = _stats_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, stats_ptrs, y_scale,
+                    carry = _fold_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, stats_ptrs, y_scale,
                                          z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
                                          CLASS_WEIGHT, STORE_EXP)
                 if STORE_EXP:
@@ -254,7 +254,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
     if ROW_STATS:
         if INTERLEAVE:
             for c in gl.static_range(STATS_CHUNKS):
-                carry = _stats_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
+                carry = _fold_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
                                      z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
                                      CLASS_WEIGHT, STORE_EXP)
             if STORE_EXP:

@@ -45,22 +45,18 @@ def _softcapped(u, softcap):
 @gluon.jit
 def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
                  softcap, BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr, SUM_Z: gl.constexpr,
-                 SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr, STORE_EXP: gl.constexpr):
+                 SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr):
     """Chunk ``chunk`` of a warpgroup's logits half tile u (in the inputs' dtype; first row off_m, column tile
     pid_n; ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's running
     ``carry``: (max of y, sum of exp2(y - max), target's c, target, sum of exp2(y - max) * (z - r), first column
-    holding the max, sum of c, with STORE_EXP the row's exponent offset) with c = u, or with SOFTCAP c = softcap *
+    holding the max, sum of c, unused here: _exp_chunk's exponent offset) with c = u, or with SOFTCAP c = softcap *
     tanh(u / softcap), y = c * y_scale (y_scale = log2(e) / temperature > 0, so max y = y_scale * max c, at the same
     columns), z = c * z_scale the natural logit (z_scale = 1 / temperature, z exactly as the gradient kernels
     compute it) and r = max y * ln 2. The last column quarter writes the block's partials, base 2 as gemm_kernels'
     row statistics (merged by its _merge_splits_kernel): max, sum, with SUM_EXP_DZ (the entropy's statistic) the sum
     times z - r, with ARGMAX (token accuracy, predicted tokens) the first column of the max, with SUM_Z (label
     smoothing) the sum of y, weighted by class_weight[column] with CLASS_WEIGHT; and, where the target is in this
-    tile, its logit z.
-
-    STORE_EXP (the plain loss's gradient from kept exponentials, exp_grad_ops.py): the chunk's u is overwritten in
-    tile_smem by min(exp2(y - offset), ~2^EXP_CAP) in the same dtype, offset = exp_offset[row] (base 2), which the
-    caller stores to HBM once all chunks of the half tile are done; 0 past N."""
+    tile, its logit z."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
     r: gl.constexpr = chunk // QUARTERS
@@ -74,11 +70,8 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     # to the other three: a global load in every chunk put its latency into each chunk's critical path.
     row_ok = (rows < M) & valid
     target = carry[3]
-    offset = carry[7]
     if q == 0:
         target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
-        if STORE_EXP:
-            offset = gl.load(stats_ptrs[9] + rows, mask=row_ok, other=0.0)
     u = chunk_smem.load(layout).to(gl.float32)
     if SOFTCAP:
         u = _softcapped(u, softcap)  # kernels._capped_scaled's cap
@@ -96,12 +89,6 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     part_max = top * y_scale
     shift = gl.where(part_max > float("-inf"), part_max, 0.0)  # a quarter past N: all -inf, sum 0
     e = gl.exp2(z * y_scale - gl.expand_dims(shift, 1))
-    if STORE_EXP:
-        # exp2(y - offset) = e * exp2(shift - offset): one multiply a logit. The factor is capped at 2^EXP_CAP,
-        # so a row whose logits exceed offset + EXP_CAP stores finite wrong values (never inf, whose 0 * inf
-        # would be NaN in the gradient GEMMs) and exp_grad_ops.redo_exp_rows recomputes it.
-        factor = gl.exp2(gl.minimum(shift - offset, EXP_CAP))
-        chunk_smem.store((e * gl.expand_dims(factor, 1)).to(chunk_smem.dtype))
     part_sum = gl.sum(e, axis=1)
     if not SUM_Z:
         part_sum_u = part_sum
@@ -160,4 +147,65 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
             gl.store(part_sum_y_ptr + part, running_sum_u * y_scale, mask=row_ok)
         in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
         gl.store(target_z_ptr + rows, target_u * z_scale, mask=in_tile)
-    return running_max, running_sum, target_u, target, running_sum_dz, best, running_sum_u, offset
+    return running_max, running_sum, target_u, target, running_sum_dz, best, running_sum_u, carry[7]
+
+
+@gluon.jit
+def _exp_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
+               BLOCK_N: gl.constexpr):
+    """The plain loss keeping exponentials (exp_grad_ops.py): chunk ``chunk`` of the half tile u, as in
+    _stats_chunk, overwritten in tile_smem by E = min(exp2(y - offset), 2^EXP_CAP) in the same dtype (0 past N;
+    the caller stores it to HBM once all chunks of the half tile are done), offset = exp_offset[row] (base 2),
+    the same for every tile of a row.
+
+    The statistics are taken relative to that offset instead of a running maximum: each column tile's partials
+    are max = offset and sum = the sum of E, which _merge_splits_kernel merges as any others. So a chunk needs no
+    max reduction and no rescaling exponentials, and the sum adds the values stored. A row whose logits exceed
+    offset + EXP_CAP sums capped values (finite, never inf, whose 0 * inf would be NaN in the gradient GEMMs); its
+    sum is then at least 2^EXP_CAP, and exp_grad_ops.finish_exp_rows lists it for redo_exp_rows, which recomputes
+    its exponentials and its lse. carry: (unused, sum of E, target's u, target, unused, unused, unused, offset)."""
+    layout: gl.constexpr = _stats_layout()
+    QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
+    r: gl.constexpr = chunk // QUARTERS
+    q: gl.constexpr = chunk % QUARTERS
+    part_max_ptr, part_sum_ptr = stats_ptrs[:2]
+    target_ptr, target_z_ptr = stats_ptrs[5:7]
+    rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
+    chunk_smem = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
+    row_ok = (rows < M) & valid
+    target = carry[3]
+    offset = carry[7]
+    if q == 0:  # the row block's operands once, riding in the carry to its other quarters (as _stats_chunk)
+        target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
+        offset = gl.load(stats_ptrs[9] + rows, mask=row_ok, other=0.0)
+    u = chunk_smem.load(layout).to(gl.float32)
+    y = gl.minimum(u * y_scale - gl.expand_dims(offset, 1), EXP_CAP)
+    e = gl.where(gl.expand_dims(cols < N, 0), gl.exp2(y), 0.0)  # past N the TMA load filled logits of 0
+    chunk_smem.store(e.to(chunk_smem.dtype))
+    part_sum = gl.sum(e, axis=1)
+    part_target = gl.sum(gl.where(gl.expand_dims(cols, 0) == gl.expand_dims(target, 1), u, 0.0), axis=1)
+    if q == 0:
+        running_sum, target_u = part_sum, part_target
+    else:
+        running_sum, target_u = carry[1] + part_sum, carry[2] + part_target
+    if q == QUARTERS - 1:
+        part = pid_n.to(gl.int64) * M + rows
+        gl.store(part_max_ptr + part, offset, mask=row_ok)
+        gl.store(part_sum_ptr + part, running_sum, mask=row_ok)
+        in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
+        gl.store(target_z_ptr + rows, target_u * z_scale, mask=in_tile)
+    return carry[0], running_sum, target_u, target, carry[4], carry[5], carry[6], offset
+
+
+@gluon.jit
+def _fold_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
+                softcap, BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr, SUM_Z: gl.constexpr,
+                SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr, STORE_EXP: gl.constexpr):
+    """One statistics chunk: _exp_chunk with STORE_EXP (the plain loss alone), else _stats_chunk."""
+    if STORE_EXP:
+        carry = _exp_chunk(tile_smem, chunk, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale, BLOCK_N)
+    else:
+        carry = _stats_chunk(tile_smem, chunk, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
+                             softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP, CLASS_WEIGHT)
+    return carry
