@@ -38,6 +38,8 @@ CALLS = {
     "rl-kept-logits": (8192, 2048, 32000, torch.bfloat16, False, True, RL, None),
     "rl-64MiB": (8192, 2048, 32000, torch.bfloat16, False, True, dict(RL, memory_budget=64 << 20), None),
     "rl-no-grad": (8192, 2048, 32000, torch.bfloat16, False, False, RL, None),
+    "plain-no-grad": (8192, 2048, 32000, torch.bfloat16, False, False, {}, None),
+    "plain-64MiB": (8192, 2048, 32000, torch.bfloat16, False, True, {"memory_budget": 64 << 20}, None),
     "plain-16MiB": (8192, 2048, 32000, torch.bfloat16, True, True, {"memory_budget": 16 << 20}, None),
     "accurate-fp32-accumulation": (4096, 1024, 32000, torch.bfloat16, False, True,
                                    {"precision": "accurate", "accum_dtype": torch.float32}, None),

@@ -8,7 +8,7 @@ Each round runs one process per checkout (A then B, B then A in the next round, 
 clocks falls on both), importing flce from that checkout alone; the process times every call of every shape
 (``triton.testing.do_bench``: median ms, L2 emptied before each call) and its peak memory above the
 gradients. The table gives, per shape and call, the median over rounds of each and B's time over A's.
-Calls: the default training call (loss, fwd+bwd), RL (log-probs and entropy at T = 0.7, reduction="none",
+Calls: the default training call (loss, fwd+bwd), the loss without gradient, RL (log-probs and entropy at T = 0.7, reduction="none",
 gradients through both), forward-only RL (no gradient) and the default call at a 64 MiB budget.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = "8192x4096x128256,16384x2048x151936,4096x4096x32000"
-CALLS = ("default", "rl", "rl-no-grad", "64MiB")
+CALLS = ("default", "no-grad", "rl", "rl-no-grad", "64MiB")
 
 
 def worker(shapes: str) -> dict:
@@ -43,6 +43,10 @@ def worker(shapes: str) -> dict:
             def default() -> object:
                 return torch.autograd.grad(flce.linear_cross_entropy(x, w, t), (x, w))
 
+            def no_grad() -> object:
+                with torch.no_grad():
+                    return flce.linear_cross_entropy(x, w, t)
+
             def rl_step() -> object:
                 out = flce.linear_cross_entropy(x, w, t, **rl)
                 return torch.autograd.grad(out.logprobs.sum() + 0.01 * out.entropy.sum(), (x, w))
@@ -54,7 +58,7 @@ def worker(shapes: str) -> dict:
             def budget() -> object:
                 return torch.autograd.grad(flce.linear_cross_entropy(x, w, t, memory_budget=64 << 20), (x, w))
 
-            return dict(zip(CALLS, (default, rl_step, rl_no_grad, budget), strict=True))
+            return dict(zip(CALLS, (default, no_grad, rl_step, rl_no_grad, budget), strict=True))
 
         for name, step in steps().items():
             step()  # compiles
