@@ -8,8 +8,9 @@ Each round runs one process per checkout (A then B, B then A in the next round, 
 clocks falls on both), importing flce from that checkout alone; the process times every call of every shape
 (``triton.testing.do_bench``: median ms, L2 emptied before each call) and its peak memory above the
 gradients. The table gives, per shape and call, the median over rounds of each and B's time over A's.
-Calls: the default training call (loss, fwd+bwd), the loss without gradient, RL (log-probs and entropy at T = 0.7, reduction="none",
-gradients through both), forward-only RL (no gradient) and the default call at a 64 MiB budget.
+Calls: the default training call (loss, fwd+bwd), the loss without gradient, RL (log-probs and entropy at
+T = 0.7, reduction="none", gradients through both), forward-only RL (no gradient) and the default call at a
+64 MiB budget.
 """
 
 from __future__ import annotations
