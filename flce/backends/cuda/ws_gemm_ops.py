@@ -191,7 +191,7 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     if class_weight is not None and stats.weighted_sum_z is not None:
         weight = class_weight.float().contiguous()
     bias = bias.contiguous() if bias is not None else None
-    if exp_offset is not None and (cfg.needs_full or bias is not None or not stats.plain or exp_offset.shape != (n,)
+    if exp_offset is not None and (cfg.needs_full or bias is not None or exp_offset.shape != (n,)
                                    or exp_offset.dtype != torch.float32 or not exp_offset.is_contiguous()):
         raise ValueError("ws_partial_row_stats: exp_offset needs the plain loss without a bias and a contiguous [N] "
                          "fp32 tensor")
