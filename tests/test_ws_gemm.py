@@ -809,5 +809,8 @@ def test_forward_relative_to_offsets_matches_float64(hidden: int, vocab: int, mo
     assert offsets_given == [True]
     want = reference_loss(x.double(), w.double(), t, reduction="none").loss
     assert torch.isfinite(loss).all()
-    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
+    # fp32 rounding of the lse: a few ulps of the row's largest logit (eager's own error is one or two)
+    largest = (x.double() @ w.double().T).abs().amax(1)
+    err = (loss.double() - want).abs()
+    assert (err <= 1e-5 * want.abs() + largest * 2.0 ** -20).all(), (err.max(), int(err.argmax()))
     assert 500 < redone[0] < 1100, redone  # the extreme rows (and the ignored among them), not the ordinary ones
