@@ -786,6 +786,7 @@ def test_forward_relative_to_offsets_matches_float64(hidden: int, vocab: int, mo
     redone), rows of ordinary logits (kept as the GEMM took them) and ignored rows of both kinds: each row's
     loss at fp32 accuracy against float64, the same logits for every implementation (exact in bf16)."""
     import flce
+    from flce.autotune import override_params
     from flce.backends.cuda import ops
     from flce.testing import reference_loss
 
@@ -804,7 +805,7 @@ def test_forward_relative_to_offsets_matches_float64(hidden: int, vocab: int, mo
     monkeypatch.setattr(ops, "redo_offset_rows", counting_redo)
     x, w, t = _exact_extreme_inputs(2000, hidden, vocab)
     x[1000:] *= 2.0 ** -12  # logits multiples of 2^-6 below 4: ordinary rows, still exact
-    with torch.no_grad():
+    with torch.no_grad(), override_params({"forward_stats": "fused"}, backend="cuda"):
         loss = flce.linear_cross_entropy(x, w, t, reduction="none")
     assert offsets_given == [True]
     want = reference_loss(x.double(), w.double(), t, reduction="none").loss
