@@ -33,10 +33,9 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
                        dtype: str = "bfloat16", row_stats: bool = False, store_tile: bool = False,
                        accumulate: bool = False, sum_exp_dz: bool = False, argmax: bool = False,
                        sum_z: bool = False, softcap: bool = False, class_weight: bool = False,
-                       bias: bool = False, offset_stats: bool = False, store_exp: bool = False) -> object:
+                       bias: bool = False, store_exp: bool = False) -> object:
     """Compile the kernel for sm_90a without a GPU (triton.compile on a Gluon source), for the CPU
-    tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``).
-    store_exp implies offset_stats, as ws_gemm_ops launches it."""
+    tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``)."""
     import inspect
 
     from triton.backends.compiler import GPUTarget
@@ -63,8 +62,7 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
                  "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
                  "INTERLEAVE": row_stats, "STORE_TILE": store_tile, "ACCUMULATE": accumulate,
                  "SUM_EXP_DZ": sum_exp_dz, "ARGMAX": argmax, "SUM_Z": sum_z, "SOFTCAP": softcap,
-                 "CLASS_WEIGHT": class_weight, "HAS_BIAS": bias,
-                 "OFFSET_STATS": offset_stats or store_exp, "STORE_EXP": store_exp,
+                 "CLASS_WEIGHT": class_weight, "HAS_BIAS": bias, "STORE_EXP": store_exp,
                  "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
     names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
     signature = {name: "constexpr" if name in constants else types[name] for name in names}

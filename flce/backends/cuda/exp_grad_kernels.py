@@ -1,5 +1,4 @@
-"""Triton kernels of the plain loss's statistics relative to a per-row offset and its gradient from kept
-exponentials (exp_grad_ops.py says how they fit).
+"""Triton kernels of the plain loss's gradient from kept exponentials (exp_grad_ops.py says how they fit).
 
 A chunk's fused statistics GEMM keeps E = exp2(y - c) per row instead of its logits (y the base-2 logit,
 c a per-row offset chosen before the GEMM from the target's logit), so that the gradient
@@ -27,10 +26,6 @@ CAP = tl.constexpr(64.0)
 # A row is recomputed where its lse2 - c exceeds this: a row holding a capped value sums at least 2^CAP (its
 # lse2 - c at least CAP up to the merge's rounding), and one at most 2^(CAP - 1) holds none.
 REDO_ABOVE = tl.constexpr(63.0)
-# ... or, for statistics alone (redo_offset_rows), where it is below this: a row whose target is ignored or in
-# another shard has c = 0, and its values under 2^-126 flush to 0; at a sum of at least 2^-80 what they
-# could add (fewer than 2^18 of them) is below 2^-28 of it. A row with its target here sums at least ~2^-58.
-REDO_BELOW = tl.constexpr(-80.0)
 
 
 @triton.jit
@@ -151,36 +146,6 @@ def _exp_rows_redo_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, redo_row
             e = tl.exp(u - lse[:, None]) - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)
             tl.store(exp_ptr + rows[:, None] * stride_e + cols[None, :], e.to(exp_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _offset_rows_redo_kernel(x_ptr, stride_x, w_ptr, stride_w, offset_ptr, row_max_ptr, sum_exp_ptr, n_rows, hidden,
-                             vocab, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                             IEEE: tl.constexpr):
-    """Statistics taken relative to the offsets c (ws_stats_kernels._exp_chunk without kept exponentials):
-    each row whose lse2 - c is above REDO_ABOVE or below REDO_BELOW gets its row_max (natural) and sum_exp
-    (relative to it) from logits recomputed here. grid (cdiv(rows, BLOCK_R),): a block without such a row
-    reads its statistics and ends (the usual case); one with any recomputes the block (rows past the cap are
-    rare, and no list means no atomics and no count to read)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_range = rows < n_rows
-    row_max = tl.load(row_max_ptr + rows, mask=in_range, other=0.0)
-    sum_exp = tl.load(sum_exp_ptr + rows, mask=in_range, other=1.0)
-    offset = tl.load(offset_ptr + rows, mask=in_range, other=0.0)
-    above = row_max * LOG2E + tl.log2(sum_exp) - offset  # -inf where every value flushed to 0
-    redo = in_range & ((above > REDO_ABOVE) | (above < REDO_BELOW))
-    if tl.max(redo.to(tl.int32), axis=0) > 0:
-        new_max = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-        new_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for v in range(0, vocab, BLOCK_V):
-            cols = v + tl.arange(0, BLOCK_V)
-            u = _redo_logits(x_ptr, stride_x, w_ptr, stride_w, rows, redo, cols, cols < vocab, hidden, BLOCK_R,
-                             BLOCK_V, BLOCK_K, IEEE)
-            block_max = tl.maximum(new_max, tl.max(u, axis=1))
-            new_sum = new_sum * tl.exp(new_max - block_max) + tl.sum(tl.exp(u - block_max[:, None]), axis=1)
-            new_max = block_max
-        tl.store(row_max_ptr + rows, new_max, mask=redo)
-        tl.store(sum_exp_ptr + rows, new_sum, mask=redo)
 
 
 @triton.jit

@@ -1,16 +1,10 @@
-"""Launchers of the plain loss's statistics relative to a per-row offset and its gradient from kept
-exponentials (exp_grad_kernels.py).
-
-Statistics alone (a forward without gradient, the first pass of a schedule that needs every row's
-statistics first): :func:`exp_offsets`, the warp-specialised statistics GEMM relative to them (no maximum
-reduced; ws_gemm_ops, exp_offset= without logits_out), then :func:`redo_offset_rows` for the rows far from
-their offset.
+"""Launchers of the plain loss's gradient from kept exponentials (exp_grad_kernels.py).
 
 The schedule (engine capability KEPT_EXPONENTIALS) for one token chunk of a plain training call:
 
 1. :func:`exp_offsets`: c per row from the target's logit (a dot product per row, before the GEMM);
-2. the warp-specialised statistics GEMM writes E = exp2(y - c) instead of the logits, and the row statistics
-   relative to c (ws_gemm_ops, exp_offset=); elsewhere the logits and :func:`exponentials_from_logits_`;
+2. the warp-specialised statistics GEMM writes E = exp2(y - c) instead of the logits (ws_gemm_ops,
+   exp_offset=) and the row statistics as before; elsewhere the logits and :func:`exponentials_from_logits_`;
 3. :func:`finish_exp_rows`: per row the scale s with G = s * E, the target's column of E set so that s * E
    is p_t - 1 there, the rows past the GEMM's cap listed;
 4. :func:`redo_exp_rows`: those rows' E recomputed from their logits as their gradient, with the lse of those
@@ -27,18 +21,9 @@ import torch
 import triton
 
 from flce.backends.cuda import exp_grad_kernels as k
-from flce.config import LCEConfig
-from flce.semantics import PartialRowStats
 
 _FINISH_BLOCK = 256
 _REDO_ROWS, _REDO_COLS, _REDO_K = 16, 128, 64
-
-
-def offset_statistics(cfg: LCEConfig, bias: bool, logits_out: bool) -> bool:
-    """Whether the warp-specialised statistics GEMM takes a call's statistics (all of a row's columns, or this
-    shard's) relative to per-row offsets: statistics alone (no logits kept) of the plain loss without a bias,
-    whose only statistics are the lse and the target's logit. Here and in the record (steps.py)."""
-    return not (cfg.needs_full or bias or logits_out)
 
 
 def exp_offsets(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -90,18 +75,6 @@ def redo_exp_rows(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
         k._exp_rows_redo_kernel[(triton.cdiv(n, _REDO_ROWS),)](
             hidden, hidden.stride(0), weight, weight.stride(0), target, redo_rows, redo_count, exp, exp.stride(0), lse,
             hidden.shape[1], vocab, BLOCK_R=_REDO_ROWS, BLOCK_V=_REDO_COLS, BLOCK_K=_REDO_K,
-            IEEE=hidden.dtype == torch.float32, num_warps=4)
-
-
-def redo_offset_rows(hidden: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, stats: PartialRowStats
-                     ) -> None:
-    """The statistics of ``stats`` (merged, taken relative to ``offsets``) recomputed exactly where a row's
-    lse2 - offset shows capped or flushed values; no host sync."""
-    n = hidden.shape[0]
-    if n:
-        k._offset_rows_redo_kernel[(triton.cdiv(n, _REDO_ROWS),)](
-            hidden, hidden.stride(0), weight, weight.stride(0), offsets, stats.row_max, stats.sum_exp, n,
-            hidden.shape[1], weight.shape[0], BLOCK_R=_REDO_ROWS, BLOCK_V=_REDO_COLS, BLOCK_K=_REDO_K,
             IEEE=hidden.dtype == torch.float32, num_warps=4)
 
 

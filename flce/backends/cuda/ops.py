@@ -26,9 +26,7 @@ from flce.backends.cuda.exp_grad_ops import (
     exp_offsets,
     exponentials_from_logits_,
     finish_exp_rows,
-    offset_statistics,
     redo_exp_rows,
-    redo_offset_rows,
     scale_rows,
 )
 from flce.backends.cuda.fallback import launch_or_fall_back
@@ -81,25 +79,11 @@ class TritonChunkKernels:
         # Hopper: the warp-specialised Gluon GEMM, whose epilogue computes every statistic and option
         # (plain 0.94-1.02x one cuBLAS GEMM against 1.01-1.07x for gemm_row_stats, RL 0.99-1.04x against
         # 1.03-1.10x, softcap + bias 1.07x against 1.11-1.21x on the H100; docs/design-notes.md).
-        if offset_statistics(cfg, bias is not None, logits_out is not None):
-            return launch_or_fall_back(
-                WS_GEMM, WS_STATISTICS, hidden,
-                lambda: self._ws_offset_row_stats(hidden, weight, target, cfg, vocab_offset),
-                lambda: self._triton_row_stats(hidden, weight, bias, target, cfg, vocab_offset, logits_out),
-                "the Triton statistics GEMM")
         return launch_or_fall_back(
             WS_GEMM, WS_STATISTICS, hidden,
             lambda: ws_partial_row_stats(hidden, weight, target, vocab_offset, cfg, logits_out, bias),
             lambda: self._triton_row_stats(hidden, weight, bias, target, cfg, vocab_offset, logits_out),
             "the Triton statistics GEMM")
-
-    @staticmethod
-    def _ws_offset_row_stats(hidden, weight, target, cfg: LCEConfig, vocab_offset: int) -> PartialRowStats:
-        """The plain statistics relative to per-row offsets (exp_grad_ops.py), the rows far from theirs redone."""
-        offsets = exp_offsets(hidden, weight, target - vocab_offset if vocab_offset else target, cfg.ignore_index)
-        stats = ws_partial_row_stats(hidden, weight, target, vocab_offset, cfg, exp_offset=offsets)
-        redo_offset_rows(hidden, weight, offsets, stats)
-        return stats
 
     def _triton_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,
                           logits_out) -> PartialRowStats:

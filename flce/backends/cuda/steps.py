@@ -13,7 +13,6 @@ from flce.backends.cuda.configs import (
     WS_GEMM,
     KernelChoice,
 )
-from flce.backends.cuda.exp_grad_ops import offset_statistics
 from flce.engine.call import grads_in_forward_allowed
 from flce.engine.choice import CallDescription, DeviceDescription, Step
 from flce.engine.plans import EXPONENTIALS, FUSED, AllRows, Plan, TokenChunks, VocabBlocks
@@ -33,7 +32,6 @@ EXP_LOGITS = _K + "exp_grad_kernels._exp_logits_kernel"
 EXP_FINISH = _K + "exp_grad_kernels._exp_rows_finish_kernel"
 EXP_REDO = _K + "exp_grad_kernels._exp_rows_redo_kernel"
 SCALE_ROWS = _K + "exp_grad_kernels._scale_rows_kernel"
-OFFSET_REDO = _K + "exp_grad_kernels._offset_rows_redo_kernel"
 WS_LAUNCH = "ws_gemm_ops.ROW_STATS_CONFIG (statistics) / DEFAULT_CONFIG (products), one program per SM"
 
 
@@ -62,14 +60,8 @@ def of_plan(device: DeviceDescription, call: CallDescription, plan: Plan, kernel
 
     def all_rows(stats: AllRows, when: str) -> Step:
         name = f"statistics of all rows{when}"
-        reason = f"{why.forward_stats}; kernel: {why.stats_kernel}"
-        if stats.forward_stats == FUSED and kernels.stats == WARP_SPECIALIZED and offset_statistics(cfg, call.bias,
-                                                                                                    False):
-            return Step(name, (EXP_OFFSETS, WS_GEMM, MERGE_SPLITS, OFFSET_REDO),
-                        f"{reason}; relative to each row's target logit (no maximum reduced), the rows far from it "
-                        "recomputed", WS_LAUNCH, TRITON_STATS)
         if stats.forward_stats == FUSED:
-            return fused_statistics(name, kernels.stats, reason)
+            return fused_statistics(name, kernels.stats, f"{why.forward_stats}; kernel: {why.stats_kernel}")
         return Step(name, (cublas_logits, ROW_STATS), why.forward_stats,
                     f"vocabulary blocks of {stats.scan_block} columns; {row_launch}")
 

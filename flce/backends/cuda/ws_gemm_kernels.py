@@ -144,7 +144,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                         ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr, STORE_TILE: gl.constexpr,
                         ACCUMULATE: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr,
                         SUM_Z: gl.constexpr, SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, OFFSET_STATS: gl.constexpr, STORE_EXP: gl.constexpr):
+                        HAS_BIAS: gl.constexpr, STORE_EXP: gl.constexpr):
     """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
 
     Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
@@ -157,9 +157,9 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
     tensor cores; the last tile's chunks, and every tile's without INTERLEAVE, run right after its main
     loop. STORE_TILE: the tile in shared memory also goes out by a TMA store (the logits a later row
     kernel turns into the gradient), which reads the buffer beside the statistics chunks and is waited
-    on only before the next tile overwrites it. OFFSET_STATS: the plain statistics relative to each row's
-    offset (_exp_chunk). STORE_EXP (with OFFSET_STATS, instead of STORE_TILE): the chunks overwrite the tile
-    with its row-offset exponentials, and the half tile goes out by a TMA store once its last chunk is done.
+    on only before the next tile overwrites it. STORE_EXP (instead of STORE_TILE): the chunks overwrite the
+    tile with its row-offset exponentials (_stats_chunk), and the half tile goes out by a TMA store once its
+    last chunk is done.
 
     ACCUMULATE (not with ROW_STATS): C's half tile is fetched into tile_smem at K step
     ACCUMULATE_PREFETCH_STEP (``c_ready[WG]`` completes one phase a tile) and added in the epilogue."""
@@ -198,7 +198,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                 acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
                 carry = _fold_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
                                      z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                                     CLASS_WEIGHT, OFFSET_STATS, STORE_EXP)
+                                     CLASS_WEIGHT, STORE_EXP)
                 acc = _retire_step(empty, acc, step, c)
                 step += 1
             first = STATS_CHUNKS
@@ -237,7 +237,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                 for c in gl.static_range(STATS_CHUNKS):
                     carry = _fold_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, stats_ptrs, y_scale,
                                          z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                                         CLASS_WEIGHT, OFFSET_STATS, STORE_EXP)
+                                         CLASS_WEIGHT, STORE_EXP)
                 if STORE_EXP:
                     _store_exp_tile(c_desc, tile_smem, off_m, pid_n, BLOCK_N)
         else:
@@ -256,7 +256,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             for c in gl.static_range(STATS_CHUNKS):
                 carry = _fold_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
                                      z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                                     CLASS_WEIGHT, OFFSET_STATS, STORE_EXP)
+                                     CLASS_WEIGHT, STORE_EXP)
             if STORE_EXP:
                 _store_exp_tile(c_desc, tile_smem, prev_m, prev_n, BLOCK_N)
     if STORE_TILE or STORE_EXP or not ROW_STATS:
@@ -272,8 +272,7 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
                     NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr,
                     STORE_TILE: gl.constexpr, ACCUMULATE: gl.constexpr, SUM_EXP_DZ: gl.constexpr,
                     ARGMAX: gl.constexpr, SUM_Z: gl.constexpr, SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, OFFSET_STATS: gl.constexpr, STORE_EXP: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, STORE_EXP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     LOAD_REGS: gl.constexpr):
     """C = A @ B, or with ROW_STATS C's row statistics (_stats_chunk, BLOCK_N a multiple of 64); grid = (persistent
     programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
@@ -290,9 +289,8 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
                                 with CLASS_WEIGHT of class_weight[column] * y, class_weight_ptr [N] fp32)
     target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)
     bias_ptr [N], read with HAS_BIAS: the logits are A @ B + bias, rounded to the inputs' dtype
-    exp_offset_ptr [M] fp32, read with OFFSET_STATS (the plain loss alone): the statistics relative to it
-    (partial max = exp_offset[row], sum of min(exp2(y - exp_offset[row]), ~2^64), y the base-2 logit); with
-    STORE_EXP C gets those exponentials instead of the logits, in the inputs' dtype
+    exp_offset_ptr [M] fp32, read with STORE_EXP: C gets min(exp2(y - exp_offset[row]), ~2^64) instead of
+    the logits (y the base-2 logit, as the statistics'), in the inputs' dtype
     y_scale = log2(e) / temperature, z_scale = 1 / temperature: the statistics of z = c / T for the
     logits u (rounded to the inputs' dtype) of a temperature T, c = u or with SOFTCAP the capped
     softcap * tanh(u / softcap); the plain loss passes T = 1."""
@@ -324,11 +322,11 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
                                z_scale, softcap, 0, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                ROW_STATS, INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                               CLASS_WEIGHT, HAS_BIAS, OFFSET_STATS, STORE_EXP)),
+                               CLASS_WEIGHT, HAS_BIAS, STORE_EXP)),
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
                                z_scale, softcap, 1, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                ROW_STATS, INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                               CLASS_WEIGHT, HAS_BIAS, OFFSET_STATS, STORE_EXP)),
+                               CLASS_WEIGHT, HAS_BIAS, STORE_EXP)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                            A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

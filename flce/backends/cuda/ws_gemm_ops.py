@@ -91,8 +91,7 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> object:
 def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple, config: WsGemmConfig,
             row_stats: bool, store_tile: bool = False, accumulate: bool = False, inv_temperature: float = 1.0,
             sum_exp_dz: bool = False, argmax: bool = False, sum_z: bool = False, softcap: float | None = None,
-            class_weight: bool = False, bias: bool = False, offset_stats: bool = False,
-            store_exp: bool = False) -> None:
+            class_weight: bool = False, bias: bool = False, store_exp: bool = False) -> None:
     """One launch; stats_ptrs: the kernel's 10 pointer arguments from part_max_ptr to exp_offset_ptr."""
     from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
 
@@ -110,8 +109,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple,
         NUM_STAGES=cfg.stages, ROW_STATS=row_stats,
         INTERLEAVE=row_stats and triton.cdiv(k, cfg.block_k) >= _STATS_CHUNKS,
         STORE_TILE=store_tile, ACCUMULATE=accumulate, SUM_EXP_DZ=sum_exp_dz, ARGMAX=argmax, SUM_Z=sum_z,
-        SOFTCAP=softcap is not None, CLASS_WEIGHT=class_weight, HAS_BIAS=bias, OFFSET_STATS=offset_stats,
-        STORE_EXP=store_exp,
+        SOFTCAP=softcap is not None, CLASS_WEIGHT=class_weight, HAS_BIAS=bias, STORE_EXP=store_exp,
         CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs,
         num_warps=4, maxnreg=cfg.max_regs,
     )
@@ -153,10 +151,8 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     """PartialRowStats of z = cap(x @ w.T + bias) / cfg.temperature (cap: cfg.softcap's, where set): the
     plain statistics, sum_exp_dz where cfg asks for the entropy, the argmax (w's row index) where it
     asks for token accuracy or predicted tokens, the sum of z for label smoothing (weighted by
-    ``class_weight`` [V], this shard's, where given). With ``exp_offset`` ([N] fp32, base 2; the plain loss
-    without a bias) the statistics are taken relative to it (ws_stats_kernels._exp_chunk: the rows past its cap
-    or far below it are the caller's to recompute), and ``logits_out``, where given, gets
-    min(exp2(y - exp_offset), ~2^64) of the base-2 logits y instead of the logits.
+    ``class_weight`` [V], this shard's, where given). With ``exp_offset`` ([N] fp32, base 2; plain loss only)
+    ``logits_out`` gets min(exp2(y - exp_offset), ~2^64) of the base-2 logits y instead of the logits.
 
     The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
     vocabulary order by gemm_ops.merge_splits."""
@@ -191,17 +187,16 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     if class_weight is not None and stats.weighted_sum_z is not None:
         weight = class_weight.float().contiguous()
     bias = bias.contiguous() if bias is not None else None
-    if exp_offset is not None and (cfg.needs_full or bias is not None or exp_offset.shape != (n,)
+    if exp_offset is not None and (c_desc is None or cfg.needs_full or exp_offset.shape != (n,)
                                    or exp_offset.dtype != torch.float32 or not exp_offset.is_contiguous()):
-        raise ValueError("ws_partial_row_stats: exp_offset needs the plain loss without a bias and a contiguous [N] "
-                         "fp32 tensor")
+        raise ValueError("ws_partial_row_stats: exp_offset needs logits_out, the plain loss and a contiguous [N] fp32 "
+                         "tensor")
     unused = part_sum
     _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_dz, part_argmax, part_sum_y, target.long().contiguous(),
                              stats.target_z, weight if weight is not None else unused,
                              bias if bias is not None else unused, exp_offset if exp_offset is not None else unused),
             config, row_stats=True, store_tile=c_desc is not None and exp_offset is None,
-            offset_stats=exp_offset is not None, store_exp=exp_offset is not None and c_desc is not None,
-            inv_temperature=1.0 / cfg.temperature,
+            store_exp=exp_offset is not None, inv_temperature=1.0 / cfg.temperature,
             sum_exp_dz=stats.sum_exp_dz is not None, argmax=stats.argmax is not None,
             sum_z=stats.weighted_sum_z is not None, softcap=cfg.softcap, class_weight=weight is not None,
             bias=bias is not None)
@@ -218,7 +213,7 @@ def ws_partial_row_stats(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     16-byte aligned rows on an sm_90 GPU (the kernel choice checks that before it asks): this shard's
     (vocab_offset..; ``bias`` and cfg's class weights sliced to it) statistics, target_z 0 where the
     target is in another shard or ignored; the logits written into ``logits_out`` when given (with
-    ``exp_offset``: the statistics relative to it, and exponentials instead of logits, see _row_stats)."""
+    ``exp_offset``: exponentials instead, see _row_stats)."""
     local = target - vocab_offset if vocab_offset else target
     vocab = weight.shape[0]
     class_weight = None if cfg.class_weight is None else cfg.class_weight[vocab_offset:vocab_offset + vocab]

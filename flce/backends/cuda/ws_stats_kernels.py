@@ -152,20 +152,18 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
 
 @gluon.jit
 def _exp_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
-               BLOCK_N: gl.constexpr, STORE_EXP: gl.constexpr):
-    """The plain loss's statistics relative to a per-row offset: chunk ``chunk`` of the half tile u, as in
-    _stats_chunk, with E = min(exp2(y - offset), 2^EXP_CAP) (0 past N), offset = exp_offset[row] (base 2), the
-    same for every tile of a row. STORE_EXP (the gradient from kept exponentials, exp_grad_ops.py): E
-    overwrites the chunk in tile_smem in the same dtype, and the caller stores it to HBM once all chunks of the
-    half tile are done.
+               BLOCK_N: gl.constexpr):
+    """The plain loss keeping exponentials (exp_grad_ops.py): chunk ``chunk`` of the half tile u, as in
+    _stats_chunk, overwritten in tile_smem by E = min(exp2(y - offset), 2^EXP_CAP) in the same dtype (0 past N;
+    the caller stores it to HBM once all chunks of the half tile are done), offset = exp_offset[row] (base 2),
+    the same for every tile of a row.
 
-    Each column tile's partials are max = offset and sum = the sum of E, which _merge_splits_kernel merges as
-    any others. So a chunk needs no max reduction and no rescaling exponentials, and the sum adds the values
-    stored. A row whose logits exceed offset + EXP_CAP sums capped values (finite, never inf, whose 0 * inf would
-    be NaN in the gradient GEMMs), at least 2^EXP_CAP; one far below its offset sums values flushed to 0. The
-    callers recompute such rows: exp_grad_ops.finish_exp_rows lists them for redo_exp_rows (exponentials and
-    lse), offset_stats_ops.redo_offset_rows their statistics. carry: (unused, sum of E, target's u, target,
-    unused, unused, unused, offset)."""
+    The statistics are taken relative to that offset instead of a running maximum: each column tile's partials
+    are max = offset and sum = the sum of E, which _merge_splits_kernel merges as any others. So a chunk needs no
+    max reduction and no rescaling exponentials, and the sum adds the values stored. A row whose logits exceed
+    offset + EXP_CAP sums capped values (finite, never inf, whose 0 * inf would be NaN in the gradient GEMMs); its
+    sum is then at least 2^EXP_CAP, and exp_grad_ops.finish_exp_rows lists it for redo_exp_rows, which recomputes
+    its exponentials and its lse. carry: (unused, sum of E, target's u, target, unused, unused, unused, offset)."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
     r: gl.constexpr = chunk // QUARTERS
@@ -184,8 +182,7 @@ def _exp_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N,
     u = chunk_smem.load(layout).to(gl.float32)
     y = gl.minimum(u * y_scale - gl.expand_dims(offset, 1), EXP_CAP)
     e = gl.where(gl.expand_dims(cols < N, 0), gl.exp2(y), 0.0)  # past N the TMA load filled logits of 0
-    if STORE_EXP:
-        chunk_smem.store(e.to(chunk_smem.dtype))
+    chunk_smem.store(e.to(chunk_smem.dtype))
     part_sum = gl.sum(e, axis=1)
     part_target = gl.sum(gl.where(gl.expand_dims(cols, 0) == gl.expand_dims(target, 1), u, 0.0), axis=1)
     if q == 0:
@@ -204,12 +201,10 @@ def _exp_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N,
 @gluon.jit
 def _fold_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
                 softcap, BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr, SUM_Z: gl.constexpr,
-                SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr, OFFSET_STATS: gl.constexpr,
-                STORE_EXP: gl.constexpr):
-    """One statistics chunk: _exp_chunk with OFFSET_STATS (the plain loss alone), else _stats_chunk."""
-    if OFFSET_STATS:
-        carry = _exp_chunk(tile_smem, chunk, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale, BLOCK_N,
-                           STORE_EXP)
+                SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr, STORE_EXP: gl.constexpr):
+    """One statistics chunk: _exp_chunk with STORE_EXP (the plain loss alone), else _stats_chunk."""
+    if STORE_EXP:
+        carry = _exp_chunk(tile_smem, chunk, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale, BLOCK_N)
     else:
         carry = _stats_chunk(tile_smem, chunk, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
                              softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP, CLASS_WEIGHT)
