@@ -157,9 +157,9 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
     tensor cores; the last tile's chunks, and every tile's without INTERLEAVE, run right after its main
     loop. STORE_TILE: the tile in shared memory also goes out by a TMA store (the logits a later row
     kernel turns into the gradient), which reads the buffer beside the statistics chunks and is waited
-    on only before the next tile overwrites it. STORE_EXP (instead of STORE_TILE): the chunks overwrite the
-    tile with its row-offset exponentials (_stats_chunk), and the half tile goes out by a TMA store once its
-    last chunk is done.
+    on only before the next tile overwrites it. STORE_EXP (instead of STORE_TILE; the plain loss alone): the
+    chunks (_exp_chunk) overwrite the tile with its row-offset exponentials and take the statistics relative
+    to that offset, and the half tile goes out by a TMA store once its last chunk is done.
 
     ACCUMULATE (not with ROW_STATS): C's half tile is fetched into tile_smem at K step
     ACCUMULATE_PREFETCH_STEP (``c_ready[WG]`` completes one phase a tile) and added in the epilogue."""
@@ -197,8 +197,8 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                                                  pack=1)
                 acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
                 carry = _fold_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
-                                     z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                                     CLASS_WEIGHT, STORE_EXP)
+                                    z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
+                                    CLASS_WEIGHT, STORE_EXP)
                 acc = _retire_step(empty, acc, step, c)
                 step += 1
             first = STATS_CHUNKS
@@ -236,8 +236,8 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             else:
                 for c in gl.static_range(STATS_CHUNKS):
                     carry = _fold_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, stats_ptrs, y_scale,
-                                         z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                                         CLASS_WEIGHT, STORE_EXP)
+                                        z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
+                                        CLASS_WEIGHT, STORE_EXP)
                 if STORE_EXP:
                     _store_exp_tile(c_desc, tile_smem, off_m, pid_n, BLOCK_N)
         else:
@@ -255,8 +255,8 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
         if INTERLEAVE:
             for c in gl.static_range(STATS_CHUNKS):
                 carry = _fold_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
-                                     z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                                     CLASS_WEIGHT, STORE_EXP)
+                                    z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
+                                    CLASS_WEIGHT, STORE_EXP)
             if STORE_EXP:
                 _store_exp_tile(c_desc, tile_smem, prev_m, prev_n, BLOCK_N)
     if STORE_TILE or STORE_EXP or not ROW_STATS:
@@ -290,7 +290,8 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
     target_ptr [M] int64 class ids; target_z_ptr [M] fp32, written where the target is in [0, N)
     bias_ptr [N], read with HAS_BIAS: the logits are A @ B + bias, rounded to the inputs' dtype
     exp_offset_ptr [M] fp32, read with STORE_EXP: C gets min(exp2(y - exp_offset[row]), ~2^64) instead of
-    the logits (y the base-2 logit, as the statistics'), in the inputs' dtype
+    the logits (y the base-2 logit, as the statistics'), in the inputs' dtype, and the partials are relative
+    to it (max = exp_offset[row], sum = the sum of C's values)
     y_scale = log2(e) / temperature, z_scale = 1 / temperature: the statistics of z = c / T for the
     logits u (rounded to the inputs' dtype) of a temperature T, c = u or with SOFTCAP the capped
     softcap * tanh(u / softcap); the plain loss passes T = 1."""

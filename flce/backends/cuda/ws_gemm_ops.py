@@ -152,7 +152,9 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     plain statistics, sum_exp_dz where cfg asks for the entropy, the argmax (w's row index) where it
     asks for token accuracy or predicted tokens, the sum of z for label smoothing (weighted by
     ``class_weight`` [V], this shard's, where given). With ``exp_offset`` ([N] fp32, base 2; plain loss only)
-    ``logits_out`` gets min(exp2(y - exp_offset), ~2^64) of the base-2 logits y instead of the logits.
+    ``logits_out`` gets min(exp2(y - exp_offset), ~2^64) of the base-2 logits y instead of the logits, and the
+    statistics are taken relative to exp_offset (ws_stats_kernels._exp_chunk: a row past the cap sums capped
+    values; exp_grad_ops recomputes it).
 
     The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
     vocabulary order by gemm_ops.merge_splits."""
