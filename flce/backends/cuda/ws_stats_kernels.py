@@ -43,6 +43,26 @@ def _softcapped(u, softcap):
 
 
 @gluon.jit
+def _chunk_view(tile_smem, chunk: gl.constexpr, off_m, pid_n, BLOCK_N: gl.constexpr):
+    """(rows, columns, shared-memory view) of chunk ``chunk`` of a half tile: row block chunk // 4, column
+    quarter chunk % 4 (for BLOCK_N = 256), in _stats_layout's slices."""
+    layout: gl.constexpr = _stats_layout()
+    QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
+    r: gl.constexpr = chunk // QUARTERS
+    q: gl.constexpr = chunk % QUARTERS
+    rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
+    return rows, cols, tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
+
+
+@gluon.jit
+def _store_target_logit(target_z_ptr, rows, row_ok, target, target_u, z_scale, pid_n, N, BLOCK_N: gl.constexpr):
+    """The row block's target logit z = target_u * z_scale, for the rows whose target is in column tile pid_n."""
+    in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
+    gl.store(target_z_ptr + rows, target_u * z_scale, mask=in_tile)
+
+
+@gluon.jit
 def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
                  softcap, BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr, SUM_Z: gl.constexpr,
                  SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr):
@@ -59,13 +79,10 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     tile, its logit z."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
-    r: gl.constexpr = chunk // QUARTERS
     q: gl.constexpr = chunk % QUARTERS
     part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, part_sum_y_ptr = stats_ptrs[:5]
     target_ptr, target_z_ptr, class_weight_ptr = stats_ptrs[5:8]
-    rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
-    cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
-    chunk_smem = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
+    rows, cols, chunk_smem = _chunk_view(tile_smem, chunk, off_m, pid_n, BLOCK_N)
     # The row block's per-row operands come from HBM once, at its first column quarter, and ride in the carry
     # to the other three: a global load in every chunk put its latency into each chunk's critical path.
     row_ok = (rows < M) & valid
@@ -145,8 +162,7 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
             gl.store(part_argmax_ptr + part, best, mask=row_ok)
         if SUM_Z:
             gl.store(part_sum_y_ptr + part, running_sum_u * y_scale, mask=row_ok)
-        in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
-        gl.store(target_z_ptr + rows, target_u * z_scale, mask=in_tile)
+        _store_target_logit(target_z_ptr, rows, row_ok, target, target_u, z_scale, pid_n, N, BLOCK_N)
     return running_max, running_sum, target_u, target, running_sum_dz, best, running_sum_u, carry[7]
 
 
@@ -166,13 +182,10 @@ def _exp_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N,
     its exponentials and its lse. carry: (unused, sum of E, target's u, target, unused, unused, unused, offset)."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
-    r: gl.constexpr = chunk // QUARTERS
     q: gl.constexpr = chunk % QUARTERS
     part_max_ptr, part_sum_ptr = stats_ptrs[:2]
     target_ptr, target_z_ptr = stats_ptrs[5:7]
-    rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
-    cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
-    chunk_smem = tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
+    rows, cols, chunk_smem = _chunk_view(tile_smem, chunk, off_m, pid_n, BLOCK_N)
     row_ok = (rows < M) & valid
     target = carry[3]
     offset = carry[7]
@@ -193,8 +206,7 @@ def _exp_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N,
         part = pid_n.to(gl.int64) * M + rows
         gl.store(part_max_ptr + part, offset, mask=row_ok)
         gl.store(part_sum_ptr + part, running_sum, mask=row_ok)
-        in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
-        gl.store(target_z_ptr + rows, target_u * z_scale, mask=in_tile)
+        _store_target_logit(target_z_ptr, rows, row_ok, target, target_u, z_scale, pid_n, N, BLOCK_N)
     return carry[0], running_sum, target_u, target, carry[4], carry[5], carry[6], offset
 
 
