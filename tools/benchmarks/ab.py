@@ -21,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,10 +98,16 @@ def main() -> None:
         parser.error(f"--baseline {args.baseline!r}: expected a checkout root holding flce/__init__.py")
     roots = {"A": Path(args.baseline).resolve(), "B": REPO}
     runs: dict[str, list[dict]] = {"A": [], "B": []}
-    for round_index in range(args.rounds):
-        for side in ("A", "B") if round_index % 2 == 0 else ("B", "A"):
-            runs[side].append(run_one(roots[side], args.shapes))
-            print(f"round {round_index + 1}/{args.rounds} {side} done", file=sys.stderr, flush=True)
+    # The clocks are sampled here, around both checkouts' workers (B's flce: A's may predate the sampler).
+    import torch
+
+    from flce.testing.clocks import ClockSampler
+
+    with ClockSampler(torch.device("cuda")) as clocks:
+        for round_index in range(args.rounds):
+            for side in ("A", "B") if round_index % 2 == 0 else ("B", "A"):
+                runs[side].append(run_one(roots[side], args.shapes))
+                print(f"round {round_index + 1}/{args.rounds} {side} done", file=sys.stderr, flush=True)
     keys = [k for k in runs["A"][0] if k not in ("flce", "gpu")]
     lines = [f"A: {runs['A'][0]['flce']}, B: {runs['B'][0]['flce']}, {runs['A'][0]['gpu']}, {args.rounds} rounds "
              "(median over rounds; each round's figure a do_bench median)", "",
@@ -116,12 +123,16 @@ def main() -> None:
                      f"{statistics.median(b) / statistics.median(a):.3f} | "
                      f"{' '.join(f'{r:.3f}' for r in ratios)} | {summary[key]['a_mib']:.0f} | "
                      f"{summary[key]['b_mib']:.0f} |")
+    if clocks.summary is not None:
+        lines += ["", clocks.summary.describe() + "."]
     text = "\n".join(lines)
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
+        Path(args.json).write_text(json.dumps({"runs": runs, "summary": summary,
+                                               "clocks": asdict(clocks.summary) if clocks.summary else None},
+                                              indent=1))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ paths) where nvidia-cutlass-dsl imports, and then quack's GEMM joins the best-GE
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import importlib.metadata
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from cute_peers import liger_cute_methods, quack_gemm, quack_methods
 
 import flce
+from flce.testing.clocks import ClockSampler, ClockSummary
 from flce.testing.measure import MiB, median_ms, parse_shape, peak_mib_above, publish, shape_inputs
 
 DEFAULT_SHAPES = ("4096x4096x32000", "8192x4096x128256", "16384x2048x151936")
@@ -315,43 +317,56 @@ def main() -> None:
         print(f"not available here: {[k for k in wanted if k not in methods]}", file=sys.stderr)
         methods = {k: methods[k] for k in wanted if k in methods}  # in the order asked
     rows, gemm_lines = [], []
-    for shape in args.shapes.split(","):
-        case = Case(*parse_shape(shape), dtype)
-        best3, best1, lines = best_gemm_floors(case, device)
-        gemm_lines += lines
-        print("\n".join(lines), flush=True)
-        gc.collect()
-        torch.cuda.empty_cache()
-        # Each round measures the floor and then every method, so a method's ratio is to the floor of its
-        # own round and the methods alternate with each other (compiling and tuning happen in round 1).
-        rounds: dict[str, list[dict]] = {"3-GEMM floor": [], **{name: [] for name in methods}}
-        for _ in range(args.rounds):
-            floor3, floor1 = floors(case, device)
-            rounds["3-GEMM floor"].append({"shape": case.label, "method": "3-GEMM floor", "fwd_bwd_ms": floor3,
-                                           "peak_mib": 0.0, "fwd_ms": floor1, "fwd_peak_mib": 0.0})
-            for name, method in methods.items():
-                start = time.perf_counter()
-                row = measure(case, name, method, device)
-                row["wall_s"] = round(time.perf_counter() - start, 1)  # compile and tuning included
-                row["floor_ms"], row["fwd_floor_ms"] = floor3, floor1
-                rounds[name].append(row)
-                print(json.dumps(row), flush=True)
-            rounds["3-GEMM floor"][-1].update(floor_ms=floor3, fwd_floor_ms=floor1)
-        rows += [summary(measured, best3, best1) for measured in rounds.values()]
+    with ClockSampler(torch.device(device)) as clocks:
+        for shape in args.shapes.split(","):
+            shape_rows, lines = measure_shape(Case(*parse_shape(shape), dtype), methods, device, args.rounds)
+            rows += shape_rows
+            gemm_lines += lines
     gpu = torch.cuda.get_device_name()
     command = (f"python tools/benchmarks/peers.py --shapes {args.shapes}"
                f"{f' --methods {args.methods}' if args.methods else ''}"
                f"{f' --rounds {args.rounds}' if args.rounds > 1 else ''}")
     header = f"### {gpu}, {args.dtype}, {datetime.date.today()} — torch {torch.__version__}\n\nCommand: `{command}`"
+    if clocks.summary is not None:
+        header += f"\n\n{clocks.summary.describe()}."
+        if clocks.summary.held_back:
+            print(clocks.summary.describe(), file=sys.stderr)
     publish(markdown(rows, header, gemm_lines).rstrip("\n"), args.markdown)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(run_record(rows, gpu, args.dtype, command, args.revision or flce_revision()), f, indent=1)
+            json.dump(run_record(rows, gpu, args.dtype, command, args.revision or flce_revision(), clocks.summary),
+                      f, indent=1)
 
 
-def run_record(rows: list[dict], gpu: str, dtype: str, command: str, revision: str) -> dict:
-    """The --json file: the rows with what a reader needs to trust them (GPU, date, versions, command);
-    tools/benchmarks/plot.py draws and tabulates it."""
+def measure_shape(case: Case, methods: dict, device: str, rounds_wanted: int) -> tuple[list[dict], list[str]]:
+    """One shape: the best-GEMM floors, then ``rounds_wanted`` rounds of the cuBLAS floor and every method;
+    the summary rows and the GEMM table's lines."""
+    best3, best1, lines = best_gemm_floors(case, device)
+    print("\n".join(lines), flush=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    # Each round measures the floor and then every method, so a method's ratio is to the floor of its
+    # own round and the methods alternate with each other (compiling and tuning happen in round 1).
+    rounds: dict[str, list[dict]] = {"3-GEMM floor": [], **{name: [] for name in methods}}
+    for _ in range(rounds_wanted):
+        floor3, floor1 = floors(case, device)
+        rounds["3-GEMM floor"].append({"shape": case.label, "method": "3-GEMM floor", "fwd_bwd_ms": floor3,
+                                       "peak_mib": 0.0, "fwd_ms": floor1, "fwd_peak_mib": 0.0})
+        for name, method in methods.items():
+            start = time.perf_counter()
+            row = measure(case, name, method, device)
+            row["wall_s"] = round(time.perf_counter() - start, 1)  # compile and tuning included
+            row["floor_ms"], row["fwd_floor_ms"] = floor3, floor1
+            rounds[name].append(row)
+            print(json.dumps(row), flush=True)
+        rounds["3-GEMM floor"][-1].update(floor_ms=floor3, fwd_floor_ms=floor1)
+    return [summary(measured, best3, best1) for measured in rounds.values()], lines
+
+
+def run_record(rows: list[dict], gpu: str, dtype: str, command: str, revision: str,
+               clocks: ClockSummary | None = None) -> dict:
+    """The --json file: the rows with what a reader needs to trust them (GPU, date, versions, command, the
+    GPU's clocks over the run where they were sampled); tools/benchmarks/plot.py draws and tabulates it."""
     versions = {"torch": torch.__version__}
     for package in ("triton", "liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-cutlass-dsl"):
         try:
@@ -360,6 +375,7 @@ def run_record(rows: list[dict], gpu: str, dtype: str, command: str, revision: s
             pass
     return {"gpu": gpu, "date": str(datetime.date.today()), "dtype": dtype, "call": "fwd+bwd, mean loss",
             "versions": versions, "flce": revision, "command": command,
+            "clocks": dataclasses.asdict(clocks) if clocks is not None else None,
             "inputs": "flce.testing.measure.shape_inputs: logits of std 1, uniform targets, every 17th ignored",
             "rows": rows}
 

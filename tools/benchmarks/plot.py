@@ -92,13 +92,18 @@ def measured(run: dict) -> list[tuple]:
 
 
 def footer(run: dict, width: int = 160) -> str:
-    """What the numbers are: GPU, date, versions, flce's revision, the command, the source; lines of
-    at most ``width`` characters."""
+    """What the numbers are: GPU, date, versions, flce's revision, the command, the source, the GPU's clocks
+    over the run where peers.py sampled them; lines of at most ``width`` characters."""
     versions = ", ".join(f"{name} {version}" for name, version in run["versions"].items())
     parts = [f"{run['gpu']}, {run.get('dtype', 'bfloat16')}, {run['date']}; {versions}",
              f"flce: {run.get('flce', 'not recorded')}", f"command: {run['command']}"]
     if "source" in run:
         parts.append(f"source: {run['source']}")
+    if run.get("clocks"):
+        clocks = run["clocks"]
+        parts.append(f"SM clock {clocks['sm_mhz_mean']:.0f} MHz mean ({clocks['sm_mhz_min']:.0f}-"
+                     f"{clocks['sm_mhz_max']:.0f}), {clocks['temperature_max_c']:.0f} C at most, slowdowns: "
+                     f"{', '.join(clocks['reasons']) or 'none'}{' (HELD BACK)' if clocks['held_back'] else ''}")
     return "\n".join(textwrap.fill(part, width, subsequent_indent="  ") for part in parts)
 
 
