@@ -150,24 +150,39 @@ def needs_logit_stats(cfg: LCEConfig) -> bool:
 
 @dataclass(frozen=True)
 class Denominators:
-    """Divisors of the mean reduction, computed on the device without a host sync."""
+    """Divisors of the mean reduction, computed on the device without a host sync, once per call with what
+    every mean of the call divides by: a mean is then one division and one select (small launches are
+    most of a short call's host time)."""
 
     cross_entropy: torch.Tensor  # scalar fp32: non-ignored tokens, or their class-weight sum (any sign, or NaN)
     z_loss: torch.Tensor  # scalar fp32: non-ignored tokens
+    counted: torch.Tensor  # scalar bool: a token was counted
+    # The divisors where a token was counted, else 1 (no 0 / 0 in the branch the select drops), and a 0.
+    cross_entropy_divisor: torch.Tensor
+    token_divisor: torch.Tensor
+    zero: torch.Tensor
 
-    def mean(self, total: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-        """total / denominator as torch's mean divides (a class-weight sum that is negative, zero or NaN
-        included), and 0 where no token was counted (every target ignored: torch gives NaN there)."""
-        counted = self.z_loss > 0
-        return torch.where(counted, total / torch.where(counted, denominator, 1.0), 0.0)
+    def mean_over_weights(self, total: torch.Tensor) -> torch.Tensor:
+        """total / the cross-entropy denominator, as torch's mean divides (a class-weight sum that is
+        negative, zero or NaN included), and 0 where no token was counted (every target ignored: torch
+        gives NaN there)."""
+        return torch.where(self.counted, total / self.cross_entropy_divisor, self.zero)
+
+    def mean_over_tokens(self, total: torch.Tensor) -> torch.Tensor:
+        """total / the count of non-ignored tokens, and 0 where there is none."""
+        return torch.where(self.counted, total / self.token_divisor, self.zero)
 
 
 def denominators(target: torch.Tensor, cfg: LCEConfig, dtype: torch.dtype = torch.float32) -> Denominators:
     valid = target != cfg.ignore_index
     count = valid.sum(dtype=dtype)
+    counted = count > 0
+    token_divisor = count.clamp(min=1)  # a whole number: 1 where it is 0, itself elsewhere
+    zero = torch.zeros((), dtype=dtype, device=target.device)
     if cfg.class_weight is None:
-        return Denominators(count, count)
-    return Denominators(class_weight_of_target(target, cfg, dtype).sum(dtype=dtype), count)
+        return Denominators(count, count, counted, token_divisor, token_divisor, zero)
+    weight_sum = class_weight_of_target(target, cfg, dtype).sum(dtype=dtype)
+    return Denominators(weight_sum, count, counted, torch.where(counted, weight_sum, 1.0), token_divisor, zero)
 
 
 def class_weight_of_target(target: torch.Tensor, cfg: LCEConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -209,10 +224,12 @@ def row_terms(stats: RowStats, target: torch.Tensor, cfg: LCEConfig, vocab: int)
         scale = torch.exp(stats.target_z - stats.lse)
         ce = ce * scale
         smoothing = None if smoothing is None else smoothing * scale
-    zl = cfg.lse_square_scale * stats.lse.square() if cfg.lse_square_scale else torch.zeros_like(ce)
     zero = torch.zeros((), dtype=ce.dtype, device=ce.device)
+    # Without a z-loss its terms are zeros already: no select over them.
+    zl = torch.where(valid, cfg.lse_square_scale * stats.lse.square(), zero) if cfg.lse_square_scale else (
+        torch.zeros_like(ce))
     kept_smoothing = None if smoothing is None or cfg.class_weight is None else torch.where(valid, smoothing, zero)
-    return RowTerms(torch.where(valid, ce, zero), torch.where(valid, zl, zero), valid, kept_smoothing)
+    return RowTerms(torch.where(valid, ce, zero), zl, valid, kept_smoothing)
 
 
 def reduce_terms(terms: RowTerms, cfg: LCEConfig, denoms: Denominators) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,11 +239,11 @@ def reduce_terms(terms: RowTerms, cfg: LCEConfig, denoms: Denominators) -> tuple
     ce_sum, zl_sum = terms.cross_entropy.sum(), terms.z_loss.sum()
     if cfg.reduction == "sum":
         return ce_sum + zl_sum, zl_sum
-    zl = denoms.mean(zl_sum, denoms.z_loss)
+    zl = denoms.mean_over_tokens(zl_sum)
     if terms.smoothing is None:
-        return denoms.mean(ce_sum, denoms.cross_entropy) + zl, zl
+        return denoms.mean_over_weights(ce_sum) + zl, zl
     smoothing_sum = terms.smoothing.sum()
-    ce = denoms.mean(ce_sum - smoothing_sum, denoms.cross_entropy) + denoms.mean(smoothing_sum, denoms.cross_entropy)
+    ce = denoms.mean_over_weights(ce_sum - smoothing_sum) + denoms.mean_over_weights(smoothing_sum)
     return ce + zl, zl
 
 
@@ -242,7 +259,7 @@ def extras(stats: RowStats, terms: RowTerms, target: torch.Tensor, cfg: LCEConfi
         elif cfg.reduction == "sum":
             out["token_accuracy"] = correct.sum()
         else:
-            out["token_accuracy"] = denoms.mean(correct.sum(), denoms.z_loss)
+            out["token_accuracy"] = denoms.mean_over_tokens(correct.sum())
     if cfg.return_predicted_tokens:
         out["predicted_tokens"] = torch.where(valid, stats.argmax, -1)
     if cfg.return_logprobs:
@@ -276,8 +293,8 @@ def upstream_scales(
     if cfg.reduction == "sum":
         g_ce = g_z = g
     else:
-        g_ce = denoms.mean(g, denoms.cross_entropy)
-        g_z = denoms.mean(g, denoms.z_loss)
+        g_ce = denoms.mean_over_weights(g)
+        g_z = denoms.mean_over_tokens(g)
     return g_ce.expand(n_rows), g_z.expand(n_rows)
 
 

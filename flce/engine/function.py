@@ -58,10 +58,17 @@ class LCEFunction(torch.autograd.Function):
         if not ctx.in_forward and wanted.any:
             ctx.save_for_backward(hidden, weight, bias, target)
         ctx.mark_non_differentiable(output[1], output[2], output[3], output[6])
+        # Outputs that took no part in what is differentiated reach backward as None instead of zeros
+        # autograd would fill (six launches a training call, most of its backward's work on the host).
+        ctx.set_materialize_grads(False)
+        ctx.loss_like = (output[0].shape, output[0].dtype, output[0].device)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss, _grad_acc, _grad_pred, grad_logprobs, grad_entropy, _grad_stats):
         create_graph = torch.is_grad_enabled()
+        if grad_loss is None:  # only the log-probs or the entropy are differentiated
+            shape, dtype, device = ctx.loss_like
+            grad_loss = torch.zeros(shape, dtype=dtype, device=device)
         with torch.no_grad():
             grads = _gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
         return (*first_order_only(grads, create_graph, ctx.anchors), None, None, None, None)

@@ -164,15 +164,20 @@ def slice_stats(stats: RowStats, rows: slice) -> RowStats:
                     row_max=part(stats.row_max), row_min=part(stats.row_min), sum_z=part(stats.sum_z))
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' row tensors as one: a single chunk's as it is (a call in one chunk copies nothing)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def concat_terms(chunks: list[RowTerms], target: torch.Tensor) -> RowTerms:
     if not chunks:
         empty = torch.zeros(0, dtype=torch.float32, device=target.device)
         return RowTerms(empty, empty, torch.zeros(0, dtype=torch.bool, device=target.device))
     return RowTerms(
-        torch.cat([c.cross_entropy for c in chunks]),
-        torch.cat([c.z_loss for c in chunks]),
-        torch.cat([c.valid for c in chunks]),
-        None if chunks[0].smoothing is None else torch.cat([c.smoothing for c in chunks]),
+        _joined([c.cross_entropy for c in chunks]),
+        _joined([c.z_loss for c in chunks]),
+        _joined([c.valid for c in chunks]),
+        None if chunks[0].smoothing is None else _joined([c.smoothing for c in chunks]),
     )
 
 
@@ -182,7 +187,7 @@ def concat_stats(chunks: list[RowStats], target: torch.Tensor) -> RowStats:
         if not parts:
             dtype = torch.int64 if name == "argmax" else torch.float32
             return torch.zeros(0, dtype=dtype, device=target.device)
-        return None if parts[0] is None else torch.cat(parts)
+        return None if parts[0] is None else _joined(parts)
 
     return RowStats(
         lse=cat("lse"), target_z=cat("target_z"), entropy=cat("entropy"), lse_minus_mean_z=cat("lse_minus_mean_z"),

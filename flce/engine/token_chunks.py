@@ -69,13 +69,19 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
     if acc is None and keep == 0 and plan.stats_first is not None:
         return all_rows.forward(call, flat, plan.stats_first, denoms, keep_stats=deferred)
 
-    one = torch.ones((), dtype=denoms.z_loss.dtype, device=target.device)
+    # The per-row scales of the loss's terms (grad_output taken as 1; backward scales), once for all chunks.
+    scales = None
+    if acc:
+        one = torch.ones((), dtype=denoms.z_loss.dtype, device=target.device)
+        scales = upstream_scales(cfg, denoms, one, slice(0, n_rows), n_rows)
     vocab_here = flat.weight.shape[0]
     dtype = logits_dtype(flat.weight.dtype, cfg)
     saved = flat.hidden.new_empty(keep, vocab_here, dtype=dtype) if keep else None
     # Chunks that are not kept all write into one buffer (rows.WorkBuffer says why).
     buffer = WorkBuffer(flat.hidden, min(plan.tokens_per_chunk, n_rows), vocab_here, dtype) if keep < n_rows else None
     stats_per_chunk: list[RowStats] = []
+    # Only the plain row kernel's chunks give their terms; the others' come from all rows' statistics at the
+    # end (row_terms is row by row: one set of small launches a call instead of one a chunk).
     terms_per_chunk: list[RowTerms] = []
     for rows in chunk_bounds(n_rows, plan.tokens_per_chunk):
         t = target[rows]
@@ -87,9 +93,7 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
         if acc and call.plain and plan.chunk_grad == EXPONENTIALS:
             # The statistics GEMM keeps exponentials whose row scaling is the gradient: no row kernel
             # passes over them, and the gradient GEMMs scale rows instead.
-            grad_scale = upstream_scales(cfg, denoms, one, rows, n)[0]
-            stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg, grad_scale, out)
-            terms_per_chunk.append(row_terms(stats, t, cfg, vocab))
+            stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg, scales[0][rows], out)
             acc.add_row_scaled(out, row_scale, rows)
             stats_per_chunk.append(stats)
             del kept, out
@@ -99,31 +103,26 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
             partial = kernels.gemm_row_stats(flat.hidden[rows], flat.weight, flat.bias, t, cfg, call.vocab_offset,
                                              logits)
             stats = RowStats.from_partial(call.combined(partial))
-            terms_per_chunk.append(row_terms(stats, t, cfg, vocab))
             if acc and call.plain:
-                grad_scale = upstream_scales(cfg, denoms, one, rows, n)[0]
-                grad = kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, grad_scale)
+                grad = kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, scales[0][rows])
         elif call.plain:
             logits = chunk_logits(flat, rows, out=out)
-            grad_scale = upstream_scales(cfg, denoms, one, rows, n)[0] if acc else None
-            loss_rows, lse, grad = kernels.plain_loss(logits, t, cfg.ignore_index, grad_scale)
+            loss_rows, lse, grad = kernels.plain_loss(logits, t, cfg.ignore_index, scales[0][rows] if acc else None)
             stats = RowStats(lse=lse, target_z=lse - loss_rows)
             terms_per_chunk.append(RowTerms(loss_rows, torch.zeros_like(loss_rows), t != cfg.ignore_index))
         else:
             logits = chunk_logits(flat, rows, out=out)
             stats = RowStats.from_partial(call.combined(kernels.row_stats(logits, t, cfg, call.vocab_offset)))
-            terms_per_chunk.append(row_terms(stats, t, cfg, vocab))
         if acc and not call.plain:
-            g_ce, g_z = upstream_scales(cfg, denoms, one, rows, n)
-            coeffs = grad_coefficients(stats, t, cfg, vocab, g_ce, g_z, None, None)
+            coeffs = grad_coefficients(stats, t, cfg, vocab, scales[0][rows], scales[1][rows], None, None)
             grad = kernels.full_grad_(logits, t, cfg, call.vocab_offset, stats.lse, coeffs)
         if acc:
             acc.add(grad, rows)
         stats_per_chunk.append(stats)
         del logits, grad, kept, out
 
-    terms = concat_terms(terms_per_chunk, target)
     all_stats = concat_stats(stats_per_chunk, target)
+    terms = concat_terms(terms_per_chunk, target) if terms_per_chunk else row_terms(all_stats, target, cfg, vocab)
     if acc is None:
         state = forward_state(call, flat, all_stats, denoms, terms, keep_stats=deferred)
         state.saved_logits = saved
