@@ -6,8 +6,9 @@ folder, e.g. main's::
 
 Each round runs one process per checkout (A then B, B then A in the next round, so a drift of the GPU's
 clocks falls on both), importing flce from that checkout alone; the process times every call of every shape
-(``triton.testing.do_bench``: median ms, L2 emptied before each call) and its peak memory above the
-gradients. The table gives, per shape and call, the median over rounds of each and B's time over A's.
+(``triton.testing.do_bench``: median ms, L2 emptied before each call), the host's part of it (the median
+time for one call to return with the GPU synchronised before it: every launch and Python step) and its peak
+memory above the gradients. The table gives, per shape and call, the median over rounds of each and B's time over A's.
 Calls: the default training call (loss, fwd+bwd), the loss without gradient, RL (log-probs and entropy at
 T = 0.7, reduction="none", gradients through both), forward-only RL (no gradient) and the default call at a
 64 MiB budget.
@@ -21,12 +22,14 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = "8192x4096x128256,16384x2048x151936,4096x4096x32000"
 CALLS = ("default", "no-grad", "rl", "rl-no-grad", "64MiB")
+HOST_REPEATS = 20
 
 
 def worker(shapes: str) -> dict:
@@ -35,6 +38,16 @@ def worker(shapes: str) -> dict:
 
     import flce
     from flce.testing.measure import median_ms, parse_shape, peak_mib_above, shape_inputs
+
+    def host_ms(step) -> float:
+        samples = []
+        for _ in range(HOST_REPEATS):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()
+            samples.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        return statistics.median(samples)
 
     results = {"flce": str(Path(flce.__file__).resolve().parent), "gpu": torch.cuda.get_device_name()}
     rl = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_entropy": True}
@@ -65,7 +78,7 @@ def worker(shapes: str) -> dict:
         for name, step in steps().items():
             step()  # compiles
             results[f"{label} {name}"] = {"ms": median_ms(step, warmup_ms=100, rep_ms=600),
-                                          "peak_mib": peak_mib_above(step)}
+                                          "host_ms": host_ms(step), "peak_mib": peak_mib_above(step)}
         del x, w, t
         torch.cuda.empty_cache()
     return results
@@ -111,17 +124,20 @@ def main() -> None:
     keys = [k for k in runs["A"][0] if k not in ("flce", "gpu")]
     lines = [f"A: {runs['A'][0]['flce']}, B: {runs['B'][0]['flce']}, {runs['A'][0]['gpu']}, {args.rounds} rounds "
              "(median over rounds; each round's figure a do_bench median)", "",
-             "| shape call | A ms | B ms | B / A | per-round B / A | A MiB | B MiB |", "|---|---|---|---|---|---|---|"]
+             "| shape call | A ms | B ms | B / A | per-round B / A | A host ms | B host ms | A MiB | B MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     summary = {}
     for key in keys:
         a = [r[key]["ms"] for r in runs["A"]]
         b = [r[key]["ms"] for r in runs["B"]]
         ratios = [y / x for x, y in zip(a, b, strict=True)]
-        summary[key] = {"a_ms": a, "b_ms": b, "a_mib": runs["A"][0][key]["peak_mib"],
+        summary[key] = {"a_ms": a, "b_ms": b, "a_host_ms": [r[key]["host_ms"] for r in runs["A"]],
+                        "b_host_ms": [r[key]["host_ms"] for r in runs["B"]], "a_mib": runs["A"][0][key]["peak_mib"],
                         "b_mib": runs["B"][0][key]["peak_mib"]}
         lines.append(f"| {key} | {statistics.median(a):.3f} | {statistics.median(b):.3f} | "
                      f"{statistics.median(b) / statistics.median(a):.3f} | "
-                     f"{' '.join(f'{r:.3f}' for r in ratios)} | {summary[key]['a_mib']:.0f} | "
+                     f"{' '.join(f'{r:.3f}' for r in ratios)} | {statistics.median(summary[key]['a_host_ms']):.3f} | "
+                     f"{statistics.median(summary[key]['b_host_ms']):.3f} | {summary[key]['a_mib']:.0f} | "
                      f"{summary[key]['b_mib']:.0f} |")
     if clocks.summary is not None:
         lines += ["", clocks.summary.describe() + "."]
