@@ -199,7 +199,7 @@ class RowTerms:
     """Per-row loss pieces before reduction (0 on ignored rows)."""
 
     cross_entropy: torch.Tensor  # [n] fp32, token scaling included
-    z_loss: torch.Tensor  # [n] fp32
+    z_loss: torch.Tensor | None  # [n] fp32; None without a z-loss (lse_square_scale 0: its terms are all 0)
     valid: torch.Tensor  # [n] bool
     # [n] fp32, the label-smoothing part of cross_entropy, kept with class weights only: torch's mean divides
     # it and the rest by the weight sum separately, which differs from dividing their sum where that sum is 0.
@@ -225,26 +225,36 @@ def row_terms(stats: RowStats, target: torch.Tensor, cfg: LCEConfig, vocab: int)
         ce = ce * scale
         smoothing = None if smoothing is None else smoothing * scale
     zero = torch.zeros((), dtype=ce.dtype, device=ce.device)
-    # Without a z-loss its terms are zeros already: no select over them.
-    zl = torch.where(valid, cfg.lse_square_scale * stats.lse.square(), zero) if cfg.lse_square_scale else (
-        torch.zeros_like(ce))
+    zl = torch.where(valid, cfg.lse_square_scale * stats.lse.square(), zero) if cfg.lse_square_scale else None
     kept_smoothing = None if smoothing is None or cfg.class_weight is None else torch.where(valid, smoothing, zero)
     return RowTerms(torch.where(valid, ce, zero), zl, valid, kept_smoothing)
 
 
 def reduce_terms(terms: RowTerms, cfg: LCEConfig, denoms: Denominators) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, z_loss) reduced as cfg.reduction says, in fp32."""
+    """(loss, z_loss) reduced as cfg.reduction says, in fp32. Without a z-loss the loss is the cross-entropy's
+    alone (nothing added) and the z-loss a fresh zero where the call returns it."""
+    if terms.z_loss is None:
+        ce = _reduced_cross_entropy(terms, cfg, denoms)
+        if not cfg.return_z_loss:
+            return ce, denoms.zero
+        return ce, torch.zeros_like(terms.cross_entropy if cfg.reduction == "none" else denoms.zero)
     if cfg.reduction == "none":
         return terms.cross_entropy + terms.z_loss, terms.z_loss
-    ce_sum, zl_sum = terms.cross_entropy.sum(), terms.z_loss.sum()
+    zl_sum = terms.z_loss.sum()
+    zl = zl_sum if cfg.reduction == "sum" else denoms.mean_over_tokens(zl_sum)
+    return _reduced_cross_entropy(terms, cfg, denoms) + zl, zl
+
+
+def _reduced_cross_entropy(terms: RowTerms, cfg: LCEConfig, denoms: Denominators) -> torch.Tensor:
+    if cfg.reduction == "none":
+        return terms.cross_entropy
+    ce_sum = terms.cross_entropy.sum()
     if cfg.reduction == "sum":
-        return ce_sum + zl_sum, zl_sum
-    zl = denoms.mean_over_tokens(zl_sum)
+        return ce_sum
     if terms.smoothing is None:
-        return denoms.mean_over_weights(ce_sum) + zl, zl
+        return denoms.mean_over_weights(ce_sum)
     smoothing_sum = terms.smoothing.sum()
-    ce = denoms.mean_over_weights(ce_sum - smoothing_sum) + denoms.mean_over_weights(smoothing_sum)
-    return ce + zl, zl
+    return denoms.mean_over_weights(ce_sum - smoothing_sum) + denoms.mean_over_weights(smoothing_sum)
 
 
 def extras(stats: RowStats, terms: RowTerms, target: torch.Tensor, cfg: LCEConfig, denoms: Denominators,
@@ -294,7 +304,8 @@ def upstream_scales(
         g_ce = g_z = g
     else:
         g_ce = denoms.mean_over_weights(g)
-        g_z = denoms.mean_over_tokens(g)
+        # Without a z-loss nothing reads its scale (grad_coefficients adds its term only with one).
+        g_z = denoms.mean_over_tokens(g) if cfg.lse_square_scale else g_ce
     return g_ce.expand(n_rows), g_z.expand(n_rows)
 
 

@@ -172,10 +172,10 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 def concat_terms(chunks: list[RowTerms], target: torch.Tensor) -> RowTerms:
     if not chunks:
         empty = torch.zeros(0, dtype=torch.float32, device=target.device)
-        return RowTerms(empty, empty, torch.zeros(0, dtype=torch.bool, device=target.device))
+        return RowTerms(empty, None, torch.zeros(0, dtype=torch.bool, device=target.device))
     return RowTerms(
         _joined([c.cross_entropy for c in chunks]),
-        _joined([c.z_loss for c in chunks]),
+        None if chunks[0].z_loss is None else _joined([c.z_loss for c in chunks]),
         _joined([c.valid for c in chunks]),
         None if chunks[0].smoothing is None else _joined([c.smoothing for c in chunks]),
     )

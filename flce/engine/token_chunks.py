@@ -109,7 +109,7 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
             logits = chunk_logits(flat, rows, out=out)
             loss_rows, lse, grad = kernels.plain_loss(logits, t, cfg.ignore_index, scales[0][rows] if acc else None)
             stats = RowStats(lse=lse, target_z=lse - loss_rows)
-            terms_per_chunk.append(RowTerms(loss_rows, torch.zeros_like(loss_rows), t != cfg.ignore_index))
+            terms_per_chunk.append(RowTerms(loss_rows, None, t != cfg.ignore_index))
         else:
             logits = chunk_logits(flat, rows, out=out)
             stats = RowStats.from_partial(call.combined(kernels.row_stats(logits, t, cfg, call.vocab_offset)))

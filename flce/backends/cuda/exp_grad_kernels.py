@@ -64,18 +64,21 @@ def _exp_logits_kernel(logits_ptr, stride, offset_ptr, vocab, BLOCK_V: tl.conste
 
 
 @triton.jit
-def _exp_rows_finish_kernel(exp_ptr, stride, target_ptr, lse_ptr, target_z_ptr, offset_ptr, grad_scale_ptr,
-                            grad_scale_stride, row_scale_ptr, redo_rows_ptr, redo_count_ptr, n_rows, vocab,
-                            ignore_index, BLOCK: tl.constexpr):
-    """Per row, from the merged statistics: the scale s (G = s * E) into row_scale, the target's column of E
-    overwritten with (p_t - 1) / s; rows past the cap are listed in redo_rows (count in redo_count, any order)
-    with s = grad_scale, for _exp_rows_redo_kernel (which also replaces their lse); ignored rows get s = 0.
-    grid (cdiv(rows, BLOCK),)."""
+def _exp_rows_finish_kernel(exp_ptr, stride, target_ptr, row_max_ptr, sum_exp_ptr, lse_ptr, target_z_ptr, offset_ptr,
+                            grad_scale_ptr, grad_scale_stride, row_scale_ptr, redo_rows_ptr, redo_count_ptr, n_rows,
+                            vocab, ignore_index, BLOCK: tl.constexpr):
+    """Per row, from the merged statistics (row max and sum of exponentials, natural): the lse into lse_ptr, the
+    scale s (G = s * E) into row_scale, the target's column of E overwritten with (p_t - 1) / s; rows past the
+    cap are listed in redo_rows (count in redo_count, any order) with s = grad_scale, for _exp_rows_redo_kernel
+    (which also replaces their lse); ignored rows get s = 0. grid (cdiv(rows, BLOCK),)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < n_rows
     t = tl.load(target_ptr + rows, mask=in_range, other=ignore_index)
     valid = in_range & (t != ignore_index) & (t >= 0) & (t < vocab)
-    lse2 = tl.load(lse_ptr + rows, mask=in_range, other=0.0) * LOG2E
+    row_max = tl.load(row_max_ptr + rows, mask=in_range, other=0.0)
+    lse = row_max + tl.log(tl.load(sum_exp_ptr + rows, mask=in_range, other=1.0))
+    tl.store(lse_ptr + rows, lse, mask=in_range)
+    lse2 = lse * LOG2E
     offset = tl.load(offset_ptr + rows, mask=in_range, other=0.0)
     scale = tl.load(grad_scale_ptr + rows * grad_scale_stride, mask=in_range, other=0.0)
     redo = valid & (lse2 - offset > REDO_ABOVE)

@@ -5,8 +5,8 @@ The schedule (engine capability KEPT_EXPONENTIALS) for one token chunk of a plai
 1. :func:`exp_offsets`: c per row from the target's logit (a dot product per row, before the GEMM);
 2. the warp-specialised statistics GEMM writes E = exp2(y - c) instead of the logits (ws_gemm_ops,
    exp_offset=) and the row statistics as before; elsewhere the logits and :func:`exponentials_from_logits_`;
-3. :func:`finish_exp_rows`: per row the scale s with G = s * E, the target's column of E set so that s * E
-   is p_t - 1 there, the rows past the GEMM's cap listed;
+3. :func:`finish_exp_rows`: per row the lse from the merged statistics, the scale s with G = s * E, the
+   target's column of E set so that s * E is p_t - 1 there, the rows past the GEMM's cap listed;
 4. :func:`redo_exp_rows`: those rows' E recomputed from their logits as their gradient, with the lse of those
    logits, which replaces theirs in the statistics (no rows: one launch whose programs read a count);
 5. the gradient GEMMs: grad_hidden = s * (E @ W), grad_weight += E.T @ (s * x) (engine/rows.py).
@@ -21,6 +21,7 @@ import torch
 import triton
 
 from flce.backends.cuda import exp_grad_kernels as k
+from flce.semantics import PartialRowStats, RowStats
 
 _FINISH_BLOCK = 256
 _REDO_ROWS, _REDO_COLS, _REDO_K = 16, 128, 64
@@ -48,21 +49,23 @@ def exponentials_from_logits_(logits: torch.Tensor, offsets: torch.Tensor) -> to
     return logits
 
 
-def finish_exp_rows(exp: torch.Tensor, target: torch.Tensor, ignore_index: int, lse: torch.Tensor,
-                    target_z: torch.Tensor, offsets: torch.Tensor, grad_scale: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row_scale [n] fp32, rows to redo [n] int32, their count [1] int32) from the chunk's merged
-    statistics (lse, target_z natural) and the upstream per-row scale; writes the target's column of E."""
+def finish_exp_rows(exp: torch.Tensor, target: torch.Tensor, ignore_index: int, partial: PartialRowStats,
+                    offsets: torch.Tensor, grad_scale: torch.Tensor
+                    ) -> tuple[RowStats, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the row statistics: lse [n] fp32 and target_z, natural; row_scale [n] fp32; rows to redo [n] int32; their
+    count [1] int32) from the chunk's merged plain statistics (row max, sum of exponentials, target_z) and the
+    upstream per-row scale; writes the target's column of E."""
     n, vocab = exp.shape
+    lse = torch.empty(n, dtype=torch.float32, device=exp.device)
     row_scale = torch.empty(n, dtype=torch.float32, device=exp.device)
     redo_rows = torch.empty(n, dtype=torch.int32, device=exp.device)
     redo_count = torch.zeros(1, dtype=torch.int32, device=exp.device)
     if n:
         k._exp_rows_finish_kernel[(triton.cdiv(n, _FINISH_BLOCK),)](
-            exp, exp.stride(0), target, lse, target_z, offsets, grad_scale,
+            exp, exp.stride(0), target, partial.row_max, partial.sum_exp, lse, partial.target_z, offsets, grad_scale,
             grad_scale.stride(0) if grad_scale.dim() else 0, row_scale, redo_rows, redo_count, n, vocab,
             ignore_index, BLOCK=_FINISH_BLOCK, num_warps=4)
-    return row_scale, redo_rows, redo_count
+    return RowStats(lse=lse, target_z=partial.target_z), row_scale, redo_rows, redo_count
 
 
 def redo_exp_rows(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, redo_rows: torch.Tensor,

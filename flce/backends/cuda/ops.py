@@ -34,7 +34,7 @@ from flce.backends.cuda.gemm_ops import gemm_grad, gemm_row_stats
 from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_partial_row_stats
 from flce.config import LCEConfig
 from flce.engine.rows import torch_matmul_
-from flce.semantics import GradCoefficients, PartialRowStats, RowStats
+from flce.semantics import GradCoefficients, PartialRowStats
 
 _SCALE_BLOCK = 8192
 # Column blocks of one row per program of the gradient pass (plain_grad_): short programs, so the
@@ -128,9 +128,8 @@ class TritonChunkKernels:
                 from_logits, "the Triton statistics GEMM and a pass over its logits")
         else:
             partial = from_logits()
-        stats = RowStats.from_partial(partial)
-        row_scale, redo_rows, redo_count = finish_exp_rows(exp_out, target, cfg.ignore_index, stats.lse,
-                                                           stats.target_z, offsets, grad_scale)
+        stats, row_scale, redo_rows, redo_count = finish_exp_rows(exp_out, target, cfg.ignore_index, partial, offsets,
+                                                                  grad_scale)
         redo_exp_rows(hidden, weight, target, redo_rows, redo_count, exp_out, stats.lse)
         return stats, row_scale
 
