@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,15 @@ def test_cpu_benchmark_reports_medians_with_their_spread_and_the_machine() -> No
     assert re.fullmatch(median_and_range, cells[1]) and re.fullmatch(median_and_range, cells[3]), cells
     assert re.fullmatch(ratio_and_range, cells[2]) and re.fullmatch(ratio_and_range, cells[4]), cells
     assert "3 timed rounds after 1 warm-up" in done.stdout
+
+
+def test_host_ms_is_the_median_time_for_a_call_to_return() -> None:
+    calls = []
+
+    def call() -> None:
+        calls.append(None)
+        time.sleep(0.004 if len(calls) % 2 else 0.002)  # 4, 2, 4, 2, 4 ms: the median is 4
+
+    ms = measure.host_ms(call, CPU, repeats=5)
+    assert len(calls) == 5
+    assert 3.9 <= ms < 50

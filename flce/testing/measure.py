@@ -119,6 +119,21 @@ def gpu_timing(fn: Callable[[], object], *, warmup_ms: float = 50, rep_ms: float
     return Timing(tuple(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")))
 
 
+def host_ms(fn: Callable[[], object], device: torch.device | str = "cuda", *, repeats: int = 10) -> float:
+    """The host's part of a call: the median wall time for ``fn()`` to return with the device synchronised
+    (idle) before each of ``repeats`` calls, every launch and Python step it makes. Where this exceeds the
+    device's time for the call, calls queued back to back wait on the host."""
+    module = torch.get_device_module(torch.device(device).type)
+    samples = []
+    for _ in range(repeats):
+        module.synchronize()
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    module.synchronize()
+    return statistics.median(samples)
+
+
 def median_ms(fn: Callable[[], object], *, warmup_ms: float = 50, rep_ms: float = 300) -> float:
     """The median of :func:`gpu_timing`: what ``do_bench(..., return_mode="median")`` returns."""
     return gpu_timing(fn, warmup_ms=warmup_ms, rep_ms=rep_ms).median_ms

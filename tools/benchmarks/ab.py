@@ -22,7 +22,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,17 +36,11 @@ def worker(shapes: str) -> dict:
     import torch
 
     import flce
+    from flce.testing import measure
     from flce.testing.measure import median_ms, parse_shape, peak_mib_above, shape_inputs
 
-    def host_ms(step) -> float:
-        samples = []
-        for _ in range(HOST_REPEATS):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            step()
-            samples.append((time.perf_counter() - start) * 1e3)
-        torch.cuda.synchronize()
-        return statistics.median(samples)
+    # A checkout whose flce predates measure.host_ms gets no host column.
+    host_ms = getattr(measure, "host_ms", None)
 
     results = {"flce": str(Path(flce.__file__).resolve().parent), "gpu": torch.cuda.get_device_name()}
     rl = {"reduction": "none", "temperature": 0.7, "return_logprobs": True, "return_entropy": True}
@@ -78,10 +71,16 @@ def worker(shapes: str) -> dict:
         for name, step in steps().items():
             step()  # compiles
             results[f"{label} {name}"] = {"ms": median_ms(step, warmup_ms=100, rep_ms=600),
-                                          "host_ms": host_ms(step), "peak_mib": peak_mib_above(step)}
+                                          "host_ms": host_ms(step, repeats=HOST_REPEATS) if host_ms else None,
+                                          "peak_mib": peak_mib_above(step)}
         del x, w, t
         torch.cuda.empty_cache()
     return results
+
+
+def _median_text(values: list[float | None]) -> str:
+    """The median of a checkout's per-round figures, or "-" where its flce did not measure them."""
+    return "-" if None in values else f"{statistics.median(values):.3f}"
 
 
 def run_one(root: Path, shapes: str) -> dict:
@@ -131,13 +130,13 @@ def main() -> None:
         a = [r[key]["ms"] for r in runs["A"]]
         b = [r[key]["ms"] for r in runs["B"]]
         ratios = [y / x for x, y in zip(a, b, strict=True)]
-        summary[key] = {"a_ms": a, "b_ms": b, "a_host_ms": [r[key]["host_ms"] for r in runs["A"]],
-                        "b_host_ms": [r[key]["host_ms"] for r in runs["B"]], "a_mib": runs["A"][0][key]["peak_mib"],
+        summary[key] = {"a_ms": a, "b_ms": b, "a_host_ms": [r[key].get("host_ms") for r in runs["A"]],
+                        "b_host_ms": [r[key].get("host_ms") for r in runs["B"]], "a_mib": runs["A"][0][key]["peak_mib"],
                         "b_mib": runs["B"][0][key]["peak_mib"]}
         lines.append(f"| {key} | {statistics.median(a):.3f} | {statistics.median(b):.3f} | "
                      f"{statistics.median(b) / statistics.median(a):.3f} | "
-                     f"{' '.join(f'{r:.3f}' for r in ratios)} | {statistics.median(summary[key]['a_host_ms']):.3f} | "
-                     f"{statistics.median(summary[key]['b_host_ms']):.3f} | {summary[key]['a_mib']:.0f} | "
+                     f"{' '.join(f'{r:.3f}' for r in ratios)} | {_median_text(summary[key]['a_host_ms'])} | "
+                     f"{_median_text(summary[key]['b_host_ms'])} | {summary[key]['a_mib']:.0f} | "
                      f"{summary[key]['b_mib']:.0f} |")
     if clocks.summary is not None:
         lines += ["", clocks.summary.describe() + "."]

@@ -30,14 +30,21 @@ import os
 import pstats
 import statistics
 import tempfile
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flce
 from flce.testing.clocks import ClockSampler
-from flce.testing.measure import budget_label, budget_options, median_ms, parse_shape, publish, shape_inputs
+from flce.testing.measure import (
+    budget_label,
+    budget_options,
+    host_ms,
+    median_ms,
+    parse_shape,
+    publish,
+    shape_inputs,
+)
 
 HOST_REPEATS = 10
 STEADY_CALLS = 4
@@ -46,18 +53,6 @@ LONGEST_GAPS = 8
 # GPU activities in a kineto trace, and the host calls that issue them (by their correlation id).
 _GPU_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
 _LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
-
-
-def host_ms(step) -> float:
-    """Median wall time for ``step()`` to return, the GPU synchronised (idle) before each call."""
-    samples = []
-    for _ in range(HOST_REPEATS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        samples.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def trace_events(step, trace_dir: str | None, name: str, calls: int = 1) -> list[dict]:
@@ -169,7 +164,7 @@ def measure_shapes(args: argparse.Namespace, lines: list[str], details: list[str
             for _ in range(3):
                 step()
             gpu = median_ms(step)
-            host = host_ms(step)
+            host = host_ms(step, repeats=HOST_REPEATS)
             name = f"{label}-{budget_label(budget).replace(' ', '')}"
             calls, launch_end = split_calls(trace_events(step, args.trace_dir, name))
             gaps = gap_summary(calls[0], launch_end)
