@@ -59,7 +59,7 @@ class LCEFunction(torch.autograd.Function):
             ctx.save_for_backward(hidden, weight, bias, target)
         ctx.mark_non_differentiable(output[1], output[2], output[3], output[6])
         # Outputs that took no part in what is differentiated reach backward as None instead of zeros
-        # autograd would fill (six launches a training call, most of its backward's work on the host).
+        # autograd would make (six tensors a training call, a good part of its backward's host time).
         ctx.set_materialize_grads(False)
         ctx.loss_like = (output[0].shape, output[0].dtype, output[0].device)
 
