@@ -64,14 +64,11 @@ def trace_events(step, trace_dir: str | None, name: str, calls: int = 1) -> list
             torch.cuda._sleep(1000)
             step()
         torch.cuda.synchronize()
-    directory = trace_dir or tempfile.mkdtemp()
-    path = os.path.join(directory, f"{name}.json")
-    prof.export_chrome_trace(path)
-    with open(path) as handle:
-        events = json.load(handle)["traceEvents"]
-    if trace_dir is None:
-        os.remove(path)
-    return events
+    with tempfile.TemporaryDirectory() as scratch:  # the trace is read back, kept only under --trace-dir
+        path = os.path.join(trace_dir or scratch, f"{name}.json")
+        prof.export_chrome_trace(path)
+        with open(path) as handle:
+            return json.load(handle)["traceEvents"]
 
 
 def split_calls(events: list[dict]) -> tuple[list[list[dict]], dict]:
@@ -81,15 +78,14 @@ def split_calls(events: list[dict]) -> tuple[list[list[dict]], dict]:
     for event in events:
         if event.get("cat") in _LAUNCH_CATEGORIES and "correlation" in event.get("args", {}):
             launch_end[event["args"]["correlation"]] = event["ts"] + event.get("dur", 0)
+    gpu = sorted((e for e in events if e.get("cat") in _GPU_CATEGORIES), key=lambda e: e["ts"])
     calls: list[list[dict]] = []
-    for event in sorted((e for e in events if e.get("cat") in _GPU_CATEGORIES), key=lambda e: e["ts"]):
+    for event in gpu:
         if "spin_kernel" in event["name"]:
             calls.append([])
         elif calls:
             calls[-1].append(event)
-    if not calls:  # no spin kernel seen (a renamed one): one call
-        calls = [sorted((e for e in events if e.get("cat") in _GPU_CATEGORIES), key=lambda e: e["ts"])]
-    return calls, launch_end
+    return calls or [gpu], launch_end  # no spin kernel seen (a renamed one): one call
 
 
 def gap_summary(gpu: list[dict], launch_end: dict) -> dict:
