@@ -1,8 +1,8 @@
 """Checks on the tensors of one call, done before any kernel runs.
 
 Errors name the argument, the value and what was expected. Target range is
-checked on the host for CPU tensors and with a device-side assertion elsewhere,
-so no accelerator call ever waits for a host synchronisation.
+checked here, on the host, for CPU tensors; on an accelerator the engine asserts it on the device in
+its first pass over the targets, so no accelerator call ever waits for a host synchronisation.
 """
 
 from __future__ import annotations
@@ -115,25 +115,39 @@ def _check_same_device(*tensors: torch.Tensor | None) -> None:
 
 
 def _check_target_range(target: torch.Tensor, vocab: int, ignore_index: int, sharded: bool) -> None:
-    """Targets must be in [0, V) or equal ignore_index.
+    """Targets must be in [0, V) or equal ignore_index: checked here, on the host, for CPU tensors. On an
+    accelerator the engine checks them on the device in its first pass over the targets
+    (RowKernels.count_tokens; :func:`assert_targets_in_range` where a backend has no kernel of its own).
 
     With a process group, V is only this rank's shard; the distributed wrapper
     checks against the global vocabulary instead.
     """
-    if sharded or target.numel() == 0 or torch.compiler.is_compiling():
+    if sharded or target.numel() == 0 or target.device.type != "cpu" or torch.compiler.is_compiling():
         # Under torch.compile the custom op checks at run time: reading values here would break the graph.
         return
-    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
-    if target.device.type == "cpu":
-        if bool(bad.any()):
-            value = int(target[bad][0])
-            raise ValueError(
-                f"target contains {value}, outside [0, {vocab}) and not ignore_index={ignore_index}"
-            )
-    else:
-        torch._assert_async(
-            ~bad.any(), f"target has a value outside [0, {vocab}) that is not ignore_index={ignore_index}"
+    bad = _out_of_range(target, vocab, ignore_index)
+    if bool(bad.any()):
+        value = int(target[bad][0])
+        raise ValueError(
+            f"target contains {value}, outside [0, {vocab}) and not ignore_index={ignore_index}"
         )
+
+
+def assert_targets_in_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """The accelerator's form of the range check: a device-side assertion, so that no call waits for a host
+    synchronisation (CPU tensors were checked on the host by prepare_inputs)."""
+    if target.numel() == 0 or target.device.type == "cpu":
+        return
+    torch._assert_async(~_out_of_range(target, vocab, ignore_index).any(), out_of_range_message(vocab, ignore_index))
+
+
+def _out_of_range(target: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    return ((target < 0) | (target >= vocab)) & (target != ignore_index)
+
+
+def out_of_range_message(vocab: int, ignore_index: int) -> str:
+    """What a device-side assertion on the targets says."""
+    return f"target has a value outside [0, {vocab}) that is not ignore_index={ignore_index}"
 
 
 def _shape(t: torch.Tensor) -> str:

@@ -22,6 +22,7 @@ is not. For the same reason the scans sum exp(z - max) * (z - max), not exp(z - 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -173,12 +174,27 @@ class Denominators:
         return torch.where(self.counted, total / self.token_divisor, self.zero)
 
 
-def denominators(target: torch.Tensor, cfg: LCEConfig, dtype: torch.dtype = torch.float32) -> Denominators:
-    valid = target != cfg.ignore_index
-    count = valid.sum(dtype=dtype)
-    counted = count > 0
-    token_divisor = count.clamp(min=1)  # a whole number: 1 where it is 0, itself elsewhere
-    zero = torch.zeros((), dtype=dtype, device=target.device)
+class TokenCounts(NamedTuple):
+    """The non-ignored tokens of a call as 0-d device tensors: what every mean divides by, before class weights."""
+
+    count: torch.Tensor  # the number of non-ignored tokens, in the statistics dtype
+    counted: torch.Tensor  # bool: count > 0
+    divisor: torch.Tensor  # count where it is > 0, else 1
+    zero: torch.Tensor  # 0 in the statistics dtype
+
+
+def count_tokens(target: torch.Tensor, ignore_index: int, dtype: torch.dtype = torch.float32) -> TokenCounts:
+    """TokenCounts from PyTorch ops (RowKernels.count_tokens may count in one kernel instead)."""
+    count = (target != ignore_index).sum(dtype=dtype)
+    # token_divisor: a whole number, 1 where the count is 0 (no 0 / 0 in the branch a select drops)
+    return TokenCounts(count, count > 0, count.clamp(min=1), torch.zeros((), dtype=dtype, device=target.device))
+
+
+def denominators(target: torch.Tensor, cfg: LCEConfig, dtype: torch.dtype = torch.float32,
+                 counts: TokenCounts | None = None) -> Denominators:
+    """The call's Denominators; ``counts``: its non-ignored tokens where a kernel has counted them already."""
+    count, counted, token_divisor, zero = counts if counts is not None else count_tokens(target, cfg.ignore_index,
+                                                                                            dtype)
     if cfg.class_weight is None:
         return Denominators(count, count, counted, token_divisor, token_divisor, zero)
     weight_sum = class_weight_of_target(target, cfg, dtype).sum(dtype=dtype)

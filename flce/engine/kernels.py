@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from flce.config import LCEConfig
-from flce.semantics import GradCoefficients, PartialRowStats, RowStats
+from flce.semantics import GradCoefficients, PartialRowStats, RowStats, TokenCounts
 
 # Statistics (and optionally the logits) from one GEMM whose epilogue reduces each logits tile.
 FUSED_STATS_GEMM = "fused_stats_gemm"
@@ -27,6 +27,13 @@ CAPABILITIES = (FUSED_STATS_GEMM, FUSED_GRAD_GEMM, KEPT_EXPONENTIALS)
 
 class RowKernels(Protocol):
     """The row kernels every backend implements."""
+
+    def count_tokens(self, target: torch.Tensor, ignore_index: int, dtype: torch.dtype,
+                     vocab: int | None) -> TokenCounts:
+        """The call's non-ignored tokens in ``dtype`` and, with ``vocab``, the check that every other target is
+        in [0, vocab): a device-side assertion on an accelerator (CPU targets were checked on the host). The
+        first pass over the targets, before any other kernel of the call. rows.torch_count_tokens where the
+        backend has no kernel of its own."""
 
     def plain_loss(
         self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, grad_scale: torch.Tensor | None

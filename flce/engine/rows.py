@@ -7,8 +7,18 @@ import torch
 
 from flce.config import LCEConfig
 from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
-from flce.inputs import FlatInputs
-from flce.semantics import Denominators, RowStats, RowTerms, extras, reduce_terms, row_terms, statistics_dtype
+from flce.inputs import FlatInputs, assert_targets_in_range
+from flce.semantics import (
+    Denominators,
+    RowStats,
+    RowTerms,
+    TokenCounts,
+    count_tokens,
+    extras,
+    reduce_terms,
+    row_terms,
+    statistics_dtype,
+)
 
 
 def logits_dtype(weight_dtype: torch.dtype, cfg: LCEConfig) -> torch.dtype:
@@ -76,6 +86,13 @@ def torch_matmul_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulat
         out.addmm_(a, b)
     else:
         torch.mm(a, b, out=out)
+
+
+def torch_count_tokens(target: torch.Tensor, ignore_index: int, dtype: torch.dtype, vocab: int | None) -> TokenCounts:
+    """RowKernels.count_tokens by PyTorch ops (a dozen small launches)."""
+    if vocab is not None:
+        assert_targets_in_range(target, vocab, ignore_index)
+    return count_tokens(target, ignore_index, dtype)
 
 
 class GradAccumulator:

@@ -34,7 +34,11 @@ def run_forward(call: EngineCall, flat: FlatInputs, grads_in_forward: GradTarget
                 backward_follows: bool) -> ForwardState:
     """Loss and extras; with grads_in_forward (a scalar loss is the only differentiable output and
     gradients follow), the unscaled gradients too; backward_follows=False: inference."""
-    denoms = denominators(flat.target, call.cfg, statistics_dtype(flat.weight.dtype))
+    dtype = statistics_dtype(flat.weight.dtype)
+    # A sharded call's targets are checked against the global vocabulary by the distributed wrapper.
+    counts = call.kernels.count_tokens(flat.target, call.cfg.ignore_index, dtype,
+                                       None if call.sharding else flat.weight.shape[0])
+    denoms = denominators(flat.target, call.cfg, dtype, counts)
     plan = call.plan
     if isinstance(plan, AllRows):
         assert grads_in_forward is None, "AllRows computes no gradients"

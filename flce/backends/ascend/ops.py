@@ -26,7 +26,7 @@ import torch
 
 from flce.config import LCEConfig
 from flce.engine.memory import total_memory_bytes
-from flce.engine.rows import torch_matmul_
+from flce.engine.rows import torch_count_tokens, torch_matmul_
 from flce.semantics import (
     GradCoefficients,
     PartialRowStats,
@@ -336,6 +336,9 @@ class AscendChunkKernels:
 
     def matmul_(self, a, b, out, accumulate) -> None:
         torch_matmul_(a, b, out, accumulate)
+
+    def count_tokens(self, target, ignore_index, dtype, vocab):
+        return torch_count_tokens(target, ignore_index, dtype, vocab)
 
     def add_column_sums_(self, acc, a) -> None:
         acc += a.sum(0, dtype=acc.dtype)

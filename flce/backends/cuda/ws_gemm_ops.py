@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -80,12 +81,19 @@ def padded_empty(rows: int, cols: int, dtype: torch.dtype, device: torch.device)
     return torch.empty(rows, stride, dtype=dtype, device=device)[:, :cols]
 
 
-def _descriptor(t: torch.Tensor, block: list[int]) -> object:
+@cache
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> object:
+    """The shared-memory layout of a TMA block: the same few a process, built once (building one is a good part
+    of a descriptor's host time, and a short call launches three descriptors a chunk)."""
     from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GL_DTYPES[dtype]))
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> object:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
-    return TensorDescriptor.from_tensor(t, block, layout)
+    return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple, config: WsGemmConfig,

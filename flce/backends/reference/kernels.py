@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from flce.config import LCEConfig
-from flce.engine.rows import torch_matmul_
+from flce.engine.rows import torch_count_tokens, torch_matmul_
 from flce.semantics import (
     GradCoefficients,
     PartialRowStats,
@@ -193,6 +193,9 @@ class ReferenceKernels:
 
     def matmul_(self, a, b, out, accumulate) -> None:
         torch_matmul_(a, b, out, accumulate)
+
+    def count_tokens(self, target, ignore_index, dtype, vocab):
+        return torch_count_tokens(target, ignore_index, dtype, vocab)
 
     def add_column_sums_(self, acc, a) -> None:
         if a.device.type != "cpu" or a.dtype == acc.dtype:
