@@ -240,10 +240,10 @@ def row_terms(stats: RowStats, target: torch.Tensor, cfg: LCEConfig, vocab: int)
         scale = torch.exp(stats.target_z - stats.lse)
         ce = ce * scale
         smoothing = None if smoothing is None else smoothing * scale
-    zero = torch.zeros((), dtype=ce.dtype, device=ce.device)
-    zl = torch.where(valid, cfg.lse_square_scale * stats.lse.square(), zero) if cfg.lse_square_scale else None
-    kept_smoothing = None if smoothing is None or cfg.class_weight is None else torch.where(valid, smoothing, zero)
-    return RowTerms(torch.where(valid, ce, zero), zl, valid, kept_smoothing)
+    # Python zeros: a zero tensor would be one more launch a call.
+    zl = torch.where(valid, cfg.lse_square_scale * stats.lse.square(), 0.0) if cfg.lse_square_scale else None
+    kept_smoothing = None if smoothing is None or cfg.class_weight is None else torch.where(valid, smoothing, 0.0)
+    return RowTerms(torch.where(valid, ce, 0.0), zl, valid, kept_smoothing)
 
 
 def reduce_terms(terms: RowTerms, cfg: LCEConfig, denoms: Denominators) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,7 +73,8 @@ def test_hopper_defaults_name_the_warp_specialised_kernel_and_the_shipped_entry(
     assert h100.plan.tokens_per_chunk == 2048 and h100.plan.chunk_grad == "exponentials"
     assert "nvidia-h100.yaml" in h100.cache
     ws = "flce.backends.cuda.ws_gemm_kernels._ws_gemm_kernel"
-    assert ws in h100.steps[0].kernels and "torch.mm" in h100.steps[1].kernels
+    assert h100.steps[0].kernels == ("flce.backends.cuda.target_kernels._count_tokens_kernel",)
+    assert ws in h100.steps[1].kernels and "torch.mm" in h100.steps[2].kernels
     a100 = flce.explain("cuda", gpu=A100, shape="8192x4096x128256", dtype="bfloat16")
     assert ws not in a100.kernel_names() and a100.cache.startswith("none")
     assert a100.plan.forward_logits == "cublas" and "flce.backends.cuda.kernels._plain_forward_kernel" in \
@@ -210,7 +211,7 @@ def test_interpreter_kernels_that_ran_are_the_ones_the_record_named(name: str, m
 
     options, bias, training, knobs, limit = INTERPRETER_CALLS[name]
     ran: set[str] = set()
-    for module_name in ("kernels", "gemm_kernels", "exp_grad_kernels"):
+    for module_name in ("kernels", "gemm_kernels", "exp_grad_kernels", "target_kernels"):
         module = importlib.import_module(f"flce.backends.cuda.{module_name}")
         for attr, value in list(vars(module).items()):
             if attr.endswith("_kernel") and hasattr(value, "fn"):

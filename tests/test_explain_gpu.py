@@ -22,7 +22,7 @@ from flce.engine import run as engine_run
 
 pytestmark = pytest.mark.cuda
 
-KERNEL_MODULES = ("kernels", "gemm_kernels", "exp_grad_kernels", "ws_gemm_kernels")
+KERNEL_MODULES = ("kernels", "gemm_kernels", "exp_grad_kernels", "ws_gemm_kernels", "target_kernels")
 TORCH_GEMMS = {"torch.mm", "torch.addmm", "torch.Tensor.addmm_", "torch.matmul"}
 CUBLAS_NAME = re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.IGNORECASE)
 RL = {"reduction": "none", "return_logprobs": True, "return_entropy": True, "temperature": 0.7}

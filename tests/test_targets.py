@@ -1,7 +1,7 @@
 """The engine's first pass over a call's targets (RowKernels.count_tokens): the non-ignored tokens every mean
 divides by, and the range check of the targets on an accelerator.
 
-The CUDA backend's kernel (cuda/targets.py) runs under the Triton interpreter on CPU tensors where there is no
+The CUDA backend's kernel (cuda/target_kernels.py) runs under the Triton interpreter on CPU tensors where there is no
 GPU, on the GPU where there is one; both against PyTorch's form (semantics.count_tokens)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_kernel_counts_as_pytorch(n, ignored_share, ignore_index, dtype, generat
     """Count, divisor, zero and counted equal PyTorch's exactly: no tokens, every token ignored, a block's
     worth and several (9000 rows span three of the kernel's 4096-row blocks), ignore_index inside the vocabulary
     too; and the range check passes on valid targets."""
-    from flce.backends.cuda.targets import count_tokens
+    from flce.backends.cuda.target_ops import count_tokens
 
     if device.type not in ("cpu", "cuda"):
         pytest.skip("the CUDA backend's kernel: GPU or Triton interpreter")
@@ -46,12 +46,26 @@ def test_kernel_counts_as_pytorch(n, ignored_share, ignore_index, dtype, generat
     assert got.count.item() == int((target != ignore_index).sum())
 
 
+def test_kernel_reads_strided_targets(generator, device) -> None:
+    """Every other element of a target buffer (a strided view, as a sliced batch gives): the kernel counts and
+    checks those elements only; the ones between are out of range and ignored by it."""
+    from flce.backends.cuda.target_ops import count_tokens
+
+    if device.type not in ("cpu", "cuda"):
+        pytest.skip("the CUDA backend's kernel: GPU or Triton interpreter")
+    buffer = _targets(2 * 5000, 50, -100, generator, device, 0.3)
+    buffer[1::2] = 999
+    target = buffer[::2]
+    got = count_tokens(target, -100, torch.float32, vocab=50)
+    assert got.count.item() == int((target != -100).sum()) and bool(got.counted)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: the GPU's assertion ends the process")
 @pytest.mark.parametrize("bad", [-1, 50, 10**12])
 def test_kernel_asserts_out_of_range_targets(bad, generator) -> None:
     """A target below 0 or at/after V (ignore_index aside) fails the check (on CPU tensors the assertion
     raises at once); without a vocabulary to check against (a sharded call) it only counts."""
-    from flce.backends.cuda.targets import count_tokens
+    from flce.backends.cuda.target_ops import count_tokens
 
     target = _targets(100, 50, -100, generator, torch.device("cpu"), 0.2)
     target[37] = bad

@@ -31,10 +31,10 @@ from flce.backends.cuda.exp_grad_ops import (
 )
 from flce.backends.cuda.fallback import launch_or_fall_back
 from flce.backends.cuda.gemm_ops import gemm_grad, gemm_row_stats
-from flce.backends.cuda.targets import count_tokens
+from flce.backends.cuda.target_ops import count_tokens
 from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_partial_row_stats
 from flce.config import LCEConfig
-from flce.engine.rows import torch_count_tokens, torch_matmul_
+from flce.engine.rows import torch_matmul_
 from flce.semantics import GradCoefficients, PartialRowStats
 
 _SCALE_BLOCK = 8192
@@ -66,9 +66,7 @@ class TritonChunkKernels:
         self.choice = choice
 
     def count_tokens(self, target, ignore_index, dtype, vocab):
-        if target.is_contiguous():
-            return count_tokens(target, ignore_index, dtype, vocab)
-        return torch_count_tokens(target, ignore_index, dtype, vocab)
+        return count_tokens(target, ignore_index, dtype, vocab)
 
     def matmul_(self, a, b, out, accumulate) -> None:
         if self.choice.products == WARP_SPECIALIZED:

@@ -32,6 +32,7 @@ EXP_LOGITS = _K + "exp_grad_kernels._exp_logits_kernel"
 EXP_FINISH = _K + "exp_grad_kernels._exp_rows_finish_kernel"
 EXP_REDO = _K + "exp_grad_kernels._exp_rows_redo_kernel"
 SCALE_ROWS = _K + "exp_grad_kernels._scale_rows_kernel"
+COUNT_TOKENS = _K + "target_kernels._count_tokens_kernel"
 WS_LAUNCH = "ws_gemm_ops.ROW_STATS_CONFIG (statistics) / DEFAULT_CONFIG (products), one program per SM"
 
 
@@ -43,7 +44,14 @@ def statistics_kernels(kernel: str) -> tuple[str, ...]:
 
 def of_plan(device: DeviceDescription, call: CallDescription, plan: Plan, kernels: KernelChoice,
             why: object) -> list[Step]:
-    """The steps of ``plan`` in the order they run (``why``: choice._Reasons)."""
+    """The steps of ``plan`` in the order they run (``why``: choice._Reasons), after the pass over the targets."""
+    targets = Step("the targets: the non-ignored count the means divide by, and the range check", (COUNT_TOKENS,),
+                   "one kernel and a device-side assertion before the first GEMM (target_ops.py)")
+    return [targets, *_plan_steps(device, call, plan, kernels, why)]
+
+
+def _plan_steps(device: DeviceDescription, call: CallDescription, plan: Plan, kernels: KernelChoice,
+                why: object) -> list[Step]:
     cfg = call.cfg
     in_forward = call.request.training and grads_in_forward_allowed(cfg)
     accurate = logits_dtype(call.dtype, cfg) != call.dtype
