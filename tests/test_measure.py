@@ -137,3 +137,30 @@ def test_host_ms_is_the_median_time_for_a_call_to_return() -> None:
     ms = measure.host_ms(call, CPU, repeats=5)
     assert len(calls) == 5
     assert 3.9 <= ms < 50
+
+
+def test_host_sections_wrap_every_section_of_this_flce(monkeypatch) -> None:
+    """tools/profiling/host_sections.py finds every function it times in this flce (a rename would otherwise
+    drop a section from its table silently), and a wrapped function still returns its result and is counted."""
+    import collections
+    import importlib.util
+
+    pytest.importorskip("triton")
+    path = Path(__file__).resolve().parents[1] / "tools" / "profiling" / "host_sections.py"
+    spec = importlib.util.spec_from_file_location("flce_tools_host_sections", path)
+    assert spec is not None and spec.loader is not None
+    sections = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sections)
+    totals: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    assert sections.install(totals, counts, patch=monkeypatch.setattr) == []
+    from flce.config import LCEConfig
+    from flce.engine import token_chunks
+    from flce.semantics import denominators
+
+    target = torch.tensor([1, -100, 2, 3])
+    denoms = denominators(target, LCEConfig())
+    g_ce, _ = token_chunks.upstream_scales(LCEConfig(), denoms, torch.ones(()), slice(0, 4), 4)
+    assert torch.allclose(g_ce, torch.full((4,), 1 / 3))
+    label = "flce.engine.token_chunks.upstream_scales"
+    assert counts[label] == 1 and totals[label] > 0
