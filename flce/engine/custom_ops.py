@@ -101,8 +101,9 @@ def _chunked_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target
     cfg = config_from_primitives(kw, class_weight)
     flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
     if kw["group_name"] is None:
-        # prepare_inputs leaves this check to the op while torch.compile traces (it needs the values);
-        # a vocab-parallel call checks against the global vocabulary instead.
+        # prepare_inputs leaves this check to the op while torch.compile traces (it needs the values): CPU targets
+        # here, accelerator targets in run_forward's first pass; a vocab-parallel call checks against the global
+        # vocabulary instead.
         _check_target_range(target, weight.shape[0], cfg.ignore_index, sharded=False)
     wanted = _wanted(kw, bias)
     call = _engine_call(kw["backend"], flat, cfg, kw["variant"], kw["group_name"], wanted)
