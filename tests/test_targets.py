@@ -6,6 +6,7 @@ GPU, on the GPU where there is one; both against PyTorch's form (semantics.count
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -110,3 +111,38 @@ def test_out_of_range_target_stops_a_gpu_call(backend, value) -> None:
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "no assertion" not in bad.stdout
     assert "device-side assert" in bad.stderr or "Assertion" in bad.stderr, bad.stderr[-2000:]
+
+
+_COMPILE_FOR_GPU = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flce.backends.cuda.target_kernels import _count_tokens_kernel
+
+arch, values = int(sys.argv[1]), sys.argv[2]
+signature = {"target_ptr": "*i64", "stride": "i32", "n": "i32", "vocab": "i32", "ignore_index": "i32",
+             "values_ptr": values, "flags_ptr": "*i1", "CHECK": "constexpr", "BLOCK": "constexpr"}
+source = ASTSource(_count_tokens_kernel, signature, {(7,): True, (8,): 4096})
+compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
+sys.stdout.write(compiled.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize(("arch", "values"), [(90, "*fp32"), (80, "*fp64")])
+def test_kernel_compiles_for_the_gpu(arch, values) -> None:
+    """The targets' kernel runs on every CUDA call but, without a GPU, only under the interpreter: compiled here
+    for sm_90 and sm_80 (in a process without TRITON_INTERPRET, under whichever Triton the suite runs with), its
+    PTX loads the targets in a loop and stores the three values and two flags."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_GPU, str(arch), values], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = done.stdout
+    assert f".target sm_{arch}" in ptx and "ld.global" in ptx
+    bits = 32 if values == "*fp32" else 64
+    stores = re.findall(r"st\.global(?:\.\w+)*?\.[bfu](8|32|64)\b", ptx)
+    assert sorted(stores) == sorted([str(bits)] * 3 + ["8"] * 2), stores  # count, divisor, zero; counted, ok
+    assert "bra" in ptx  # the loop over blocks of targets

@@ -94,7 +94,7 @@ PY
 TESTS=(
     tests/test_reference_contract.py tests/test_inputs.py tests/test_module.py tests/test_registry.py
     tests/test_autograd_contract.py tests/test_compile.py
-    tests/test_cuda_backend.py tests/test_cuda_fused_forward.py tests/test_exp_grad.py
+    tests/test_cuda_backend.py tests/test_cuda_fused_forward.py tests/test_exp_grad.py tests/test_targets.py
     tests/test_ws_gemm.py tests/test_gluon_compat.py tests/test_packaging.py
 )
 
