@@ -26,3 +26,17 @@ def test_exported_steering_variables_do_not_change_the_suite(tmp_path: Path) -> 
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert user_cache.read_text() == "this file must not be read or written by the tests\n"
     assert not (tmp_path / "xdg").exists(), "the suite wrote into the user's cache directory"
+
+
+def test_global_rng_draws_depend_on_the_test_alone(request) -> None:
+    """torch's global generator starts each test from a seed of the test's id (conftest.seeded_global_rng), so
+    what a test draws from it does not depend on which tests its process ran before; and it is not the
+    ``generator`` fixture's stream, which a test may draw from beside it."""
+    import torch
+    from conftest import _GLOBAL_RNG_OFFSET, _test_seed
+
+    drawn = torch.rand(8)
+    seed = _test_seed(request)
+    global_stream = torch.Generator().manual_seed((seed + _GLOBAL_RNG_OFFSET) % 2**63)
+    assert torch.equal(drawn, torch.rand(8, generator=global_stream))
+    assert not torch.equal(drawn, torch.rand(8, generator=torch.Generator().manual_seed(seed)))
