@@ -299,7 +299,8 @@ def test_gpu_fused_deferred_matches_cublas_path(dtype, v, kernel, stats_gemm_cal
     ref_grads = torch.autograd.grad(objective - 0.01 * ref.entropy.sum(), leaves)
     for k, want in enumerate((ref.logprobs, ref.entropy, *ref_grads)):
         fused, cublas = results["fused"][k], results["cublas"][k]
-        assert _rel(fused, want) <= 1.5 * _rel(cublas, want) + (1e-6 if dtype == torch.float32 else 1e-4), k
+        assert _rel(fused, want) <= 1.5 * _rel(cublas, want) + (1e-6 if dtype == torch.float32 else 1e-4), (
+            ("logprobs", "entropy", "grad x", "grad w", "grad b")[k], _rel(fused, want), _rel(cublas, want))
 
 
 @interpreter_only

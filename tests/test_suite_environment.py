@@ -40,3 +40,36 @@ def test_global_rng_draws_depend_on_the_test_alone(request) -> None:
     global_stream = torch.Generator().manual_seed((seed + _GLOBAL_RNG_OFFSET) % 2**63)
     assert torch.equal(drawn, torch.rand(8, generator=global_stream))
     assert not torch.equal(drawn, torch.rand(8, generator=torch.Generator().manual_seed(seed)))
+
+
+class _FakeCuda:
+    """torch.cuda's four functions that conftest.release_cached_gpu_memory calls, with a reserve of its choosing."""
+
+    def __init__(self, reserved: int, initialized: bool = True) -> None:
+        self.reserved, self.initialized, self.emptied = reserved, initialized, 0
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def memory_reserved(self) -> int:
+        return self.reserved
+
+    def empty_cache(self) -> None:
+        self.emptied += 1
+        self.reserved = 0
+
+
+def test_a_large_gpu_reserve_goes_back_after_a_test() -> None:
+    """After a test that reserved more than RELEASE_GPU_MEMORY_ABOVE, the cache goes back to the driver (so the
+    other xdist worker on the GPU can have it); a small reserve, or a process that never touched CUDA, is left."""
+    from conftest import RELEASE_GPU_MEMORY_ABOVE, release_cached_gpu_memory
+
+    large = _FakeCuda(46 << 30)
+    assert release_cached_gpu_memory(large) and large.emptied == 1 and large.reserved == 0
+    small = _FakeCuda(RELEASE_GPU_MEMORY_ABOVE)
+    assert not release_cached_gpu_memory(small) and small.emptied == 0
+    untouched = _FakeCuda(46 << 30, initialized=False)
+    assert not release_cached_gpu_memory(untouched) and untouched.emptied == 0
