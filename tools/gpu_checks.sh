@@ -14,7 +14,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 # tests/test_ws_gemm.py serially: its float64 oracles at V = 130k-150k hold up to ~30 GB each, so pytest-xdist
 # workers on one GPU run out of memory there (3 workers on an H100, 2026-11-25: 3 of its tests did). The other
-# cuda tests in 2 workers where pytest-xdist is installed (3 workers ran out of the H100's memory, 2026-11-26).
+# cuda tests in 2 workers where pytest-xdist is installed (3 workers ran out of the H100's memory, 2026-11-26; 2 did
+# while one kept 46 GiB cached, which tests/conftest.py now hands back after each test).
 workers=()
 python3 -c "import xdist" 2>/dev/null && workers=(-n 2)
 python3 -m pytest -p no:cacheprovider tests -m cuda -q "${workers[@]}" --ignore=tests/test_ws_gemm.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
