@@ -190,11 +190,9 @@ def count_tokens(target: torch.Tensor, ignore_index: int, dtype: torch.dtype = t
     return TokenCounts(count, count > 0, count.clamp(min=1), torch.zeros((), dtype=dtype, device=target.device))
 
 
-def denominators(target: torch.Tensor, cfg: LCEConfig, dtype: torch.dtype = torch.float32,
-                 counts: TokenCounts | None = None) -> Denominators:
-    """The call's Denominators; ``counts``: its non-ignored tokens where a kernel has counted them already."""
-    count, counted, token_divisor, zero = counts if counts is not None else count_tokens(target, cfg.ignore_index,
-                                                                                            dtype)
+def denominators(target: torch.Tensor, cfg: LCEConfig, dtype: torch.dtype, counts: TokenCounts) -> Denominators:
+    """The call's Denominators from its non-ignored tokens ``counts`` (RowKernels.count_tokens, in ``dtype``)."""
+    count, counted, token_divisor, zero = counts
     if cfg.class_weight is None:
         return Denominators(count, count, counted, token_divisor, token_divisor, zero)
     weight_sum = class_weight_of_target(target, cfg, dtype).sum(dtype=dtype)

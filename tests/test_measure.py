@@ -156,10 +156,10 @@ def test_host_sections_wrap_every_section_of_this_flce(monkeypatch) -> None:
     assert sections.install(totals, counts, patch=monkeypatch.setattr) == []
     from flce.config import LCEConfig
     from flce.engine import token_chunks
-    from flce.semantics import denominators
+    from flce.semantics import count_tokens, denominators
 
     target = torch.tensor([1, -100, 2, 3])
-    denoms = denominators(target, LCEConfig())
+    denoms = denominators(target, LCEConfig(), torch.float32, count_tokens(target, -100))
     g_ce, _ = token_chunks.upstream_scales(LCEConfig(), denoms, torch.ones(()), slice(0, 4), 4)
     assert torch.allclose(g_ce, torch.full((4,), 1 / 3))
     label = "flce.engine.token_chunks.upstream_scales"

@@ -176,8 +176,11 @@ def _chunked_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targe
     call = call.with_plan(recomputing(call.plan))
     with_mean_z = not call.plain and needs_sum_exp_dz(call.cfg)
     empty = hidden.new_empty(0)
+    dtype = statistics_dtype(weight.dtype)
+    # The counts again (forward's stay inside its op), by the backend's kernel; forward checked the range.
+    counts = call.kernels.count_tokens(target, call.cfg.ignore_index, dtype, None)
     state = ForwardState(loss=empty, z_loss=empty, extras={},
-                         denoms=denominators(target, call.cfg, statistics_dtype(weight.dtype)),
+                         denoms=denominators(target, call.cfg, dtype, counts),
                          stats=RowStats(lse=lse, target_z=target_z,
                                         lse_minus_mean_z=lse_minus_mean_z if with_mean_z else None))
     grads = run_backward(call, flat, state, wanted, grad_loss,
