@@ -99,7 +99,8 @@ def _plan_steps(device: DeviceDescription, call: CallDescription, plan: Plan, ke
         products = (fp32_product,) if fp32_weight else ("torch.Tensor.addmm_", "torch.mm")
         return [all_rows(plan.stats, " (in forward)"), gradient,
                 Step(f"gradient products of each block{when}", products,
-                     "cuBLAS: each block's rows of grad_weight are written once, grad_hidden accumulates"),
+                     "cuBLAS: each block's rows of grad_weight are written once, grad_hidden accumulates "
+                     "(the warp-specialised GEMM measured 0-23% slower on these products: docs/design-notes.md)"),
                 *bias_sums(when), *(scaled_in_backward() if in_forward else [])]
 
     assert isinstance(plan, TokenChunks)
