@@ -159,7 +159,7 @@ def floor_ms(shape: TuneShape, inputs: WorkloadInputs, warmup: int, repeats: int
         return None
     x, w = inputs.hidden.detach(), inputs.weight.detach()
     try:
-        grad_logits = torch.randn(shape.tokens, shape.vocab, dtype=shape.dtype, device=shape.device)
+        grad_logits = measure.floor_gradient(shape.tokens, shape.vocab, shape.dtype, shape.device)
 
         def gemms() -> None:
             torch.mm(x, w.t())

@@ -22,6 +22,7 @@ import torch
 import flce
 from flce.autotune import override_params
 from flce.testing.measure import (
+    floor_gradient,
     gpu_timing,
     median_range,
     parse_shape,
@@ -34,7 +35,7 @@ from flce.testing.measure import (
 def sweep(label: str, chunks: list[int], budgets_mib: list[int], rounds: int) -> dict:
     tokens, hidden, vocab = parse_shape(label)
     x, w, t, _ = shape_inputs(tokens, hidden, vocab)
-    g = torch.randn(tokens, vocab, device=x.device, dtype=x.dtype)
+    g = floor_gradient(tokens, vocab, x.dtype, x.device)
     xd, wd = x.detach(), w.detach()
 
     def floor() -> None:

@@ -38,7 +38,7 @@ from cute_peers import liger_cute_methods, quack_gemm, quack_methods
 
 import flce
 from flce.testing.clocks import ClockSampler, ClockSummary
-from flce.testing.measure import MiB, median_ms, parse_shape, peak_mib_above, publish, shape_inputs
+from flce.testing.measure import MiB, floor_gradient, median_ms, parse_shape, peak_mib_above, publish, shape_inputs
 
 DEFAULT_SHAPES = ("4096x4096x32000", "8192x4096x128256", "16384x2048x151936")
 
@@ -202,7 +202,7 @@ def floors(case: Case, device: str) -> tuple[float, float]:
     """(3-GEMM fwd+bwd floor ms, 1-GEMM forward floor ms) on the same inputs."""
     x, w, _ = make_inputs(case, device)
     x, w = x.detach(), w.detach()
-    g = torch.randn(case.tokens, case.vocab, device=device, dtype=case.dtype) / case.vocab
+    g = floor_gradient(case.tokens, case.vocab, case.dtype, device)
     three = bench_ms(lambda: (x @ w.t(), g @ w, g.t() @ x))
     one = bench_ms(lambda: x @ w.t())
     return three, one
@@ -216,7 +216,7 @@ def best_gemm_floors(case: Case, device: str) -> tuple[float, float, list[str]]:
 
     x, w, _ = make_inputs(case, device)
     x, w = x.detach(), w.detach()
-    g = torch.randn(case.tokens, case.vocab, device=device, dtype=case.dtype) / case.vocab
+    g = floor_gradient(case.tokens, case.vocab, case.dtype, device)
     quack = quack_gemm()
     ws = ws_supported(x, w.t())
     products = {"x @ W.T": ((x, w.t()), ws_matmul, (x, w.t())), "G @ W": ((g, w), ws_matmul, (g, w)),
@@ -377,6 +377,7 @@ def run_record(rows: list[dict], gpu: str, dtype: str, command: str, revision: s
             "versions": versions, "flce": revision, "command": command,
             "clocks": dataclasses.asdict(clocks) if clocks is not None else None,
             "inputs": "flce.testing.measure.shape_inputs: logits of std 1, uniform targets, every 17th ignored",
+            "floor": "cuBLAS x @ W.T, G @ W, G.T @ x; G from flce.testing.measure.floor_gradient: N(0, 1)",
             "rows": rows}
 
 

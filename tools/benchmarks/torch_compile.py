@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 import flce
-from flce.testing.measure import median_ms, peak_mib_above, shape_inputs
+from flce.testing.measure import floor_gradient, median_ms, peak_mib_above, shape_inputs
 
 
 def compiled_step(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, warmup: int, rep: int) -> dict[str, Any]:
@@ -65,7 +65,7 @@ def compiled_step(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, warm
         row[f"{name}_peak_mib_above_grads"] = peak_mib_above(fn)  # fn leaves the gradients in .grad
 
     # The floor: the three GEMMs every forward+backward needs, on the same shapes.
-    grad_logits = torch.randn(tokens, vocab, device="cuda", dtype=dtype, generator=g)
+    grad_logits = floor_gradient(tokens, vocab, dtype, "cuda", generator=g)
     xd, wd = x.detach(), w.detach()
 
     def gemms() -> None:
