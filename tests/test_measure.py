@@ -74,6 +74,7 @@ def test_cublas_floor_multiplies_the_floor_gradient(monkeypatch: pytest.MonkeyPa
     assert measure.cublas_products_ms(x, w) == (1.0, 1.0, 1.0)
     assert len(drawn) == 1 and drawn[0].shape == (8, 32) and drawn[0].dtype == x.dtype
 
+
 def test_budget_entries_name_the_keyword_and_the_default() -> None:
     assert measure.budget_options(0) == {} and measure.budget_label(0) == "default"
     assert measure.budget_options(2048) == {"memory_budget": 2 << 30} and measure.budget_label(2048) == "2048 MiB"

@@ -83,8 +83,8 @@ def floor_gradient(tokens: int, vocab: int, dtype: torch.dtype, device: torch.de
 
     Every floor in flce's tools and tuner takes it from here, because a product's speed under the GPU's power cap
     follows its data: on an H100 (docs/data/products/h100-2026-11-27-floor-gradient.md) the loss's own gradient
-    (softmax - onehot) / count and N(0, 1) timed the two products within 0.5% of each other, N(0, 1) / V 1-2%
-    slower, zeros 11-12% faster."""
+    (softmax - onehot) / count and N(0, 1) timed the whole-batch products within 0.5% of each other, N(0, 1) / V
+    1-2% slower, zeros 11-12% faster."""
     return torch.randn(tokens, vocab, device=device, dtype=dtype, generator=generator)
 
 
@@ -181,8 +181,8 @@ def counted_timing(fn: Callable[[], object], device: torch.device, *, warmup: in
 
 def cublas_products_ms(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[float, float, float]:
     """Median ms (:func:`median_ms`) of the three products any implementation of the loss must do, by
-    cuBLAS (torch.mm): ``x @ W.T``, ``G @ W``, ``G.T @ x`` for hidden x [N, H], weight W [V, H] and a
-    random gradient G [N, V] in their dtype. Their sum is the floor a training call is measured against."""
+    cuBLAS (torch.mm): ``x @ W.T``, ``G @ W``, ``G.T @ x`` for hidden x [N, H], weight W [V, H] and
+    :func:`floor_gradient`'s G [N, V] in their dtype. Their sum is the floor a training call is measured against."""
     x, w = hidden.detach(), weight.detach()
     g = floor_gradient(x.shape[0], w.shape[0], x.dtype, x.device)
     return median_ms(lambda: x @ w.T), median_ms(lambda: g @ w), median_ms(lambda: g.T @ x)
