@@ -1,0 +1,72 @@
+"""tools/profiling/power_ceiling.py's arithmetic on the CPU: the tensor peak at a clock and the loss's gradient it
+times the floor's products with (its GPU tables need an H100 and nvidia-smi)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from flce.testing.measure import IGNORE_INDEX
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("flce_tools_power_ceiling",
+                                                  REPO / "tools" / "profiling" / "power_ceiling.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tensor_peak_is_hoppers_rate_at_the_clock(tool) -> None:
+    # An H100 SXM at its 1980 MHz boost: 4096 FLOP x 132 SMs x 1.98 GHz; at the power cap's ~1380 MHz, 746.
+    assert tool.tensor_peak_tflops((9, 0), 132, 1980.0) == pytest.approx(1070.5, abs=0.1)
+    assert tool.tensor_peak_tflops((9, 0), 132, 1380.0) == pytest.approx(746.1, abs=0.1)
+    assert tool.tensor_peak_tflops((8, 0), 108, 1410.0) is None  # a rate the tool does not list: no peak claimed
+
+
+@pytest.mark.parametrize("rows_per_block", [3, 64])
+def test_loss_gradient_is_the_mean_losss_gradient_of_the_logits(tool, rows_per_block: int) -> None:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(11, 6, generator=generator)
+    w = torch.randn(19, 6, generator=generator)
+    t = torch.randint(0, 19, (11,), generator=generator)
+    t[[2, 5]] = IGNORE_INDEX
+    logits = (x @ w.T).requires_grad_()
+    loss = torch.nn.functional.cross_entropy(logits, t, ignore_index=IGNORE_INDEX)
+    (expected,) = torch.autograd.grad(loss, logits)
+    got = tool.loss_gradient(x, w, t, rows_per_block=rows_per_block)
+    assert got.dtype == x.dtype and got.shape == (11, 19)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    assert (got[[2, 5]] == 0).all()
+
+
+def test_cells_are_median_and_range(tool) -> None:
+    assert tool.cell([1.2, 1.0, 1.1]) == "1.100 (1.000-1.200)"
+    assert tool.mean_or_dash([]) == "-" and tool.mean_or_dash([600.0, 700.0]) == "650"
+
+
+def test_the_tool_runs_through_on_the_cpu(tool, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Both tables, every row, at a small shape: on the CPU nothing is sampled (no clock, power or peak columns) and
+    the products are not timed (each runs once; the tool's GPU timer needs CUDA)."""
+    calls = []
+
+    def run_once(fn, **_) -> float:
+        calls.append(fn())
+        return 2.0
+
+    monkeypatch.setattr(tool, "median_ms", run_once)
+    tool.main(["--shapes", "64x16x96", "--rounds", "2", "--device", "cpu"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"### CPU, torch {torch.__version__}"
+    products = [line for line in lines if line.startswith("| 64x16x96 | cuBLAS")]
+    assert products == ["| 64x16x96 | cuBLAS x @ W.T | 2.000 (2.000-2.000) | 0 | - | - | - | - |"]
+    gradients = [line for line in lines if line.startswith("| 64x16x96 |") and "x @ W.T" not in line]
+    assert [line.split(" | ")[1] for line in gradients] == ["N(0, 1) (floor_gradient)", "N(0, 1) / V",
+                                                             "the loss's gradient", "zeros"]
+    assert len(calls) == 2 * (1 + 8)  # two rounds of x @ W.T and of the eight gradient products

@@ -1,0 +1,156 @@
+"""What bounds a 16-bit GEMM under the GPU's power cap, and how much the floor's gradient moves the floor.
+
+1. Each product ``x @ W.T`` (cuBLAS, and flce's warp-specialised GEMM on Hopper) timed back to back while
+   nvidia-smi samples the SM clock and the board's power (flce/testing/clocks.py): its TFLOP/s against the
+   dense tensor-core peak at the clock it ran at (Hopper: 4096 16-bit FLOP a clock a multiprocessor).
+2. The floor's two gradient products ``G @ W`` and ``G.T @ x`` by cuBLAS with G drawn four ways: the N(0, 1)
+   of ``flce.testing.measure.floor_gradient`` (every floor in flce's tools), N(0, 1) / V, the mean loss's own
+   gradient (softmax - onehot) / count on the same inputs, zeros.
+
+Every timing is ``triton.testing.do_bench``'s median over ``--rep-ms`` after a warm-up, the variants in turn,
+``--rounds`` rounds; a cell is the median over rounds (range), the clock and power the mean of the samples
+taken during the variant's timings. Inputs: ``flce.testing.measure.shape_inputs``, bf16.
+
+    python tools/profiling/power_ceiling.py [--shapes 16384x2048x151936,8192x4096x128256] [--rounds 3]
+                                            [--rep-ms 2000] [--markdown out.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from flce.testing.clocks import ClockSampler
+from flce.testing.measure import IGNORE_INDEX, floor_gradient, median_ms, parse_shape, publish, shape_inputs
+
+# Dense 16-bit tensor-core FLOP a clock a multiprocessor, by compute capability (Hopper's 4th-generation tensor
+# cores: 4 a multiprocessor x 512 FMA). A GPU not listed gets no peak column.
+TENSOR_FLOP_PER_CLOCK_SM = {(9, 0): 4096}
+
+
+def tensor_peak_tflops(capability: tuple[int, int], multiprocessors: int, sm_mhz: float) -> float | None:
+    """The dense 16-bit tensor peak (TFLOP/s) at ``sm_mhz``, or None for a GPU whose rate is not listed."""
+    per_clock = TENSOR_FLOP_PER_CLOCK_SM.get(tuple(capability))
+    return None if per_clock is None else per_clock * multiprocessors * sm_mhz * 1e6 / 1e12
+
+
+def loss_gradient(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
+                  rows_per_block: int = 2048) -> torch.Tensor:
+    """d(mean cross-entropy)/d(logits) of ``hidden @ weight.T`` in hidden's dtype: (softmax - onehot) / count on
+    the rows whose target is not IGNORE_INDEX, 0 on the others; the softmax in fp32, ``rows_per_block`` rows at a
+    time (a [rows, V] fp32 block at a time, not the whole batch's)."""
+    count = max(int((target != IGNORE_INDEX).sum()), 1)
+    out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+    for start in range(0, hidden.shape[0], rows_per_block):
+        rows = slice(start, start + rows_per_block)
+        grad = torch.softmax((hidden[rows] @ weight.T).float(), dim=1)
+        kept = target[rows] != IGNORE_INDEX
+        grad[kept, target[rows][kept]] -= 1.0
+        grad[~kept] = 0.0
+        out[rows] = (grad / count).to(hidden.dtype)
+    return out
+
+
+def timed_with_clocks(fns: dict[str, Callable[[], object]], rounds: int, rep_ms: float,
+                      device: torch.device) -> dict[str, dict]:
+    """Per variant: its medians over rounds (ms), and the SM clock and power sampled during its timings (none
+    where ClockSampler has nothing to sample: a CPU, no nvidia-smi)."""
+    results = {name: {"ms": [], "mhz": [], "watts": []} for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            with ClockSampler(device, interval_ms=20) as clocks:
+                results[name]["ms"].append(median_ms(fn, warmup_ms=200, rep_ms=rep_ms))
+            if clocks.summary is not None:
+                results[name]["mhz"].append(clocks.summary.sm_mhz_mean)
+                results[name]["watts"].append(clocks.summary.power_mean_w)
+    return results
+
+
+def cell(values: list[float]) -> str:
+    """Median (range) with three decimals."""
+    ordered = sorted(values)
+    return f"{statistics.median(ordered):.3f} ({ordered[0]:.3f}-{ordered[-1]:.3f})"
+
+
+def mean_or_dash(values: list[float], digits: int = 0) -> str:
+    return f"{statistics.fmean(values):.{digits}f}" if values else "-"
+
+
+def products_table(label: str, rounds: int, rep_ms: float, device: torch.device) -> list[str]:
+    from flce.backends.cuda.ws_gemm_ops import padded_empty, ws_matmul, ws_supported
+
+    tokens, hidden, vocab = parse_shape(label)
+    x, w, _, _ = shape_inputs(tokens, hidden, vocab, device, requires_grad=False)
+    out = padded_empty(tokens, vocab, x.dtype, x.device)
+    fns = {"cuBLAS x @ W.T": lambda: torch.mm(x, w.T, out=out)}
+    if ws_supported(x, w.T):
+        fns["flce ws x @ W.T"] = lambda: ws_matmul(x, w.T, out)
+    results = timed_with_clocks(fns, rounds, rep_ms, device)
+    lines = []
+    for name, r in results.items():
+        ms = statistics.median(r["ms"])
+        tflops = 2 * tokens * hidden * vocab / ms / 1e9
+        peak = None
+        if r["mhz"] and device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            peak = tensor_peak_tflops((props.major, props.minor), props.multi_processor_count,
+                                      statistics.fmean(r["mhz"]))
+        lines.append(f"| {label} | {name} | {cell(r['ms'])} | {tflops:.0f} | {mean_or_dash(r['mhz'])} | "
+                     f"{mean_or_dash(r['watts'])} | {'-' if peak is None else f'{peak:.0f}'} | "
+                     f"{'-' if peak is None else f'{tflops / peak:.3f}'} |")
+    return lines
+
+
+def gradients_table(label: str, rounds: int, rep_ms: float, device: torch.device) -> list[str]:
+    tokens, hidden, vocab = parse_shape(label)
+    x, w, t, _ = shape_inputs(tokens, hidden, vocab, device, requires_grad=False)
+    normal = floor_gradient(tokens, vocab, x.dtype, x.device)
+    gradients = {"N(0, 1) (floor_gradient)": normal, "N(0, 1) / V": normal / vocab,
+                 "the loss's gradient": loss_gradient(x, w, t), "zeros": torch.zeros_like(normal)}
+    fns = {}
+    for name, g in gradients.items():
+        fns[f"{name}: G @ W"] = lambda g=g: g @ w
+        fns[f"{name}: G.T @ x"] = lambda g=g: g.T @ x
+    results = timed_with_clocks(fns, rounds, rep_ms, device)
+    lines = []
+    for name in gradients:
+        hidden_r, weight_r = results[f"{name}: G @ W"], results[f"{name}: G.T @ x"]
+        lines.append(f"| {label} | {name} | {cell(hidden_r['ms'])} | {cell(weight_r['ms'])} | "
+                     f"{mean_or_dash(hidden_r['mhz'] + weight_r['mhz'])} | "
+                     f"{mean_or_dash(hidden_r['watts'] + weight_r['watts'])} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="16384x2048x151936,8192x4096x128256")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rep-ms", type=float, default=2000.0)
+    parser.add_argument("--skip-gradients", action="store_true", help="only the x @ W.T table")
+    parser.add_argument("--markdown", default=None)
+    parser.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only runs the code through")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    labels = args.shapes.split(",")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    text = [f"### {name}, torch {torch.__version__}", "",
+            f"Command: `python tools/profiling/power_ceiling.py --shapes {args.shapes} --rounds {args.rounds} "
+            f"--rep-ms {args.rep_ms:g}{' --skip-gradients' if args.skip_gradients else ''}`", "",
+            "| shape | GEMM | ms, median (range) | TFLOP/s | SM MHz | W | tensor peak at that clock, TFLOP/s "
+            "| fraction |",
+            "|---|---|---|---|---|---|---|---|"]
+    for label in labels:
+        text += products_table(label, args.rounds, args.rep_ms, device)
+    if not args.skip_gradients:
+        text += ["", "The floor's gradient products by cuBLAS, G drawn four ways:", "",
+                 "| shape | G | `G @ W` ms | `G.T @ x` ms | SM MHz | W |", "|---|---|---|---|---|---|"]
+        for label in labels:
+            text += gradients_table(label, args.rounds, args.rep_ms, device)
+    publish("\n".join(text), args.markdown)
+
+
+if __name__ == "__main__":
+    main()
