@@ -8,8 +8,8 @@
    gradient (softmax - onehot) / count on the same inputs, zeros.
 
 Every timing is ``triton.testing.do_bench``'s median over ``--rep-ms`` after a warm-up, the variants in turn,
-``--rounds`` rounds; a cell is the median over rounds (range), the clock and power the mean of the samples
-taken during the variant's timings. Inputs: ``flce.testing.measure.shape_inputs``, bf16.
+``--rounds`` rounds; a cell is the median over rounds (range), the clock and power the median over rounds of the
+samples' mean during each of the variant's timings. Inputs: ``flce.testing.measure.shape_inputs``, bf16.
 
     python tools/profiling/power_ceiling.py [--shapes 16384x2048x151936,8192x4096x128256] [--rounds 3]
                                             [--rep-ms 2000] [--markdown out.md]
@@ -56,9 +56,10 @@ def loss_gradient(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
 
 def timed_with_clocks(fns: dict[str, Callable[[], object]], rounds: int, rep_ms: float,
                       device: torch.device) -> dict[str, dict]:
-    """Per variant: its medians over rounds (ms), and the SM clock and power sampled during its timings (none
-    where ClockSampler has nothing to sample: a CPU, no nvidia-smi)."""
-    results = {name: {"ms": [], "mhz": [], "watts": []} for name in fns}
+    """Per variant and round: its median (ms), and the mean SM clock and power sampled during that timing (none
+    where ClockSampler has nothing to sample: a CPU, no nvidia-smi); "held_back" lists the rounds heat or a power
+    brake slowed (their clocks compare with nothing, flce/testing/clocks.py)."""
+    results = {name: {"ms": [], "mhz": [], "watts": [], "held_back": []} for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             with ClockSampler(device, interval_ms=20) as clocks:
@@ -66,6 +67,8 @@ def timed_with_clocks(fns: dict[str, Callable[[], object]], rounds: int, rep_ms:
             if clocks.summary is not None:
                 results[name]["mhz"].append(clocks.summary.sm_mhz_mean)
                 results[name]["watts"].append(clocks.summary.power_mean_w)
+                if clocks.summary.held_back:
+                    results[name]["held_back"].append(clocks.summary.describe())
     return results
 
 
@@ -75,8 +78,10 @@ def cell(values: list[float]) -> str:
     return f"{statistics.median(ordered):.3f} ({ordered[0]:.3f}-{ordered[-1]:.3f})"
 
 
-def mean_or_dash(values: list[float], digits: int = 0) -> str:
-    return f"{statistics.fmean(values):.{digits}f}" if values else "-"
+def median_or_dash(values: list[float]) -> str:
+    """The median over rounds of a sampled figure (the first round's samples include the seconds before the
+    power cap bites), or "-" where nothing was sampled."""
+    return f"{statistics.median(values):.0f}" if values else "-"
 
 
 def products_table(label: str, rounds: int, rep_ms: float, device: torch.device) -> list[str]:
@@ -97,10 +102,11 @@ def products_table(label: str, rounds: int, rep_ms: float, device: torch.device)
         if r["mhz"] and device.type == "cuda":
             props = torch.cuda.get_device_properties(device)
             peak = tensor_peak_tflops((props.major, props.minor), props.multi_processor_count,
-                                      statistics.fmean(r["mhz"]))
-        lines.append(f"| {label} | {name} | {cell(r['ms'])} | {tflops:.0f} | {mean_or_dash(r['mhz'])} | "
-                     f"{mean_or_dash(r['watts'])} | {'-' if peak is None else f'{peak:.0f}'} | "
+                                      statistics.median(r["mhz"]))
+        lines.append(f"| {label} | {name} | {cell(r['ms'])} | {tflops:.0f} | {median_or_dash(r['mhz'])} | "
+                     f"{median_or_dash(r['watts'])} | {'-' if peak is None else f'{peak:.0f}'} | "
                      f"{'-' if peak is None else f'{tflops / peak:.3f}'} |")
+        lines += [f"| {label} | {name}: held back | {why} | | | | | |" for why in r["held_back"]]
     return lines
 
 
@@ -119,8 +125,10 @@ def gradients_table(label: str, rounds: int, rep_ms: float, device: torch.device
     for name in gradients:
         hidden_r, weight_r = results[f"{name}: G @ W"], results[f"{name}: G.T @ x"]
         lines.append(f"| {label} | {name} | {cell(hidden_r['ms'])} | {cell(weight_r['ms'])} | "
-                     f"{mean_or_dash(hidden_r['mhz'] + weight_r['mhz'])} | "
-                     f"{mean_or_dash(hidden_r['watts'] + weight_r['watts'])} |")
+                     f"{median_or_dash(hidden_r['mhz'] + weight_r['mhz'])} | "
+                     f"{median_or_dash(hidden_r['watts'] + weight_r['watts'])} |")
+        held_back = hidden_r["held_back"] + weight_r["held_back"]
+        lines += [f"| {label} | {name}: held back | {why} | | | |" for why in held_back]
     return lines
 
 
