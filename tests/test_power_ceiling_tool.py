@@ -47,7 +47,7 @@ def test_loss_gradient_is_the_mean_losss_gradient_of_the_logits(tool, rows_per_b
 
 
 def test_cells_are_median_and_range(tool) -> None:
-    assert tool.cell([1.2, 1.0, 1.1]) == "1.100 (1.000-1.200)"
+    assert tool.median_range([1.2, 1.0, 1.1]) == "1.100 (1.000-1.200)"
     assert tool.median_or_dash([]) == "-" and tool.median_or_dash([1900.0, 1380.0, 1390.0]) == "1390"
 
 

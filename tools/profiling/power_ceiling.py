@@ -24,7 +24,15 @@ from collections.abc import Callable
 import torch
 
 from flce.testing.clocks import ClockSampler
-from flce.testing.measure import IGNORE_INDEX, floor_gradient, median_ms, parse_shape, publish, shape_inputs
+from flce.testing.measure import (
+    IGNORE_INDEX,
+    floor_gradient,
+    median_ms,
+    median_range,
+    parse_shape,
+    publish,
+    shape_inputs,
+)
 
 # Dense 16-bit tensor-core FLOP a clock a multiprocessor, by compute capability (Hopper's 4th-generation tensor
 # cores: 4 a multiprocessor x 512 FMA). A GPU not listed gets no peak column.
@@ -72,12 +80,6 @@ def timed_with_clocks(fns: dict[str, Callable[[], object]], rounds: int, rep_ms:
     return results
 
 
-def cell(values: list[float]) -> str:
-    """Median (range) with three decimals."""
-    ordered = sorted(values)
-    return f"{statistics.median(ordered):.3f} ({ordered[0]:.3f}-{ordered[-1]:.3f})"
-
-
 def median_or_dash(values: list[float]) -> str:
     """The median over rounds of a sampled figure (the first round's samples include the seconds before the
     power cap bites), or "-" where nothing was sampled."""
@@ -103,7 +105,7 @@ def products_table(label: str, rounds: int, rep_ms: float, device: torch.device)
             props = torch.cuda.get_device_properties(device)
             peak = tensor_peak_tflops((props.major, props.minor), props.multi_processor_count,
                                       statistics.median(r["mhz"]))
-        lines.append(f"| {label} | {name} | {cell(r['ms'])} | {tflops:.0f} | {median_or_dash(r['mhz'])} | "
+        lines.append(f"| {label} | {name} | {median_range(r['ms'])} | {tflops:.0f} | {median_or_dash(r['mhz'])} | "
                      f"{median_or_dash(r['watts'])} | {'-' if peak is None else f'{peak:.0f}'} | "
                      f"{'-' if peak is None else f'{tflops / peak:.3f}'} |")
         lines += [f"| {label} | {name}: held back | {why} | | | | | |" for why in r["held_back"]]
@@ -124,7 +126,7 @@ def gradients_table(label: str, rounds: int, rep_ms: float, device: torch.device
     lines = []
     for name in gradients:
         hidden_r, weight_r = results[f"{name}: G @ W"], results[f"{name}: G.T @ x"]
-        lines.append(f"| {label} | {name} | {cell(hidden_r['ms'])} | {cell(weight_r['ms'])} | "
+        lines.append(f"| {label} | {name} | {median_range(hidden_r['ms'])} | {median_range(weight_r['ms'])} | "
                      f"{median_or_dash(hidden_r['mhz'] + weight_r['mhz'])} | "
                      f"{median_or_dash(hidden_r['watts'] + weight_r['watts'])} |")
         held_back = hidden_r["held_back"] + weight_r["held_back"]
