@@ -105,3 +105,7 @@ def test_a_published_run_names_its_clocks_and_a_held_back_run_says_so() -> None:
     assert "SM clock 862 MHz mean (345-1380), 87 C at most" in text
     assert "software thermal slowdown" in text and "HELD BACK" in text
     assert "SM clock" not in plot.footer({**run, "clocks": None}, width=1 << 20)
+    cool = clocks.summarize([clocks.Sample(1700, 60, 450, 0x4)])
+    assert cool is not None
+    merged = plot.footer({**run, "clocks": [dataclasses.asdict(cool), dataclasses.asdict(summary)]}, width=1 << 20)
+    assert merged.index("SM clock 1700 MHz mean") < merged.index("SM clock 862 MHz mean") and "HELD BACK" in merged

@@ -12,7 +12,8 @@ Under the panels: GPU, date, versions, flce's revision and the command that made
 A file is one process's run: ``{"gpu", "date", "versions": {package: version}, "command", "rows"}``
 and optionally ``dtype``, ``call`` (what was timed), ``memory`` (what the MiB count, if not "MiB above
 the gradients"), ``flce`` (its revision), ``inputs``, ``source`` (where transcribed numbers were
-published) and ``notes``. Each row is peers.py's summary of one
+published), ``clocks`` (peers.py's clock summary, or a list of them, one per process, where a file merges
+several runs) and ``notes``. Each row is peers.py's summary of one
 implementation at one shape: ``shape``, ``method`` and any of ``ratio``, ``ratio_range``,
 ``peak_mib``, ``error``, ``fwd_ratio``, ``fwd_ratio_range``, ``fwd_peak_mib``, ``fwd_error``.
 
@@ -99,8 +100,9 @@ def footer(run: dict, width: int = 160) -> str:
              f"flce: {run.get('flce', 'not recorded')}", f"command: {run['command']}"]
     if "source" in run:
         parts.append(f"source: {run['source']}")
-    if run.get("clocks"):
-        clocks = run["clocks"]
+    # A file merged from several processes (one per shape) holds one clock summary per process, in order.
+    summaries = run.get("clocks") or []
+    for clocks in [summaries] if isinstance(summaries, dict) else summaries:
         parts.append(f"SM clock {clocks['sm_mhz_mean']:.0f} MHz mean ({clocks['sm_mhz_min']:.0f}-"
                      f"{clocks['sm_mhz_max']:.0f}), {clocks['temperature_max_c']:.0f} C at most, slowdowns: "
                      f"{', '.join(clocks['reasons']) or 'none'}{' (HELD BACK)' if clocks['held_back'] else ''}")
