@@ -208,27 +208,41 @@ def floors(case: Case, device: str) -> tuple[float, float]:
     return three, one
 
 
-def best_gemm_floors(case: Case, device: str) -> tuple[float, float, list[str]]:
-    """Each product timed with the fastest GEMM available here (cuBLAS; flce's warp-specialised Gluon
-    GEMM on Hopper; quack's autotuned GEMM where it imports): (3-product floor ms, forward floor ms,
-    one table row per product with ms and TFLOP/s per GEMM)."""
+PRODUCTS = ("x @ W.T", "G @ W", "G.T @ x")
+GEMMS = ("cuBLAS", "ws", "quack")
+
+
+def product_times(case: Case, device: str, quack: Callable | None) -> dict[str, dict[str, float]]:
+    """Each product of the floor timed with every GEMM available here (cuBLAS; flce's warp-specialised Gluon
+    GEMM on Hopper; ``quack``, quack's GEMM where it imports): {product: {GEMM: ms}}."""
     from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_supported
 
     x, w, _ = make_inputs(case, device)
     x, w = x.detach(), w.detach()
     g = floor_gradient(case.tokens, case.vocab, case.dtype, device)
-    quack = quack_gemm()
     ws = ws_supported(x, w.t())
-    products = {"x @ W.T": ((x, w.t()), ws_matmul, (x, w.t())), "G @ W": ((g, w), ws_matmul, (g, w)),
-                "G.T @ x": ((g.t(), x), ws_matmul, (g.t(), x))}
+    operands = dict(zip(PRODUCTS, ((x, w.t()), (g, w), (g.t(), x)), strict=True))
+    return {name: gemm_times(case, name, a, b, (lambda a=a, b=b: ws_matmul(a, b)) if ws else None, quack)
+            for name, (a, b) in operands.items()}
+
+
+def best_floors(times: dict[str, dict[str, float]]) -> tuple[float, float]:
+    """(the best-GEMM 3-product floor ms, the best-GEMM forward floor ms): the fastest GEMM per product."""
+    best = {name: min(by_gemm.values()) for name, by_gemm in times.items()}
+    return sum(best.values()), best["x @ W.T"]
+
+
+def product_lines(case: Case, rounds: list[dict[str, dict[str, float]]]) -> list[str]:
+    """The GEMM table's rows for one shape: each product's median ms over the rounds and its TFLOP/s, per GEMM."""
     tflop = 2 * case.tokens * case.hidden * case.vocab / 1e9
-    best, lines = {}, []
-    for name, ((a, b), ws_fn, ws_args) in products.items():
-        times = gemm_times(case, name, a, b, (lambda f=ws_fn, args=ws_args: f(*args)) if ws else None, quack)
-        best[name] = min(times.values())
-        cells = [f"{times[k]:.2f} ms, {tflop / times[k]:.0f}" if k in times else "-" for k in ("cuBLAS", "ws", "quack")]
+    lines = []
+    for name in PRODUCTS:
+        cells = []
+        for gemm in GEMMS:
+            times = [r[name][gemm] for r in rounds if gemm in r[name]]
+            cells.append(f"{statistics.median(times):.2f} ms, {tflop / statistics.median(times):.0f}" if times else "-")
         lines.append(f"| {case.label} | {name} | {' | '.join(cells)} |")
-    return sum(best.values()), best["x @ W.T"], lines
+    return lines
 
 
 def gemm_times(case: Case, product: str, a: torch.Tensor, b: torch.Tensor, ws: Callable | None,
@@ -245,23 +259,23 @@ def gemm_times(case: Case, product: str, a: torch.Tensor, b: torch.Tensor, ws: C
     return times
 
 
-def summary(measured: list[dict], best3: float, best1: float) -> dict:
+def summary(measured: list[dict]) -> dict:
     """One table row from a method's rounds: median ms, the median and range of the per-round ratios to
-    that round's floor, the ratio to the best-GEMM floor and the largest peak (an error in any round is
-    the row's error)."""
+    that round's floor, the median of the per-round ratios to that round's best-GEMM floor and the largest
+    peak (an error in any round is the row's error)."""
     row = {"shape": measured[0]["shape"], "method": measured[0]["method"]}
-    for prefix, floor_key, best in (("", "floor_ms", best3), ("fwd_", "fwd_floor_ms", best1)):
+    keys = (("", "floor_ms", "best_floor_ms"), ("fwd_", "fwd_floor_ms", "fwd_best_floor_ms"))
+    for prefix, floor_key, best_key in keys:
         ms_key = "fwd_ms" if prefix else "fwd_bwd_ms"
         errors = [r[prefix + "error"] for r in measured if prefix + "error" in r]
         if errors:
             row[prefix + "error"] = errors[0]
             continue
-        ms = statistics.median(r[ms_key] for r in measured)
         ratios = [r[ms_key] / r[floor_key] for r in measured]
-        row[ms_key] = ms
+        row[ms_key] = statistics.median(r[ms_key] for r in measured)
         row[prefix + "ratio"] = statistics.median(ratios)
         row[prefix + "ratio_range"] = (min(ratios), max(ratios))
-        row[prefix + "best_ratio"] = ms / best
+        row[prefix + "best_ratio"] = statistics.median(r[ms_key] / r[best_key] for r in measured)
         row[prefix + "peak_mib"] = max(r[prefix + "peak_mib"] for r in measured)
     return row
 
@@ -288,7 +302,8 @@ def markdown(rows: list[dict], header: str, gemm_lines: list[str]) -> str:
             forward = (f"{r['fwd_ms']:.2f} | {ratio_cell(r, 'fwd_')} | {r['fwd_best_ratio']:.3f}x | "
                        f"{r['fwd_peak_mib']:.0f}")
         lines.append(f"| {r['shape']} | {r['method']} | {train} | {forward} |")
-    lines += ["", "Each product alone (ms, TFLOP/s); the best-GEMM floor sums the fastest per product:", "",
+    lines += ["", "Each product alone (median ms over the rounds, TFLOP/s); a round's best-GEMM floor sums the fastest "
+              "per product:", "",
               "| shape | product | cuBLAS | flce warp-specialised GEMM | quack GEMM |", "|---|---|---|---|---|",
               *gemm_lines]
     return "\n".join(lines) + "\n"
@@ -339,28 +354,34 @@ def main() -> None:
 
 
 def measure_shape(case: Case, methods: dict, device: str, rounds_wanted: int) -> tuple[list[dict], list[str]]:
-    """One shape: the best-GEMM floors, then ``rounds_wanted`` rounds of the cuBLAS floor and every method;
-    the summary rows and the GEMM table's lines."""
-    best3, best1, lines = best_gemm_floors(case, device)
-    print("\n".join(lines), flush=True)
-    gc.collect()
-    torch.cuda.empty_cache()
-    # Each round measures the floor and then every method, so a method's ratio is to the floor of its
-    # own round and the methods alternate with each other (compiling and tuning happen in round 1).
+    """One shape: ``rounds_wanted`` rounds of the products by every GEMM (the best-GEMM floors), the cuBLAS floor
+    and every method; the summary rows and the GEMM table's lines."""
+    # Each round measures the floors and then every method, so a method's ratios are to the floors of its
+    # own round (the GPU's clock under the power cap drifts over a run) and the methods alternate with each
+    # other (compiling and tuning happen in round 1).
     rounds: dict[str, list[dict]] = {"3-GEMM floor": [], **{name: [] for name in methods}}
+    times_per_round = []
+    quack = quack_gemm()
     for _ in range(rounds_wanted):
+        times = product_times(case, device, quack)
+        times_per_round.append(times)
+        floors_now = dict(zip(("best_floor_ms", "fwd_best_floor_ms"), best_floors(times), strict=True))
         floor3, floor1 = floors(case, device)
+        floors_now.update(floor_ms=floor3, fwd_floor_ms=floor1)
         rounds["3-GEMM floor"].append({"shape": case.label, "method": "3-GEMM floor", "fwd_bwd_ms": floor3,
-                                       "peak_mib": 0.0, "fwd_ms": floor1, "fwd_peak_mib": 0.0})
+                                       "peak_mib": 0.0, "fwd_ms": floor1, "fwd_peak_mib": 0.0, **floors_now})
+        gc.collect()
+        torch.cuda.empty_cache()
         for name, method in methods.items():
             start = time.perf_counter()
             row = measure(case, name, method, device)
             row["wall_s"] = round(time.perf_counter() - start, 1)  # compile and tuning included
-            row["floor_ms"], row["fwd_floor_ms"] = floor3, floor1
+            row.update(floors_now)
             rounds[name].append(row)
             print(json.dumps(row), flush=True)
-        rounds["3-GEMM floor"][-1].update(floor_ms=floor3, fwd_floor_ms=floor1)
-    return [summary(measured, best3, best1) for measured in rounds.values()], lines
+    lines = product_lines(case, times_per_round)
+    print("\n".join(lines), flush=True)
+    return [summary(measured) for measured in rounds.values()], lines
 
 
 def run_record(rows: list[dict], gpu: str, dtype: str, command: str, revision: str,
