@@ -198,11 +198,14 @@ def failure(exc: Exception) -> str:
     return f"fails: {type(exc).__name__}: {lines[0][:140]}"
 
 
-def floors(case: Case, device: str) -> tuple[float, float]:
-    """(3-GEMM fwd+bwd floor ms, 1-GEMM forward floor ms) on the same inputs."""
+def floor_operands(case: Case, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, H], W [V, H] and the floor's gradient G [N, V] of one round, without autograd."""
     x, w, _ = make_inputs(case, device)
-    x, w = x.detach(), w.detach()
-    g = floor_gradient(case.tokens, case.vocab, case.dtype, device)
+    return x.detach(), w.detach(), floor_gradient(case.tokens, case.vocab, case.dtype, device)
+
+
+def floors(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> tuple[float, float]:
+    """(3-GEMM fwd+bwd floor ms, 1-GEMM forward floor ms) by cuBLAS."""
     three = bench_ms(lambda: (x @ w.t(), g @ w, g.t() @ x))
     one = bench_ms(lambda: x @ w.t())
     return three, one
@@ -212,14 +215,12 @@ PRODUCTS = ("x @ W.T", "G @ W", "G.T @ x")
 GEMMS = ("cuBLAS", "ws", "quack")
 
 
-def product_times(case: Case, device: str, quack: Callable | None) -> dict[str, dict[str, float]]:
+def product_times(case: Case, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor,
+                  quack: Callable | None) -> dict[str, dict[str, float]]:
     """Each product of the floor timed with every GEMM available here (cuBLAS; flce's warp-specialised Gluon
     GEMM on Hopper; ``quack``, quack's GEMM where it imports): {product: {GEMM: ms}}."""
     from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_supported
 
-    x, w, _ = make_inputs(case, device)
-    x, w = x.detach(), w.detach()
-    g = floor_gradient(case.tokens, case.vocab, case.dtype, device)
     ws = ws_supported(x, w.t())
     operands = dict(zip(PRODUCTS, ((x, w.t()), (g, w), (g.t(), x)), strict=True))
     return {name: gemm_times(case, name, a, b, (lambda a=a, b=b: ws_matmul(a, b)) if ws else None, quack)
@@ -240,7 +241,8 @@ def product_lines(case: Case, rounds: list[dict[str, dict[str, float]]]) -> list
         cells = []
         for gemm in GEMMS:
             times = [r[name][gemm] for r in rounds if gemm in r[name]]
-            cells.append(f"{statistics.median(times):.2f} ms, {tflop / statistics.median(times):.0f}" if times else "-")
+            ms = statistics.median(times) if times else None
+            cells.append("-" if ms is None else f"{ms:.2f} ms, {tflop / ms:.0f}")
         lines.append(f"| {case.label} | {name} | {' | '.join(cells)} |")
     return lines
 
@@ -363,11 +365,13 @@ def measure_shape(case: Case, methods: dict, device: str, rounds_wanted: int) ->
     times_per_round = []
     quack = quack_gemm()
     for _ in range(rounds_wanted):
-        times = product_times(case, device, quack)
+        x, w, g = floor_operands(case, device)
+        times = product_times(case, x, w, g, quack)
+        floor3, floor1 = floors(x, w, g)
+        del x, w, g
         times_per_round.append(times)
-        floors_now = dict(zip(("best_floor_ms", "fwd_best_floor_ms"), best_floors(times), strict=True))
-        floor3, floor1 = floors(case, device)
-        floors_now.update(floor_ms=floor3, fwd_floor_ms=floor1)
+        best3, best1 = best_floors(times)
+        floors_now = {"floor_ms": floor3, "fwd_floor_ms": floor1, "best_floor_ms": best3, "fwd_best_floor_ms": best1}
         rounds["3-GEMM floor"].append({"shape": case.label, "method": "3-GEMM floor", "fwd_bwd_ms": floor3,
                                        "peak_mib": 0.0, "fwd_ms": floor1, "fwd_peak_mib": 0.0, **floors_now})
         gc.collect()
