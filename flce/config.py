@@ -27,6 +27,7 @@ _FULL_FEATURE_OPTIONS = {
     "class_weight": lambda v: v is not None,
     "temperature": lambda v: v != 1.0,
     "token_scaling": lambda v: bool(v),
+    "entropy_weight": lambda v: v != 0.0,
     "return_z_loss": lambda v: bool(v),
     "return_token_accuracy": lambda v: bool(v),
     "return_predicted_tokens": lambda v: bool(v),
@@ -49,6 +50,7 @@ class LCEConfig:
     class_weight: torch.Tensor | None = None
     temperature: float = 1.0
     token_scaling: bool = False
+    entropy_weight: float = 0.0
     accum_dtype: torch.dtype | None = None
     memory_budget: int | None = None
     process_group: Any = None
@@ -184,6 +186,7 @@ _CHECKS: dict[str, Any] = {
     "lse_square_scale": _check_lse_square_scale,
     "softcap": _check_softcap,
     "temperature": _check_temperature,
+    "entropy_weight": lambda value: _check_real("entropy_weight", value),
     "class_weight": _check_class_weight,
     "precision": _check_precision,
     "accum_dtype": _check_accum_dtype,

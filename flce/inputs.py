@@ -23,6 +23,7 @@ class FlatInputs:
     target: torch.Tensor  # [N] int64
     bias: torch.Tensor | None  # [V]
     token_shape: torch.Size  # target's shape, for reduction="none" outputs
+    token_weight: torch.Tensor | None = None  # [N] in the statistics dtype: the call's token_weights
 
 
 def prepare_inputs(
@@ -81,6 +82,26 @@ def prepare_inputs(
         bias=bias,
         token_shape=target.shape,
     )
+
+
+def check_token_weights(token_weights: object, flat: FlatInputs) -> torch.Tensor:
+    """The call's ``token_weights`` checked against its target and flattened to [N] in the statistics' dtype
+    (float32, or float64 for float64 inputs)."""
+    if not isinstance(token_weights, torch.Tensor):
+        raise TypeError(f"token_weights: expected a torch.Tensor or None, got {type(token_weights).__name__}")
+    if not token_weights.is_floating_point():
+        raise TypeError(f"token_weights: expected a floating-point tensor, got dtype {token_weights.dtype}")
+    if token_weights.shape != flat.token_shape:
+        raise ValueError(f"token_weights: has shape {tuple(token_weights.shape)}; expected the target's shape "
+                         f"{tuple(flat.token_shape)}, one weight per token")
+    if token_weights.requires_grad:
+        raise ValueError("token_weights requires grad, but token weights are constants (no gradient flows to "
+                         "them, as to class_weight); pass token_weights.detach()")
+    if token_weights.device != flat.target.device:
+        raise ValueError(f"token_weights is on {token_weights.device} but target is on {flat.target.device}; "
+                         "expected all tensors on one device")
+    dtype = torch.promote_types(flat.hidden.dtype, torch.float32)
+    return token_weights.reshape(-1).to(dtype)
 
 
 def _common_dtype(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cache
 from typing import Any, ClassVar
 
@@ -12,7 +13,7 @@ from flce.distributed.dtensor import localize_inputs
 from flce.engine.plans import BATCH_INVARIANT_TOKENS
 from flce.engine.run import run_backend
 from flce.engine.selected import check_selected_ids, selected_logprobs
-from flce.inputs import FlatInputs, prepare_inputs
+from flce.inputs import FlatInputs, check_token_weights, prepare_inputs
 from flce.outputs import LCEOutput
 from flce.registry import VARIANTS, HardwareProbe, candidates_for, dispatch, registered_backends, resolve_device
 
@@ -21,8 +22,9 @@ class LinearCrossEntropy(torch.nn.Module):
     """``CE(hidden @ weight.T + bias, target)`` without materialising the logits.
 
     Constructor keywords are docs/design.md's options; ``forward(hidden, weight, target, bias=None, *,
-    selected_ids=None)`` returns the loss, or an :class:`flce.LCEOutput` when a ``return_*`` option
-    or ``selected_ids`` (integer ``[*target.shape, K]``: ``selected_logprobs``) is set.
+    selected_ids=None, token_weights=None)`` returns the loss, or an :class:`flce.LCEOutput` when a
+    ``return_*`` option or ``selected_ids`` (integer ``[*target.shape, K]``: ``selected_logprobs``) is set;
+    ``token_weights`` (floating, target's shape, no gradient) multiplies each token's cross-entropy term.
     Subclasses made by :func:`get_impl` fix the device type, backend and variant.
     """
 
@@ -39,13 +41,13 @@ class LinearCrossEntropy(torch.nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
-        *, selected_ids: torch.Tensor | None = None,
+        *, selected_ids: torch.Tensor | None = None, token_weights: torch.Tensor | None = None,
     ) -> torch.Tensor | LCEOutput:
         cfg = self.config
         if self.class_weight is not None and self.class_weight is not cfg.class_weight:
             cfg = cfg.replace(class_weight=self.class_weight)
         return _compute(hidden, weight, target, bias, cfg, self.variant, self.device_type, self.backend_name,
-                        self.probe, selected_ids)
+                        self.probe, selected_ids, token_weights)
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         """get_impl's classes are made at run time, so pickle cannot find one by name
@@ -79,18 +81,25 @@ def _checked_config(caller: str, variant: str, options: dict[str, Any]) -> LCECo
 def _compute(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
     cfg: LCEConfig, variant: str, device_type: str, backend_name: str | None, probe: HardwareProbe | None,
-    selected_ids: torch.Tensor | None = None,
+    selected_ids: torch.Tensor | None = None, token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor | LCEOutput:
     """One call, shared by the module and the functional form. Selection happens in
     flce.registry.dispatch, which torch.compile never traces.
 
     ``selected_ids`` asks the call's log-probs too (flce.engine.selected composes the selected ones
-    from them); ``batch_invariant`` pads the tokens to whole tiles of BATCH_INVARIANT_TOKENS rows,
-    ignored, so that every tile the planner runs has the same shape, and drops them from the outputs."""
+    from them); ``token_weights`` rides with the flat inputs into every schedule (the full variant's:
+    the plain one has no per-token loss weight); ``batch_invariant`` pads the tokens to whole tiles of
+    BATCH_INVARIANT_TOKENS rows, ignored, so that every tile the planner runs has the same shape, and drops
+    them from the outputs."""
     hidden, weight, target, bias, cfg = localize_inputs(hidden, weight, target, bias, cfg)
     flat = prepare_inputs(hidden, weight, target, bias, cfg)
     ids = None
     run_cfg = cfg
+    if token_weights is not None:
+        if variant == "plain":
+            raise ValueError("variant='plain' cannot serve token_weights; use variant='full' or 'auto'")
+        flat = dataclasses.replace(flat, token_weight=check_token_weights(token_weights, flat))
+        variant = "full"
     if selected_ids is not None:
         if variant == "plain":
             raise ValueError("variant='plain' cannot serve selected_ids; use variant='full' or 'auto'")
@@ -146,14 +155,16 @@ def _padded_to_tiles(flat: FlatInputs, cfg: LCEConfig,
     n_rows = flat.target.shape[0]
     pad = -n_rows % BATCH_INVARIANT_TOKENS
     if pad == 0:
-        return FlatInputs(flat.hidden, flat.weight, flat.target, flat.bias, torch.Size([n_rows])), (
+        return dataclasses.replace(flat, token_shape=torch.Size([n_rows])), (
             None if ids is None else ids.reshape(n_rows, -1))
     hidden = torch.cat([flat.hidden, flat.hidden.new_zeros(pad, flat.hidden.shape[1])])
     target = torch.cat([flat.target, flat.target.new_full((pad,), cfg.ignore_index)])
     if ids is not None:
         ids = ids.reshape(n_rows, -1)
         ids = torch.cat([ids, ids.new_zeros(pad, ids.shape[1])])
-    return FlatInputs(hidden, flat.weight, target, flat.bias, torch.Size([n_rows + pad])), ids
+    token_weight = None if flat.token_weight is None else torch.cat([flat.token_weight,
+                                                                     flat.token_weight.new_zeros(pad)])
+    return FlatInputs(hidden, flat.weight, target, flat.bias, torch.Size([n_rows + pad]), token_weight), ids
 
 
 def _unpadded(out: LCEOutput, cfg: LCEConfig, n_rows: int, token_shape: torch.Size) -> LCEOutput:
@@ -223,6 +234,7 @@ def linear_cross_entropy(
     backend: str | None = None,
     variant: str = "auto",
     selected_ids: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
     **options: Any,
 ) -> torch.Tensor | LCEOutput:
     """Functional form of :class:`LinearCrossEntropy` on hidden's device.
@@ -235,7 +247,8 @@ def linear_cross_entropy(
     _check_variant(variant)
     # No module object per call: building one inside a torch.compile trace would break the graph.
     cfg = _checked_config("linear_cross_entropy", variant, options)
-    return _compute(hidden, weight, target, bias, cfg, variant, hidden.device.type, backend, None, selected_ids)
+    return _compute(hidden, weight, target, bias, cfg, variant, hidden.device.type, backend, None, selected_ids,
+                    token_weights)
 
 
 # Register the built-in backends at import: a first lookup inside a torch.compile trace would

@@ -134,7 +134,7 @@ def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def needs_sum_exp_dz(cfg: LCEConfig) -> bool:
-    return cfg.return_entropy
+    return cfg.return_entropy or cfg.entropy_weight != 0.0
 
 
 def needs_weighted_sum_z(cfg: LCEConfig) -> bool:
@@ -218,10 +218,16 @@ class RowTerms:
     # [n] fp32, the label-smoothing part of cross_entropy, kept with class weights only: torch's mean divides
     # it and the rest by the weight sum separately, which differs from dividing their sum where that sum is 0.
     smoothing: torch.Tensor | None = None
+    # [n] fp32, -entropy_weight * entropy; None without an entropy term. Its mean is over the non-ignored
+    # tokens, as the z-loss's, whatever divides the cross-entropy.
+    entropy: torch.Tensor | None = None
 
 
-def row_terms(stats: RowStats, target: torch.Tensor, cfg: LCEConfig, vocab: int) -> RowTerms:
-    """Per-row cross-entropy and z-loss with exactly torch's cross_entropy semantics."""
+def row_terms(stats: RowStats, target: torch.Tensor, cfg: LCEConfig, vocab: int,
+              token_weight: torch.Tensor | None = None) -> RowTerms:
+    """Per-row cross-entropy and z-loss with exactly torch's cross_entropy semantics; ``token_weight`` [n]
+    (the call's token_weights) multiplies each row's cross-entropy, and cfg.entropy_weight adds the entropy
+    term."""
     valid = target != cfg.ignore_index
     nll = stats.lse - stats.target_z
     eps = cfg.label_smoothing
@@ -238,15 +244,31 @@ def row_terms(stats: RowStats, target: torch.Tensor, cfg: LCEConfig, vocab: int)
         scale = torch.exp(stats.target_z - stats.lse)
         ce = ce * scale
         smoothing = None if smoothing is None else smoothing * scale
+    if token_weight is not None:
+        ce = ce * token_weight
+        smoothing = None if smoothing is None else smoothing * token_weight
     # Python zeros: a zero tensor would be one more launch a call.
     zl = torch.where(valid, cfg.lse_square_scale * stats.lse.square(), 0.0) if cfg.lse_square_scale else None
     kept_smoothing = None if smoothing is None or cfg.class_weight is None else torch.where(valid, smoothing, 0.0)
-    return RowTerms(torch.where(valid, ce, 0.0), zl, valid, kept_smoothing)
+    bonus = torch.where(valid, -cfg.entropy_weight * stats.entropy, 0.0) if cfg.entropy_weight else None
+    return RowTerms(torch.where(valid, ce, 0.0), zl, valid, kept_smoothing, bonus)
 
 
 def reduce_terms(terms: RowTerms, cfg: LCEConfig, denoms: Denominators) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, z_loss) reduced as cfg.reduction says, in fp32. Without a z-loss the loss is the cross-entropy's
-    alone (nothing added) and the z-loss a fresh zero where the call returns it."""
+    """(loss, z_loss) reduced as cfg.reduction says, in fp32, the entropy term (if any) in the loss. Without a
+    z-loss the loss is the cross-entropy's alone (nothing added) and the z-loss a fresh zero where the call
+    returns it."""
+    loss, z_loss = _reduce_cross_entropy_and_z_loss(terms, cfg, denoms)
+    if terms.entropy is None:
+        return loss, z_loss
+    if cfg.reduction == "none":
+        return loss + terms.entropy, z_loss
+    entropy_sum = terms.entropy.sum()
+    return loss + (entropy_sum if cfg.reduction == "sum" else denoms.mean_over_tokens(entropy_sum)), z_loss
+
+
+def _reduce_cross_entropy_and_z_loss(terms: RowTerms, cfg: LCEConfig,
+                                     denoms: Denominators) -> tuple[torch.Tensor, torch.Tensor]:
     if terms.z_loss is None:
         ce = _reduced_cross_entropy(terms, cfg, denoms)
         if not cfg.return_z_loss:
@@ -306,21 +328,40 @@ class GradCoefficients:
     e: torch.Tensor | None  # None without label smoothing
 
 
+class UpstreamScales(NamedTuple):
+    """Per-row multipliers of the loss's terms from its grad_output, [n] fp32 each."""
+
+    cross_entropy: torch.Tensor  # the call's token_weights included
+    z_loss: torch.Tensor
+    entropy: torch.Tensor | None  # d loss / d entropy: -entropy_weight times the token mean's scale; None without
+
+    def rows(self, rows: slice) -> UpstreamScales:
+        return UpstreamScales(self.cross_entropy[rows], self.z_loss[rows],
+                              None if self.entropy is None else self.entropy[rows])
+
+
 def upstream_scales(
-    cfg: LCEConfig, denoms: Denominators, grad_loss: torch.Tensor, rows: slice, n_rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row multipliers of the cross-entropy and z-loss terms, from the loss's grad_output."""
+    cfg: LCEConfig, denoms: Denominators, grad_loss: torch.Tensor, rows: slice, n_rows: int,
+    token_weight: torch.Tensor | None = None,
+) -> UpstreamScales:
+    """Per-row multipliers of the cross-entropy, z-loss and entropy terms of ``rows``, from the loss's
+    grad_output; ``token_weight`` is the call's token_weights, all rows (sliced here)."""
     if cfg.reduction == "none":
         g = grad_loss.reshape(-1)[rows].to(denoms.z_loss.dtype)
-        return g, g
-    g = grad_loss.to(denoms.z_loss.dtype).reshape(())
-    if cfg.reduction == "sum":
-        g_ce = g_z = g
+        g_ce = g_z = g_tokens = g
     else:
-        g_ce = denoms.mean_over_weights(g)
-        # Without a z-loss nothing reads its scale (grad_coefficients adds its term only with one).
-        g_z = denoms.mean_over_tokens(g) if cfg.lse_square_scale else g_ce
-    return g_ce.expand(n_rows), g_z.expand(n_rows)
+        g = grad_loss.to(denoms.z_loss.dtype).reshape(())
+        if cfg.reduction == "sum":
+            g_ce = g_z = g_tokens = g
+        else:
+            g_ce = denoms.mean_over_weights(g)
+            g_tokens = denoms.mean_over_tokens(g) if cfg.lse_square_scale or cfg.entropy_weight else g_ce
+            # Without a z-loss nothing reads its scale (grad_coefficients adds its term only with one).
+            g_z = g_tokens if cfg.lse_square_scale else g_ce
+        g_ce, g_z, g_tokens = g_ce.expand(n_rows), g_z.expand(n_rows), g_tokens.expand(n_rows)
+    if token_weight is not None:
+        g_ce = g_ce * token_weight[rows]
+    return UpstreamScales(g_ce, g_z, -cfg.entropy_weight * g_tokens if cfg.entropy_weight else None)
 
 
 def grad_coefficients(
@@ -328,11 +369,17 @@ def grad_coefficients(
     target: torch.Tensor,
     cfg: LCEConfig,
     vocab: int,
-    grad_ce: torch.Tensor,
-    grad_z_loss: torch.Tensor,
+    scales: UpstreamScales,
     grad_logprobs: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
 ) -> GradCoefficients:
+    """(a, h, d, e) of rows whose loss terms are scaled by ``scales`` (:func:`upstream_scales`, these rows)
+    and whose log-probs and entropy outputs have the upstream gradients ``grad_logprobs`` / ``grad_entropy``
+    (None where none flows); the loss's entropy term adds to the entropy's."""
+    grad_ce, grad_z_loss = scales.cross_entropy, scales.z_loss
+    if scales.entropy is not None:
+        bonus = scales.entropy
+        grad_entropy = bonus if grad_entropy is None else grad_entropy.to(bonus.dtype) + bonus
     dtype = stats.lse.dtype
     # Selected, not multiplied: an ignored row gets no gradient even where the upstream scale is inf or
     # NaN (a class-weighted mean over weights that sum to 0 or NaN), as in torch.

@@ -213,6 +213,7 @@ OPTION_CASES = [
     {"softcap": 2.5},
     {"temperature": 0.7, "return_logprobs": True, "return_entropy": True},
     {"token_scaling": True},
+    {"entropy_weight": 0.05, "temperature": 0.7},
     {"class_weight": "random", "label_smoothing": 0.05},
     {"class_weight": "random"},
     {"return_token_accuracy": True, "return_predicted_tokens": True},

@@ -66,14 +66,27 @@ OPCHECK_CASES = {
         "full", {"return_logprobs": True, "return_entropy": True, "accum_dtype": torch.float32,
                  "memory_budget": SMALL_BUDGET}, True, (False, True, True)),
     "no-grad": ("plain", {}, True, (False, False, False)),
+    "full-mean-token-weights-entropy": (
+        "full", {"token_weights": "random", "entropy_weight": 0.05, "temperature": 0.7}, True, (True, True, True)),
+    "full-none-token-weights-deferred": (
+        "full", {"reduction": "none", "token_weights": "random", "entropy_weight": -0.1, "return_entropy": True,
+                 "memory_budget": SMALL_BUDGET}, False, (True, True, False)),
 }
 
 
-def _options(options: dict, generator: torch.Generator) -> dict:
+def _options(options: dict, generator: torch.Generator, n: int = N) -> dict:
     options = dict(options)
     if options.get("class_weight") == "random":
         options["class_weight"] = _class_weight(generator)
+    if options.get("token_weights") == "random":  # advantages: either sign
+        options["token_weights"] = torch.randn(n, generator=generator)
     return options
+
+
+def _config_and_token_weights(options: dict, generator: torch.Generator) -> tuple[LCEConfig, torch.Tensor | None]:
+    options = _options(options, generator)
+    token_weights = options.pop("token_weights", None)
+    return LCEConfig(**options), token_weights
 
 
 def _op_kwargs(variant: str, cfg: LCEConfig, bias: torch.Tensor | None, grads: tuple[bool, bool, bool]) -> dict:
@@ -84,19 +97,20 @@ def _op_kwargs(variant: str, cfg: LCEConfig, bias: torch.Tensor | None, grads: t
 @pytest.mark.parametrize("case", sorted(OPCHECK_CASES))
 def test_opcheck_forward(case: str, generator: torch.Generator) -> None:
     variant, options, has_bias, grads = OPCHECK_CASES[case]
-    cfg = LCEConfig(**_options(options, generator))
+    cfg, token_weights = _config_and_token_weights(options, generator)
     x, w, b, t = _inputs(generator, bias=has_bias, grads=grads)
-    torch.library.opcheck(torch.ops.flce.chunked_forward.default, (x, w, b, t, cfg.class_weight),
+    torch.library.opcheck(torch.ops.flce.chunked_forward.default, (x, w, b, t, cfg.class_weight, token_weights),
                           _op_kwargs(variant, cfg, b, grads))
 
 
-@pytest.mark.parametrize("case", ["plain-none-deferred", "full-none-logprobs-entropy", "full-mean-deferred-chunks"])
+@pytest.mark.parametrize("case", ["plain-none-deferred", "full-none-logprobs-entropy", "full-mean-deferred-chunks",
+                                  "full-none-token-weights-deferred"])
 def test_opcheck_backward(case: str, generator: torch.Generator) -> None:
     variant, options, has_bias, grads = OPCHECK_CASES[case]
-    cfg = LCEConfig(**_options(options, generator))
+    cfg, token_weights = _config_and_token_weights(options, generator)
     x, w, b, t = _inputs(generator, bias=has_bias, grads=(False, False, False))
     kwargs = _op_kwargs(variant, cfg, b, grads)
-    outputs = torch.ops.flce.chunked_forward(x, w, b, t, cfg.class_weight, **kwargs)
+    outputs = torch.ops.flce.chunked_forward(x, w, b, t, cfg.class_weight, token_weights, **kwargs)
     lse, target_z, lse_minus_mean_z = outputs[9:12]
     assert lse.shape == (N,), "the deferred schedule must hand its row statistics to backward"
     grad_loss = torch.randn(outputs[0].shape, generator=generator)
@@ -104,7 +118,8 @@ def test_opcheck_backward(case: str, generator: torch.Generator) -> None:
     grad_entropy = torch.randn(N, generator=generator) if cfg.return_entropy else None
     torch.library.opcheck(
         torch.ops.flce.chunked_backward.default,
-        (x, w, b, t, cfg.class_weight, lse, target_z, lse_minus_mean_z, grad_loss, grad_logprobs, grad_entropy), kwargs,
+        (x, w, b, t, cfg.class_weight, token_weights, lse, target_z, lse_minus_mean_z, grad_loss, grad_logprobs,
+         grad_entropy), kwargs,
     )
 
 
@@ -117,6 +132,10 @@ STEP_OPTIONS = {
     "full-math": {"softcap": 2.5, "label_smoothing": 0.1, "lse_square_scale": 1e-2, "class_weight": "random",
                   "token_scaling": True, "return_z_loss": True, "return_token_accuracy": True,
                   "return_predicted_tokens": True},
+    "rl-objective": {"token_weights": "random", "entropy_weight": 0.05, "temperature": 0.7,
+                     "memory_budget": SMALL_BUDGET},
+    "rl-objective-deferred": {"reduction": "none", "token_weights": "random", "entropy_weight": 0.05,
+                              "return_logprobs": True, "temperature": 0.7},
 }
 
 
@@ -159,10 +178,12 @@ def machine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 def _make_step(form: str, options: dict):
     if form == "module":
+        options = dict(options)
+        token_weights = options.pop("token_weights", None)  # a keyword of the call, not of the constructor
         loss_fn = flce.get_impl("cpu")(**options)
 
         def step(x, w, t, b):
-            return loss_fn(x, w, t, b)
+            return loss_fn(x, w, t, b, token_weights=token_weights)
     else:
         def step(x, w, t, b):
             return flce.linear_cross_entropy(x, w, t, b, **options)
@@ -468,7 +489,7 @@ def test_op_rejects_unknown_backend(generator: torch.Generator) -> None:
     kwargs = _op_kwargs("plain", LCEConfig(), b, (False, False, False))
     kwargs["backend"] = "no-such-backend"
     with pytest.raises(ValueError, match="backend='no-such-backend': expected a registered engine backend"):
-        torch.ops.flce.chunked_forward(x, w, b, t, None, **kwargs)
+        torch.ops.flce.chunked_forward(x, w, b, t, None, None, **kwargs)
 
 
 @pytest.mark.triton

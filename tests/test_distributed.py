@@ -66,6 +66,7 @@ OPTION_SETS: dict[str, dict[str, Any]] = {
     "full+class_weight": dict(FULL, class_weight=True),
     "smoothing+metrics": dict(label_smoothing=0.2, return_token_accuracy=True, return_predicted_tokens=True),
     "entropy+ignore_index=3": dict(return_entropy=True, ignore_index=3),
+    "entropy_weight": dict(entropy_weight=0.05, temperature=0.7),
 }
 LAYOUTS = {2: {"even": (16, 16), "uneven": (7, 18)}, 4: {"even": (8, 8, 8, 8), "uneven": (5, 1, 9, 4)}}
 

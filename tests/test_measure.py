@@ -192,7 +192,7 @@ def test_host_sections_wrap_every_section_of_this_flce(monkeypatch) -> None:
 
     target = torch.tensor([1, -100, 2, 3])
     denoms = denominators(target, LCEConfig(), torch.float32, count_tokens(target, -100))
-    g_ce, _ = token_chunks.upstream_scales(LCEConfig(), denoms, torch.ones(()), slice(0, 4), 4)
-    assert torch.allclose(g_ce, torch.full((4,), 1 / 3))
+    scales = token_chunks.upstream_scales(LCEConfig(), denoms, torch.ones(()), slice(0, 4), 4)
+    assert torch.allclose(scales.cross_entropy, torch.full((4,), 1 / 3))
     label = "flce.engine.token_chunks.upstream_scales"
     assert counts[label] == 1 and totals[label] > 0

@@ -54,6 +54,7 @@ OPTION_CASES: dict[str, dict[str, Any]] = {
     "class_weight": {"class_weight": "random"},
     "temperature": {"temperature": 0.7},
     "token_scaling": {"token_scaling": True},
+    "entropy_weight": {"entropy_weight": 0.1, "temperature": 0.7},
     "smoothing_with_class_weight": {"label_smoothing": 0.2, "class_weight": "random"},
     "returns": dict(ALL_RETURNS),
     "everything": {"label_smoothing": 0.1, "lse_square_scale": 0.02, "softcap": 4.0, "class_weight": "random",

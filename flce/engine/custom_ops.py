@@ -58,7 +58,7 @@ def register_sharded_call(fn: ShardedCallFn) -> None:
 # Keyword-only arguments of both ops: the call's routing, which gradients to produce, the options.
 _KEYWORDS = ("str backend, str variant, str? group_name, bool grad_hidden, bool grad_weight, bool grad_bias, "
              + ", ".join(f"{kind} {name}" for name, kind in PRIMITIVE_OPTION_TYPES.items()))
-_INPUTS = "Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight"
+_INPUTS = "Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, Tensor? token_weight"
 _FORWARD_SCHEMA = f"({_INPUTS}, *, {_KEYWORDS}) -> ({', '.join(['Tensor'] * 12)})"
 _BACKWARD_SCHEMA = (f"({_INPUTS}, Tensor lse, Tensor target_z, Tensor lse_minus_mean_z, Tensor? grad_loss, "
                     f"Tensor? grad_logprobs, Tensor? grad_entropy, *, {_KEYWORDS}) -> (Tensor, Tensor, Tensor)")
@@ -96,10 +96,11 @@ def _wanted(kw: dict, bias: Tensor | None) -> GradTargets:
 
 
 def _chunked_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
-                     class_weight: Tensor | None, **kw: object) -> tuple[Tensor, ...]:
-    """Forward of one call on flat inputs (hidden [N, H], weight [V, H], target [N] int64)."""
+                     class_weight: Tensor | None, token_weight: Tensor | None, **kw: object) -> tuple[Tensor, ...]:
+    """Forward of one call on flat inputs (hidden [N, H], weight [V, H], target [N] int64, token_weight [N])."""
     cfg = config_from_primitives(kw, class_weight)
-    flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
+    flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape,
+                      token_weight=token_weight)
     if kw["group_name"] is None:
         # prepare_inputs leaves this check to the op while torch.compile traces (it needs the values): CPU targets
         # here, accelerator targets in run_forward's first pass; a vocab-parallel call checks against the global
@@ -126,7 +127,8 @@ def _chunked_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target
 
 
 def _chunked_forward_fake(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
-                          class_weight: Tensor | None, **kw: object) -> tuple[Tensor, ...]:
+                          class_weight: Tensor | None, token_weight: Tensor | None,
+                          **kw: object) -> tuple[Tensor, ...]:
     cfg = config_from_primitives(kw)
     n = target.shape[0]
     out_dtype = statistics_dtype(hidden.dtype)
@@ -164,13 +166,15 @@ def _chunked_forward_fake(hidden: Tensor, weight: Tensor, bias: Tensor | None, t
 
 
 def _chunked_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
-                      class_weight: Tensor | None, lse: Tensor, target_z: Tensor, lse_minus_mean_z: Tensor,
+                      class_weight: Tensor | None, token_weight: Tensor | None, lse: Tensor, target_z: Tensor,
+                      lse_minus_mean_z: Tensor,
                       grad_loss: Tensor | None, grad_logprobs: Tensor | None, grad_entropy: Tensor | None,
                       **kw: object) -> tuple[Tensor, Tensor, Tensor]:
     """Deferred backward: gradients of hidden, weight, bias (empty where not wanted) from forward's
     row statistics and the upstream gradients, recomputing the logits."""
     cfg = config_from_primitives(kw, class_weight)
-    flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape)
+    flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape,
+                      token_weight=token_weight)
     wanted = _wanted(kw, bias)
     call = _engine_call(kw["backend"], flat, cfg, kw["variant"], kw["group_name"], wanted)
     call = call.with_plan(recomputing(call.plan))
@@ -211,7 +215,7 @@ chunked_backward.register_fake(_chunked_backward_fake)
 
 
 def _forward_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
-    hidden, weight, bias, target, class_weight = inputs
+    hidden, weight, bias, target, class_weight, token_weight = inputs
     kw = keyword_only_inputs
     wanted = _wanted(kw, bias)
     ctx.kw = kw
@@ -224,7 +228,7 @@ def _forward_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
         anchors = () if torch.compiler.is_compiling() else (hidden, weight, bias)
         ctx.save_for_backward(*output[_GRADS], *anchors)
     elif wanted.any:
-        ctx.save_for_backward(hidden, weight, bias, target, class_weight, *output[_STATS])
+        ctx.save_for_backward(hidden, weight, bias, target, class_weight, token_weight, *output[_STATS])
     z_loss, acc, pred = output[1:4]
     ctx.mark_non_differentiable(z_loss, acc, pred, *output[_GRADS], *output[_STATS])
 
@@ -237,7 +241,7 @@ def _forward_backward(ctx, grad_loss, _z, _acc, _pred, grad_logprobs, grad_entro
             grads = _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
         saved_inputs = ctx.saved_tensors[3:6] if ctx.in_forward else ctx.saved_tensors[:3]
         anchors = tuple(t for t in saved_inputs if t is not None and t.requires_grad)
-        return (*first_order_only(grads[:3], create_graph=True, anchors=anchors), None, None)
+        return (*first_order_only(grads[:3], create_graph=True, anchors=anchors), None, None, None)
     return _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
 
 
@@ -245,7 +249,7 @@ def _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy):
     wanted = ctx.wanted
     asked = (wanted.hidden, wanted.weight, wanted.bias)
     if not wanted.any:
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     if ctx.in_forward:
         # Out of place: an in-place scale of these saved outputs is functionalized and Inductor
         # would clone them before it (module docstring). Inductor donates them to the backward
@@ -263,13 +267,13 @@ def _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy):
             # functional collective, so that the compiled backward graph holds it.
             grads = (_c10d.wait_tensor(_c10d.all_reduce(grads[0], "sum", group_name)), *grads[1:])
     else:
-        hidden, weight, bias, target, class_weight, lse, target_z, lse_minus_mean_z = ctx.saved_tensors
+        hidden, weight, bias, target, class_weight, token_weight, lse, target_z, lse_minus_mean_z = ctx.saved_tensors
         results = torch.ops.flce.chunked_backward(
-            hidden, weight, bias, target, class_weight, lse, target_z, lse_minus_mean_z,
+            hidden, weight, bias, target, class_weight, token_weight, lse, target_z, lse_minus_mean_z,
             grad_loss, grad_logprobs, grad_entropy, **ctx.kw,
         )
         grads = tuple(g if a else None for g, a in zip(results, asked, strict=True))
-    return grads[0], grads[1], grads[2], None, None
+    return grads[0], grads[1], grads[2], None, None, None
 
 
 chunked_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
@@ -284,7 +288,7 @@ def apply_op(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str) -> Te
                          "return the logit statistics); call flce outside the compiled region for them")
     grad_mode = torch.is_grad_enabled()
     outputs = torch.ops.flce.chunked_forward(
-        flat.hidden, flat.weight, flat.bias, flat.target, cfg.class_weight,
+        flat.hidden, flat.weight, flat.bias, flat.target, cfg.class_weight, flat.token_weight,
         backend=backend,
         variant=variant,
         group_name=None if cfg.process_group is None else cfg.process_group.group_name,

@@ -42,8 +42,9 @@ class LCEFunction(torch.autograd.Function):
     ``handoff`` carries forward's state to setup_context."""
 
     @staticmethod
-    def forward(hidden, weight, bias, target, call: EngineCall, wanted: GradTargets, handoff: _Handoff):
-        flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=call.token_shape)
+    def forward(hidden, weight, bias, target, token_weight, call: EngineCall, wanted: GradTargets, handoff: _Handoff):
+        flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=call.token_shape,
+                          token_weight=token_weight)
         in_forward = wanted.any and grads_in_forward_allowed(call.cfg)
         state = run_forward(call, flat, grads_in_forward=wanted if in_forward else None, backward_follows=wanted.any)
         handoff.state, handoff.in_forward = state, in_forward
@@ -52,11 +53,11 @@ class LCEFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        hidden, weight, bias, target, call, wanted, handoff = inputs
+        hidden, weight, bias, target, token_weight, call, wanted, handoff = inputs
         ctx.state, ctx.in_forward = handoff.state.for_backward(), handoff.in_forward
         ctx.call, ctx.wanted, ctx.anchors = call, wanted, handoff.anchors
         if not ctx.in_forward and wanted.any:
-            ctx.save_for_backward(hidden, weight, bias, target)
+            ctx.save_for_backward(hidden, weight, bias, target, token_weight)
         ctx.mark_non_differentiable(output[1], output[2], output[3], output[6])
         # Outputs that took no part in what is differentiated reach backward as None instead of zeros
         # autograd would make (six tensors a training call, a good part of its backward's host time).
@@ -71,7 +72,7 @@ class LCEFunction(torch.autograd.Function):
             grad_loss = torch.zeros(shape, dtype=dtype, device=device)
         with torch.no_grad():
             grads = _gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
-        return (*first_order_only(grads, create_graph, ctx.anchors), None, None, None, None)
+        return (*first_order_only(grads, create_graph, ctx.anchors), None, None, None, None, None)
 
 
 def graph_retained() -> bool:
@@ -90,8 +91,9 @@ def _gradients(ctx, grad_loss, grad_logprobs, grad_entropy):
         grad_hidden, grad_weight, grad_bias = _scaled_in_forward_gradients(call, state, grad_loss.reshape(()),
                                                                            transformed)
     else:
-        hidden, weight, bias, target = ctx.saved_tensors
-        flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=call.token_shape)
+        hidden, weight, bias, target, token_weight = ctx.saved_tensors
+        flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=call.token_shape,
+                          token_weight=token_weight)
         deferred_backward = transformed_backward if transformed else run_backward
         grad_hidden, grad_weight, grad_bias = deferred_backward(
             call, flat, state, ctx.wanted, grad_loss, grad_logprobs if call.cfg.return_logprobs else None,
@@ -184,8 +186,8 @@ def apply_eager(flat: FlatInputs, call: EngineCall) -> Tensor | LCEOutput:
                              bias=bias is not None and bias.requires_grad)
         handoff = _Handoff()
         handoff.anchors = first_order_anchors((flat.hidden, flat.weight, bias))
-        *outputs, logit_stats = LCEFunction.apply(flat.hidden, flat.weight, bias, flat.target, call, wanted,
-                                                  handoff)
+        *outputs, logit_stats = LCEFunction.apply(flat.hidden, flat.weight, bias, flat.target, flat.token_weight,
+                                                  call, wanted, handoff)
     else:
         # Inference (no_grad, evaluation, RL log-probs): the statistics alone, nothing kept.
         state = run_forward(call, flat, grads_in_forward=None, backward_follows=False)

@@ -164,7 +164,7 @@ def forward_state(call: EngineCall, flat: FlatInputs, stats: RowStats, denoms: D
                   terms: RowTerms | None = None, *, keep_stats: bool) -> ForwardState:
     """Loss, extras and (keep_stats: a deferred backward follows) the statistics, from all rows'."""
     if terms is None:
-        terms = row_terms(stats, flat.target, call.cfg, call.vocab(flat.weight.shape[0]))
+        terms = row_terms(stats, flat.target, call.cfg, call.vocab(flat.weight.shape[0]), flat.token_weight)
     loss, z_loss = reduce_terms(terms, call.cfg, denoms)
     extra = extras(stats, terms, flat.target, call.cfg, denoms, call.vocab(flat.weight.shape[0]))
     return ForwardState(loss=loss, z_loss=z_loss, extras=extra,

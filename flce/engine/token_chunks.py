@@ -73,7 +73,7 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
     scales = None
     if acc:
         one = torch.ones((), dtype=denoms.z_loss.dtype, device=target.device)
-        scales = upstream_scales(cfg, denoms, one, slice(0, n_rows), n_rows)
+        scales = upstream_scales(cfg, denoms, one, slice(0, n_rows), n_rows, flat.token_weight)
     vocab_here = flat.weight.shape[0]
     dtype = logits_dtype(flat.weight.dtype, cfg)
     saved = flat.hidden.new_empty(keep, vocab_here, dtype=dtype) if keep else None
@@ -93,7 +93,8 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
         if acc and call.plain and plan.chunk_grad == EXPONENTIALS:
             # The statistics GEMM keeps exponentials whose row scaling is the gradient: no row kernel
             # passes over them, and the gradient GEMMs scale rows instead.
-            stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg, scales[0][rows], out)
+            stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg,
+                                                     scales.cross_entropy[rows], out)
             acc.add_row_scaled(out, row_scale, rows)
             stats_per_chunk.append(stats)
             del kept, out
@@ -104,17 +105,18 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
                                              logits)
             stats = RowStats.from_partial(call.combined(partial))
             if acc and call.plain:
-                grad = kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, scales[0][rows])
+                grad = kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, scales.cross_entropy[rows])
         elif call.plain:
             logits = chunk_logits(flat, rows, out=out)
-            loss_rows, lse, grad = kernels.plain_loss(logits, t, cfg.ignore_index, scales[0][rows] if acc else None)
+            loss_rows, lse, grad = kernels.plain_loss(logits, t, cfg.ignore_index,
+                                                      scales.cross_entropy[rows] if acc else None)
             stats = RowStats(lse=lse, target_z=lse - loss_rows)
             terms_per_chunk.append(RowTerms(loss_rows, None, t != cfg.ignore_index))
         else:
             logits = chunk_logits(flat, rows, out=out)
             stats = RowStats.from_partial(call.combined(kernels.row_stats(logits, t, cfg, call.vocab_offset)))
         if acc and not call.plain:
-            coeffs = grad_coefficients(stats, t, cfg, vocab, scales[0][rows], scales[1][rows], None, None)
+            coeffs = grad_coefficients(stats, t, cfg, vocab, scales.rows(rows), None, None)
             grad = kernels.full_grad_(logits, t, cfg, call.vocab_offset, stats.lse, coeffs)
         if acc:
             acc.add(grad, rows)
@@ -122,7 +124,8 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
         del logits, grad, kept, out
 
     all_stats = concat_stats(stats_per_chunk, target)
-    terms = concat_terms(terms_per_chunk, target) if terms_per_chunk else row_terms(all_stats, target, cfg, vocab)
+    terms = (concat_terms(terms_per_chunk, target) if terms_per_chunk
+             else row_terms(all_stats, target, cfg, vocab, flat.token_weight))
     if acc is None:
         state = forward_state(call, flat, all_stats, denoms, terms, keep_stats=deferred)
         state.saved_logits = saved
@@ -154,12 +157,12 @@ def backward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, state: Forwa
         """d loss / d u of one chunk, over its logits (recomputed where None)."""
         t = target[rows]
         stats = slice_stats(state.stats, rows)
-        g_ce, g_z = upstream_scales(cfg, state.denoms, grad_loss, rows, t.shape[0])
+        scales = upstream_scales(cfg, state.denoms, grad_loss, rows, t.shape[0], flat.token_weight)
         fused = plan.backward_grad == FUSED and logits is None
         coeffs = None
         if not call.plain or fused:
             coeffs = grad_coefficients(
-                stats, t, cfg, vocab, g_ce, g_z,
+                stats, t, cfg, vocab, scales,
                 None if grad_logprobs is None else grad_logprobs.reshape(-1)[rows],
                 None if grad_entropy is None else grad_entropy.reshape(-1)[rows],
             )
@@ -169,7 +172,7 @@ def backward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, state: Forwa
         if logits is None:
             logits = chunk_logits(flat, rows, out=recompute_buffer.view(t.shape[0], flat.weight.shape[0]))
         if coeffs is None:
-            return kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, g_ce)
+            return kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, scales.cross_entropy)
         return kernels.full_grad_(logits, t, cfg, call.vocab_offset, stats.lse, coeffs)
 
     bounds = chunk_bounds(target.shape[0], plan.tokens_per_chunk)

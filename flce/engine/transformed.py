@@ -78,9 +78,9 @@ def backward(call: EngineCall, flat: FlatInputs, state: ForwardState, wanted: Gr
     for start in range(0, n_rows, max(1, step)):
         rows = slice(start, min(start + max(1, step), n_rows))
         t = target[rows]
-        g_ce, g_z = upstream_scales(cfg, state.denoms, grad_loss, rows, t.shape[0])
+        scales = upstream_scales(cfg, state.denoms, grad_loss, rows, t.shape[0], flat.token_weight)
         coeffs = grad_coefficients(
-            slice_stats(state.stats, rows), t, cfg, vocab, g_ce, g_z,
+            slice_stats(state.stats, rows), t, cfg, vocab, scales,
             None if grad_logprobs is None else grad_logprobs.reshape(-1)[rows],
             None if grad_entropy is None else grad_entropy.reshape(-1)[rows])
         logits = chunk_logits(flat, rows, flat.hidden.new_empty(t.shape[0], vocab,

@@ -40,8 +40,8 @@ def forward(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, denoms: Denom
     state = forward_state(call, flat, stats, denoms, keep_stats=grads_in_forward is None)
     if grads_in_forward is not None:
         one = torch.ones((), dtype=denoms.z_loss.dtype, device=flat.target.device)
-        g_ce, g_z = upstream_scales(call.cfg, denoms, one, slice(None), flat.target.shape[0])
-        coeffs = grad_coefficients(stats, flat.target, call.cfg, flat.weight.shape[0], g_ce, g_z, None, None)
+        scales = upstream_scales(call.cfg, denoms, one, slice(None), flat.target.shape[0], flat.token_weight)
+        coeffs = grad_coefficients(stats, flat.target, call.cfg, flat.weight.shape[0], scales, None, None)
         state.grads = block_gradients(call, flat, plan, stats, coeffs, grads_in_forward)
     return state
 
@@ -52,9 +52,9 @@ def backward(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, state: Forwa
     """Deferred gradients from forward's statistics of all rows and the upstream gradients."""
     assert state.stats is not None
     target = flat.target
-    g_ce, g_z = upstream_scales(call.cfg, state.denoms, grad_loss, slice(None), target.shape[0])
+    scales = upstream_scales(call.cfg, state.denoms, grad_loss, slice(None), target.shape[0], flat.token_weight)
     coeffs = grad_coefficients(
-        state.stats, target, call.cfg, flat.weight.shape[0], g_ce, g_z,
+        state.stats, target, call.cfg, flat.weight.shape[0], scales,
         None if grad_logprobs is None else grad_logprobs.reshape(-1),
         None if grad_entropy is None else grad_entropy.reshape(-1))
     return block_gradients(call, flat, plan, state.stats, coeffs, wanted)

@@ -24,7 +24,7 @@ from flce.outputs import LCEOutput
 # Options that change the math; the rest (memory_budget, accum_dtype, return_*, ...) only
 # change how or what is computed, so the oracle accepts and ignores them.
 _MATH_OPTIONS = ("ignore_index", "reduction", "label_smoothing", "lse_square_scale", "softcap",
-                 "class_weight", "temperature", "token_scaling")
+                 "class_weight", "temperature", "token_scaling", "entropy_weight", "token_weights")
 _IGNORED_OPTIONS = ("accum_dtype", "memory_budget", "process_group", "return_z_loss",
                     "return_token_accuracy", "return_predicted_tokens", "return_logprobs",
                     "return_entropy")
@@ -43,7 +43,8 @@ def reference_loss(
     loss (reduced), z_loss (reduced like the loss), token_accuracy (reduced like the loss),
     predicted_tokens, logprobs and entropy (per token, target's shape). loss, logprobs and
     entropy are differentiable with respect to the inputs (which are upcast to float64
-    inside, so float64 leaves give float64 gradients).
+    inside, so float64 leaves give float64 gradients). ``token_weights`` (the call's keyword,
+    target's shape) multiplies each token's cross-entropy term.
     """
     unknown = set(options) - set(_MATH_OPTIONS) - set(_IGNORED_OPTIONS)
     if unknown:
@@ -56,6 +57,8 @@ def reference_loss(
     class_weight = options.get("class_weight")
     temperature = options.get("temperature", 1.0)
     token_scaling = options.get("token_scaling", False)
+    entropy_weight = options.get("entropy_weight", 0.0)
+    token_weights = options.get("token_weights")
 
     vocab, hidden_size = weight.shape
     x = hidden.double().reshape(-1, hidden_size)
@@ -80,28 +83,34 @@ def reference_loss(
     if token_scaling:
         scale = torch.exp(target_z - lse).detach()
         ce, smoothing = ce * scale, smoothing * scale
+    if token_weights is not None:
+        weights = token_weights.double().reshape(-1)
+        ce, smoothing = ce * weights, smoothing * weights
     ce = torch.where(valid, ce, 0.0)
     smoothing = torch.where(valid, smoothing, 0.0)
     zl = torch.where(valid, lse_square_scale * lse.square(), 0.0)
+    log_p = z - lse.unsqueeze(1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    # The entropy term: -entropy_weight * entropy per token, its mean over the counted tokens as the z-loss's.
+    bonus = torch.where(valid, -entropy_weight * entropy, 0.0)
 
     count = valid.sum().double()
     ce_denominator = count if cw is None else torch.where(valid, cw[safe_t], 0.0).sum()
     if reduction == "none":
-        loss, z_loss = ce + zl, zl
+        loss, z_loss = ce + zl + bonus, zl
     elif reduction == "sum":
-        loss, z_loss = ce.sum() + zl.sum(), zl.sum()
+        loss, z_loss = ce.sum() + zl.sum() + bonus.sum(), zl.sum()
     elif reduction == "mean":
         z_loss = _mean(zl.sum(), count, count)
         rest = ce.sum() - smoothing.sum()
-        loss = _mean(rest, ce_denominator, count) + _mean(smoothing.sum(), ce_denominator, count) + z_loss
+        loss = (_mean(rest, ce_denominator, count) + _mean(smoothing.sum(), ce_denominator, count) + z_loss
+                + _mean(bonus.sum(), count, count))
     else:
         raise ValueError(f"reduction={reduction!r}")
 
     argmax = z.argmax(dim=-1) if z.shape[0] else t.new_zeros(0)
     correct = ((argmax == t) & valid).double()
     accuracy = {"none": correct, "sum": correct.sum(), "mean": _mean(correct.sum(), count, count)}[reduction]
-    log_p = z - lse.unsqueeze(1)
-    entropy = -(log_p.exp() * log_p).sum(-1)
     shape = target.shape
     per_token = reduction == "none"
     return LCEOutput(
