@@ -20,12 +20,16 @@ then each variant in turn, so the kernels alternate:
   0.1 with class weights, each forward only (ws / Triton statistics GEMM, x one cuBLAS GEMM) and fwd+bwd
   (mean, default memory, chunk logits from each source as for ``--smoothing``, x the floor).
 
+* with ``--objective`` shapes: the same RL objective handed to the call (``token_weights`` = the advantages,
+  ``entropy_weight`` = 0.01: a scalar loss, its gradient formed in the forward) fwd+bwd at the default memory,
+  chunk logits from each source as for ``--smoothing``, and its loss and gradients against the composed ones.
+
 The last columns: how far the ws variant's outputs (log-probs, entropy; gradients) are from the Triton
 one's, as relative Frobenius norms.
 
     python tools/benchmarks/rl_statistics.py [--shapes 8192x4096x128256,...] [--training 16384x4096x151936]
                                              [--smoothing 16384x2048x151936] [--logit-options 16384x2048x151936]
-                                             [--rounds 3] [--markdown out.md]
+                                             [--objective 16384x4096x151936] [--rounds 3] [--markdown out.md]
 """
 
 from __future__ import annotations
@@ -187,6 +191,27 @@ def chunk_logits_rows(label: str, rounds: int, call: str, options: dict, bias: t
     return rows
 
 
+def objective_rows(label: str, rounds: int) -> list[str]:
+    """The RL objective handed to the call (token_weights = the advantages, entropy_weight = 0.01: a scalar loss
+    whose gradient forms in the forward) fwd+bwd at the default memory, its chunk logits from each of
+    CHUNK_LOGITS; and how far its loss and gradients are from the same objective composed from the call's
+    log-probs and entropy (training_rows' objective), as relative Frobenius norms."""
+    inputs = shape_inputs(*parse_shape(label))
+    x, w, t, g = inputs
+    adv = torch.randn(x.shape[0], device=x.device, generator=g)
+    # training_rows' objective takes .mean() over all rows; the call's mean is over the counted ones.
+    share = float((t != -100).sum()) / t.numel()
+    options = {"temperature": RL["temperature"], "token_weights": adv * share, "entropy_weight": 0.01 * share}
+    rows = chunk_logits_rows(label, rounds, "RL objective in the call", options, None, inputs)
+    loss = flce.linear_cross_entropy(x, w, t, **options)
+    in_call = (loss.detach(), *torch.autograd.grad(loss, (x, w)))
+    out = flce.linear_cross_entropy(x, w, t, **RL)
+    composed = -(adv * out.logprobs).mean() - 0.01 * out.entropy.mean()
+    composed = (composed.detach(), *torch.autograd.grad(composed, (x, w)))
+    diff = " / ".join(f"{relative_difference(a, b):.1e}" for a, b in zip(in_call, composed, strict=True))
+    return rows + [f"| {label} | RL objective in the call against composed | | | | {diff} (loss / grads) |"]
+
+
 def option_training_rows(label: str, rounds: int) -> list[str]:
     inputs = shape_inputs(*parse_shape(label))
     rows = []
@@ -201,6 +226,7 @@ def main() -> int:
     parser.add_argument("--training", default="16384x4096x151936", help="shapes of the fwd+bwd rows ('' for none)")
     parser.add_argument("--smoothing", default="", help="shapes of the label-smoothing fwd+bwd rows")
     parser.add_argument("--logit-options", default="", help="shapes of the softcap/bias/class-weight rows")
+    parser.add_argument("--objective", default="", help="shapes of the rows of the RL objective in the call")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -217,6 +243,9 @@ def main() -> int:
         torch.cuda.empty_cache()
     for label in filter(None, args.smoothing.split(",")):
         lines += chunk_logits_rows(label, args.rounds, "label smoothing", SMOOTHING, None)
+        torch.cuda.empty_cache()
+    for label in filter(None, args.objective.split(",")):
+        lines += objective_rows(label, args.rounds)
         torch.cuda.empty_cache()
     for label in filter(None, args.logit_options.split(",")):
         lines += option_forward_rows(label, args.rounds) + option_training_rows(label, args.rounds)
