@@ -218,8 +218,7 @@ class RowTerms:
     # [n] fp32, the label-smoothing part of cross_entropy, kept with class weights only: torch's mean divides
     # it and the rest by the weight sum separately, which differs from dividing their sum where that sum is 0.
     smoothing: torch.Tensor | None = None
-    # [n] fp32, -entropy_weight * entropy; None without an entropy term. Its mean is over the non-ignored
-    # tokens, as the z-loss's, whatever divides the cross-entropy.
+    # [n] fp32, -entropy_weight * entropy, None without; a mean divides it by the counted tokens, as the z-loss.
     entropy: torch.Tensor | None = None
 
 
@@ -255,30 +254,24 @@ def row_terms(stats: RowStats, target: torch.Tensor, cfg: LCEConfig, vocab: int,
 
 
 def reduce_terms(terms: RowTerms, cfg: LCEConfig, denoms: Denominators) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, z_loss) reduced as cfg.reduction says, in fp32, the entropy term (if any) in the loss. Without a
-    z-loss the loss is the cross-entropy's alone (nothing added) and the z-loss a fresh zero where the call
-    returns it."""
-    loss, z_loss = _reduce_cross_entropy_and_z_loss(terms, cfg, denoms)
-    if terms.entropy is None:
-        return loss, z_loss
-    if cfg.reduction == "none":
-        return loss + terms.entropy, z_loss
-    entropy_sum = terms.entropy.sum()
-    return loss + (entropy_sum if cfg.reduction == "sum" else denoms.mean_over_tokens(entropy_sum)), z_loss
+    """(loss, z_loss) reduced as cfg.reduction says, in fp32, the z-loss and entropy terms in the loss. Without
+    either the loss is the cross-entropy's alone (nothing added); without a z-loss the z-loss is a fresh zero
+    where the call returns it."""
+    loss = _reduced_cross_entropy(terms, cfg, denoms)
+    z_loss = None if terms.z_loss is None else _reduced_over_tokens(terms.z_loss, cfg, denoms)
+    loss = loss if z_loss is None else loss + z_loss
+    loss = loss if terms.entropy is None else loss + _reduced_over_tokens(terms.entropy, cfg, denoms)
+    if z_loss is None and cfg.return_z_loss:
+        z_loss = torch.zeros_like(terms.cross_entropy if cfg.reduction == "none" else denoms.zero)
+    return loss, denoms.zero if z_loss is None else z_loss
 
 
-def _reduce_cross_entropy_and_z_loss(terms: RowTerms, cfg: LCEConfig,
-                                     denoms: Denominators) -> tuple[torch.Tensor, torch.Tensor]:
-    if terms.z_loss is None:
-        ce = _reduced_cross_entropy(terms, cfg, denoms)
-        if not cfg.return_z_loss:
-            return ce, denoms.zero
-        return ce, torch.zeros_like(terms.cross_entropy if cfg.reduction == "none" else denoms.zero)
+def _reduced_over_tokens(rows: torch.Tensor, cfg: LCEConfig, denoms: Denominators) -> torch.Tensor:
+    """A per-row term reduced as cfg.reduction says, a mean over the non-ignored tokens."""
     if cfg.reduction == "none":
-        return terms.cross_entropy + terms.z_loss, terms.z_loss
-    zl_sum = terms.z_loss.sum()
-    zl = zl_sum if cfg.reduction == "sum" else denoms.mean_over_tokens(zl_sum)
-    return _reduced_cross_entropy(terms, cfg, denoms) + zl, zl
+        return rows
+    total = rows.sum()
+    return total if cfg.reduction == "sum" else denoms.mean_over_tokens(total)
 
 
 def _reduced_cross_entropy(terms: RowTerms, cfg: LCEConfig, denoms: Denominators) -> torch.Tensor:
@@ -347,17 +340,14 @@ def upstream_scales(
     """Per-row multipliers of the cross-entropy, z-loss and entropy terms of ``rows``, from the loss's
     grad_output; ``token_weight`` is the call's token_weights, all rows (sliced here)."""
     if cfg.reduction == "none":
-        g = grad_loss.reshape(-1)[rows].to(denoms.z_loss.dtype)
-        g_ce = g_z = g_tokens = g
+        g_ce = g_z = g_tokens = grad_loss.reshape(-1)[rows].to(denoms.z_loss.dtype)
     else:
         g = grad_loss.to(denoms.z_loss.dtype).reshape(())
-        if cfg.reduction == "sum":
-            g_ce = g_z = g_tokens = g
-        else:
-            g_ce = denoms.mean_over_weights(g)
-            g_tokens = denoms.mean_over_tokens(g) if cfg.lse_square_scale or cfg.entropy_weight else g_ce
-            # Without a z-loss nothing reads its scale (grad_coefficients adds its term only with one).
-            g_z = g_tokens if cfg.lse_square_scale else g_ce
+        mean = cfg.reduction == "mean"
+        g_ce = denoms.mean_over_weights(g) if mean else g
+        g_tokens = denoms.mean_over_tokens(g) if mean and (cfg.lse_square_scale or cfg.entropy_weight) else g_ce
+        # Without a z-loss nothing reads its scale (grad_coefficients adds its term only with one).
+        g_z = g_tokens if cfg.lse_square_scale else g_ce
         g_ce, g_z, g_tokens = g_ce.expand(n_rows), g_z.expand(n_rows), g_tokens.expand(n_rows)
     if token_weight is not None:
         g_ce = g_ce * token_weight[rows]
@@ -373,12 +363,10 @@ def grad_coefficients(
     grad_logprobs: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
 ) -> GradCoefficients:
-    """(a, h, d, e) of rows whose loss terms are scaled by ``scales`` (:func:`upstream_scales`, these rows)
-    and whose log-probs and entropy outputs have the upstream gradients ``grad_logprobs`` / ``grad_entropy``
-    (None where none flows); the loss's entropy term adds to the entropy's."""
-    grad_ce, grad_z_loss = scales.cross_entropy, scales.z_loss
-    if scales.entropy is not None:
-        bonus = scales.entropy
+    """(a, h, d, e) of rows whose loss terms ``scales`` multiplies and whose log-probs and entropy get the upstream
+    gradients ``grad_logprobs`` / ``grad_entropy`` (None: none flows); the loss's entropy term adds to the latter."""
+    grad_ce, grad_z_loss, bonus = scales
+    if bonus is not None:
         grad_entropy = bonus if grad_entropy is None else grad_entropy.to(bonus.dtype) + bonus
     dtype = stats.lse.dtype
     # Selected, not multiplied: an ignored row gets no gradient even where the upstream scale is inf or
