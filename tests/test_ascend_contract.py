@@ -49,8 +49,8 @@ from flce.backends.ascend import plan as ascend_plan  # noqa: E402
 from flce.config import LCEConfig  # noqa: E402
 from flce.engine.function import apply_eager  # noqa: E402
 from flce.engine.plans import PlanRequest  # noqa: E402
+from flce.gradients import GradCoefficients  # noqa: E402
 from flce.inputs import prepare_inputs  # noqa: E402
-from flce.semantics import GradCoefficients  # noqa: E402
 
 # The interpreter indexes numpy arrays in a way numpy >= 1.25 deprecates; not flce's to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")

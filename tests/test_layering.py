@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flce"
 LAYERS: list[tuple[str, ...]] = [
     ("flce.config", "flce.outputs"),
     ("flce.inputs", "flce.testing"),
-    ("flce.semantics",),
+    ("flce.semantics", "flce.gradients"),
     ("flce.autotune",),
     ("flce.registry",),
     ("flce.engine",),

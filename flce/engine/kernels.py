@@ -13,7 +13,8 @@ from typing import Protocol
 import torch
 
 from flce.config import LCEConfig
-from flce.semantics import GradCoefficients, PartialRowStats, RowStats, TokenCounts
+from flce.gradients import GradCoefficients
+from flce.semantics import PartialRowStats, RowStats, TokenCounts
 
 # Statistics (and optionally the logits) from one GEMM whose epilogue reduces each logits tile.
 FUSED_STATS_GEMM = "fused_stats_gemm"

@@ -37,17 +37,9 @@ from flce.engine.rows import (
     logits_dtype,
     slice_stats,
 )
+from flce.gradients import grad_coefficients, upstream_scales
 from flce.inputs import FlatInputs
-from flce.semantics import (
-    Denominators,
-    RowStats,
-    RowTerms,
-    extras,
-    grad_coefficients,
-    reduce_terms,
-    row_terms,
-    upstream_scales,
-)
+from flce.semantics import Denominators, RowStats, RowTerms, extras, reduce_terms, row_terms
 
 
 def kept_rows(plan: TokenChunks, n_rows: int) -> int:

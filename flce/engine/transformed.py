@@ -18,8 +18,9 @@ from flce.config import LCEConfig
 from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
 from flce.engine.plans import TokenChunks
 from flce.engine.rows import chunk_logits, logits_dtype, slice_stats
+from flce.gradients import GradCoefficients, grad_coefficients, upstream_scales
 from flce.inputs import FlatInputs
-from flce.semantics import GradCoefficients, grad_coefficients, statistics_dtype, upstream_scales
+from flce.semantics import statistics_dtype
 
 
 def is_transformed(tensor: torch.Tensor | None) -> bool:

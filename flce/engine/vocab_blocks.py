@@ -22,15 +22,9 @@ from flce.engine import all_rows
 from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
 from flce.engine.plans import FUSED, VocabBlocks
 from flce.engine.rows import WorkBuffer, block_logits, forward_state, logits_dtype
+from flce.gradients import GradCoefficients, grad_coefficients, upstream_scales
 from flce.inputs import FlatInputs
-from flce.semantics import (
-    Denominators,
-    GradCoefficients,
-    RowStats,
-    grad_coefficients,
-    statistics_dtype,
-    upstream_scales,
-)
+from flce.semantics import Denominators, RowStats, statistics_dtype
 
 
 def forward(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, denoms: Denominators, *,

@@ -55,7 +55,7 @@ from ub_footprint import loop_footprints  # noqa: E402
 from flce.backends.ascend import ops  # noqa: E402
 from flce.backends.ascend import plan as ascend_plan  # noqa: E402
 from flce.config import LCEConfig  # noqa: E402
-from flce.semantics import GradCoefficients  # noqa: E402
+from flce.gradients import GradCoefficients  # noqa: E402
 
 # SoC names as triton-ascend's target reports them; the UB of each comes from ops.ub_bytes_for_arch.
 SOCS = ("Ascend910B3", "Ascend910_9391", "Ascend910_9599")

@@ -22,8 +22,8 @@ from flce.backends.cuda import BACKEND, gemm_kernels
 from flce.backends.cuda.gemm_ops import GemmConfig, gemm_grad
 from flce.config import LCEConfig
 from flce.engine.plans import PlanRequest
+from flce.gradients import GradCoefficients
 from flce.inputs import prepare_inputs
-from flce.semantics import GradCoefficients
 from flce.testing.measure import median_ms, parse_shape, publish, shape_inputs
 
 BLOCKS = (  # tokens x hidden x block columns

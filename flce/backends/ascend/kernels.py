@@ -203,7 +203,7 @@ def _full_grad_kernel(
     target_ptr,                   # [n_rows] int64 global ids
     class_weight_ptr,             # [vocab] fp32 class weights of this shard (read if HAS_E and HAS_CLASS_WEIGHT)
     lse_ptr,                      # [n_rows] fp32 global log-sum-exp of z
-    a_ptr, stride_a,              # [n_rows] fp32 coefficients of flce.semantics.GradCoefficients
+    a_ptr, stride_a,              # [n_rows] fp32 coefficients of flce.gradients.GradCoefficients
     h_ptr, stride_h,              #   (h read if HAS_H, e read if HAS_E)
     d_ptr, stride_d,
     e_ptr, stride_e,

@@ -27,11 +27,8 @@ import torch
 from flce.config import LCEConfig
 from flce.engine.memory import total_memory_bytes
 from flce.engine.rows import torch_count_tokens, torch_matmul_
-from flce.semantics import (
-    GradCoefficients,
-    PartialRowStats,
-    merge_partial_stats,
-)
+from flce.gradients import GradCoefficients
+from flce.semantics import PartialRowStats, merge_partial_stats
 
 KiB = 1 << 10
 

@@ -15,7 +15,8 @@ import triton.language as tl
 from flce.backends.cuda import gemm_kernels
 from flce.backends.cuda.configs import GemmConfig
 from flce.config import LCEConfig
-from flce.semantics import GradCoefficients, PartialRowStats, needs_argmax, needs_sum_exp_dz, needs_weighted_sum_z
+from flce.gradients import GradCoefficients
+from flce.semantics import PartialRowStats, needs_argmax, needs_sum_exp_dz, needs_weighted_sum_z
 
 # Programs per SM the split heuristic plans for: one [128, 128..256] tile program fills an SM's
 # registers, and several waves amortise the last, partly empty one.
@@ -128,7 +129,7 @@ def gemm_grad(
     vocab_offset: int, lse: torch.Tensor, coeffs: GradCoefficients, config: GemmConfig,
 ) -> torch.Tensor:
     """d loss / d u [n, V] of the logits x @ w.T + bias, computed tile by tile from the row lse and
-    the per-row coefficients (semantics.grad_coefficients), in x's dtype; no logits in memory."""
+    the per-row coefficients (gradients.grad_coefficients), in x's dtype; no logits in memory."""
     n, hidden = x.shape
     vocab = w.shape[0]
     grad = torch.empty(n, vocab, dtype=x.dtype, device=x.device)

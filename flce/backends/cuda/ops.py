@@ -35,7 +35,8 @@ from flce.backends.cuda.target_ops import count_tokens
 from flce.backends.cuda.ws_gemm_ops import ws_matmul, ws_partial_row_stats
 from flce.config import LCEConfig
 from flce.engine.rows import torch_matmul_
-from flce.semantics import GradCoefficients, PartialRowStats
+from flce.gradients import GradCoefficients
+from flce.semantics import PartialRowStats
 
 _SCALE_BLOCK = 8192
 # Column blocks of one row per program of the gradient pass (plain_grad_): short programs, so the

@@ -19,8 +19,8 @@ import torch
 
 from flce.config import LCEConfig
 from flce.engine.rows import torch_count_tokens, torch_matmul_
+from flce.gradients import GradCoefficients
 from flce.semantics import (
-    GradCoefficients,
     PartialRowStats,
     merge_partial_stats,
     needs_argmax,
