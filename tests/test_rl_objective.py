@@ -262,3 +262,33 @@ def test_gpu_bf16_objective_within_eager_error(vocab: int) -> None:
     torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-2, atol=2e-2)
     assert _relative(gx, rx) <= 1.5 * _relative(ex, rx) + 1e-6
     assert _relative(gw, rw) <= 1.5 * _relative(ew, rw) + 1e-6
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_every_token_ignored_gives_zeros(reduction: str, generator: torch.Generator) -> None:
+    """As for the plain loss: a call whose tokens are all ignored returns 0 and gives zero gradients (torch's mean
+    would be nan), the entropy term and the token weights included."""
+    leaves, target, advantages = _leaves(generator)
+    target = torch.full_like(target, -100)
+    loss = flce.linear_cross_entropy(*leaves[:2], target, leaves[2], token_weights=advantages, entropy_weight=0.1,
+                                     temperature=0.7, reduction=reduction)
+    grads = torch.autograd.grad(loss.sum(), leaves)
+    assert not loss.detach().any()
+    assert not any(g.any() for g in grads)
+
+
+def test_logits_of_ten_thousand_match_the_oracle(generator: torch.Generator) -> None:
+    """Logits of about +-1e4 (a peaked softmax, entropies near 0): the objective's loss and gradients stay finite
+    and equal the float64 oracle's."""
+    leaves, target, advantages = _leaves(generator)
+    with torch.no_grad():
+        leaves[0].mul_(2e3)  # |z| up to ~1e4
+    options = {"entropy_weight": 0.05, "temperature": 0.9}
+    loss = flce.linear_cross_entropy(*leaves[:2], target, leaves[2], token_weights=advantages, **options)
+    got = torch.autograd.grad(loss, leaves)
+    want_out, want = _oracle(leaves, target, advantages, options)
+    logits = leaves[0].detach() @ leaves[1].detach().t() + leaves[2].detach()
+    assert float(logits.abs().max()) > 5e3, "the logits should reach thousands"
+    torch.testing.assert_close(loss, want_out.loss.detach(), rtol=1e-9, atol=1e-7)
+    for name, g, w in zip(("hidden", "weight", "bias"), got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-7, msg=lambda m, name=name: f"grad {name}: {m}")
