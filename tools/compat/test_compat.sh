@@ -13,10 +13,16 @@
 # CPU build of these releases is on the package index). The machine's pip constraint that caps torch
 # (/etc/xdg/pip) is lifted for these environments only (PIP_CONSTRAINT=/dev/null).
 # Usage: tools/compat/test_compat.sh [oldest] [newest]   (PYTHON: the interpreter that builds flce's wheel)
+#
+# COMPAT_DISCARD=1 (CI, whose clone is thrown away afterwards) trades time for disk: the pairs run one after
+# the other instead of side by side, each pair's wheels are deleted once its environment is installed and
+# the environment once its tests end, so at most one pair (about 10 GB with its wheels) is on disk at a time
+# instead of both (about 20 GB).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 PYTHON=${PYTHON:-python3}
+DISCARD=${COMPAT_DISCARD:-0}
 ROOT=build/compat
 WHEELS=$ROOT/wheels
 # What the tests need beside torch and Triton (the test extra's, without transformers: no test here uses it).
@@ -62,6 +68,7 @@ build_env() {  # name torch triton python -> the environment's directory, built 
                 "${requirements[@]}"
         } > "$log" 2>&1 || { tail -30 "$log" >&2; echo "test-compat: building $env failed (above)" >&2; return 1; }
         touch "$stamp"
+        [ "$DISCARD" != 1 ] || rm -rf "$wheels"
     fi
     echo "$env"
 }
@@ -87,7 +94,13 @@ print(f"test-compat: flce {version('flce')} installed next to torch {got['torch'
 PY
     echo "test-compat: $name: tests" >&2
     # The checkout's flce (PYTHONPATH), so the tests see the sources they were written against.
-    PYTHONPATH=$PWD "$env/bin/python" -m pytest -q -rfEs -p no:cacheprovider "${TESTS[@]}"
+    local status=0
+    PYTHONPATH=$PWD "$env/bin/python" -m pytest -q -rfEs -p no:cacheprovider "${TESTS[@]}" || status=$?
+    if [ "$DISCARD" = 1 ]; then
+        echo "test-compat: $name: removing $env ($(du -sh "$env" | cut -f1))"
+        rm -rf "$env"
+    fi
+    return $status
 }
 
 # The contract on the reference backend, the interpreted Triton kernels, the sm_90a compile tests.
@@ -104,21 +117,30 @@ mkdir -p "$ROOT/dist"
     || { cat "$ROOT/dist/build.log" >&2; exit 1; }
 pairs=("$@")
 [ ${#pairs[@]} -gt 0 ] || pairs=(oldest newest)
-# The pairs side by side, one process each (the Triton compiler and interpreter keep about one core busy
-# each, and CI has two); each one's output goes to build/compat/<pair>.out and is printed when it ends.
-pids=()
-for name in "${pairs[@]}"; do
-    (
-        start=$SECONDS
-        check_pair "$name"
-        echo "test-compat: $name done in $((SECONDS - start)) s"
-    ) > "$ROOT/$name.out" 2>&1 &
-    pids+=($!)
-done
+
+run_pair() {  # name: its build and tests, output to build/compat/<name>.out
+    local start=$SECONDS
+    echo "test-compat: $1 starts; free disk: $(df -h --output=avail . | tail -1 | tr -d ' ')"
+    check_pair "$1"
+    echo "test-compat: $1 done in $((SECONDS - start)) s"
+}
+
+# Each pair in a background process of its own (where `set -e` holds, which a `||` would switch off),
+# its output in build/compat/<pair>.out, printed when it ends. Side by side unless COMPAT_DISCARD=1: the
+# Triton compiler and interpreter keep about one core busy each, and CI has two.
 status=0
+pids=()
+report() {  # index: wait for that pair, print its output
+    wait "${pids[$1]}" || { status=1; echo "test-compat: ${pairs[$1]} FAILED" >&2; }
+    echo "=== test-compat: ${pairs[$1]} (build/compat/${pairs[$1]}.out)"
+    cat "$ROOT/${pairs[$1]}.out"
+}
 for i in "${!pairs[@]}"; do
-    wait "${pids[$i]}" || { status=1; echo "test-compat: ${pairs[$i]} FAILED" >&2; }
-    echo "=== test-compat: ${pairs[$i]} (build/compat/${pairs[$i]}.out)"
-    cat "$ROOT/${pairs[$i]}.out"
+    run_pair "${pairs[$i]}" > "$ROOT/${pairs[$i]}.out" 2>&1 &
+    pids+=($!)
+    [ "$DISCARD" != 1 ] || report "$i"
 done
+if [ "$DISCARD" != 1 ]; then
+    for i in "${!pairs[@]}"; do report "$i"; done
+fi
 exit $status
