@@ -61,6 +61,7 @@ class LCEConfig:
     return_entropy: bool = False
     return_logit_stats: bool = False
     batch_invariant: bool = False
+    detach_extras: bool = False
     precision: str = "fast"
 
     def __post_init__(self) -> None:
@@ -193,7 +194,7 @@ _CHECKS: dict[str, Any] = {
     "memory_budget": _check_memory_budget,
     **{name: _check_bool(name) for name in ("token_scaling", "return_z_loss", "return_token_accuracy",
                                             "return_predicted_tokens", "return_logprobs", "return_entropy",
-                                            "return_logit_stats", "batch_invariant")},
+                                            "return_logit_stats", "batch_invariant", "detach_extras")},
 }
 
 

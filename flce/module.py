@@ -114,8 +114,11 @@ def _compute(
     out = result if isinstance(result, LCEOutput) else LCEOutput(loss=result)
     if ids is not None:
         offset = 0 if cfg.process_group is None else _vocab_offset(flat, cfg)
-        out = out._replace(selected_logprobs=selected_logprobs(
-            flat, cfg, ids, out.logprobs, offset, BATCH_INVARIANT_TOKENS if cfg.batch_invariant else None))
+        # Detached log-probs detach the selected ones too: composed from them with grad on, they would carry
+        # the dot products' gradient without the lse's.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not cfg.detach_extras):
+            out = out._replace(selected_logprobs=selected_logprobs(
+                flat, cfg, ids, out.logprobs, offset, BATCH_INVARIANT_TOKENS if cfg.batch_invariant else None))
         if not cfg.return_logprobs:
             out = out._replace(logprobs=None)
     if cfg.batch_invariant:

@@ -71,6 +71,9 @@ OPCHECK_CASES = {
     "full-none-token-weights-deferred": (
         "full", {"reduction": "none", "token_weights": "random", "entropy_weight": -0.1, "return_entropy": True,
                  "memory_budget": SMALL_BUDGET}, False, (True, True, False)),
+    "full-mean-detached-extras": (
+        "full", {"token_weights": "random", "entropy_weight": 0.05, "return_logprobs": True, "return_entropy": True,
+                 "detach_extras": True, "memory_budget": SMALL_BUDGET}, True, (True, True, True)),
 }
 
 
@@ -136,6 +139,9 @@ STEP_OPTIONS = {
                      "memory_budget": SMALL_BUDGET},
     "rl-objective-deferred": {"reduction": "none", "token_weights": "random", "entropy_weight": 0.05,
                               "return_logprobs": True, "temperature": 0.7},
+    "rl-objective-detached-extras": {"token_weights": "random", "entropy_weight": 0.05, "temperature": 0.7,
+                                     "return_logprobs": True, "return_entropy": True, "detach_extras": True,
+                                     "memory_budget": SMALL_BUDGET},
 }
 
 
@@ -190,14 +196,19 @@ def _make_step(form: str, options: dict):
     return step
 
 
+def _differentiable(out, name: str) -> bool:
+    """Whether the call returned output ``name`` differentiable (detach_extras=True returns the extras detached)."""
+    value = None if isinstance(out, torch.Tensor) else getattr(out, name)
+    return value is not None and value.requires_grad
+
+
 def _run(step, inputs, upstream_seed: int):
-    """Outputs and the gradients of x, w, b under random upstream gradients."""
+    """Outputs and the gradients of x, w, b under random upstream gradients (to the differentiable outputs)."""
     x, w, b, t = (None if a is None else a.detach().requires_grad_(a.requires_grad) for a in inputs)
     out = step(x, w, t, b)
     loss = out if isinstance(out, torch.Tensor) else out.loss
-    extras = not isinstance(out, torch.Tensor)
-    upstream = random_upstream(loss.shape, t.shape, logprobs=extras and out.logprobs is not None,
-                               entropy=extras and out.entropy is not None,
+    upstream = random_upstream(loss.shape, t.shape, logprobs=_differentiable(out, "logprobs"),
+                               entropy=_differentiable(out, "entropy"),
                                generator=torch.Generator().manual_seed(upstream_seed))
     backward_surrogate(out, upstream).backward()
     return out, (x.grad, w.grad, None if b is None else b.grad)
@@ -233,8 +244,10 @@ def test_compiled_step_matches_eager_and_oracle(form: str, case: str, machine: s
     # And both against the float64 oracle.
     x, w, b, t = (a.detach().double().requires_grad_(a.requires_grad) if a.is_floating_point() else a for a in inputs)
     oracle = reference_loss(x, w, t, b, **options)
-    upstream = random_upstream(oracle.loss.shape, t.shape, logprobs="logprobs" in fields_c,
-                               entropy="entropy" in fields_c, generator=torch.Generator().manual_seed(7))
+    for name in ("logprobs", "entropy"):
+        assert _differentiable(out_c, name) == _differentiable(out_e, name), f"{name}: compiled and eager differ"
+    upstream = random_upstream(oracle.loss.shape, t.shape, logprobs=_differentiable(out_c, "logprobs"),
+                               entropy=_differentiable(out_c, "entropy"), generator=torch.Generator().manual_seed(7))
     backward_surrogate(oracle, upstream).backward()
     for name, value in fields_c.items():
         assert_close_per_design(value, getattr(oracle, name).detach(), kind="forward", dtype=torch.float32, name=name)

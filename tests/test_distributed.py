@@ -67,6 +67,8 @@ OPTION_SETS: dict[str, dict[str, Any]] = {
     "smoothing+metrics": dict(label_smoothing=0.2, return_token_accuracy=True, return_predicted_tokens=True),
     "entropy+ignore_index=3": dict(return_entropy=True, ignore_index=3),
     "entropy_weight": dict(entropy_weight=0.05, temperature=0.7),
+    "detached-extras": dict(entropy_weight=0.05, temperature=0.7, return_logprobs=True, return_entropy=True,
+                            detach_extras=True),
 }
 LAYOUTS = {2: {"even": (16, 16), "uneven": (7, 18)}, 4: {"even": (8, 8, 8, 8), "uneven": (5, 1, 9, 4)}}
 
@@ -219,8 +221,11 @@ def check_case(checker: Checker, case: Case, rank: int, group: Any) -> None:
         options["class_weight"] = random_class_weight(vocab, gen)
     reduction = options.get("reduction", "mean")
     loss_shape = target.shape if reduction == "none" else torch.Size()
-    upstream = random_upstream(loss_shape, target.shape, logprobs=bool(options.get("return_logprobs")),
-                               entropy=bool(options.get("return_entropy")), generator=gen)
+    # Upstream gradients reach the differentiable outputs only (detach_extras=True returns the extras detached).
+    differentiable_extras = not options.get("detach_extras")
+    upstream = random_upstream(loss_shape, target.shape,
+                               logprobs=differentiable_extras and bool(options.get("return_logprobs")),
+                               entropy=differentiable_extras and bool(options.get("return_entropy")), generator=gen)
     rows = shard_rows(case.sizes, rank)
     w_shard = weight[rows]
     b_shard = None if bias is None else bias[rows]
@@ -233,6 +238,8 @@ def check_case(checker: Checker, case: Case, rank: int, group: Any) -> None:
         oracle, oracle_grads = reference_grads(hidden, weight, target, bias, upstream, **options)
         got_out = got if isinstance(got, flce.LCEOutput) else flce.LCEOutput(loss=got)
         flce_out = unsharded if isinstance(unsharded, flce.LCEOutput) else flce.LCEOutput(loss=unsharded)
+        if not differentiable_extras:
+            assert not (got_out.logprobs.requires_grad or got_out.entropy.requires_grad), "extras not detached"
         kind = "forward" if options.get("temperature", 1.0) == 1.0 else "temperature"
         for name in flce.LCEOutput._fields:
             value = getattr(got_out, name)

@@ -98,5 +98,20 @@ class ForwardState:
 
 
 def grads_in_forward_allowed(cfg: LCEConfig) -> bool:
-    """The in-forward schedules need a scalar loss as the only differentiable output."""
-    return cfg.reduction != "none" and not (cfg.return_logprobs or cfg.return_entropy)
+    """The in-forward schedules need a scalar loss as the only differentiable output: log-probs or entropy
+    returned differentiable (their upstream gradients arrive in backward only) keep the gradients in backward,
+    ``detach_extras=True`` returns them detached."""
+    return cfg.reduction != "none" and (cfg.detach_extras or not (cfg.return_logprobs or cfg.return_entropy))
+
+
+def gradient_timing(cfg: LCEConfig, training: bool) -> str:
+    """When a call's gradients are computed, and why: explain's ``gradients:`` line (every engine path decides
+    by :func:`grads_in_forward_allowed`)."""
+    if not training:
+        return "none (no gradient follows)"
+    if grads_in_forward_allowed(cfg):
+        return "in forward (the scalar loss is the only differentiable output; backward scales them by grad_output)"
+    if cfg.reduction == "none":
+        return "in backward (reduction='none': each token's upstream gradient arrives in backward)"
+    return ("in backward (log-probs or entropy returned differentiable: their upstream gradients arrive in backward; "
+            "detach_extras=True returns them detached and computes the gradients in forward)")

@@ -205,6 +205,7 @@ class CallChoice:
     inputs: str
     cache: str  # the autotune entry the knobs came from, or why none applied
     plan: Plan
+    gradients: str  # when the gradients are computed, and why (flce.engine.call.gradient_timing)
     memory: MemoryPlan
     steps: tuple[Step, ...]
     kernel_package: str  # the package the kernel paths are printed relative to
@@ -220,7 +221,7 @@ class CallChoice:
     def lines(self) -> list[str]:
         prefix = self.kernel_package + "."
         lines = [f"backend: {self.backend}", f"device: {self.device}", f"call: {self.inputs}",
-                 f"autotune cache: {self.cache}", f"schedule: {self.plan}", "memory:"]
+                 f"autotune cache: {self.cache}", f"schedule: {self.plan}", f"gradients: {self.gradients}", "memory:"]
         lines += [f"  {line}" for line in self.memory.text()]
         lines.append(f"steps (kernels in {self.kernel_package} unless named in full):")
         for step in self.steps:

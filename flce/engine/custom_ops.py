@@ -220,7 +220,8 @@ def _forward_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
     wanted = _wanted(kw, bias)
     ctx.kw = kw
     ctx.wanted = wanted
-    ctx.in_forward = wanted.any and grads_in_forward_allowed(config_from_primitives(kw))
+    cfg = config_from_primitives(kw)
+    ctx.in_forward = wanted.any and grads_in_forward_allowed(cfg)
     if ctx.in_forward:
         # Called eagerly (not traced), the op also keeps its inputs: a create_graph backward hangs its
         # first-order guard on them (see _forward_backward). Traced, AOTAutograd owns double backward and
@@ -229,8 +230,9 @@ def _forward_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
         ctx.save_for_backward(*output[_GRADS], *anchors)
     elif wanted.any:
         ctx.save_for_backward(hidden, weight, bias, target, class_weight, token_weight, *output[_STATS])
-    z_loss, acc, pred = output[1:4]
-    ctx.mark_non_differentiable(z_loss, acc, pred, *output[_GRADS], *output[_STATS])
+    z_loss, acc, pred, logprobs, entropy = output[1:6]
+    detached = (logprobs, entropy) if cfg.detach_extras else ()
+    ctx.mark_non_differentiable(z_loss, acc, pred, *detached, *output[_GRADS], *output[_STATS])
 
 
 def _forward_backward(ctx, grad_loss, _z, _acc, _pred, grad_logprobs, grad_entropy, *_unused):

@@ -59,6 +59,8 @@ class LCEFunction(torch.autograd.Function):
         if not ctx.in_forward and wanted.any:
             ctx.save_for_backward(hidden, weight, bias, target, token_weight)
         ctx.mark_non_differentiable(output[1], output[2], output[3], output[6])
+        if call.cfg.detach_extras:
+            ctx.mark_non_differentiable(output[4], output[5])
         # Outputs that took no part in what is differentiated reach backward as None instead of zeros
         # autograd would make (six tensors a training call, a good part of its backward's host time).
         ctx.set_materialize_grads(False)

@@ -27,7 +27,7 @@ _MATH_OPTIONS = ("ignore_index", "reduction", "label_smoothing", "lse_square_sca
                  "class_weight", "temperature", "token_scaling", "entropy_weight", "token_weights")
 _IGNORED_OPTIONS = ("accum_dtype", "memory_budget", "process_group", "return_z_loss",
                     "return_token_accuracy", "return_predicted_tokens", "return_logprobs",
-                    "return_entropy")
+                    "return_entropy", "detach_extras")
 
 
 def reference_loss(

@@ -22,7 +22,8 @@ then each variant in turn, so the kernels alternate:
 
 * with ``--objective`` shapes: the same RL objective handed to the call (``token_weights`` = the advantages,
   ``entropy_weight`` = 0.01: a scalar loss, its gradient formed in the forward) fwd+bwd at the default memory,
-  chunk logits from each source as for ``--smoothing``, and its loss and gradients against the composed ones.
+  chunk logits from each source as for ``--smoothing``, also (ws only) returning the log-probs and the entropy
+  detached (``detach_extras=True``), and its loss and gradients against the composed ones.
 
 The last columns: how far the ws variant's outputs (log-probs, entropy; gradients) are from the Triton
 one's, as relative Frobenius norms.
@@ -164,30 +165,36 @@ def option_forward_rows(label: str, rounds: int) -> list[str]:
 
 
 def chunk_logits_rows(label: str, rounds: int, call: str, options: dict, bias: torch.Tensor | None,
-                      inputs: tuple | None = None) -> list[str]:
-    """The mean loss with ``options`` fwd+bwd at the default memory, its chunk logits from each of
-    CHUNK_LOGITS, x the floor; the ws variant's loss and gradients against cuBLAS + the row kernel's."""
+                      inputs: tuple | None = None, sources: tuple[str, ...] = tuple(CHUNK_LOGITS)) -> list[str]:
+    """The mean loss with ``options`` fwd+bwd at the default memory, its chunk logits from each of ``sources``
+    (names in CHUNK_LOGITS), x the floor; with both, the ws variant's loss and gradients against cuBLAS + the
+    row kernel's. With ``return_*`` options only the loss is differentiated."""
     x, w, t, _ = inputs or shape_inputs(*parse_shape(label))
     leaves = (x, w) if bias is None else (x, w, bias)
 
     def step(knobs: dict):
         with override_params(knobs, backend="cuda"):
-            loss = flce.linear_cross_entropy(x, w, t, bias, **options)
+            out = flce.linear_cross_entropy(x, w, t, bias, **options)
+            loss = out.loss if isinstance(out, flce.LCEOutput) else out
             return (loss.detach(), *torch.autograd.grad(loss, leaves))
 
-    ratios: dict[str, list[float]] = {name: [] for name in CHUNK_LOGITS}
+    ratios: dict[str, list[float]] = {name: [] for name in sources}
     for _ in range(rounds):
         floor = sum(cublas_products_ms(x, w))
-        for name, knobs in CHUNK_LOGITS.items():
+        for name in sources:
+            knobs = CHUNK_LOGITS[name]
             ratios[name].append(median_ms(lambda knobs=knobs: step(knobs), warmup_ms=200, rep_ms=1500) / floor)
-    ws, cublas = step(CHUNK_LOGITS["ws"]), step(CHUNK_LOGITS["cuBLAS + row kernel"])
-    diff = " / ".join(f"{relative_difference(a, b):.1e}" for a, b in zip(ws, cublas, strict=True))
-    del ws, cublas
+    diff = ""
+    if "ws" in sources and "cuBLAS + row kernel" in sources:
+        ws, cublas = step(CHUNK_LOGITS["ws"]), step(CHUNK_LOGITS["cuBLAS + row kernel"])
+        diff = " / ".join(f"{relative_difference(a, b):.1e}" for a, b in zip(ws, cublas, strict=True))
+        del ws, cublas
     rows = []
-    for name, knobs in CHUNK_LOGITS.items():
+    for name in sources:
+        knobs = CHUNK_LOGITS[name]
         peak = peak_mib_above(lambda knobs=knobs: step(knobs))
         rows.append(f"| {label} | {call} fwd+bwd, default | {name} | {_cell(ratios[name])} | {peak:.0f} | "
-                    f"{diff + ' (loss / grads, against cuBLAS)' if name == 'ws' else ''} |")
+                    f"{diff + ' (loss / grads, against cuBLAS)' if name == 'ws' and diff else ''} |")
     return rows
 
 
@@ -203,6 +210,10 @@ def objective_rows(label: str, rounds: int) -> list[str]:
     share = float((t != -100).sum()) / t.numel()
     options = {"temperature": RL["temperature"], "token_weights": adv * share, "entropy_weight": 0.01 * share}
     rows = chunk_logits_rows(label, rounds, "RL objective in the call", options, None, inputs)
+    # A trainer that logs the log-probs and the entropy beside it, detached: still in the forward.
+    rows += chunk_logits_rows(label, rounds, "RL objective in the call, log-probs + entropy detached",
+                              dict(options, return_logprobs=True, return_entropy=True, detach_extras=True), None,
+                              inputs, sources=("ws",))
     loss = flce.linear_cross_entropy(x, w, t, **options)
     in_call = (loss.detach(), *torch.autograd.grad(loss, (x, w)))
     out = flce.linear_cross_entropy(x, w, t, **RL)

@@ -17,7 +17,7 @@ from flce.backends.ascend.ops import (
     ub_bytes_for_arch,
 )
 from flce.config import LCEConfig
-from flce.engine.call import EngineCall, grads_in_forward_allowed
+from flce.engine.call import EngineCall, gradient_timing, grads_in_forward_allowed
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription, MemoryPlan
 from flce.engine.memory import MiB, logits_save_limit, logits_save_limit_for, saved_logits_rows, tuned_chunk_rows
 from flce.engine.plans import PlanRequest, TokenChunks
@@ -105,7 +105,8 @@ def choose(device: DeviceDescription, call: CallDescription, entry: TunedEntry |
                 f"UB), up to {props.vector_cores} programs")
 
     return CallChoice(backend="ascend", device=device.text(), inputs=call.text(), cache=entry.source, plan=plan,
-                      memory=memory, steps=row_kernel_steps(call, plan, KERNEL_NAMES, launch),
+                      gradients=gradient_timing(call.cfg, call.request.training), memory=memory,
+                      steps=row_kernel_steps(call, plan, KERNEL_NAMES, launch),
                       kernel_package="flce.backends.ascend.kernels")
 
 

@@ -40,6 +40,7 @@ from flce.backends.cuda.hardware import (
     warp_specialized_available,
 )
 from flce.config import LCEConfig
+from flce.engine.call import gradient_timing
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription
 from flce.engine.plans import PlanRequest
 from flce.engine.rows import logits_dtype
@@ -97,7 +98,8 @@ def choose(device: DeviceDescription, call: CallDescription, entry: TunedEntry,
                            fallback_scan_block=sizes.fallback_scan_block(call.n_rows, call.dtype.itemsize))
     why = _Reasons(call, tuned, eligible, stats_why, logits_why, products_why, triton_failed, grad_failed)
     record = CallChoice(backend="cuda", device=device.text(), inputs=call.text(), cache=tuned.source, plan=plan,
-                        memory=memory, steps=tuple(steps.of_plan(device, call, plan, kernels, why)),
+                        gradients=gradient_timing(call.cfg, call.request.training), memory=memory,
+                        steps=tuple(steps.of_plan(device, call, plan, kernels, why)),
                         kernel_package="flce.backends.cuda")
     return record, kernels
 

@@ -9,7 +9,7 @@ import torch
 from flce.autotune.lookup import TunedEntry, tuned_entry
 from flce.backends.reference.kernels import CPU_BLOCK_BYTES, ReferenceKernels, math_dtype
 from flce.config import LCEConfig
-from flce.engine.call import EngineCall, grads_in_forward_allowed
+from flce.engine.call import EngineCall, gradient_timing, grads_in_forward_allowed
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription, MemoryPlan, describe_device
 from flce.engine.memory import MiB, logits_save_limit, logits_save_limit_for, saved_logits_rows, tuned_chunk_rows
 from flce.engine.plans import BATCH_INVARIANT_TOKENS, PlanRequest, TokenChunks
@@ -86,7 +86,7 @@ def choose(device: DeviceDescription, call: CallDescription, entry: TunedEntry |
         memory = memory.without_kept_logits(min(plan.tokens_per_chunk, call.n_rows) * per_row)
     blocks = (f"row blocks of {CPU_BLOCK_BYTES >> 20} MiB" if device.type == "cpu" else "the whole chunk at once")
     return CallChoice(backend="reference", device=device.text(), inputs=call.text(), cache=entry.source, plan=plan,
-                      memory=memory,
+                      gradients=gradient_timing(call.cfg, call.request.training), memory=memory,
                       steps=row_kernel_steps(call, plan, KERNEL_NAMES, lambda role: f"torch ops, {blocks}"),
                       kernel_package="flce.backends.reference.kernels")
 
