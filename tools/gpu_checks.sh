@@ -12,13 +12,24 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-# tests/test_ws_gemm.py serially: its float64 oracles at V = 130k-150k hold up to ~30 GB each, so pytest-xdist
-# workers on one GPU run out of memory there (3 workers on an H100, 2026-11-25: 3 of its tests did). The other
-# cuda tests in 2 workers where pytest-xdist is installed (3 workers ran out of the H100's memory, 2026-11-26; 2 did
-# while one kept 46 GiB cached, which tests/conftest.py now hands back after each test).
-workers=()
-python3 -c "import xdist" 2>/dev/null && workers=(-n 2)
-python3 -m pytest -p no:cacheprovider tests -m cuda -q "${workers[@]}" --ignore=tests/test_ws_gemm.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
-python3 -m pytest -p no:cacheprovider tests/test_ws_gemm.py -m cuda -q 2>&1 | tail -25 | tee -a "$OUT/tests.txt"
-python3 -m pytest -p no:cacheprovider tests/test_compile.py tests/test_cuda_graphs.py -q 2>&1 | tail -5 | tee -a "$OUT/tests.txt"
+# Three pytest processes side by side on the one GPU (the whole suite in one process takes over 330 s, and
+# pytest-xdist is not on every GPU image): tests/test_ws_gemm.py alone in its own (its float64 oracles at V = 130k-
+# 150k hold up to ~30 GB each; xdist workers beside it ran out of an H100's memory, 2026-11-25/26), the other
+# cuda-marked tests in a second, the compile and CUDA-graph tests in a third. tests/conftest.py hands cached memory
+# back after each test. Each lane's tail goes to $OUT/tests-<lane>.txt, all of them to $OUT/tests.txt.
+run_lane() {  # name, pytest arguments...
+  local name=$1
+  shift
+  python3 -m pytest -p no:cacheprovider -q "$@" > "$OUT/tests-$name.log" 2>&1
+  echo "exit $?" >> "$OUT/tests-$name.log"
+  tail -25 "$OUT/tests-$name.log" > "$OUT/tests-$name.txt"
+}
+run_lane ws-gemm tests/test_ws_gemm.py -m cuda &
+run_lane cuda tests -m cuda --ignore=tests/test_ws_gemm.py --ignore=tests/test_compile.py --ignore=tests/test_cuda_graphs.py &
+run_lane compile tests/test_compile.py tests/test_cuda_graphs.py &
+wait
+for lane in ws-gemm cuda compile; do
+  echo "=== $lane"
+  cat "$OUT/tests-$lane.txt"
+done | tee "$OUT/tests.txt"
 python3 tools/benchmarks/peers.py --json "$OUT/bench.json" --markdown "$OUT/bench.md" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
