@@ -222,6 +222,18 @@ def test_explain_says_when_the_gradients_are_computed(device: str) -> None:
     assert gradients(return_logprobs=True, return_entropy=True, detach_extras=True).startswith("gradients: in forward")
 
 
+@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_detached_extras_plan_the_objectives_own_work(gpu: str) -> None:
+    """On Hopper at an RL shape, the objective with detached log-probs and entropy plans exactly the kernels,
+    schedule and memory of the objective alone (the extras come from the row statistics its chunks compute)."""
+    objective = {"temperature": 0.7, "entropy_weight": 0.01}
+    alone = flce.explain("cuda", gpu=gpu, shape="16384x4096x151936", **objective)
+    logged = flce.explain("cuda", gpu=gpu, shape="16384x4096x151936", **objective, **EXTRAS)
+    assert (logged.plan, logged.gradients, logged.memory, logged.steps) == (
+        alone.plan, alone.gradients, alone.memory, alone.steps)
+    assert logged.gradients.startswith("in forward")
+
+
 def _check_cuda_backend(device: str, n: int, h: int, v: int, budget: int | None = None) -> None:
     """The CUDA backend in fp32 with the RL objective and detached extras against the float64 oracle."""
     x, w, _, t = lm_head_inputs(n, h, v, torch.float32, device, with_bias=False)
