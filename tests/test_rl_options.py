@@ -129,6 +129,36 @@ def test_selected_logprobs_alone_and_errors(generator: torch.Generator) -> None:
         flce.linear_cross_entropy(hidden, weight, target, selected_ids=selected.float())
 
 
+@pytest.mark.parametrize("detach_extras", [False, True])
+def test_selected_logprobs_under_torch_compile(detach_extras: bool, generator: torch.Generator) -> None:
+    """One graph (fullgraph=True), the eager call's selected log-probs, loss and gradients; ids out of range
+    fail when the compiled call runs (a device-side assertion: reading them while tracing would break the graph)."""
+    data = leaf_inputs(generator, (11,), 16, 50, torch.float32)
+    hidden, weight, target = data["hidden"], data["weight"], data["target"]
+    selected = torch.randint(0, 50, (11, 3), generator=generator)
+
+    def call(h, w, ids):
+        return flce.linear_cross_entropy(h, w, target, selected_ids=ids, temperature=0.8, detach_extras=detach_extras)
+
+    def outputs_and_grads(fn):
+        h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        out = fn(h, w, selected)
+        objective = out.loss + (0.0 if detach_extras else (out.selected_logprobs ** 2).sum())
+        return out, torch.autograd.grad(objective, (h, w))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+    got, got_grads = outputs_and_grads(compiled)
+    want, want_grads = outputs_and_grads(call)
+    assert got.selected_logprobs.requires_grad is not detach_extras
+    assert_close(got.selected_logprobs, want.selected_logprobs, "compiled selected_logprobs", **FP32)
+    assert_close(got.loss, want.loss, "compiled loss", **FP32)
+    for name, a, b in zip(("grad hidden", "grad weight"), got_grads, want_grads, strict=True):
+        assert_close(a, b, f"compiled {name}", **FP32_GRAD)
+    with pytest.raises(RuntimeError, match=r"selected_ids: expected ids in \[0, V=50\)"):
+        compiled(hidden, weight, selected.masked_fill(selected == selected[0, 0], 50))
+
+
 def test_logit_stats_of_extreme_rows(generator: torch.Generator) -> None:
     data = leaf_inputs(generator, (6,), 8, 30, torch.float32)
     hidden, weight, target = data["hidden"], data["weight"], data["target"]

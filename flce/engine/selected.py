@@ -35,7 +35,9 @@ _GATHER_BYTES = 64 << 20
 
 def check_selected_ids(ids: Any, token_shape: torch.Size, vocab: int, device: torch.device) -> torch.Tensor:
     """``ids`` as int64 ``[*token_shape, K]`` on ``device``, or a ValueError/TypeError naming it.
-    The range [0, V) is checked on the host for CPU tensors (elsewhere it would need a host sync)."""
+    The range [0, V) is checked on the host for CPU tensors; on an accelerator, and while torch.compile traces
+    (reading values would break the graph), by a device-side assertion when the call runs (a host check there
+    would wait for the device)."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"selected_ids: expected an integer tensor [..., K], got {type(ids).__name__}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
@@ -45,7 +47,9 @@ def check_selected_ids(ids: Any, token_shape: torch.Size, vocab: int, device: to
                          f"{(*token_shape, 'K')}")
     if ids.device != device:
         raise ValueError(f"selected_ids: on {ids.device}, expected the inputs' device {device}")
-    if ids.device.type == "cpu" and ids.numel():
+    if ids.numel() and (ids.device.type != "cpu" or torch.compiler.is_compiling()):
+        torch._assert_async(((ids >= 0) & (ids < vocab)).all(), f"selected_ids: expected ids in [0, V={vocab})")
+    elif ids.numel():
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab:
             raise ValueError(f"selected_ids: ids span [{low}, {high}]; expected ids in [0, V={vocab})")
