@@ -71,9 +71,9 @@ test: install trainer-packages $(ASCEND_PREREQ)
 
 # Both ends of the supported range (torch 2.9.1 + triton 3.5.1 on Python 3.10, torch 2.15.0 + triton 3.9.0
 # on Python 3.13), each in its own environment under build/compat/ (built once from cached wheels, about
-# 4 GB a pair; reused afterwards): flce's wheel must install without changing that torch or Triton, then
+# 19 GB with both; reused afterwards): flce's wheel must install without changing that torch or Triton, then
 # the reference contract, the interpreted Triton kernels and the sm_90a compile tests run there.
-# COMPAT_PAIRS=oldest runs one end.
+# COMPAT_PAIRS=oldest runs one end; COMPAT_DISCARD=1 (CI) keeps nothing (tools/compat/test_compat.sh).
 COMPAT_PAIRS ?= oldest newest
 
 test-compat: install

@@ -9,7 +9,7 @@
 # In each: flce's wheel is installed with pip's ordinary dependency resolution, and pip must leave that
 # torch and Triton as they are; then the public contract on the reference backend, the Triton kernels
 # through the interpreter, and the sm_90a compile tests of every Gluon/TMA kernel variant run there.
-# The torch wheels are PyPI's (CUDA builds, with their nvidia-* libraries: about 4 GB a pair, once; no
+# The torch wheels are PyPI's (CUDA builds, with their nvidia-* libraries: about 7 GB for both pairs, once; no
 # CPU build of these releases is on the package index). The machine's pip constraint that caps torch
 # (/etc/xdg/pip) is lifted for these environments only (PIP_CONSTRAINT=/dev/null).
 # Usage: tools/compat/test_compat.sh [oldest] [newest]   (PYTHON: the interpreter that builds flce's wheel)
