@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo.testing
-from helpers import lm_head_inputs, make_inputs, random_class_weight, reference_loss
+from helpers import OPTION_CASES, lm_head_inputs, make_inputs, materialise_options, random_class_weight, reference_loss
 
 import flce
 from flce.backends.reference.kernels import ReferenceKernels
@@ -178,6 +178,30 @@ def test_selected_logprobs_come_back_detached(generator: torch.Generator, no_def
     _assert_close(detached.selected_logprobs, plain.selected_logprobs, "selected log-probs")
     _assert_close(detached.loss, plain.loss, "loss")
     torch.autograd.grad(detached.loss, leaves)  # in forward: the fixture fails a deferred backward
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: ",".join(o) or "plain")
+def test_the_option_changes_no_value(options: dict[str, Any], reduction: str, generator: torch.Generator) -> None:
+    """Every option case of the contract tests, every reduction, float64: the same outputs and the same gradients
+    of the loss (to rounding: with the option they may be computed in forward, without it in backward)."""
+    leaves, target = _leaves(generator)
+    options = materialise_options(dict(options, reduction=reduction, return_logprobs=True), 17, "cpu")
+    upstream = torch.randn(target.shape if reduction == "none" else (), generator=generator, dtype=torch.float64)
+    results = {}
+    for detach in (False, True):
+        fresh = [t.detach().clone().requires_grad_() for t in leaves]
+        out = flce.linear_cross_entropy(*fresh[:2], target, fresh[2], detach_extras=detach, **options)
+        results[detach] = out, torch.autograd.grad(out.loss, fresh, upstream)
+    (kept, kept_grads), (detached, detached_grads) = results[False], results[True]
+    for name in flce.LCEOutput._fields:
+        got, want = getattr(detached, name), getattr(kept, name)
+        assert (got is None) == (want is None), f"{name}: present/absent differs"
+        if got is not None:
+            _assert_close(got, want.detach(), name)
+            assert not (name in ("logprobs", "entropy") and got.requires_grad), f"{name} not detached"
+    for name, g, w in zip(("hidden", "weight", "bias"), detached_grads, kept_grads, strict=True):
+        _assert_close(g, w, f"grad {name}")
 
 
 def test_the_option_is_a_bool() -> None:
