@@ -199,7 +199,8 @@ def test_the_option_changes_no_value(options: dict[str, Any], reduction: str, ge
         assert (got is None) == (want is None), f"{name}: present/absent differs"
         if got is not None:
             _assert_close(got, want.detach(), name)
-            assert not (name in ("logprobs", "entropy") and got.requires_grad), f"{name} not detached"
+            differentiable = want.requires_grad and name not in ("logprobs", "entropy", "selected_logprobs")
+            assert got.requires_grad == differentiable, f"{name}: requires_grad {got.requires_grad}"
     for name, g, w in zip(("hidden", "weight", "bias"), detached_grads, kept_grads, strict=True):
         _assert_close(g, w, f"grad {name}")
 

@@ -58,9 +58,9 @@ class LCEFunction(torch.autograd.Function):
         ctx.call, ctx.wanted, ctx.anchors = call, wanted, handoff.anchors
         if not ctx.in_forward and wanted.any:
             ctx.save_for_backward(hidden, weight, bias, target, token_weight)
-        ctx.mark_non_differentiable(output[1], output[2], output[3], output[6])
-        if call.cfg.detach_extras:
-            ctx.mark_non_differentiable(output[4], output[5])
+        # One call: each call of mark_non_differentiable replaces the last one's outputs.
+        detached = (output[4], output[5]) if call.cfg.detach_extras else ()
+        ctx.mark_non_differentiable(output[1], output[2], output[3], output[6], *detached)
         # Outputs that took no part in what is differentiated reach backward as None instead of zeros
         # autograd would make (six tensors a training call, a good part of its backward's host time).
         ctx.set_materialize_grads(False)
