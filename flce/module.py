@@ -167,7 +167,8 @@ def _padded_to_tiles(flat: FlatInputs, cfg: LCEConfig,
         ids = torch.cat([ids, ids.new_zeros(pad, ids.shape[1])])
     token_weight = None if flat.token_weight is None else torch.cat([flat.token_weight,
                                                                      flat.token_weight.new_zeros(pad)])
-    return FlatInputs(hidden, flat.weight, target, flat.bias, torch.Size([n_rows + pad]), token_weight), ids
+    return dataclasses.replace(flat, hidden=hidden, target=target, token_shape=torch.Size([n_rows + pad]),
+                               token_weight=token_weight), ids
 
 
 def _unpadded(out: LCEOutput, cfg: LCEConfig, n_rows: int, token_shape: torch.Size) -> LCEOutput:
