@@ -22,6 +22,19 @@ class GradCoefficients:
     e: torch.Tensor | None  # None without label smoothing
 
 
+# The options under which a token's gradient is a multiple of softmax(z) - onehot(target) alone (a = d, no h or e
+# in the formula): the temperature divides the logits and the multiple, the log-probs come from the row
+# statistics. The call's token_weights (an input, not an option) multiply it too.
+_ROW_SCALED_SOFTMAX_OPTIONS = frozenset({"temperature", "return_logprobs"})
+
+
+def gradient_is_row_scaled_softmax(cfg: LCEConfig) -> bool:
+    """True where d loss / d u of the raw logits u is, row by row, (softmax(z) - onehot) * the upstream scale /
+    temperature (z = u / temperature): no full-feature option but the temperature and the returned log-probs.
+    A chunk's gradient can then be kept as exponentials and a row scale (capability KEPT_EXPONENTIALS)."""
+    return set(cfg.full_feature_options()) <= _ROW_SCALED_SOFTMAX_OPTIONS
+
+
 class UpstreamScales(NamedTuple):
     """Per-row multipliers of the loss's terms from its grad_output, [n] fp32 each."""
 

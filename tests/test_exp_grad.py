@@ -1,4 +1,5 @@
-"""The plain loss's chunk gradient from kept exponentials (chunk_grad="exponentials", cuda/exp_grad_ops.py).
+"""The chunk gradient from kept exponentials (chunk_grad="exponentials", cuda/exp_grad_ops.py): the plain loss,
+and losses with a temperature and token weights, whose gradient is a row multiple of softmax - onehot too.
 
 Under the Triton interpreter (CPU, fp32) the exponentials come from the logits (exponentials_from_logits_), and
 the finishing, redo and row-scaling kernels and the engine's row-scaled gradient products run as on a GPU;
@@ -35,21 +36,21 @@ def exp_calls(monkeypatch):
         calls.append([hidden.shape[0], None])
         return real_grad(self, hidden, *args, **kwargs)
 
-    def counting_redo(hidden, weight, target, redo_rows, redo_count, exp, lse):
+    def counting_redo(hidden, weight, target, redo_rows, redo_count, exp, lse, temperature):
         calls[-1][1] = int(redo_count.item())
-        return real_redo(hidden, weight, target, redo_rows, redo_count, exp, lse)
+        return real_redo(hidden, weight, target, redo_rows, redo_count, exp, lse, temperature)
 
     monkeypatch.setattr(ops.TritonChunkKernels, "gemm_exp_grad", counting_grad)
     monkeypatch.setattr(ops, "redo_exp_rows", counting_redo)
     return calls
 
 
-def _grads_against_float64(x, w, t, reduction: str = "mean"):
+def _grads_against_float64(x, w, t, reduction: str = "mean", **options):
     with override_params(KNOBS, backend="cuda"):
-        loss = flce.linear_cross_entropy(x, w, t, backend="cuda", reduction=reduction)
+        loss = flce.linear_cross_entropy(x, w, t, backend="cuda", reduction=reduction, **options)
     gx, gw = torch.autograd.grad(loss, (x, w))
     xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
-    ref = reference_loss(xd, wd, t, reduction=reduction).loss
+    ref = reference_loss(xd, wd, t, reduction=reduction, **options).loss
     ref_gx, ref_gw = torch.autograd.grad(ref, (xd, wd))
     return (loss, ref), (gx, ref_gx), (gw, ref_gw)
 
@@ -108,10 +109,75 @@ def test_exponentials_mixed_rows_and_all_ignored(exp_calls):
     assert float(loss) == 0.0 and not gx.any() and not gw.any()
 
 
+@interpreter_only
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("options", [{"temperature": 0.7}, {"token_weights": True},
+                                     {"temperature": 1.6, "token_weights": True}], ids=["T", "weights", "T+weights"])
+def test_exponentials_with_temperature_and_token_weights(reduction, options, exp_calls):
+    """An RL objective without an entropy term (token weights of both signs, a temperature: the gradient is still
+    a row multiple of softmax - onehot) takes the kept exponentials too: loss and both gradients at fp32
+    accuracy against the float64 oracle, three chunks."""
+    x, w, _, t = lm_head_inputs(21, 24, 203, torch.float32, "cpu", with_bias=False)
+    if options.get("token_weights"):
+        options = dict(options, token_weights=torch.randn(t.shape))
+    for got, want in _grads_against_float64(x, w, t, reduction, **options):
+        assert relative_error(got, want) < 1e-5
+    assert exp_calls == [[8, 0], [8, 0], [5, 0]]
+
+
+@interpreter_only
+def test_exponentials_detached_logprobs_with_temperature(exp_calls):
+    """Detached log-probs beside the objective come from the row statistics of the same path: the oracle's."""
+    x, w, _, t = lm_head_inputs(21, 24, 203, torch.float32, "cpu", with_bias=False)
+    adv = torch.randn(t.shape)
+    options = {"temperature": 0.7, "token_weights": adv, "return_logprobs": True}
+    with override_params(KNOBS, backend="cuda"):
+        out = flce.linear_cross_entropy(x, w, t, backend="cuda", detach_extras=True, **options)
+    ref = reference_loss(x.detach().double(), w.detach().double(), t, **options)
+    valid = t != -100
+    assert not out.logprobs.requires_grad
+    assert relative_error(out.logprobs[valid], ref.logprobs[valid]) < 1e-5
+    assert relative_error(out.loss, ref.loss) < 1e-5
+    assert len(exp_calls) == 3
+
+
+@interpreter_only
+def test_exponentials_redo_rows_with_temperature(exp_calls):
+    """Rows past the cap at a temperature of 0.5 (logits of ~+-1e3 become ~+-2e3): recomputed with z = u / T, and
+    their gradient carries the 1 / T; a redo that forgot the temperature is off by O(1)."""
+    n, h, v = 18, 16, 203
+    x = (torch.randn(n, h) * 12).requires_grad_()
+    w = (torch.randn(v, h) * 6).requires_grad_()
+    t = torch.randint(0, v, (n,))
+    (loss, ref), *grads = _grads_against_float64(x, w, t, temperature=0.5, token_weights=torch.rand(n) + 0.5)
+    assert sum(redone for _, redone in exp_calls) >= n // 2
+    largest = float((x.detach() @ w.detach().t()).abs().max()) / 0.5
+    assert float(ref) > 200
+    assert relative_error(loss, ref) < 1e-6
+    for got, want in grads:
+        assert torch.isfinite(got).all() and relative_error(got, want) < largest * 2**-20
+
+
+@interpreter_only
+def test_exponential_offsets_follow_the_temperature():
+    """c = the target's base-2 logit z_t log2(e) + 58 with z = u / temperature (0 on ignored rows): the offset
+    keeps the GEMM's exponentials under their cap only when it is on the same scale as they are."""
+    from flce.backends.cuda.exp_grad_ops import exp_offsets
+
+    x, w, _, t = lm_head_inputs(21, 24, 203, torch.float32, "cpu", with_bias=False)
+    valid = t != -100
+    u_t = (x.detach().double() * w.detach().double()[torch.where(valid, t, 0)]).sum(1)
+    for temperature in (1.0, 0.5, 2.0):
+        got = exp_offsets(x.detach(), w.detach(), t, -100, temperature).double()
+        want = torch.where(valid, u_t / temperature * 1.4426950408889634 + 58.0, 0.0)
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-4)
+
+
 def test_exponentials_planned_where_they_apply():
-    """The tuned knob takes effect for a plain bf16/fp32 training call with a scalar loss and no bias; a bias,
-    fp16, another option or reduction="none" keep the logits path, and so does a call the cache says nothing
-    for off Hopper (here: a CPU tensor)."""
+    """The tuned knob takes effect for a bf16/fp32 training call with a scalar loss, no bias and a gradient that is
+    a row multiple of softmax - onehot (no option but a temperature and detached log-probs); a bias, fp16, another
+    option or reduction="none" keep the logits path, and so does a call the cache says nothing for off Hopper
+    (here: a CPU tensor)."""
     from planning import cuda_plan
 
     from flce.config import LCEConfig
@@ -129,6 +195,13 @@ def test_exponentials_planned_where_they_apply():
     assert chunk_grad(bias=True) == LOGITS
     assert chunk_grad(label_smoothing=0.1) == LOGITS
     assert chunk_grad(reduction="none") == LOGITS
+    # A gradient that stays a row multiple of softmax - onehot: a temperature, detached log-probs.
+    assert chunk_grad(temperature=0.7) == EXPONENTIALS
+    assert chunk_grad(temperature=0.7, return_logprobs=True, detach_extras=True) == EXPONENTIALS
+    assert chunk_grad(return_logprobs=True) == LOGITS  # differentiable log-probs: gradients in backward
+    for other in ({"entropy_weight": 0.01}, {"return_entropy": True, "detach_extras": True}, {"softcap": 30.0},
+                  {"class_weight": torch.ones(64)}, {"token_scaling": True}, {"lse_square_scale": 1e-4}):
+        assert chunk_grad(temperature=0.7, **other) == LOGITS, other
     assert chunk_grad(knobs={"tokens_per_chunk": 8, "grad_schedule": "token_chunks"}) == LOGITS
 
 

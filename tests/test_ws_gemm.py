@@ -270,14 +270,17 @@ def test_ws_row_stats_writes_the_logits(tokens: int, hidden: int, vocab: int) ->
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("objective", ["plain", "weighted"])
 @pytest.mark.parametrize("chunk_grad", ["logits", "exponentials"])
 @pytest.mark.parametrize("hidden,vocab", [(1024, 32000), (2048, 151936)])
-def test_ws_training_through_flce_matches_float64(hidden: int, vocab: int, chunk_grad: str,
+def test_ws_training_through_flce_matches_float64(hidden: int, vocab: int, chunk_grad: str, objective: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """flce's training call on Hopper: each chunk's logits (or, with chunk_grad="exponentials", the default,
     its row-offset exponentials) from the ws statistics GEMM, the gradient products on the ws GEMM (the
     grad_gemm_kernel knob; grad_weight accumulated over several chunks), all counted; the loss and both
-    gradients within 1.5x of eager bf16's error against float64."""
+    gradients within 1.5x of eager bf16's error against float64. "weighted": an RL objective without an
+    entropy term (temperature 0.7, token weights of both signs), whose gradient is still a row multiple of
+    softmax - onehot."""
     from helpers import lm_head_inputs, relative_error
 
     import flce
@@ -296,8 +299,11 @@ def test_ws_training_through_flce_matches_float64(hidden: int, vocab: int, chunk
     x.requires_grad_(True)
     w.requires_grad_(True)
     budget = 1024 * vocab * 2  # 1024-row chunks: three of them, the last partial
+    options = {}
+    if objective == "weighted":
+        options = {"temperature": 0.7, "token_weights": torch.randn(t.shape, device="cuda")}
     with override_params({"grad_gemm_kernel": "warp_specialized", "chunk_grad": chunk_grad}, backend="cuda"):
-        loss = flce.linear_cross_entropy(x, w, t, memory_budget=budget)
+        loss = flce.linear_cross_entropy(x, w, t, memory_budget=budget, **options)
         gx, gw = torch.autograd.grad(loss, (x, w))
     assert stats_calls == [True] * 3, "every chunk's logits come from the ws statistics GEMM"
     if chunk_grad == "logits":
@@ -305,10 +311,13 @@ def test_ws_training_through_flce_matches_float64(hidden: int, vocab: int, chunk
     else:  # E.T @ (s x) first, into grad_weight; then E @ W over the scaled x rows
         assert gemm_calls == [False, False, True, False, True, False], "G.T @ x accumulated, G @ W per chunk"
     xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
-    ref = reference_loss(xd, wd, t).loss
+    ref = reference_loss(xd, wd, t, **options).loss
     ref_gx, ref_gw = torch.autograd.grad(ref, (xd, wd))
     xe, we = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
-    eager = torch.nn.functional.cross_entropy((xe @ we.t()).float(), t)
+    # eager bf16: the logits rounded to bf16 by the GEMM, the rest in fp32
+    terms = torch.nn.functional.cross_entropy((xe @ we.t()).float() / options.get("temperature", 1.0), t,
+                                              reduction="none")
+    eager = (terms * options.get("token_weights", 1.0)).sum() / (t != -100).sum()
     eager_gx, eager_gw = torch.autograd.grad(eager, (xe, we))
     for name, got, want, base in (("loss", loss, ref, eager), ("grad_hidden", gx, ref_gx, eager_gx),
                                   ("grad_weight", gw, ref_gw, eager_gw)):

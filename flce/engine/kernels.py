@@ -104,16 +104,17 @@ class FusedGradGemm(Protocol):
 
 
 class KeptExponentials(Protocol):
-    """Capability KEPT_EXPONENTIALS (the plain variant: no option changes the gradient's formula)."""
+    """Capability KEPT_EXPONENTIALS: calls whose gradient is a row multiple of softmax - onehot
+    (flce.gradients.gradient_is_row_scaled_softmax: the plain loss, a temperature, token weights)."""
 
     def gemm_exp_grad(
         self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, cfg: LCEConfig,
         grad_scale: torch.Tensor, exp_out: torch.Tensor,
     ) -> tuple[RowStats, torch.Tensor]:
-        """(row statistics, row_scale [n] fp32) of the logits hidden @ weight.T, with ``exp_out`` [n, V] (the
-        inputs' dtype) written such that row_scale[:, None] * exp_out is the gradient
-        (softmax - onehot) * grad_scale: the two gradient products are then GEMMs on exp_out whose rows
-        (grad_hidden) or whose other operand's rows (grad_weight) are scaled."""
+        """(row statistics, row_scale [n] fp32) of the logits z = hidden @ weight.T / cfg.temperature, with
+        ``exp_out`` [n, V] (the inputs' dtype) written such that row_scale[:, None] * exp_out is the gradient of
+        the raw logits, (softmax(z) - onehot) * grad_scale / cfg.temperature: the two gradient products are then
+        GEMMs on exp_out whose rows (grad_hidden) or whose other operand's rows (grad_weight) are scaled."""
 
     def scale_rows(self, src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [n, H] = src * scale[:, None] (fp32 [n]) computed in fp32 and rounded once; out may be src."""

@@ -82,7 +82,7 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
         # A kept chunk's logits are written straight into the saved buffer.
         kept = saved[rows] if saved is not None and rows.stop <= keep else None
         out = kept if kept is not None else buffer.view(n, vocab_here)
-        if acc and call.plain and plan.chunk_grad == EXPONENTIALS:
+        if acc and plan.chunk_grad == EXPONENTIALS:
             # The statistics GEMM keeps exponentials whose row scaling is the gradient: no row kernel
             # passes over them, and the gradient GEMMs scale rows instead.
             stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg,

@@ -23,7 +23,9 @@ then each variant in turn, so the kernels alternate:
 * with ``--objective`` shapes: the same RL objective handed to the call (``token_weights`` = the advantages,
   ``entropy_weight`` = 0.01: a scalar loss, its gradient formed in the forward) fwd+bwd at the default memory,
   chunk logits from each source as for ``--smoothing``, also (ws only) returning the log-probs and the entropy
-  detached (``detach_extras=True``), and its loss and gradients against the composed ones.
+  detached (``detach_extras=True``), and its loss and gradients against the composed ones; and the objective
+  without the entropy term (its gradient a row multiple of softmax - onehot) on the ws GEMM keeping exponentials
+  (the default) or its logits.
 
 The last columns: how far the ws variant's outputs (log-probs, entropy; gradients) are from the Triton
 one's, as relative Frobenius norms.
@@ -77,10 +79,14 @@ FORWARD_VARIANTS = {
     "ws, log-probs only": ({"reduction": "none", "temperature": 0.7, "return_logprobs": True}, "warp_specialized"),
     "ws, plain loss": ({}, "warp_specialized"),
 }
-# Where a training chunk's logits come from (knobs of the cuda plan).
+# Where a training chunk's logits come from (knobs of the cuda plan). The ws GEMM keeps exponentials instead of
+# logits where the gradient is a row multiple of softmax - onehot; "ws, logits kept" asks for the logits there.
 CHUNK_LOGITS = {"ws": {"forward_logits": "fused", "logits_kernel": "warp_specialized"},
-                    "Triton": {"forward_logits": "fused", "logits_kernel": "triton"},
-                    "cuBLAS + row kernel": {"forward_logits": "cublas"}}
+                "Triton": {"forward_logits": "fused", "logits_kernel": "triton"},
+                "cuBLAS + row kernel": {"forward_logits": "cublas"},
+                "ws, logits kept": {"forward_logits": "fused", "logits_kernel": "warp_specialized",
+                                    "chunk_grad": "logits"}}
+SOURCES = ("ws", "Triton", "cuBLAS + row kernel")
 
 
 def forward_rows(label: str, rounds: int) -> list[str]:
@@ -165,10 +171,11 @@ def option_forward_rows(label: str, rounds: int) -> list[str]:
 
 
 def chunk_logits_rows(label: str, rounds: int, call: str, options: dict, bias: torch.Tensor | None,
-                      inputs: tuple | None = None, sources: tuple[str, ...] = tuple(CHUNK_LOGITS)) -> list[str]:
-    """The mean loss with ``options`` fwd+bwd at the default memory, its chunk logits from each of ``sources``
-    (names in CHUNK_LOGITS), x the floor; with both, the ws variant's loss and gradients against cuBLAS + the
-    row kernel's. With ``return_*`` options only the loss is differentiated."""
+                      inputs: tuple | None = None, sources: tuple[str, ...] = SOURCES) -> list[str]:
+    """The mean loss with ``options`` fwd+bwd at the default memory, its chunk logits from each of ``sources`` (names
+    in CHUNK_LOGITS), x the floor; the ws variant's loss and gradients against cuBLAS + the row kernel's, else against
+    the ws GEMM keeping logits, where ``sources`` has them. With ``return_*`` options only the loss is
+    differentiated."""
     x, w, t, _ = inputs or shape_inputs(*parse_shape(label))
     leaves = (x, w) if bias is None else (x, w, bias)
 
@@ -185,16 +192,17 @@ def chunk_logits_rows(label: str, rounds: int, call: str, options: dict, bias: t
             knobs = CHUNK_LOGITS[name]
             ratios[name].append(median_ms(lambda knobs=knobs: step(knobs), warmup_ms=200, rep_ms=1500) / floor)
     diff = ""
-    if "ws" in sources and "cuBLAS + row kernel" in sources:
-        ws, cublas = step(CHUNK_LOGITS["ws"]), step(CHUNK_LOGITS["cuBLAS + row kernel"])
-        diff = " / ".join(f"{relative_difference(a, b):.1e}" for a, b in zip(ws, cublas, strict=True))
-        del ws, cublas
+    against = next((name for name in ("cuBLAS + row kernel", "ws, logits kept") if name in sources), None)
+    if "ws" in sources and against:
+        ws, other = step(CHUNK_LOGITS["ws"]), step(CHUNK_LOGITS[against])
+        diff = " / ".join(f"{relative_difference(a, b):.1e}" for a, b in zip(ws, other, strict=True))
+        del ws, other
     rows = []
     for name in sources:
         knobs = CHUNK_LOGITS[name]
         peak = peak_mib_above(lambda knobs=knobs: step(knobs))
         rows.append(f"| {label} | {call} fwd+bwd, default | {name} | {_cell(ratios[name])} | {peak:.0f} | "
-                    f"{diff + ' (loss / grads, against cuBLAS)' if name == 'ws' and diff else ''} |")
+                    f"{diff + f' (loss / grads, against {against})' if name == 'ws' and diff else ''} |")
     return rows
 
 
@@ -214,6 +222,10 @@ def objective_rows(label: str, rounds: int) -> list[str]:
     rows += chunk_logits_rows(label, rounds, "RL objective in the call, log-probs + entropy detached",
                               dict(options, return_logprobs=True, return_entropy=True, detach_extras=True), None,
                               inputs, sources=("ws",))
+    # Without the entropy term the gradient is a row multiple of softmax - onehot: kept exponentials, against
+    # the same call keeping its logits.
+    rows += chunk_logits_rows(label, rounds, "RL objective in the call without the entropy term",
+                              dict(options, entropy_weight=0.0), None, inputs, sources=("ws", "ws, logits kept"))
     loss = flce.linear_cross_entropy(x, w, t, **options)
     in_call = (loss.detach(), *torch.autograd.grad(loss, (x, w)))
     out = flce.linear_cross_entropy(x, w, t, **RL)

@@ -1,9 +1,11 @@
-"""Triton kernels of the plain loss's gradient from kept exponentials (exp_grad_ops.py says how they fit).
+"""Triton kernels of the loss's gradient from kept exponentials (exp_grad_ops.py says how they fit), for losses
+whose gradient is a per-row multiple of softmax - onehot (flce.gradients.gradient_is_row_scaled_softmax).
 
-A chunk's fused statistics GEMM keeps E = exp2(y - c) per row instead of its logits (y the base-2 logit,
-c a per-row offset chosen before the GEMM from the target's logit), so that the gradient
-G = softmax - onehot = s * E with s = exp2(c - lse2) per row: the two gradient GEMMs read E and scale
-rows, and no pass over the logits turns them into G. The target's column is overwritten with
+A chunk's fused statistics GEMM keeps E = exp2(y - c) per row instead of its logits (y the base-2 logit
+z log2(e), z = u / temperature of the GEMM's u; c a per-row offset chosen before the GEMM from the target's
+logit), so that the gradient G = softmax - onehot = s * E with s = exp2(c - lse2) per row (times the row's
+upstream scale and 1 / temperature): the two gradient GEMMs read E and scale rows, and no pass over the logits
+turns them into G. The target's column is overwritten with
 (p_t - 1) / s, so G is s * E exactly there too (no cancellation between the GEMM's p_t and the onehot).
 Rows whose logits exceed c + 64 (a target logit more than ~84 nats below the row's lse) were capped in
 the GEMM, and so were their statistics, which the warp-specialised GEMM takes relative to c; they are
@@ -30,9 +32,10 @@ REDO_ABOVE = tl.constexpr(63.0)
 
 @triton.jit
 def _exp_offsets_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, offset_ptr, hidden, vocab, ignore_index,
-                        BLOCK_H: tl.constexpr):
-    """offset[row] = x[row] . w[target] * log2(e) + OFFSET_ABOVE_TARGET in fp32 (0 for an ignored row, whose
-    gradient row is 0); grid (rows,). Within a few ulps of the GEMM's rounded logit, which is all c needs."""
+                        y_scale, BLOCK_H: tl.constexpr):
+    """offset[row] = x[row] . w[target] * y_scale + OFFSET_ABOVE_TARGET in fp32 (y_scale = log2(e) / temperature;
+    0 for an ignored row, whose gradient row is 0); grid (rows,). Within a few ulps of the GEMM's rounded logit,
+    which is all c needs."""
     row = tl.program_id(0)
     t = tl.load(target_ptr + row)
     valid = (t != ignore_index) & (t >= 0) & (t < vocab)
@@ -46,31 +49,33 @@ def _exp_offsets_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, offset_ptr
         x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < hidden, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + safe_t * stride_w + cols, mask=cols < w_cols, other=0.0).to(tl.float32)
         acc += x * w
-    offset = tl.sum(acc, axis=0) * LOG2E + OFFSET_ABOVE_TARGET
+    offset = tl.sum(acc, axis=0) * y_scale + OFFSET_ABOVE_TARGET
     tl.store(offset_ptr + row, tl.where(valid, offset, 0.0))
 
 
 @triton.jit
-def _exp_logits_kernel(logits_ptr, stride, offset_ptr, vocab, BLOCK_V: tl.constexpr):
-    """E = exp2(min(u * log2(e) - offset, CAP)) over a row of logits u in place (the exponentials where no
-    fused GEMM wrote them: the interpreter, a GEMM that failed to compile); grid (rows, V blocks)."""
+def _exp_logits_kernel(logits_ptr, stride, offset_ptr, vocab, y_scale, BLOCK_V: tl.constexpr):
+    """E = exp2(min(u * y_scale - offset, CAP)) over a row of logits u in place (y_scale = log2(e) / temperature;
+    the exponentials where no fused GEMM wrote them: the interpreter, a GEMM that failed to compile); grid (rows,
+    V blocks)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < vocab
     offset = tl.load(offset_ptr + row)
     u = tl.load(logits_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
-    e = tl.exp2(tl.minimum(u * LOG2E - offset, CAP))
+    e = tl.exp2(tl.minimum(u * y_scale - offset, CAP))
     tl.store(logits_ptr + row * stride + cols, e.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _exp_rows_finish_kernel(exp_ptr, stride, target_ptr, row_max_ptr, sum_exp_ptr, lse_ptr, target_z_ptr, offset_ptr,
-                            grad_scale_ptr, grad_scale_stride, row_scale_ptr, redo_rows_ptr, redo_count_ptr, n_rows,
-                            vocab, ignore_index, BLOCK: tl.constexpr):
-    """Per row, from the merged statistics (row max and sum of exponentials, natural): the lse into lse_ptr, the
-    scale s (G = s * E) into row_scale, the target's column of E overwritten with (p_t - 1) / s; rows past the
-    cap are listed in redo_rows (count in redo_count, any order) with s = grad_scale, for _exp_rows_redo_kernel
-    (which also replaces their lse); ignored rows get s = 0. grid (cdiv(rows, BLOCK),)."""
+                            grad_scale_ptr, grad_scale_stride, inv_temperature, row_scale_ptr, redo_rows_ptr,
+                            redo_count_ptr, n_rows, vocab, ignore_index, BLOCK: tl.constexpr):
+    """Per row, from the merged statistics (row max and sum of exponentials of z = u / temperature, natural): the
+    lse into lse_ptr, the scale s (the gradient of the raw logits u is s * E) into row_scale, the target's column of
+    E overwritten with (p_t - 1) / exp2(c - lse2); rows past the cap are listed in redo_rows (count in redo_count,
+    any order) with s = grad_scale / temperature, for _exp_rows_redo_kernel (which also replaces their lse);
+    ignored rows get s = 0. grid (cdiv(rows, BLOCK),)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < n_rows
     t = tl.load(target_ptr + rows, mask=in_range, other=ignore_index)
@@ -80,7 +85,8 @@ def _exp_rows_finish_kernel(exp_ptr, stride, target_ptr, row_max_ptr, sum_exp_pt
     tl.store(lse_ptr + rows, lse, mask=in_range)
     lse2 = lse * LOG2E
     offset = tl.load(offset_ptr + rows, mask=in_range, other=0.0)
-    scale = tl.load(grad_scale_ptr + rows * grad_scale_stride, mask=in_range, other=0.0)
+    # d z / d u = 1 / temperature
+    scale = tl.load(grad_scale_ptr + rows * grad_scale_stride, mask=in_range, other=0.0) * inv_temperature
     redo = valid & (lse2 - offset > REDO_ABOVE)
     keep = valid & ~redo
     p_target = tl.exp2(tl.load(target_z_ptr + rows, mask=in_range, other=0.0) * LOG2E - lse2)
@@ -95,9 +101,10 @@ def _exp_rows_finish_kernel(exp_ptr, stride, target_ptr, row_max_ptr, sum_exp_pt
 
 
 @triton.jit
-def _redo_logits(x_ptr, stride_x, w_ptr, stride_w, rows, row_ok, cols, col_ok, hidden, BLOCK_R: tl.constexpr,
-                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """u[rows, cols] = x[rows] @ w[cols].T rounded to the inputs' dtype (as the GEMM's logits), -inf past V."""
+def _redo_logits(x_ptr, stride_x, w_ptr, stride_w, rows, row_ok, cols, col_ok, hidden, inv_temperature,
+                 BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """z[rows, cols] = x[rows] @ w[cols].T rounded to the inputs' dtype (as the GEMM's logits), then divided by
+    the temperature; -inf past V."""
     acc = tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32)
     for k in range(0, hidden, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
@@ -109,21 +116,21 @@ def _redo_logits(x_ptr, stride_x, w_ptr, stride_w, rows, row_ok, cols, col_ok, h
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
-    u = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-    return tl.where(col_ok[None, :], u, float("-inf"))
+    z = acc.to(x_ptr.dtype.element_ty).to(tl.float32) * inv_temperature
+    return tl.where(col_ok[None, :], z, float("-inf"))
 
 
 @triton.jit
 def _exp_rows_redo_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, redo_rows_ptr, redo_count_ptr, exp_ptr,
-                          stride_e, lse_ptr, hidden, vocab, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
-                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """The listed rows' E recomputed as their gradient (E = softmax, the target's softmax - 1: G = E, s = the
-    upstream scale) from logits recomputed here, with the lse of those same logits: two passes over V, the first
-    for the row's max and sum, so each row's softmax is consistent in itself (the GEMM's lse came from logits
-    summed in another order, which can round a logit to a neighbouring value); that lse (natural) replaces the
-    row's in lse_ptr, whose GEMM statistics summed capped values. grid (cdiv(rows, BLOCK_R),): each
-    program one block of BLOCK_R listed rows, if there are that many; no rows (the usual case), every program
-    only reads the count. IEEE: fp32 inputs, multiplied exactly (no TF32)."""
+                          stride_e, lse_ptr, hidden, vocab, inv_temperature, BLOCK_R: tl.constexpr,
+                          BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """The listed rows' E recomputed as their gradient (E = softmax, the target's softmax - 1: G = s * E, s = the
+    upstream scale / temperature) from logits z = u / temperature recomputed here, with the lse of those same logits:
+    two passes over V, the first for the row's max and sum, so each row's softmax is consistent in itself (the GEMM's
+    lse came from logits summed in another order, which can round a logit to a neighbouring value); that lse (natural)
+    replaces the row's in lse_ptr, whose GEMM statistics summed capped values. grid (cdiv(rows, BLOCK_R),): each
+    program one block of BLOCK_R listed rows, if there are that many; no rows (the usual case), every program only
+    reads the count. IEEE: fp32 inputs, multiplied exactly (no TF32)."""
     count = tl.load(redo_count_ptr)
     for start in range(tl.program_id(0) * BLOCK_R, count, tl.num_programs(0) * BLOCK_R):
         slots = start + tl.arange(0, BLOCK_R)
@@ -133,8 +140,8 @@ def _exp_rows_redo_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, redo_row
         row_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
         for v in range(0, vocab, BLOCK_V):
             cols = v + tl.arange(0, BLOCK_V)
-            u = _redo_logits(x_ptr, stride_x, w_ptr, stride_w, rows, row_ok, cols, cols < vocab, hidden, BLOCK_R,
-                             BLOCK_V, BLOCK_K, IEEE)
+            u = _redo_logits(x_ptr, stride_x, w_ptr, stride_w, rows, row_ok, cols, cols < vocab, hidden,
+                             inv_temperature, BLOCK_R, BLOCK_V, BLOCK_K, IEEE)
             new_max = tl.maximum(row_max, tl.max(u, axis=1))
             row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(u - new_max[:, None]), axis=1)
             row_max = new_max
@@ -144,8 +151,8 @@ def _exp_rows_redo_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, redo_row
         for v in range(0, vocab, BLOCK_V):
             cols = v + tl.arange(0, BLOCK_V)
             col_ok = cols < vocab
-            u = _redo_logits(x_ptr, stride_x, w_ptr, stride_w, rows, row_ok, cols, col_ok, hidden, BLOCK_R,
-                             BLOCK_V, BLOCK_K, IEEE)
+            u = _redo_logits(x_ptr, stride_x, w_ptr, stride_w, rows, row_ok, cols, col_ok, hidden,
+                             inv_temperature, BLOCK_R, BLOCK_V, BLOCK_K, IEEE)
             e = tl.exp(u - lse[:, None]) - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)
             tl.store(exp_ptr + rows[:, None] * stride_e + cols[None, :], e.to(exp_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & col_ok[None, :])

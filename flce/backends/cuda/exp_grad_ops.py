@@ -1,6 +1,8 @@
-"""Launchers of the plain loss's gradient from kept exponentials (exp_grad_kernels.py).
+"""Launchers of the loss's gradient from kept exponentials (exp_grad_kernels.py).
 
-The schedule (engine capability KEPT_EXPONENTIALS) for one token chunk of a plain training call:
+The schedule (engine capability KEPT_EXPONENTIALS) for one token chunk of a training call whose gradient is a
+per-row multiple of softmax - onehot (the plain loss; a temperature, token weights:
+flce.gradients.gradient_is_row_scaled_softmax):
 
 1. :func:`exp_offsets`: c per row from the target's logit (a dot product per row, before the GEMM);
 2. the warp-specialised statistics GEMM writes E = exp2(y - c) instead of the logits (ws_gemm_ops,
@@ -23,38 +25,42 @@ import triton
 from flce.backends.cuda import exp_grad_kernels as k
 from flce.semantics import PartialRowStats, RowStats
 
+_LOG2E = 1.4426950408889634
 _FINISH_BLOCK = 256
 _REDO_ROWS, _REDO_COLS, _REDO_K = 16, 128, 64
 
 
-def exp_offsets(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """[n] fp32 base-2 offsets c: the target's logit (in fp32 from the inputs) + OFFSET_ABOVE_TARGET; 0 on
-    ignored rows."""
+def exp_offsets(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                temperature: float = 1.0) -> torch.Tensor:
+    """[n] fp32 base-2 offsets c: the target's logit (in fp32 from the inputs, divided by the temperature) +
+    OFFSET_ABOVE_TARGET; 0 on ignored rows."""
     n, hidden_size = hidden.shape
     offsets = torch.empty(n, dtype=torch.float32, device=hidden.device)
     if n:
         block = min(1024, triton.next_power_of_2(max(hidden_size, 16)))
         k._exp_offsets_kernel[(n,)](hidden, hidden.stride(0), weight, weight.stride(0), target, offsets, hidden_size,
-                                    weight.shape[0], ignore_index, BLOCK_H=block, num_warps=4)
+                                    weight.shape[0], ignore_index, _LOG2E / temperature, BLOCK_H=block, num_warps=4)
     return offsets
 
 
-def exponentials_from_logits_(logits: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The logits [n, V] overwritten with exp2(min(y - c, CAP)) (what the fused GEMM writes)."""
+def exponentials_from_logits_(logits: torch.Tensor, offsets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The logits u [n, V] overwritten with exp2(min(y - c, CAP)), y = u log2(e) / temperature (what the fused GEMM
+    writes)."""
     n, vocab = logits.shape
     if n:
         block = min(4096, triton.next_power_of_2(max(vocab, 16)))
         k._exp_logits_kernel[(n, triton.cdiv(vocab, block))](logits, logits.stride(0), offsets, vocab,
-                                                              BLOCK_V=block, num_warps=8)
+                                                              _LOG2E / temperature, BLOCK_V=block, num_warps=8)
     return logits
 
 
 def finish_exp_rows(exp: torch.Tensor, target: torch.Tensor, ignore_index: int, partial: PartialRowStats,
-                    offsets: torch.Tensor, grad_scale: torch.Tensor
+                    offsets: torch.Tensor, grad_scale: torch.Tensor, temperature: float = 1.0
                     ) -> tuple[RowStats, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the row statistics: lse [n] fp32 and target_z, natural; row_scale [n] fp32; rows to redo [n] int32; their
-    count [1] int32) from the chunk's merged plain statistics (row max, sum of exponentials, target_z) and the
-    upstream per-row scale; writes the target's column of E."""
+    count [1] int32) from the chunk's merged statistics (row max, sum of exponentials, target_z) and the
+    upstream per-row scale; writes the target's column of E. row_scale includes 1 / temperature: the gradient
+    products multiply the raw logits' operands."""
     n, vocab = exp.shape
     lse = torch.empty(n, dtype=torch.float32, device=exp.device)
     row_scale = torch.empty(n, dtype=torch.float32, device=exp.device)
@@ -63,21 +69,21 @@ def finish_exp_rows(exp: torch.Tensor, target: torch.Tensor, ignore_index: int, 
     if n:
         k._exp_rows_finish_kernel[(triton.cdiv(n, _FINISH_BLOCK),)](
             exp, exp.stride(0), target, partial.row_max, partial.sum_exp, lse, partial.target_z, offsets, grad_scale,
-            grad_scale.stride(0) if grad_scale.dim() else 0, row_scale, redo_rows, redo_count, n, vocab,
-            ignore_index, BLOCK=_FINISH_BLOCK, num_warps=4)
+            grad_scale.stride(0) if grad_scale.dim() else 0, 1.0 / temperature, row_scale, redo_rows, redo_count, n,
+            vocab, ignore_index, BLOCK=_FINISH_BLOCK, num_warps=4)
     return RowStats(lse=lse, target_z=partial.target_z), row_scale, redo_rows, redo_count
 
 
 def redo_exp_rows(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, redo_rows: torch.Tensor,
-                  redo_count: torch.Tensor, exp: torch.Tensor, lse: torch.Tensor) -> None:
-    """E of the listed rows recomputed as their gradient (finish_exp_rows gave them the upstream scale alone),
-    with the lse of the recomputed logits, written into ``lse`` [n] (natural) for those rows. No host sync: the
-    kernel reads the count."""
+                  redo_count: torch.Tensor, exp: torch.Tensor, lse: torch.Tensor, temperature: float = 1.0) -> None:
+    """E of the listed rows recomputed as their gradient (finish_exp_rows gave them the upstream scale / temperature
+    alone), with the lse of the recomputed logits, written into ``lse`` [n] (natural) for those rows. No host sync:
+    the kernel reads the count."""
     n, vocab = exp.shape
     if n:
         k._exp_rows_redo_kernel[(triton.cdiv(n, _REDO_ROWS),)](
             hidden, hidden.stride(0), weight, weight.stride(0), target, redo_rows, redo_count, exp, exp.stride(0), lse,
-            hidden.shape[1], vocab, BLOCK_R=_REDO_ROWS, BLOCK_V=_REDO_COLS, BLOCK_K=_REDO_K,
+            hidden.shape[1], vocab, 1.0 / temperature, BLOCK_R=_REDO_ROWS, BLOCK_V=_REDO_COLS, BLOCK_K=_REDO_K,
             IEEE=hidden.dtype == torch.float32, num_warps=4)
 
 

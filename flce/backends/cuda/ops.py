@@ -118,12 +118,12 @@ class TritonChunkKernels:
         return running
 
     def gemm_exp_grad(self, hidden, weight, target, cfg: LCEConfig, grad_scale, exp_out):
-        offsets = exp_offsets(hidden, weight, target, cfg.ignore_index)
+        offsets = exp_offsets(hidden, weight, target, cfg.ignore_index, cfg.temperature)
 
         def from_logits() -> PartialRowStats:
             # The logits from the Triton GEMM, then one pass turns them into the exponentials.
             partial = self._triton_row_stats(hidden, weight, None, target, cfg, 0, exp_out)
-            exponentials_from_logits_(exp_out, offsets)
+            exponentials_from_logits_(exp_out, offsets, cfg.temperature)
             return partial
 
         if self.choice.logits == WARP_SPECIALIZED:
@@ -134,8 +134,8 @@ class TritonChunkKernels:
         else:
             partial = from_logits()
         stats, row_scale, redo_rows, redo_count = finish_exp_rows(exp_out, target, cfg.ignore_index, partial, offsets,
-                                                                  grad_scale)
-        redo_exp_rows(hidden, weight, target, redo_rows, redo_count, exp_out, stats.lse)
+                                                                  grad_scale, cfg.temperature)
+        redo_exp_rows(hidden, weight, target, redo_rows, redo_count, exp_out, stats.lse, cfg.temperature)
         return stats, row_scale
 
     def scale_rows(self, src, scale, out):

@@ -38,6 +38,7 @@ from flce.engine.plans import (
     VocabBlocks,
 )
 from flce.engine.rows import logits_bytes_per_row, logits_dtype
+from flce.gradients import gradient_is_row_scaled_softmax
 
 # Default working memory of one chunk's logits when gradients are computed. Larger chunks mean fewer
 # read-modify-writes of the V x H weight gradient (one per chunk); this keeps the default call
@@ -146,13 +147,15 @@ class Eligible:
 
 
 def exp_chunk_grad_possible(call: CallDescription) -> bool:
-    """Where a chunk's gradient can come from kept exponentials (capability KEPT_EXPONENTIALS): a plain
-    call whose scalar loss is its only differentiable output, bf16 or fp32 inputs (fp16 cannot hold
-    exponentials up to 2^64) in the compute dtype, no bias (whose gradient the path does not make), on
-    one device (a vocabulary shard's rows need the other shards' statistics first)."""
+    """Where a chunk's gradient can come from kept exponentials (capability KEPT_EXPONENTIALS): a call whose
+    gradient is a row multiple of softmax - onehot (the plain loss, a temperature, token weights:
+    gradient_is_row_scaled_softmax) and whose scalar loss is its only differentiable output, bf16 or fp32
+    inputs (fp16 cannot hold exponentials up to 2^64) in the compute dtype, no bias (whose gradient the path
+    does not make), on one device (a vocabulary shard's rows need the other shards' statistics first)."""
     cfg = call.cfg
-    return (not call.bias and not call.request.sharded and not cfg.needs_full and grads_in_forward_allowed(cfg)
-            and call.dtype in (torch.bfloat16, torch.float32) and logits_dtype(call.dtype, cfg) == call.dtype)
+    return (not call.bias and not call.request.sharded and gradient_is_row_scaled_softmax(cfg)
+            and grads_in_forward_allowed(cfg) and call.dtype in (torch.bfloat16, torch.float32)
+            and logits_dtype(call.dtype, cfg) == call.dtype)
 
 
 def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs,

@@ -111,7 +111,7 @@ def _plan_steps(device: DeviceDescription, call: CallDescription, plan: Plan, ke
     out: list[Step] = []
     if not in_forward and keep == 0 and plan.stats_first is not None:
         out.append(all_rows(plan.stats_first, " (in forward)"))
-    elif in_forward and call.plain and plan.chunk_grad == EXPONENTIALS:
+    elif in_forward and plan.chunk_grad == EXPONENTIALS:
         making = ((WS_GEMM, MERGE_SPLITS) if kernels.logits == WARP_SPECIALIZED else (*TRITON_STATS, EXP_LOGITS))
         out.append(Step("each chunk: exponentials and statistics (the gradient up to a row scale)",
                         (EXP_OFFSETS, *making, EXP_FINISH, EXP_REDO), f"{why.chunk_grad}; kernel: {why.logits_kernel}",
@@ -152,7 +152,7 @@ def _plan_steps(device: DeviceDescription, call: CallDescription, plan: Plan, ke
         weight_product = (WS_GEMM,)
     else:  # the first product writes the weight gradient, the others add into it
         weight_product = ("torch.mm", "torch.Tensor.addmm_") if updates > 1 else ("torch.mm",)
-    exponentials = in_forward and call.plain and plan.chunk_grad == EXPONENTIALS
+    exponentials = in_forward and plan.chunk_grad == EXPONENTIALS
     products = tuple(dict.fromkeys(((SCALE_ROWS,) if exponentials else ()) + hidden_product + weight_product))
     reason = why.products + ("; grad_weight accumulated in fp32 by cuBLAS (accum_dtype)" if fp32_weight else "")
     out.append(Step(f"gradient products G @ W and G.T @ x{when}", products, reason,

@@ -152,14 +152,14 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
 
     ROW_STATS: the tile (plus the bias with HAS_BIAS, added in fp32) goes to shared memory in the inputs'
     dtype (the logits PyTorch would materialise) and is reduced to statistics in STATS_CHUNKS chunks.
-    With INTERLEAVE (at least STATS_CHUNKS K steps a tile) one chunk runs during each of the program's
-    next tile's first K steps, while that step's wgmma runs, so the exp2s and reductions overlap the
-    tensor cores; the last tile's chunks, and every tile's without INTERLEAVE, run right after its main
-    loop. STORE_TILE: the tile in shared memory also goes out by a TMA store (the logits a later row
-    kernel turns into the gradient), which reads the buffer beside the statistics chunks and is waited
-    on only before the next tile overwrites it. STORE_EXP (instead of STORE_TILE; the plain loss alone): the
-    chunks (_exp_chunk) overwrite the tile with its row-offset exponentials and take the statistics relative
-    to that offset, and the half tile goes out by a TMA store once its last chunk is done.
+    With INTERLEAVE (at least STATS_CHUNKS K steps a tile) one chunk runs during each of the program's next tile's
+    first K steps, while that step's wgmma runs, so the exp2s and reductions overlap the tensor cores; the last tile's
+    chunks, and every tile's without INTERLEAVE, run right after its main loop. STORE_TILE: the tile in shared memory
+    also goes out by a TMA store (the logits a later row kernel turns into the gradient), which reads the buffer
+    beside the statistics chunks and is waited on only before the next tile overwrites it. STORE_EXP (instead of
+    STORE_TILE; a gradient that is a row multiple of softmax - onehot): the chunks (_exp_chunk) overwrite the tile
+    with its row-offset exponentials and take the statistics relative to that offset, and the half tile goes out by a
+    TMA store once its last chunk is done.
 
     ACCUMULATE (not with ROW_STATS): C's half tile is fetched into tile_smem at K step
     ACCUMULATE_PREFETCH_STEP (``c_ready[WG]`` completes one phase a tile) and added in the epilogue."""

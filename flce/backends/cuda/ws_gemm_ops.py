@@ -23,6 +23,7 @@ import triton
 
 from flce.backends.cuda.hardware import describe_device, is_hopper
 from flce.config import LCEConfig
+from flce.gradients import gradient_is_row_scaled_softmax
 from flce.semantics import PartialRowStats
 
 _GL_DTYPES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -156,13 +157,13 @@ def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
 def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, cfg: LCEConfig,
                config: WsGemmConfig, logits_out: torch.Tensor | None, class_weight: torch.Tensor | None = None,
                exp_offset: torch.Tensor | None = None) -> PartialRowStats:
-    """PartialRowStats of z = cap(x @ w.T + bias) / cfg.temperature (cap: cfg.softcap's, where set): the
-    plain statistics, sum_exp_dz where cfg asks for the entropy, the argmax (w's row index) where it
-    asks for token accuracy or predicted tokens, the sum of z for label smoothing (weighted by
-    ``class_weight`` [V], this shard's, where given). With ``exp_offset`` ([N] fp32, base 2; plain loss only)
-    ``logits_out`` gets min(exp2(y - exp_offset), ~2^64) of the base-2 logits y instead of the logits, and the
-    statistics are taken relative to exp_offset (ws_stats_kernels._exp_chunk: a row past the cap sums capped
-    values; exp_grad_ops recomputes it).
+    """PartialRowStats of z = cap(x @ w.T + bias) / cfg.temperature (cap: cfg.softcap's, where set): the plain
+    statistics, sum_exp_dz where cfg asks for the entropy, the argmax (w's row index) where it asks for token accuracy
+    or predicted tokens, the sum of z for label smoothing (weighted by ``class_weight`` [V], this shard's, where
+    given). With ``exp_offset`` ([N] fp32, base 2; calls whose gradient_is_row_scaled_softmax only) ``logits_out``
+    gets min(exp2(y - exp_offset), ~2^64) of the base-2 logits y instead of the logits, and the statistics are taken
+    relative to exp_offset (ws_stats_kernels._exp_chunk: a row past the cap sums capped values; exp_grad_ops
+    recomputes it).
 
     The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
     vocabulary order by gemm_ops.merge_splits."""
@@ -197,10 +198,11 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     if class_weight is not None and stats.weighted_sum_z is not None:
         weight = class_weight.float().contiguous()
     bias = bias.contiguous() if bias is not None else None
-    if exp_offset is not None and (c_desc is None or cfg.needs_full or exp_offset.shape != (n,)
-                                   or exp_offset.dtype != torch.float32 or not exp_offset.is_contiguous()):
-        raise ValueError("ws_partial_row_stats: exp_offset needs logits_out, the plain loss and a contiguous [N] fp32 "
-                         "tensor")
+    if exp_offset is not None and (c_desc is None or not gradient_is_row_scaled_softmax(cfg)
+                                   or exp_offset.shape != (n,) or exp_offset.dtype != torch.float32
+                                   or not exp_offset.is_contiguous()):
+        raise ValueError("ws_partial_row_stats: exp_offset needs logits_out, a loss whose gradient is a row multiple "
+                         "of softmax - onehot and a contiguous [N] fp32 tensor")
     unused = part_sum
     _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_dz, part_argmax, part_sum_y, target.long().contiguous(),
                              stats.target_z, weight if weight is not None else unused,

@@ -169,7 +169,7 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
 @gluon.jit
 def _exp_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
                BLOCK_N: gl.constexpr):
-    """The plain loss keeping exponentials (exp_grad_ops.py): chunk ``chunk`` of the half tile u, as in
+    """A loss keeping exponentials (exp_grad_ops.py): chunk ``chunk`` of the half tile u, as in
     _stats_chunk, overwritten in tile_smem by E = min(exp2(y - offset), 2^EXP_CAP) in the same dtype (0 past N;
     the caller stores it to HBM once all chunks of the half tile are done), offset = exp_offset[row] (base 2),
     the same for every tile of a row.
@@ -214,7 +214,7 @@ def _exp_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N,
 def _fold_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
                 softcap, BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr, SUM_Z: gl.constexpr,
                 SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr, STORE_EXP: gl.constexpr):
-    """One statistics chunk: _exp_chunk with STORE_EXP (the plain loss alone), else _stats_chunk."""
+    """One statistics chunk: _exp_chunk with STORE_EXP (exp_grad_ops.py), else _stats_chunk."""
     if STORE_EXP:
         carry = _exp_chunk(tile_smem, chunk, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale, BLOCK_N)
     else:
