@@ -18,8 +18,9 @@ BATCH_INVARIANT_TOKENS = 128
 FUSED = "fused"
 CUBLAS = "cublas"
 GEMM_PATHS = (FUSED, CUBLAS)
-# What a plain chunk's in-forward gradient is made from: its kept logits (a row kernel turns them into the
-# gradient) or the row-offset exponentials the statistics GEMM keeps instead (capability KEPT_EXPONENTIALS).
+# What a chunk's in-forward gradient is made from: its kept logits (a row kernel turns them into the gradient) or,
+# where the gradient is a row multiple of softmax - onehot (gradients.gradient_is_row_scaled_softmax), the
+# row-offset exponentials the statistics GEMM keeps instead (capability KEPT_EXPONENTIALS).
 LOGITS = "logits"
 EXPONENTIALS = "exponentials"
 CHUNK_GRADS = (LOGITS, EXPONENTIALS)
@@ -68,8 +69,8 @@ class TokenChunks:
     ``saved_rows`` rows (0, whole chunks, or all rows) and backward recomputes the rest chunk by
     chunk. forward_logits: how each chunk's logits and statistics are made; backward_grad: how a
     recomputed chunk's gradient is made; stats_first: where a deferred forward keeps no logits,
-    the statistics of all rows at once instead of chunk by chunk; chunk_grad: what the plain variant's
-    in-forward gradient of a chunk is made from (LOGITS or EXPONENTIALS; other calls take LOGITS)."""
+    the statistics of all rows at once instead of chunk by chunk; chunk_grad: what a chunk's in-forward
+    gradient is made from (LOGITS, or EXPONENTIALS where gradients.gradient_is_row_scaled_softmax)."""
 
     tokens_per_chunk: int
     saved_rows: int = 0

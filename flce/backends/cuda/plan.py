@@ -102,7 +102,7 @@ class TunedKnobs:
     stats_kernel: str | None = None
     logits_kernel: str | None = None
     grad_gemm_kernel: str | None = None
-    # what a plain chunk's in-forward gradient is made from (engine.plans.CHUNK_GRADS)
+    # what a chunk's in-forward gradient is made from (engine.plans.CHUNK_GRADS)
     chunk_grad: str | None = None
     source: str = "none for this shape"
 
