@@ -16,13 +16,14 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # pytest-xdist is not on every GPU image): tests/test_ws_gemm.py alone in its own (its float64 oracles at V = 130k-
 # 150k hold up to ~30 GB each; xdist workers beside it ran out of an H100's memory, 2026-11-25/26), the other
 # cuda-marked tests in a second, the compile and CUDA-graph tests in a third. tests/conftest.py hands cached memory
-# back after each test. Each lane's tail goes to $OUT/tests-<lane>.txt, all of them to $OUT/tests.txt.
+# back after each test. Each lane's log is written outside $OUT and joined into $OUT/tests.log, their tails into
+# $OUT/tests.txt: the device returns at most 8 files from $OUT.
+LANES=$(mktemp -d)
 run_lane() {  # name, pytest arguments...
   local name=$1
   shift
-  python3 -m pytest -p no:cacheprovider -q "$@" > "$OUT/tests-$name.log" 2>&1
-  echo "exit $?" >> "$OUT/tests-$name.log"
-  tail -25 "$OUT/tests-$name.log" > "$OUT/tests-$name.txt"
+  python3 -m pytest -p no:cacheprovider -q "$@" > "$LANES/$name.log" 2>&1
+  echo "exit $?" >> "$LANES/$name.log"
 }
 run_lane ws-gemm tests/test_ws_gemm.py -m cuda &
 run_lane cuda tests -m cuda --ignore=tests/test_ws_gemm.py --ignore=tests/test_compile.py --ignore=tests/test_cuda_graphs.py &
@@ -30,6 +31,10 @@ run_lane compile tests/test_compile.py tests/test_cuda_graphs.py &
 wait
 for lane in ws-gemm cuda compile; do
   echo "=== $lane"
-  cat "$OUT/tests-$lane.txt"
+  cat "$LANES/$lane.log"
+done > "$OUT/tests.log"
+for lane in ws-gemm cuda compile; do
+  echo "=== $lane"
+  tail -25 "$LANES/$lane.log"
 done | tee "$OUT/tests.txt"
 python3 tools/benchmarks/peers.py --json "$OUT/bench.json" --markdown "$OUT/bench.md" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
