@@ -199,6 +199,9 @@ def test_exponentials_planned_where_they_apply():
     assert chunk_grad(temperature=0.7) == EXPONENTIALS
     assert chunk_grad(temperature=0.7, return_logprobs=True, detach_extras=True) == EXPONENTIALS
     assert chunk_grad(return_logprobs=True) == LOGITS  # differentiable log-probs: gradients in backward
+    # Below 0.5 a wrong target's row crosses the exponentials' window (84.6 nats at the temperature) too easily.
+    assert chunk_grad(temperature=0.5) == EXPONENTIALS
+    assert chunk_grad(temperature=0.49) == LOGITS
     for other in ({"entropy_weight": 0.01}, {"return_entropy": True, "detach_extras": True}, {"softcap": 30.0},
                   {"class_weight": torch.ones(64)}, {"token_scaling": True}, {"lse_square_scale": 1e-4}):
         assert chunk_grad(temperature=0.7, **other) == LOGITS, other

@@ -180,7 +180,8 @@ class _Reasons:
         self.chunk_grad = (f"cache entry: chunk_grad={tuned.chunk_grad}" if tuned.chunk_grad else
                            "heuristic: kept exponentials beside the warp-specialised statistics GEMM where the "
                            "call allows them (bf16, no bias, a scalar loss whose gradient is a row multiple of "
-                           "softmax - onehot: no option but a temperature, token weights, detached log-probs)")
+                           "softmax - onehot: no option but a temperature from 0.5, token weights, detached "
+                           "log-probs)")
         self.launch = ("cache entry: block_v, num_warps" if tuned.launch else
                        f"heuristic: up to {sizes.MAX_BLOCK_V} columns a block, 8 warps from 2048 columns")
         self.gemm = "cache entry: gemm_*" if tuned.gemm else "heuristic: default_gemm_config"

@@ -146,16 +146,24 @@ class Eligible:
     fused_grad_default: bool  # the heuristic's fused gradient (the persistent Hopper kernel)
 
 
+# The kept exponentials hold a row without a redo while its loss at the call's temperature is under ~84.6 nats
+# (exp_grad_kernels.OFFSET_ABOVE_TARGET + CAP bits), i.e. the row's logits u within 84.6 * temperature nats above
+# the target's. A redone row recomputes its logits twice in a slow kernel, so colder calls, where wrong targets
+# cross that line (a gap of 8.5 nats at 0.1), keep their logits instead; from 0.5 on it takes a gap of 42 nats.
+EXP_MIN_TEMPERATURE = 0.5
+
+
 def exp_chunk_grad_possible(call: CallDescription) -> bool:
     """Where a chunk's gradient can come from kept exponentials (capability KEPT_EXPONENTIALS): a call whose
     gradient is a row multiple of softmax - onehot (the plain loss, a temperature, token weights:
     gradient_is_row_scaled_softmax) and whose scalar loss is its only differentiable output, bf16 or fp32
     inputs (fp16 cannot hold exponentials up to 2^64) in the compute dtype, no bias (whose gradient the path
-    does not make), on one device (a vocabulary shard's rows need the other shards' statistics first)."""
+    does not make), on one device (a vocabulary shard's rows need the other shards' statistics first), a
+    temperature of at least EXP_MIN_TEMPERATURE."""
     cfg = call.cfg
     return (not call.bias and not call.request.sharded and gradient_is_row_scaled_softmax(cfg)
-            and grads_in_forward_allowed(cfg) and call.dtype in (torch.bfloat16, torch.float32)
-            and logits_dtype(call.dtype, cfg) == call.dtype)
+            and cfg.temperature >= EXP_MIN_TEMPERATURE and grads_in_forward_allowed(cfg)
+            and call.dtype in (torch.bfloat16, torch.float32) and logits_dtype(call.dtype, cfg) == call.dtype)
 
 
 def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs,
