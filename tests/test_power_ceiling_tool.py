@@ -70,3 +70,46 @@ def test_the_tool_runs_through_on_the_cpu(tool, monkeypatch: pytest.MonkeyPatch,
     assert [line.split(" | ")[1] for line in gradients] == ["N(0, 1) (floor_gradient)", "N(0, 1) / V",
                                                              "the loss's gradient", "zeros"]
     assert len(calls) == 2 * (1 + 8)  # two rounds of x @ W.T and of the eight gradient products
+
+
+def test_the_calls_table_runs_through_on_the_cpu(tool, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """--calls: the floor's three products as one timing, flce's default and 2 GiB calls (each run once here, their
+    gradients checked against the oracle's), the ratio to the floor per round; no clocks on the CPU, so no
+    equal-clock column."""
+    from flce.testing import reference_loss
+
+    calls = []
+
+    def run_once(fn, **_) -> float:
+        calls.append((fn.__name__, fn()))
+        return 2.0 if fn.__name__ == "floor" else 3.0
+
+    monkeypatch.setattr(tool, "median_ms", run_once)
+    tool.main(["--shapes", "64x16x96", "--rounds", "2", "--device", "cpu", "--skip-gradients", "--calls"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith("| 64x16x96 |") and "x @ W.T" not in line]
+    assert [line.split(" | ")[1] for line in rows] == ["the floor's 3 cuBLAS products", "flce, default", "flce, 2 GiB"]
+    assert rows[0].endswith("| 2.000 (2.000-2.000) | 1.000 (1.000-1.000) | - | - | - |")
+    assert rows[1].endswith("| 3.000 (3.000-3.000) | 1.500 (1.500-1.500) | - | - | - |")
+    assert [name for name, _ in calls] == ["<lambda>"] * 2 + ["floor", "<lambda>", "<lambda>"] * 2
+    x, w, t, _ = tool.shape_inputs(64, 16, 96, torch.device("cpu"))
+    want = torch.autograd.grad(reference_loss(x.double(), w.double(), t).loss, (x, w))
+    for gx, gw in (calls[3][1], calls[4][1]):  # the default and the 2 GiB call's gradients (bf16)
+        torch.testing.assert_close(gx, want[0].to(gx.dtype), rtol=2e-2, atol=1e-3)
+        torch.testing.assert_close(gw, want[1].to(gw.dtype), rtol=2e-2, atol=1e-3)
+
+
+def test_the_calls_table_at_equal_clocks(tool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call 10% over the floor that ran at a clock 5% below the floor's did 4.5% more work a clock: the last column
+    takes each round's ratio times that round's clock ratio."""
+    def timed(fns, rounds, rep_ms, device):
+        clocks = {"the floor's 3 cuBLAS products": 1400.0, "flce, default": 1330.0, "flce, 2 GiB": 1400.0}
+        ms = {"the floor's 3 cuBLAS products": 10.0, "flce, default": 11.0, "flce, 2 GiB": 10.5}
+        return {name: {"ms": [ms[name]] * rounds, "mhz": [clocks[name]] * rounds, "watts": [700.0] * rounds,
+                       "held_back": []} for name in fns}
+
+    monkeypatch.setattr(tool, "timed_with_clocks", timed)
+    rows = tool.calls_table("64x16x96", 2, 1.0, torch.device("cpu"))
+    assert rows[1] == ("| 64x16x96 | flce, default | 11.000 (11.000-11.000) | 1.100 (1.100-1.100) | 1330 | 700 | "
+                       "1.045 (1.045-1.045) |")
+    assert rows[2].endswith("| 1.050 (1.050-1.050) | 1400 | 700 | 1.050 (1.050-1.050) |")

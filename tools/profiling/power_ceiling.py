@@ -6,13 +6,17 @@
 2. The floor's two gradient products ``G @ W`` and ``G.T @ x`` by cuBLAS with G drawn four ways: the N(0, 1)
    of ``flce.testing.measure.floor_gradient`` (every floor in flce's tools), N(0, 1) / V, the mean loss's own
    gradient (softmax - onehot) / count on the same inputs, zeros.
+3. With ``--calls``: flce's default training call (loss, then the gradients of x and W) and the same call with
+   ``memory_budget=2 << 30``, beside the floor's three cuBLAS products back to back, each timed as above while the
+   clock is sampled: the call's ratio to the floor, and that ratio at equal clocks (times the call's clock over the
+   floor's), which is what is left of the call's excess where its own traffic lowers the clock under the cap.
 
 Every timing is ``triton.testing.do_bench``'s median over ``--rep-ms`` after a warm-up, the variants in turn,
 ``--rounds`` rounds; a cell is the median over rounds (range), the clock and power the median over rounds of the
 samples' mean during each of the variant's timings. Inputs: ``flce.testing.measure.shape_inputs``, bf16.
 
     python tools/profiling/power_ceiling.py [--shapes 16384x2048x151936,8192x4096x128256] [--rounds 3]
-                                            [--rep-ms 2000] [--markdown out.md]
+                                            [--rep-ms 2000] [--skip-gradients] [--calls] [--markdown out.md]
 """
 
 from __future__ import annotations
@@ -134,12 +138,46 @@ def gradients_table(label: str, rounds: int, rep_ms: float, device: torch.device
     return lines
 
 
+def calls_table(label: str, rounds: int, rep_ms: float, device: torch.device) -> list[str]:
+    """The floor's three products as one timing, flce's default call and its 2 GiB call, with their clocks."""
+    import flce
+
+    tokens, hidden, vocab = parse_shape(label)
+    x, w, t, _ = shape_inputs(tokens, hidden, vocab, device)
+    g = floor_gradient(tokens, vocab, x.dtype, x.device)
+    xd, wd = x.detach(), w.detach()
+
+    def floor() -> None:
+        xd @ wd.T
+        g @ wd
+        g.T @ xd
+
+    def call(**options) -> Callable[[], object]:
+        return lambda: torch.autograd.grad(flce.linear_cross_entropy(x, w, t, **options), (x, w))
+
+    fns = {"the floor's 3 cuBLAS products": floor, "flce, default": call(), "flce, 2 GiB": call(memory_budget=2 << 30)}
+    results = timed_with_clocks(fns, rounds, rep_ms, device)
+    base = results["the floor's 3 cuBLAS products"]
+    lines = []
+    for name, r in results.items():
+        ratios = [ms / floor_ms for ms, floor_ms in zip(r["ms"], base["ms"], strict=True)]
+        equal = "-"
+        if r["mhz"] and len(r["mhz"]) == len(base["mhz"]) == len(ratios):
+            equal = median_range([q * mhz / floor_mhz for q, mhz, floor_mhz in zip(ratios, r["mhz"], base["mhz"],
+                                                                                 strict=True)])
+        lines.append(f"| {label} | {name} | {median_range(r['ms'])} | {median_range(ratios)} | "
+                     f"{median_or_dash(r['mhz'])} | {median_or_dash(r['watts'])} | {equal} |")
+        lines += [f"| {label} | {name}: held back | {why} | | | | |" for why in r["held_back"]]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="16384x2048x151936,8192x4096x128256")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rep-ms", type=float, default=2000.0)
     parser.add_argument("--skip-gradients", action="store_true", help="only the x @ W.T table")
+    parser.add_argument("--calls", action="store_true", help="also flce's training calls beside the floor")
     parser.add_argument("--markdown", default=None)
     parser.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only runs the code through")
     args = parser.parse_args(argv)
@@ -148,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     text = [f"### {name}, torch {torch.__version__}", "",
             f"Command: `python tools/profiling/power_ceiling.py --shapes {args.shapes} --rounds {args.rounds} "
-            f"--rep-ms {args.rep_ms:g}{' --skip-gradients' if args.skip_gradients else ''}`", "",
+            f"--rep-ms {args.rep_ms:g}{' --skip-gradients' if args.skip_gradients else ''}"
+            f"{' --calls' if args.calls else ''}`", "",
             "| shape | GEMM | ms, median (range) | TFLOP/s | SM MHz | W | tensor peak at that clock, TFLOP/s "
             "| fraction |",
             "|---|---|---|---|---|---|---|---|"]
@@ -159,6 +198,14 @@ def main(argv: list[str] | None = None) -> None:
                  "| shape | G | `G @ W` ms | `G.T @ x` ms | SM MHz | W |", "|---|---|---|---|---|---|"]
         for label in labels:
             text += gradients_table(label, args.rounds, args.rep_ms, device)
+    if args.calls:
+        text += ["", "flce's training calls beside the floor's three products (one timing each, clocks sampled during "
+                 "it); x floor: each round's ms over that round's floor; at equal clocks: that ratio times the call's "
+                 "SM clock over the floor's:", "",
+                 "| shape | timed | ms, median (range) | x floor | SM MHz | W | x floor at equal clocks |",
+                 "|---|---|---|---|---|---|---|"]
+        for label in labels:
+            text += calls_table(label, args.rounds, args.rep_ms, device)
     publish("\n".join(text), args.markdown)
 
 
