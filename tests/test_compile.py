@@ -74,6 +74,8 @@ OPCHECK_CASES = {
     "full-mean-detached-extras": (
         "full", {"token_weights": "random", "entropy_weight": 0.05, "return_logprobs": True, "return_entropy": True,
                  "detach_extras": True, "memory_budget": SMALL_BUDGET}, True, (True, True, True)),
+    "full-mean-token-weights-temperature": (
+        "full", {"token_weights": "random", "temperature": 0.7}, False, (True, True, False)),
 }
 
 
@@ -142,6 +144,8 @@ STEP_OPTIONS = {
     "rl-objective-detached-extras": {"token_weights": "random", "entropy_weight": 0.05, "temperature": 0.7,
                                      "return_logprobs": True, "return_entropy": True, "detach_extras": True,
                                      "memory_budget": SMALL_BUDGET},
+    # no entropy term: on the CUDA backend the chunks keep exponentials (tests/test_exp_grad.py)
+    "rl-objective-without-entropy": {"token_weights": "random", "temperature": 0.7, "memory_budget": SMALL_BUDGET},
 }
 
 
@@ -522,3 +526,37 @@ def test_cuda_backend_kernels_compile_under_the_interpreter(generator: torch.Gen
         torch.testing.assert_close(_fields(out_c)[name], value, rtol=1e-5, atol=1e-5)
     for gc, ge in zip(grads_c[:2], grads_e[:2], strict=True):
         torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.triton
+def test_cuda_backend_kept_exponentials_compile_under_the_interpreter(generator: torch.Generator,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RL objective without an entropy term through the op on the CUDA backend, its chunks keeping exponentials
+    (counted): one compiled graph (aot_eager, fullgraph) equal to eager and to the float64 oracle. Triton kernels
+    interpreted on CPU tensors; on a GPU machine they run for real."""
+    from flce.autotune import override_params
+    from flce.backends.cuda import ops
+    from flce.testing import reference_loss
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    calls = []
+    real = ops.TritonChunkKernels.gemm_exp_grad
+    monkeypatch.setattr(ops.TritonChunkKernels, "gemm_exp_grad",
+                        lambda self, hidden, *a, **k: calls.append(hidden.shape[0]) or real(self, hidden, *a, **k))
+    x, w, _, t = (None if a is None else a.detach().to(device).requires_grad_(a.requires_grad)
+                  for a in _inputs(generator, bias=False))
+    adv = torch.randn(N, generator=generator).to(device)
+    loss_fn = flce.get_impl(device, backend="cuda")(temperature=0.7)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, t: loss_fn(x, w, t, token_weights=adv), backend="aot_eager", fullgraph=True)
+    with override_params({"tokens_per_chunk": 8, "grad_schedule": "token_chunks", "chunk_grad": "exponentials"},
+                         backend="cuda"):
+        losses = (compiled(x, w, t), loss_fn(x, w, t, token_weights=adv))
+        got = [(loss, *torch.autograd.grad(loss, (x, w))) for loss in losses]
+    assert calls == [8, 5, 8, 5], "two chunks each, compiled and eager, from kept exponentials"
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = reference_loss(xd, wd, t, temperature=0.7, token_weights=adv)
+    want = (ref.loss, *torch.autograd.grad(ref.loss, (xd, wd)))
+    for compiled_value, eager_value, oracle in zip(*got, want, strict=True):
+        torch.testing.assert_close(compiled_value, eager_value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compiled_value.double(), oracle, rtol=1e-4, atol=1e-5)
