@@ -155,7 +155,10 @@ def all_methods() -> dict[str, Callable]:
 
 
 def bench_ms(fn: Callable[[], object]) -> float:
-    return median_ms(fn, warmup_ms=100, rep_ms=400)
+    """Median ms over 1.5 s after 200 ms of warm-up: a 100 ms call gets 15 samples. With 400 ms (4 samples of such
+    a call) the medians moved by up to 3% and the ranges over rounds were 2-10x wider (one H100, one process,
+    flce and torch.compile at 16384x4096x151936 and 8192x4096x128256; docs/data/h100-2026-11-27-peers-rep.md)."""
+    return median_ms(fn, warmup_ms=200, rep_ms=1500)
 
 
 def measure(case: Case, name: str, method: Callable, device: str) -> dict:
