@@ -1,5 +1,5 @@
-"""Shared test helpers: docs/design.md's tolerances, upstream gradients, and the float64 oracle
-(flce.testing.reference_loss, re-exported here).
+"""Shared test helpers: docs/design.md's tolerances, upstream gradients, the float64 oracle
+(flce.testing.reference_loss, re-exported here), and tools/ scripts loaded as modules.
 
 Import them from other test files as ``from helpers import reference_loss``: tests/ has no
 ``__init__.py``, so pytest puts it on ``sys.path``.
@@ -7,7 +7,10 @@ Import them from other test files as ``from helpers import reference_loss``: tes
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -314,3 +317,13 @@ def assert_entropy_near_eager(errors: dict[str, tuple[float, float]], gradient_f
     """The entropy within 1.5x and the gradients within ``gradient_factor`` x of eager's error (entropy_errors)."""
     for name, (err, eager_err) in errors.items():
         assert err <= (1.5 if name == "entropy" else gradient_factor) * eager_err + 1e-7, (name, errors)
+
+
+def load_tool(relative_path: str) -> ModuleType:
+    """A script under tools/ (no package) loaded as a module, for tests of its arithmetic on the CPU."""
+    path = Path(__file__).resolve().parents[1] / relative_path
+    spec = importlib.util.spec_from_file_location("flce_tools_" + path.stem, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,12 +3,8 @@ a GPU): ncu's raw CSV with its units row, kernels grouped by name, totals and th
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import load_tool
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","gpu__time_duration.sum",'
           '"dram__bytes_read.sum","dram__bytes_write.sum","sm__throughput.avg.pct_of_peak_sustained_elapsed"')
@@ -23,11 +19,7 @@ def report(*kernels: tuple[str, str, str, str, str]) -> str:
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("flce_tools_training_call_profile",
-                                                  REPO / "tools" / "profiling" / "training_call_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("tools/profiling/training_call_profile.py")
 
 
 def test_report_rows_in_ms_and_gb(tool) -> None:

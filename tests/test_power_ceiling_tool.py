@@ -3,24 +3,16 @@ times the floor's products with (its GPU tables need an H100 and nvidia-smi)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import load_tool
 
 from flce.testing.measure import IGNORE_INDEX
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("flce_tools_power_ceiling",
-                                                  REPO / "tools" / "profiling" / "power_ceiling.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("tools/profiling/power_ceiling.py")
 
 
 def test_tensor_peak_is_hoppers_rate_at_the_clock(tool) -> None:
@@ -81,8 +73,11 @@ def test_the_calls_table_runs_through_on_the_cpu(tool, monkeypatch: pytest.Monke
     calls = []
 
     def run_once(fn, **_) -> float:
-        calls.append((fn.__name__, fn()))
-        return 2.0 if fn.__name__ == "floor" else 3.0
+        result = fn()
+        # the floor's three products, a call's two gradients, or one product (the x @ W.T table)
+        kind = {3: "floor", 2: "call"}.get(len(result), "product") if isinstance(result, tuple) else "product"
+        calls.append((kind, result))
+        return 2.0 if kind == "floor" else 3.0
 
     monkeypatch.setattr(tool, "median_ms", run_once)
     tool.main(["--shapes", "64x16x96", "--rounds", "2", "--device", "cpu", "--skip-gradients", "--calls"])
@@ -91,7 +86,7 @@ def test_the_calls_table_runs_through_on_the_cpu(tool, monkeypatch: pytest.Monke
     assert [line.split(" | ")[1] for line in rows] == ["the floor's 3 cuBLAS products", "flce, default", "flce, 2 GiB"]
     assert rows[0].endswith("| 2.000 (2.000-2.000) | 1.000 (1.000-1.000) | - | - | - |")
     assert rows[1].endswith("| 3.000 (3.000-3.000) | 1.500 (1.500-1.500) | - | - | - |")
-    assert [name for name, _ in calls] == ["<lambda>"] * 2 + ["floor", "<lambda>", "<lambda>"] * 2
+    assert [kind for kind, _ in calls] == ["product"] * 2 + ["floor", "call", "call"] * 2
     x, w, t, _ = tool.shape_inputs(64, 16, 96, torch.device("cpu"))
     want = torch.autograd.grad(reference_loss(x.double(), w.double(), t).loss, (x, w))
     for gx, gw in (calls[3][1], calls[4][1]):  # the default and the 2 GiB call's gradients (bf16)

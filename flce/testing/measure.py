@@ -179,6 +179,13 @@ def counted_timing(fn: Callable[[], object], device: torch.device, *, warmup: in
     return Timing(tuple(start.elapsed_time(end) for start, end in events))
 
 
+def floor_products(hidden: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> Callable[[], tuple]:
+    """The floor's three cuBLAS products as one call, ``x @ W.T``, ``G @ W`` and ``G.T @ x`` (G:
+    :func:`floor_gradient`'s [N, V]), for tools that time the floor in one timing beside a whole training call."""
+    x, w = hidden.detach(), weight.detach()
+    return lambda: (x @ w.T, grad @ w, grad.T @ x)
+
+
 def cublas_products_ms(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[float, float, float]:
     """Median ms (:func:`median_ms`) of the three products any implementation of the loss must do, by
     cuBLAS (torch.mm): ``x @ W.T``, ``G @ W``, ``G.T @ x`` for hidden x [N, H], weight W [V, H] and

@@ -23,6 +23,7 @@ import flce
 from flce.autotune import override_params
 from flce.testing.measure import (
     floor_gradient,
+    floor_products,
     gpu_timing,
     median_range,
     parse_shape,
@@ -35,13 +36,7 @@ from flce.testing.measure import (
 def sweep(label: str, chunks: list[int], budgets_mib: list[int], rounds: int) -> dict:
     tokens, hidden, vocab = parse_shape(label)
     x, w, t, _ = shape_inputs(tokens, hidden, vocab)
-    g = floor_gradient(tokens, vocab, x.dtype, x.device)
-    xd, wd = x.detach(), w.detach()
-
-    def floor() -> None:
-        xd @ wd.T
-        g @ wd
-        g.T @ xd
+    floor = floor_products(x, w, floor_gradient(tokens, vocab, x.dtype, x.device))
 
     def step(chunk: int | None):
         knobs = None if chunk is None else {"tokens_per_chunk": chunk}

@@ -31,6 +31,7 @@ from flce.testing.clocks import ClockSampler
 from flce.testing.measure import (
     IGNORE_INDEX,
     floor_gradient,
+    floor_products,
     median_ms,
     median_range,
     parse_shape,
@@ -144,13 +145,7 @@ def calls_table(label: str, rounds: int, rep_ms: float, device: torch.device) ->
 
     tokens, hidden, vocab = parse_shape(label)
     x, w, t, _ = shape_inputs(tokens, hidden, vocab, device)
-    g = floor_gradient(tokens, vocab, x.dtype, x.device)
-    xd, wd = x.detach(), w.detach()
-
-    def floor() -> None:
-        xd @ wd.T
-        g @ wd
-        g.T @ xd
+    floor = floor_products(x, w, floor_gradient(tokens, vocab, x.dtype, x.device))
 
     def call(**options) -> Callable[[], object]:
         return lambda: torch.autograd.grad(flce.linear_cross_entropy(x, w, t, **options), (x, w))

@@ -31,16 +31,12 @@ def run(shape: str, side: str, budget_mib: int | None) -> None:
     import torch
 
     import flce
-    from flce.testing.measure import floor_gradient, parse_shape, shape_inputs
+    from flce.testing.measure import floor_gradient, floor_products, parse_shape, shape_inputs
 
     tokens, hidden, vocab = parse_shape(shape)
     x, w, t, _ = shape_inputs(tokens, hidden, vocab)
     if side == "floor":
-        g = floor_gradient(tokens, vocab, x.dtype, x.device)
-        xd, wd = x.detach(), w.detach()
-
-        def step() -> object:
-            return xd @ wd.T, g @ wd, g.T @ xd
+        step = floor_products(x, w, floor_gradient(tokens, vocab, x.dtype, x.device))
     else:
         options = {} if budget_mib is None else {"memory_budget": budget_mib << 20}
 
