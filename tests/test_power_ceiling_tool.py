@@ -108,3 +108,16 @@ def test_the_calls_table_at_equal_clocks(tool, monkeypatch: pytest.MonkeyPatch) 
     assert rows[1] == ("| 64x16x96 | flce, default | 11.000 (11.000-11.000) | 1.100 (1.100-1.100) | 1330 | 700 | "
                        "1.045 (1.045-1.045) |")
     assert rows[2].endswith("| 1.050 (1.050-1.050) | 1400 | 700 | 1.050 (1.050-1.050) |")
+
+
+def test_the_calls_table_compares_clocks_only_at_the_cap(tool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timing that drew well under the floor's power (too short to heat the GPU) gets no equal-clock ratio."""
+    def timed(fns, rounds, rep_ms, device):
+        watts = {"the floor's 3 cuBLAS products": 690.0, "flce, default": 150.0, "flce, 2 GiB": 680.0}
+        return {name: {"ms": [10.0] * rounds, "mhz": [1400.0] * rounds, "watts": [watts[name]] * rounds,
+                       "held_back": []} for name in fns}
+
+    monkeypatch.setattr(tool, "timed_with_clocks", timed)
+    rows = tool.calls_table("64x16x96", 1, 1.0, torch.device("cpu"))
+    assert rows[1].endswith("| 150 | - (below the floor's power) |")
+    assert rows[2].endswith("| 680 | 1.000 (1.000-1.000) |")

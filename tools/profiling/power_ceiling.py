@@ -9,7 +9,8 @@
 3. With ``--calls``: flce's default training call (loss, then the gradients of x and W) and the same call with
    ``memory_budget=2 << 30``, beside the floor's three cuBLAS products back to back, each timed as above while the
    clock is sampled: the call's ratio to the floor, and that ratio at equal clocks (times the call's clock over the
-   floor's), which is what is left of the call's excess where its own traffic lowers the clock under the cap.
+   floor's), which is what is left of the call's excess where its own traffic lowers the clock under the cap; only
+   where both timings held the cap (within AT_THE_CAP of the floor's power: use --rep-ms of a second or more).
 
 Every timing is ``triton.testing.do_bench``'s median over ``--rep-ms`` after a warm-up, the variants in turn,
 ``--rounds`` rounds; a cell is the median over rounds (range), the clock and power the median over rounds of the
@@ -139,6 +140,10 @@ def gradients_table(label: str, rounds: int, rep_ms: float, device: torch.device
     return lines
 
 
+# A timing's power over the floor's at least this for the two to share a clock ceiling.
+AT_THE_CAP = 0.95
+
+
 def calls_table(label: str, rounds: int, rep_ms: float, device: torch.device) -> list[str]:
     """The floor's three products as one timing, flce's default call and its 2 GiB call, with their clocks."""
     import flce
@@ -158,8 +163,13 @@ def calls_table(label: str, rounds: int, rep_ms: float, device: torch.device) ->
         ratios = [ms / floor_ms for ms, floor_ms in zip(r["ms"], base["ms"], strict=True)]
         equal = "-"
         if r["mhz"] and len(r["mhz"]) == len(base["mhz"]) == len(ratios):
-            equal = median_range([q * mhz / floor_mhz for q, mhz, floor_mhz in zip(ratios, r["mhz"], base["mhz"],
-                                                                                 strict=True)])
+            # Clocks compare only where both timings held the power cap: a timing too short for the GPU to heat
+            # samples its boost clock at low power (one of 0.3 s drew 150 W at 1967 MHz beside the floor's 592 W).
+            if min(r["watts"]) < AT_THE_CAP * max(base["watts"]):
+                equal = "- (below the floor's power)"
+            else:
+                equal = median_range([q * mhz / floor_mhz for q, mhz, floor_mhz in zip(ratios, r["mhz"],
+                                                                                     base["mhz"], strict=True)])
         lines.append(f"| {label} | {name} | {median_range(r['ms'])} | {median_range(ratios)} | "
                      f"{median_or_dash(r['mhz'])} | {median_or_dash(r['watts'])} | {equal} |")
         lines += [f"| {label} | {name}: held back | {why} | | | | |" for why in r["held_back"]]
