@@ -32,10 +32,9 @@ REDO_ABOVE = tl.constexpr(63.0)
 
 @triton.jit
 def _exp_offsets_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, offset_ptr, hidden, vocab, ignore_index,
-                        y_scale, BLOCK_H: tl.constexpr):
-    """offset[row] = x[row] . w[target] * y_scale + OFFSET_ABOVE_TARGET in fp32 (y_scale = log2(e) / temperature;
-    0 for an ignored row, whose gradient row is 0); grid (rows,). Within a few ulps of the GEMM's rounded logit,
-    which is all c needs."""
+                        inv_temperature, BLOCK_H: tl.constexpr):
+    """offset[row] = x[row] . w[target] * log2(e) / temperature + OFFSET_ABOVE_TARGET in fp32 (0 for an ignored row,
+    whose gradient row is 0); grid (rows,). Within a few ulps of the GEMM's rounded logit, which is all c needs."""
     row = tl.program_id(0)
     t = tl.load(target_ptr + row)
     valid = (t != ignore_index) & (t >= 0) & (t < vocab)
@@ -49,21 +48,20 @@ def _exp_offsets_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, offset_ptr
         x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < hidden, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + safe_t * stride_w + cols, mask=cols < w_cols, other=0.0).to(tl.float32)
         acc += x * w
-    offset = tl.sum(acc, axis=0) * y_scale + OFFSET_ABOVE_TARGET
+    offset = tl.sum(acc, axis=0) * (LOG2E * inv_temperature) + OFFSET_ABOVE_TARGET
     tl.store(offset_ptr + row, tl.where(valid, offset, 0.0))
 
 
 @triton.jit
-def _exp_logits_kernel(logits_ptr, stride, offset_ptr, vocab, y_scale, BLOCK_V: tl.constexpr):
-    """E = exp2(min(u * y_scale - offset, CAP)) over a row of logits u in place (y_scale = log2(e) / temperature;
-    the exponentials where no fused GEMM wrote them: the interpreter, a GEMM that failed to compile); grid (rows,
-    V blocks)."""
+def _exp_logits_kernel(logits_ptr, stride, offset_ptr, vocab, inv_temperature, BLOCK_V: tl.constexpr):
+    """E = exp2(min(u * log2(e) / temperature - offset, CAP)) over a row of logits u in place (the exponentials where
+    no fused GEMM wrote them: the interpreter, a GEMM that failed to compile); grid (rows, V blocks)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < vocab
     offset = tl.load(offset_ptr + row)
     u = tl.load(logits_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
-    e = tl.exp2(tl.minimum(u * y_scale - offset, CAP))
+    e = tl.exp2(tl.minimum(u * (LOG2E * inv_temperature) - offset, CAP))
     tl.store(logits_ptr + row * stride + cols, e.to(logits_ptr.dtype.element_ty), mask=mask)
 
 

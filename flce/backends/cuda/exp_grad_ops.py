@@ -25,7 +25,6 @@ import triton
 from flce.backends.cuda import exp_grad_kernels as k
 from flce.semantics import PartialRowStats, RowStats
 
-_LOG2E = 1.4426950408889634
 _FINISH_BLOCK = 256
 _REDO_ROWS, _REDO_COLS, _REDO_K = 16, 128, 64
 
@@ -39,7 +38,7 @@ def exp_offsets(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     if n:
         block = min(1024, triton.next_power_of_2(max(hidden_size, 16)))
         k._exp_offsets_kernel[(n,)](hidden, hidden.stride(0), weight, weight.stride(0), target, offsets, hidden_size,
-                                    weight.shape[0], ignore_index, _LOG2E / temperature, BLOCK_H=block, num_warps=4)
+                                    weight.shape[0], ignore_index, 1.0 / temperature, BLOCK_H=block, num_warps=4)
     return offsets
 
 
@@ -50,7 +49,7 @@ def exponentials_from_logits_(logits: torch.Tensor, offsets: torch.Tensor, tempe
     if n:
         block = min(4096, triton.next_power_of_2(max(vocab, 16)))
         k._exp_logits_kernel[(n, triton.cdiv(vocab, block))](logits, logits.stride(0), offsets, vocab,
-                                                              _LOG2E / temperature, BLOCK_V=block, num_warps=8)
+                                                              1.0 / temperature, BLOCK_V=block, num_warps=8)
     return logits
 
 
