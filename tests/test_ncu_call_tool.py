@@ -41,3 +41,9 @@ def test_table_groups_kernels_and_compares_the_sums(tool) -> None:
     assert "floor: 20.000 ms of kernels, 2.1 GB of DRAM traffic" in text
     assert "call: 13.000 ms of kernels, 4.0 GB of DRAM traffic" in text
     assert "call / floor: 0.650" in text
+
+
+def test_metrics_are_what_the_report_reads(tool, capsys) -> None:
+    """ncu_training_call.sh asks ncu for the metrics this prints: the ones read_report converts."""
+    tool.main(["metrics"])
+    assert capsys.readouterr().out.strip().split(",") == [tool.DURATION, tool.READ, tool.WRITE, tool.SM]

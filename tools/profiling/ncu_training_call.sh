@@ -12,14 +12,14 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH}
 tag=$shape${budget:+-${budget}MiB}
 mkdir -p "$OUT"
-metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed
+metrics=$(python3 "$here/tools/profiling/training_call_profile.py" metrics)
 for side in floor call; do
   ncu --profile-from-start off --clock-control base --metrics "$metrics" --csv --page raw \
       python3 "$here/tools/profiling/training_call_profile.py" run "$shape" "$side" ${budget:+--budget-mib "$budget"} \
       > "/tmp/ncu-$side-$tag.csv" 2> "/tmp/ncu-$side-$tag.err" || { echo "ncu $side failed:"; tail -5 "/tmp/ncu-$side-$tag.err"; }
 done
 {
-  echo "NVIDIA $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $shape${budget:+, memory_budget $budget MiB},"
+  echo "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $shape${budget:+, memory_budget $budget MiB},"
   echo "ncu --clock-control base; $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
   echo
   python3 "$here/tools/profiling/training_call_profile.py" table "/tmp/ncu-floor-$tag.csv" "/tmp/ncu-call-$tag.csv"

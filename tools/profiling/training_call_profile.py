@@ -8,7 +8,8 @@ warm-up run first, so nothing compiles inside the marks) and then tabulates both
 
 ``python tools/profiling/training_call_profile.py run SHAPE {floor,call} [--budget-mib N]``: the marked launches;
 ``python tools/profiling/training_call_profile.py table FLOOR.csv CALL.csv``: the markdown table of two
-``ncu --csv --page raw`` reports (kernels grouped by name: launches, ms, DRAM GB read / written, SM throughput).
+``ncu --csv --page raw`` reports (kernels grouped by name: launches, ms, DRAM GB read / written, SM throughput);
+``python tools/profiling/training_call_profile.py metrics``: the ``ncu --metrics`` list those reports need.
 """
 
 from __future__ import annotations
@@ -106,9 +107,12 @@ def main(argv: list[str] | None = None) -> None:
     tab = sub.add_parser("table")
     tab.add_argument("floor_csv")
     tab.add_argument("call_csv")
+    sub.add_parser("metrics")
     args = parser.parse_args(argv)
     if args.command == "run":
         run(args.shape, args.side, args.budget_mib)
+    elif args.command == "metrics":
+        print(",".join(METRICS))
     else:
         with open(args.floor_csv) as floor, open(args.call_csv) as call:
             print(table(read_report(floor.read()), read_report(call.read())))
