@@ -5,6 +5,7 @@
     loss = loss_fn(hidden, lm_head.weight, labels)
 """
 
+from flce.errors import InputError, InputTypeError
 from flce.explain import explain
 from flce.module import LinearCrossEntropy, get_impl, linear_cross_entropy
 from flce.outputs import LCEOutput
@@ -14,6 +15,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "InputError",
+    "InputTypeError",
     "LCEOutput",
     "LinearCrossEntropy",
     "available_backends",

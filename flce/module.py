@@ -13,6 +13,7 @@ from flce.distributed.dtensor import localize_inputs
 from flce.engine.plans import BATCH_INVARIANT_TOKENS
 from flce.engine.run import run_backend
 from flce.engine.selected import check_selected_ids, selected_logprobs
+from flce.errors import InputError, InputTypeError
 from flce.inputs import FlatInputs, check_token_weights, prepare_inputs
 from flce.outputs import LCEOutput
 from flce.registry import VARIANTS, HardwareProbe, candidates_for, dispatch, registered_backends, resolve_device
@@ -67,14 +68,14 @@ class LinearCrossEntropy(torch.nn.Module):
 def _checked_config(caller: str, variant: str, options: dict[str, Any]) -> LCEConfig:
     if "weight" in options:
         # torch's cross_entropy names its class weights weight=; here weight is the LM head's matrix.
-        raise TypeError(
+        raise InputTypeError(
             f"{caller}() got weight=: flce's keyword for class weights is class_weight= (torch's "
             "cross_entropy calls them weight=); the LM head's weight is the second positional argument"
         )
     config = config_from_keywords(caller, options)
     if variant == "plain" and config.needs_full:
         names = ", ".join(config.full_feature_options())
-        raise ValueError(f"variant='plain' cannot serve {names}; use variant='full' or 'auto'")
+        raise InputError(f"variant='plain' cannot serve {names}; use variant='full' or 'auto'")
     return config
 
 
@@ -97,12 +98,12 @@ def _compute(
     run_cfg = cfg
     if token_weights is not None:
         if variant == "plain":
-            raise ValueError("variant='plain' cannot serve token_weights; use variant='full' or 'auto'")
+            raise InputError("variant='plain' cannot serve token_weights; use variant='full' or 'auto'")
         flat = dataclasses.replace(flat, token_weight=check_token_weights(token_weights, flat))
         variant = "full"
     if selected_ids is not None:
         if variant == "plain":
-            raise ValueError("variant='plain' cannot serve selected_ids; use variant='full' or 'auto'")
+            raise InputError("variant='plain' cannot serve selected_ids; use variant='full' or 'auto'")
         ids = check_selected_ids(selected_ids, flat.token_shape, _global_vocab(flat, cfg), flat.hidden.device)
         run_cfg = cfg.replace(return_logprobs=True)
     n_rows, token_shape = flat.target.shape[0], flat.token_shape
@@ -190,7 +191,7 @@ def _unpadded(out: LCEOutput, cfg: LCEConfig, n_rows: int, token_shape: torch.Si
 
 def _check_variant(variant: str) -> None:
     if variant not in ("auto", *VARIANTS):
-        raise ValueError(f"variant={variant!r}: expected 'auto', 'plain' or 'full'")
+        raise InputError(f"variant={variant!r}: expected 'auto', 'plain' or 'full'")
 
 
 def get_impl(
@@ -247,7 +248,7 @@ def linear_cross_entropy(
     reaches the options and gets a message naming ``class_weight``, not a clash with ``weight``."""
     if not isinstance(hidden, torch.Tensor):
         # Checked here because hidden also names the device: the module's own checks come later.
-        raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
+        raise InputTypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
     _check_variant(variant)
     # No module object per call: building one inside a torch.compile trace would break the graph.
     cfg = _checked_config("linear_cross_entropy", variant, options)

@@ -45,8 +45,9 @@ FULL_FEATURE_VALUES = {
 
 
 def test_public_surface() -> None:
-    assert set(flce.__all__) == {"Backend", "LCEOutput", "LinearCrossEntropy", "available_backends", "explain",
-                                 "get_impl", "linear_cross_entropy", "register_backend"}
+    assert set(flce.__all__) == {"Backend", "InputError", "InputTypeError", "LCEOutput", "LinearCrossEntropy",
+                                 "available_backends", "explain", "get_impl", "linear_cross_entropy",
+                                 "register_backend"}
     assert LCEOutput._fields == ("loss", "z_loss", "token_accuracy", "predicted_tokens", "logprobs", "entropy",
                                  "selected_logprobs", "logit_stats")
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from flce.distributed import collectives
+from flce.errors import InputError
 
 GRADIENT_REDUCTIONS = ("mean", "sum")
 
@@ -39,9 +40,9 @@ def token_sharded_mean(loss_sum: torch.Tensor, target: torch.Tensor, group: Any,
     Two all-reduces: the divisor and the value (one number each).
     """
     if gradient_reduction not in GRADIENT_REDUCTIONS:
-        raise ValueError(f"gradient_reduction={gradient_reduction!r}: expected one of {GRADIENT_REDUCTIONS}")
+        raise InputError(f"gradient_reduction={gradient_reduction!r}: expected one of {GRADIENT_REDUCTIONS}")
     if loss_sum.dim() != 0:
-        raise ValueError(f"loss_sum: expected the scalar of a reduction='sum' call, got shape {tuple(loss_sum.shape)}")
+        raise InputError(f"loss_sum: expected the scalar of a reduction='sum' call, got shape {tuple(loss_sum.shape)}")
     dtype = torch.float64 if loss_sum.dtype == torch.float64 else torch.float32
     flat = target.reshape(-1)
     valid = flat != ignore_index
@@ -49,7 +50,7 @@ def token_sharded_mean(loss_sum: torch.Tensor, target: torch.Tensor, group: Any,
         divisor = valid.sum().to(dtype)
     else:
         if z_loss_sum is None:
-            raise ValueError("z_loss_sum=None with class_weight: pass the z_loss of the same call made with "
+            raise InputError("z_loss_sum=None with class_weight: pass the z_loss of the same call made with "
                              "return_z_loss=True (a z-loss cannot be divided by the token count from a sum)")
         torch._assert_async(z_loss_sum == 0, "token_sharded_mean: class_weight together with a z-loss "
                             "(lse_square_scale > 0) is not supported; the z-loss's divisor is the token count")

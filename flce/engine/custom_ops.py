@@ -36,6 +36,7 @@ from flce.engine.function import first_order_only
 from flce.engine.outputs import as_result, flat_outputs, shape_outputs
 from flce.engine.plans import PlanRequest, recomputing
 from flce.engine.schedule import planned_call, run_backward, run_forward
+from flce.errors import InputError
 from flce.inputs import FlatInputs, _check_target_range
 from flce.outputs import LCEOutput
 from flce.registry import Backend, registered_backends
@@ -74,7 +75,7 @@ def _backend(name: str) -> Backend:
     by_name = {b.name: b for b in registered_backends()}
     if name not in by_name or by_name[name].plan_call is None:
         engine_backends = sorted(n for n, b in by_name.items() if b.plan_call is not None)
-        raise ValueError(f"backend={name!r}: expected a registered engine backend, one of {engine_backends}")
+        raise InputError(f"backend={name!r}: expected a registered engine backend, one of {engine_backends}")
     return by_name[name]
 
 
@@ -286,7 +287,7 @@ def apply_op(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str) -> Te
     A process group travels by name, as torch's functional collectives carry theirs."""
     if cfg.return_logit_stats:
         # The op's outputs are the six user outputs and the gradients: no slot for the statistics yet.
-        raise ValueError("return_logit_stats=True is not supported under torch.compile (the custom op does not "
+        raise InputError("return_logit_stats=True is not supported under torch.compile (the custom op does not "
                          "return the logit statistics); call flce outside the compiled region for them")
     grad_mode = torch.is_grad_enabled()
     outputs = torch.ops.flce.chunked_forward(

@@ -40,6 +40,7 @@ from collections.abc import Iterable
 import torch
 
 import flce
+from flce.errors import InputError
 
 # TRL's optional per-token outputs, in the order of its return tuple after the log-probs.
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -61,9 +62,9 @@ def chunked_logprobs(
     outputs = tuple(outputs)
     unknown = sorted(set(outputs) - set(_KNOWN_OUTPUTS))
     if unknown:
-        raise ValueError(f"outputs={outputs!r}: unknown names {unknown}; expected names among {_KNOWN_OUTPUTS}")
+        raise InputError(f"outputs={outputs!r}: unknown names {unknown}; expected names among {_KNOWN_OUTPUTS}")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size!r}: expected a positive int")
+        raise InputError(f"chunk_size={chunk_size!r}: expected a positive int")
     hidden, bias, scaled = _fold_logit_scale(hidden, bias, temperature, final_logit_softcapping, logit_scale)
     low_precision = weight.dtype in (torch.float16, torch.bfloat16)
     out = flce.linear_cross_entropy(

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 import flce
+from flce.errors import InputError
 
 _REDUCTIONS = ("none", "sum", "mean")
 
@@ -56,7 +57,7 @@ def linear_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's ``linear_cross_entropy``: ``(logprobs, entropy)`` of ``hidden @ weight.T / temperature``."""
     if not isinstance(reduction, str) or reduction.lower() not in _REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r}: expected one of {_REDUCTIONS} (any case)")
+        raise InputError(f"reduction={reduction!r}: expected one of {_REDUCTIONS} (any case)")
     world_size = 1 if dist_process_group is None else dist.get_world_size(dist_process_group)
     if world_size > 1:
         hidden = _ShareGrad.apply(hidden, world_size)

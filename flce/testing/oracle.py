@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flce.errors import InputError, InputTypeError
 from flce.outputs import LCEOutput
 
 # Options that change the math; the rest (memory_budget, accum_dtype, return_*, ...) only
@@ -48,7 +49,7 @@ def reference_loss(
     """
     unknown = set(options) - set(_MATH_OPTIONS) - set(_IGNORED_OPTIONS)
     if unknown:
-        raise TypeError(f"reference_loss: unknown options {sorted(unknown)}")
+        raise InputTypeError(f"reference_loss: unknown options {sorted(unknown)}")
     ignore_index = options.get("ignore_index", -100)
     reduction = options.get("reduction", "mean")
     label_smoothing = options.get("label_smoothing", 0.0)
@@ -106,7 +107,7 @@ def reference_loss(
         loss = (_mean(rest, ce_denominator, count) + _mean(smoothing.sum(), ce_denominator, count) + z_loss
                 + _mean(bonus.sum(), count, count))
     else:
-        raise ValueError(f"reduction={reduction!r}")
+        raise InputError(f"reduction={reduction!r}")
 
     argmax = z.argmax(dim=-1) if z.shape[0] else t.new_zeros(0)
     correct = ((argmax == t) & valid).double()
