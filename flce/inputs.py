@@ -157,6 +157,13 @@ def _check_target_range(target: torch.Tensor, vocab: int, ignore_index: int, sha
         )
 
 
+def check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Targets in [0, vocab) or equal to ignore_index, wherever they are: on the host for CPU tensors (an
+    InputError naming the value), a device-side assertion on an accelerator (no host synchronisation)."""
+    _check_target_range(target, vocab, ignore_index, sharded=False)
+    assert_targets_in_range(target, vocab, ignore_index)
+
+
 def assert_targets_in_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """The accelerator's form of the range check: a device-side assertion, so that no call waits for a host
     synchronisation (CPU tensors were checked on the host by prepare_inputs)."""
