@@ -45,8 +45,12 @@ class LinearCrossEntropy(torch.nn.Module):
         *, selected_ids: torch.Tensor | None = None, token_weights: torch.Tensor | None = None,
     ) -> torch.Tensor | LCEOutput:
         cfg = self.config
-        if self.class_weight is not None and self.class_weight is not cfg.class_weight:
+        # The buffer is what the call weighs by, as nn.CrossEntropyLoss.weight: moved with the module, or
+        # assigned (a tensor weighs, None unweighs).
+        if self.class_weight is not cfg.class_weight:
             cfg = cfg.replace(class_weight=self.class_weight)
+            if self.variant == "plain" and cfg.class_weight is not None:
+                raise InputError("variant='plain' cannot serve class_weight; use variant='full' or 'auto'")
         return _compute(hidden, weight, target, bias, cfg, self.variant, self.device_type, self.backend_name,
                         self.probe, selected_ids, token_weights)
 

@@ -121,6 +121,29 @@ def test_class_weight_is_a_buffer_that_moves_with_the_module(generator: torch.Ge
     assert "'reduction': 'mean'" in repr(module) and "backend=None" in repr(module)
 
 
+def test_class_weight_assigned_on_the_module_takes_effect_as_torchs_weight(generator: torch.Generator) -> None:
+    """The module's class_weight attribute is what its calls weigh by, as nn.CrossEntropyLoss.weight: a tensor
+    assigned weighs, None assigned unweighs (before, None left the constructor's weights in force)."""
+    cw, other = random_class_weight(V, generator), random_class_weight(V, generator)
+    hidden, weight, target, _ = make_inputs((8,), H, V, generator=generator)
+    module, torch_loss = flce.get_impl("cpu")(class_weight=cw), torch.nn.CrossEntropyLoss(weight=cw)
+    for value in (None, other, cw, None):
+        module.class_weight, torch_loss.weight = value, value
+        want = reference_loss(hidden, weight, target, class_weight=value).loss
+        torch.testing.assert_close(torch_loss(hidden @ weight.T, target), want.float(), rtol=1e-5, atol=1e-6)
+        assert_close_per_design(module(hidden, weight, target), want, kind="forward", dtype=torch.float32,
+                                name=f"loss with class_weight {None if value is None else 'set'}")
+    unweighted = flce.get_impl("cpu")()
+    unweighted.class_weight = cw
+    assert_close_per_design(unweighted(hidden, weight, target), reference_loss(hidden, weight, target,
+                                                                              class_weight=cw).loss,
+                            kind="forward", dtype=torch.float32, name="class_weight assigned after construction")
+    plain = flce.get_impl("cpu", variant="plain")()
+    plain.class_weight = cw  # the plain variant has no class weights: refused, not ignored
+    with pytest.raises(ValueError, match="variant='plain' cannot serve class_weight"):
+        plain(hidden, weight, target)
+
+
 @pytest.mark.parametrize("variant", ["auto", "full"])
 def test_model_with_the_loss_as_a_submodule_saves_and_loads(variant: str, generator: torch.Generator) -> None:
     """torch.save(model) pickles get_impl's class, which is made at run time: it comes back as the
