@@ -163,12 +163,13 @@ def _padded_to_tiles(flat: FlatInputs, cfg: LCEConfig,
     n_rows = flat.target.shape[0]
     pad = -n_rows % BATCH_INVARIANT_TOKENS
     if pad == 0:
+        # ids' K by name, not -1: a batch of no tokens has no elements to infer it from.
         return dataclasses.replace(flat, token_shape=torch.Size([n_rows])), (
-            None if ids is None else ids.reshape(n_rows, -1))
+            None if ids is None else ids.reshape(n_rows, ids.shape[-1]))
     hidden = torch.cat([flat.hidden, flat.hidden.new_zeros(pad, flat.hidden.shape[1])])
     target = torch.cat([flat.target, flat.target.new_full((pad,), cfg.ignore_index)])
     if ids is not None:
-        ids = ids.reshape(n_rows, -1)
+        ids = ids.reshape(n_rows, ids.shape[-1])
         ids = torch.cat([ids, ids.new_zeros(pad, ids.shape[1])])
     token_weight = None if flat.token_weight is None else torch.cat([flat.token_weight,
                                                                      flat.token_weight.new_zeros(pad)])
