@@ -128,6 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     explain_parser = commands.add_parser("explain", help="what a call would run and why, without running it")
     explain_arguments(explain_parser)
     args = parser.parse_args(argv)
+    try:
+        code = _run(parser, args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at the interpreter's exit
+        return code
+    except BrokenPipeError:  # `python -m flce info | head -1`
+        from flce.autotune.cli import closed_pipe_exit
+
+        return closed_pipe_exit()
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "explain":
         try:
             return explain_call(args)

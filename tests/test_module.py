@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import re
 import sys
 import types
@@ -246,6 +247,23 @@ def test_info_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     assert re.search(r"^\s+reference\s+any\s+0\s+yes\s+pure PyTorch", out, re.MULTILINE), out
     assert "selected for a default-options float32 call: reference" in out
     assert out.rstrip().endswith("autotune for cpu: 3 entries"), "the autotune helper's lines close the report"
+
+
+@pytest.mark.parametrize("command", [["info", "--device", "cpu"],
+                                     ["explain", "--device", "cpu", "--shape", "64x32x300"]], ids=lambda c: c[0])
+def test_commands_into_a_closed_pipe_stop_quietly(command: list[str]) -> None:
+    """`python -m flce info | head -1`: the reader gone before the report is written ends the command with
+    status 141 (as a shell reports a command a closed pipe stopped) and no BrokenPipeError traceback."""
+    import subprocess
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(flce.__file__).parents[1])}
+    shown = subprocess.Popen([sys.executable, "-m", "flce", *command], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+    shown.stdout.close()  # before any line is read: every write meets a pipe without a reader
+    err = shown.stderr.read().decode()
+    assert shown.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
 @pytest.mark.parametrize("device", ["garbage", "cuda:x"])

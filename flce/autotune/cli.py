@@ -29,15 +29,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at the interpreter's exit
+        return code
     except _UsageError as exc:
         parser.error(str(exc))  # exits with status 2
     except BrokenPipeError:
-        # The reader went away (`flce-autotune show | head`): stop quietly, as cat does. stdout is
-        # pointed at devnull so that the interpreter's own flush at exit does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141  # 128 + SIGPIPE, what a shell reports for a command a closed pipe stopped
+        return closed_pipe_exit()
     return 2
+
+
+def closed_pipe_exit() -> int:
+    """The exit status of a command whose reader went away (`flce-autotune show | head`, `python -m flce info |
+    head -1`): stop quietly, as cat does. stdout is pointed at devnull so that the interpreter's own flush at
+    exit does not raise again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, what a shell reports for a command a closed pipe stopped
 
 
 class _UsageError(ValueError):
