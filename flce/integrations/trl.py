@@ -35,12 +35,14 @@ cuBLAS and folds them into online-softmax statistics. :class:`ChunkedLogProbFunc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 
 import flce
-from flce.errors import InputError
+from flce.config import LCEConfig
+from flce.errors import InputError, InputTypeError
 
 # TRL's optional per-token outputs, in the order of its return tuple after the log-probs.
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -97,10 +99,20 @@ def _fold_logit_scale(
     """flce's (hidden, bias, temperature, softcap) for TRL's ``softcap(s * u) / T``.
 
     For s > 0 the scale folds into the options exactly: ``c tanh(s u / c) / T = (c/s) tanh(u /
-    (c/s)) / (T/s)``. Otherwise (TRL keeps a configured 0 as is) hidden and bias are scaled.
+    (c/s)) / (T/s)``. Otherwise (TRL keeps a configured 0 as is) hidden and bias are scaled. A value the
+    folding cannot carry is refused naming TRL's argument, not the option it would have become.
     """
+    LCEConfig(temperature=temperature, softcap=softcap)  # as given: flce's checks and messages
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not math.isfinite(logit_scale):
+        raise InputTypeError(f"logit_scale={logit_scale!r}: expected a finite real number")
     if logit_scale > 0:
-        return hidden, bias, {"temperature": temperature / logit_scale,
-                              "softcap": None if softcap is None else softcap / logit_scale}
+        folded = {"temperature": temperature / logit_scale,
+                  "softcap": None if softcap is None else softcap / logit_scale}
+        for name, value in folded.items():
+            if value is not None and not 0.0 < value < math.inf:
+                given = temperature if name == "temperature" else softcap
+                raise InputError(f"logit_scale={logit_scale!r} with {name}={given!r}: {name} / logit_scale = "
+                                 f"{value!r}; expected a finite value > 0")
+        return hidden, bias, folded
     scaled_bias = None if bias is None else bias * logit_scale
     return hidden * logit_scale, scaled_bias, {"temperature": temperature, "softcap": softcap}
