@@ -17,6 +17,7 @@ import torch
 
 import flce
 from flce.config import LCEConfig
+from flce.devices import cpu_fallback_reason
 from flce.explain import add_arguments as explain_arguments
 from flce.explain import run as explain_call
 from flce.registry import available_backends, candidates_for, choose_for_call, resolve_device
@@ -98,9 +99,12 @@ def autotune_lines(device: torch.device) -> list[str]:
 
 
 def info(device: str | torch.device | None) -> int:
+    fallback = cpu_fallback_reason() if device is None else None
     device = resolve_device(device)
     print(f"flce {flce.__version__} · torch {torch.__version__} · python {platform.python_version()}")
     print(f"device: {device_description(device)}")
+    if fallback is not None:
+        print(f"  ({fallback})")
     print()
     print("backends:")
     for line in backend_table():
@@ -146,10 +150,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"explain: {exc}")
     if args.command == "info":
         try:
-            device = resolve_device(args.device)
+            resolve_device(args.device)
         except (TypeError, ValueError) as exc:
             parser.error(f"--device: {exc}")  # exits with status 2, the message and no traceback
-        return info(device)
+        return info(args.device)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

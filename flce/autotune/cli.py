@@ -20,6 +20,7 @@ from flce.autotune import locations
 from flce.autotune.devices import device_name, dtype_name, torch_dtype
 from flce.autotune.progress import Progress
 from flce.autotune.schema import VARIANT_NAMES, Entry
+from flce.devices import cpu_fallback_reason, default_device
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -317,8 +318,10 @@ def _dtype(text: str) -> torch.dtype:
 
 def _device(text: str | None) -> torch.device:
     if text is None:
-        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        return accelerator if accelerator is not None else torch.device("cpu")
+        reason = cpu_fallback_reason()
+        if reason is not None:
+            print(f"flce-autotune: {reason}: tuning the CPU", file=sys.stderr)
+        return default_device()
     try:
         device = torch.device(text)
     except RuntimeError as exc:

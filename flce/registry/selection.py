@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from flce.config import LCEConfig
+from flce.devices import default_device
 from flce.errors import InputError, InputTypeError
 from flce.registry.backend import Backend
 from flce.registry.probes import HardwareProbe, system_probe
@@ -66,7 +67,7 @@ def _load_builtins() -> None:
 
 def resolve_device(device: str | torch.device | torch.Tensor | None) -> torch.device:
     """A str, torch.device or tensor names the device; None means the current accelerator
-    (CUDA, NPU, ...) if there is one, else the CPU."""
+    (CUDA, NPU, ...) if this process can use one, else the CPU."""
     if isinstance(device, torch.Tensor):
         return device.device
     if isinstance(device, torch.device):
@@ -77,8 +78,7 @@ def resolve_device(device: str | torch.device | torch.Tensor | None) -> torch.de
         except RuntimeError as exc:
             raise InputError(f"device={device!r}: not a device torch knows ({exc})") from None
     if device is None:
-        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        return accelerator if accelerator is not None else torch.device("cpu")
+        return default_device()  # a CUDA build of torch without a GPU is a CPU machine
     raise InputTypeError(f"device={device!r}: expected a str, torch.device, tensor or None")
 
 
