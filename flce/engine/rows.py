@@ -102,7 +102,10 @@ class GradAccumulator:
         x, w = flat.hidden, flat.weight
         self.kernels, self.flat, self.wanted = kernels, flat, wanted
         self.grad_hidden = torch.empty_like(x) if wanted.hidden else None
-        fp32_acc = cfg.accum_dtype == torch.float32 and w.dtype != torch.float32
+        # precision="accurate" with 16-bit inputs: the fp32 logit gradient enters the products whole (as two
+        # 16-bit parts, _add_exact) and both gradients are fp32 sums rounded once, as torch's accurate policy.
+        self.exact = logits_dtype(w.dtype, cfg) != w.dtype
+        fp32_acc = (cfg.accum_dtype == torch.float32 or self.exact) and w.dtype != torch.float32
         self.weight_acc = None
         self.weight_written = False
         if wanted.weight:
@@ -118,8 +121,9 @@ class GradAccumulator:
         x_rows = self.flat.hidden[rows]
         if self.bias_acc is not None:
             self.kernels.add_column_sums_(self.bias_acc, grad_logits)
-        # fp32 gradients of precision="accurate" enter the GEMMs as 16-bit operands.
-        grad_logits = grad_logits.to(self.flat.weight.dtype)
+        if self.exact:
+            self._add_exact(grad_logits, x_rows, rows)
+            return
         if self.grad_hidden is not None:
             self.kernels.matmul_(grad_logits, self.flat.weight, self.grad_hidden[rows], False)
         if self.weight_acc is not None:
@@ -128,6 +132,20 @@ class GradAccumulator:
             else:
                 self.kernels.matmul_(grad_logits.t(), x_rows, self.weight_acc, self.weight_written)
                 self.weight_written = True
+
+    def _add_exact(self, grad_logits: torch.Tensor, x_rows: torch.Tensor, rows: slice) -> None:
+        """add() of precision="accurate"'s fp32 gradient: both products in fp32 (accumulate_parts_fp32_),
+        grad_hidden's rows rounded once, grad_weight kept in fp32 across chunks."""
+        products = []
+        sums = None
+        if self.grad_hidden is not None:
+            sums = torch.zeros(grad_logits.shape[0], x_rows.shape[1], dtype=torch.float32, device=x_rows.device)
+            products.append((sums, self.flat.weight, False))
+        if self.weight_acc is not None:
+            products.append((self.weight_acc, x_rows, True))
+        accumulate_parts_fp32_(self.kernels, grad_logits, self.flat.weight.dtype, products)
+        if sums is not None:
+            self.grad_hidden[rows] = sums
 
     def add_row_scaled(self, exp: torch.Tensor, row_scale: torch.Tensor, rows: slice) -> None:
         """add() for the gradient row_scale[:, None] * exp (KeptExponentials.gemm_exp_grad; no bias): grad_weight
@@ -158,6 +176,22 @@ class GradAccumulator:
             assert self.flat.bias is not None
             grad_bias = self.bias_acc.to(self.flat.bias.dtype)
         return self.grad_hidden, grad_weight, grad_bias
+
+
+def accumulate_parts_fp32_(kernels: object, grad: torch.Tensor, dtype: torch.dtype,
+                           products: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> None:
+    """acc += G @ b (G.T @ b where transposed) in fp32 for each (acc, b, transposed) of ``products``, with
+    precision="accurate"'s fp32 gradient G as two parts in the 16-bit ``dtype`` of b: G's rounding and the
+    rounding of the rest, together 16 of fp32's 24 mantissa bits for bf16 (22 for fp16) where one 16-bit
+    rounding keeps 8 (11). The 16-bit GEMMs keep their speed; their fp32 sums over both parts carry the fp32
+    gradient, as torch's accurate policy does with fp32 GEMMs. G is a scratch chunk: it holds the rest in place
+    afterwards, and the second part reuses the first's buffer (one 16-bit copy of G, as a single rounding)."""
+    part = grad.to(dtype)
+    for rest in (False, True):
+        if rest:
+            part.copy_(grad.sub_(part))
+        for acc, other, transposed in products:
+            kernels.accumulate_fp32_(acc, part.t() if transposed else part, other)
 
 
 def forward_state(call: EngineCall, flat: FlatInputs, stats: RowStats, denoms: Denominators,
