@@ -42,9 +42,6 @@ from flce.outputs import LCEOutput
 from flce.registry import Backend, registered_backends
 from flce.semantics import RowStats, denominators, needs_sum_exp_dz, statistics_dtype
 
-# torch's functional collectives (all_reduce, wait_tensor): ops that name their group by string.
-_c10d = torch.ops._c10d_functional
-
 # (flat, cfg with the process group, backend, training, needs grad_hidden) -> the sharded EngineCall.
 ShardedCallFn = Callable[[FlatInputs, LCEConfig, Backend, bool, bool], EngineCall]
 _sharded_call: ShardedCallFn | None = None
@@ -191,8 +188,7 @@ def _chunked_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targe
     grads = run_backward(call, flat, state, wanted, grad_loss,
                          grad_logprobs if call.cfg.return_logprobs else None,
                          grad_entropy if call.cfg.return_entropy else None)
-    if call.sharding is not None and grads[0] is not None and grads[0].numel():
-        call.sharding.reduce_grad_hidden(grads[0])
+    # A sharded call's schedule reduced grad_hidden across the ranks already (engine.call.Sharding).
     return tuple(hidden.new_empty(0) if g is None else g for g in grads)
 
 
@@ -262,13 +258,9 @@ def _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy):
         if grad_loss is None:
             grad_loss = torch.zeros((), device=saved[0].device)
         scale = grad_loss.reshape(())
+        # A sharded call's forward reduced grad_hidden across the ranks already (engine.call.Sharding).
         grads = tuple((g.to(scale.dtype) * scale).to(g.dtype) if a else None
                       for g, a in zip(saved, asked, strict=True))
-        group_name = ctx.kw["group_name"]
-        if group_name is not None and grads[0] is not None:
-            # Each rank's grad_hidden covers its vocabulary shard: their sum is the gradient. A
-            # functional collective, so that the compiled backward graph holds it.
-            grads = (_c10d.wait_tensor(_c10d.all_reduce(grads[0], "sum", group_name)), *grads[1:])
     else:
         hidden, weight, bias, target, class_weight, token_weight, lse, target_z, lse_minus_mean_z = ctx.saved_tensors
         results = torch.ops.flce.chunked_backward(

@@ -3,6 +3,8 @@ and the forward state built from all rows' statistics."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 
 from flce.config import LCEConfig
@@ -98,10 +100,15 @@ def torch_count_tokens(target: torch.Tensor, ignore_index: int, dtype: torch.dty
 class GradAccumulator:
     """Turns each chunk's grad-logits into grad_hidden rows and grad_weight / grad_bias sums."""
 
-    def __init__(self, kernels: object, flat: FlatInputs, cfg: LCEConfig, wanted: GradTargets):
+    def __init__(self, kernels: object, flat: FlatInputs, cfg: LCEConfig, wanted: GradTargets,
+                 start_hidden_reduce: Callable[[torch.Tensor], Callable[[], None]] | None = None):
         x, w = flat.hidden, flat.weight
         self.kernels, self.flat, self.wanted = kernels, flat, wanted
         self.grad_hidden = torch.empty_like(x) if wanted.hidden else None
+        # A sharded call's grad_hidden reduction across the ranks (engine.call.Sharding): started once its last
+        # rows exist, beside the weight-gradient product that follows them, and waited for in result().
+        self.start_hidden_reduce = start_hidden_reduce if wanted.hidden else None
+        self.hidden_reduced: Callable[[], None] | None = None
         # precision="accurate" with 16-bit inputs: the fp32 logit gradient enters the products whole (as two
         # 16-bit parts, _add_exact) and both gradients are fp32 sums rounded once, as torch's accurate policy.
         self.exact = logits_dtype(w.dtype, cfg) != w.dtype
@@ -126,6 +133,7 @@ class GradAccumulator:
             return
         if self.grad_hidden is not None:
             self.kernels.matmul_(grad_logits, self.flat.weight, self.grad_hidden[rows], False)
+            self._hidden_rows_written(rows)
         if self.weight_acc is not None:
             if self.weight_acc.dtype != grad_logits.dtype:
                 self.kernels.accumulate_fp32_(self.weight_acc, grad_logits.t(), x_rows)
@@ -134,18 +142,19 @@ class GradAccumulator:
                 self.weight_written = True
 
     def _add_exact(self, grad_logits: torch.Tensor, x_rows: torch.Tensor, rows: slice) -> None:
-        """add() of precision="accurate"'s fp32 gradient: both products in fp32 (accumulate_parts_fp32_),
-        grad_hidden's rows rounded once, grad_weight kept in fp32 across chunks."""
-        products = []
+        """add() of precision="accurate"'s fp32 gradient: both products in fp32 over its two 16-bit parts
+        (fp32_parts), grad_hidden's rows rounded once, grad_weight kept in fp32 across chunks."""
         sums = None
         if self.grad_hidden is not None:
             sums = torch.zeros(grad_logits.shape[0], x_rows.shape[1], dtype=torch.float32, device=x_rows.device)
-            products.append((sums, self.flat.weight, False))
-        if self.weight_acc is not None:
-            products.append((self.weight_acc, x_rows, True))
-        accumulate_parts_fp32_(self.kernels, grad_logits, self.flat.weight.dtype, products)
-        if sums is not None:
-            self.grad_hidden[rows] = sums
+        for second, part in enumerate(fp32_parts(grad_logits, self.flat.weight.dtype)):
+            if sums is not None:
+                self.kernels.accumulate_fp32_(sums, part, self.flat.weight)
+                if second:
+                    self.grad_hidden[rows] = sums
+                    self._hidden_rows_written(rows)
+            if self.weight_acc is not None:
+                self.kernels.accumulate_fp32_(self.weight_acc, part.t(), x_rows)
 
     def add_row_scaled(self, exp: torch.Tensor, row_scale: torch.Tensor, rows: slice) -> None:
         """add() for the gradient row_scale[:, None] * exp (KeptExponentials.gemm_exp_grad; no bias): grad_weight
@@ -166,7 +175,18 @@ class GradAccumulator:
             self.kernels.matmul_(exp, self.flat.weight, grad_rows, False)
             self.kernels.scale_rows(grad_rows, row_scale, grad_rows)
 
+    def _hidden_rows_written(self, rows: slice) -> None:
+        """Start grad_hidden's reduction once its last rows are written (chunks come in order)."""
+        if self.start_hidden_reduce is not None and rows.stop >= self.flat.hidden.shape[0]:
+            self.hidden_reduced = self.start_hidden_reduce(self.grad_hidden)
+            self.start_hidden_reduce = None
+
     def result(self) -> Grads:
+        if self.start_hidden_reduce is not None and self.grad_hidden.numel():  # no rows written: start it now
+            self.hidden_reduced = self.start_hidden_reduce(self.grad_hidden)
+        if self.hidden_reduced is not None:
+            self.hidden_reduced()
+            self.hidden_reduced = None
         w = self.flat.weight
         if self.weight_acc is not None and self.weight_acc.dtype == w.dtype and not self.weight_written:
             self.weight_acc.zero_()  # no rows at all
@@ -178,20 +198,16 @@ class GradAccumulator:
         return self.grad_hidden, grad_weight, grad_bias
 
 
-def accumulate_parts_fp32_(kernels: object, grad: torch.Tensor, dtype: torch.dtype,
-                           products: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> None:
-    """acc += G @ b (G.T @ b where transposed) in fp32 for each (acc, b, transposed) of ``products``, with
-    precision="accurate"'s fp32 gradient G as two parts in the 16-bit ``dtype`` of b: G's rounding and the
+def fp32_parts(grad: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """precision="accurate"'s fp32 gradient G as two parts in the 16-bit ``dtype``: G's rounding, then the
     rounding of the rest, together 16 of fp32's 24 mantissa bits for bf16 (22 for fp16) where one 16-bit
-    rounding keeps 8 (11). The 16-bit GEMMs keep their speed; their fp32 sums over both parts carry the fp32
-    gradient, as torch's accurate policy does with fp32 GEMMs. G is a scratch chunk: it holds the rest in place
-    afterwards, and the second part reuses the first's buffer (one 16-bit copy of G, as a single rounding)."""
+    rounding keeps 8 (11). 16-bit GEMMs keep their speed, and their fp32 sums over both parts carry the fp32
+    gradient, as torch's accurate policy does with fp32 GEMMs. The second part is written over the first (use
+    each before asking for the next) and G, a scratch chunk, holds the rest afterwards: one 16-bit copy of G."""
     part = grad.to(dtype)
-    for rest in (False, True):
-        if rest:
-            part.copy_(grad.sub_(part))
-        for acc, other, transposed in products:
-            kernels.accumulate_fp32_(acc, part.t() if transposed else part, other)
+    yield part
+    part.copy_(grad.sub_(part))
+    yield part
 
 
 def forward_state(call: EngineCall, flat: FlatInputs, stats: RowStats, denoms: Denominators,

@@ -22,6 +22,8 @@ kernel, or the fused gradient GEMM) and accumulated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flce.engine import all_rows
@@ -48,6 +50,11 @@ def kept_rows(plan: TokenChunks, n_rows: int) -> int:
     return kept if kept == n_rows else kept - kept % max(1, plan.tokens_per_chunk)
 
 
+def _hidden_reduce(call: EngineCall) -> Callable[[torch.Tensor], Callable[[], None]] | None:
+    """A sharded call's grad_hidden reduction, which the accumulator starts beside the last weight product."""
+    return None if call.sharding is None else call.sharding.start_grad_hidden_reduce
+
+
 def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denominators, *,
             grads_in_forward: GradTargets | None, backward_follows: bool) -> ForwardState:
     """Loss and extras; with grads_in_forward, the unscaled gradients too. backward_follows=False
@@ -55,7 +62,7 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
     cfg, kernels, target = call.cfg, call.kernels, flat.target
     n_rows = target.shape[0]
     vocab = call.vocab(flat.weight.shape[0])
-    acc = GradAccumulator(kernels, flat, cfg, grads_in_forward) if grads_in_forward else None
+    acc = GradAccumulator(kernels, flat, cfg, grads_in_forward, _hidden_reduce(call)) if grads_in_forward else None
     deferred = backward_follows and acc is None
     keep = kept_rows(plan, n_rows) if deferred else 0
     if acc is None and keep == 0 and plan.stats_first is not None:
@@ -134,7 +141,7 @@ def backward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, state: Forwa
     cfg, kernels, target = call.cfg, call.kernels, flat.target
     vocab = call.vocab(flat.weight.shape[0])
     assert state.stats is not None
-    acc = GradAccumulator(kernels, flat, cfg, wanted)
+    acc = GradAccumulator(kernels, flat, cfg, wanted, _hidden_reduce(call))
     saved = state.saved_logits
     # The saved logits are overwritten by the grad kernels: a second backward must recompute.
     state.saved_logits = None

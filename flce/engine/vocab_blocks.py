@@ -22,7 +22,7 @@ import torch
 from flce.engine import all_rows
 from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
 from flce.engine.plans import FUSED, VocabBlocks
-from flce.engine.rows import WorkBuffer, accumulate_parts_fp32_, block_logits, forward_state, logits_dtype
+from flce.engine.rows import WorkBuffer, block_logits, forward_state, fp32_parts, logits_dtype
 from flce.gradients import GradCoefficients, grad_coefficients, upstream_scales
 from flce.inputs import FlatInputs
 from flce.semantics import Denominators, RowStats, statistics_dtype
@@ -88,10 +88,11 @@ def block_gradients(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, stats
             kernels.add_column_sums_(sums, grad)
             grad_bias[cols] = sums
         if exact:
-            products = [] if grad_hidden is None else [(grad_hidden, w[cols], False)]
-            if grad_weight is not None:
-                products.append((grad_weight[cols], x, True))
-            accumulate_parts_fp32_(kernels, grad, w.dtype, products)
+            for part in fp32_parts(grad, w.dtype):
+                if grad_hidden is not None:
+                    kernels.accumulate_fp32_(grad_hidden, part, w[cols])
+                if grad_weight is not None:
+                    kernels.accumulate_fp32_(grad_weight[cols], part.t(), x)
             continue
         if grad_hidden is not None:
             if fp32_acc:
@@ -104,5 +105,9 @@ def block_gradients(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, stats
             else:
                 torch.mm(grad.t(), x, out=grad_weight[cols])
         del grad
-    return (None if grad_hidden is None else grad_hidden.to(x.dtype),
-            None if grad_weight is None else grad_weight.to(w.dtype), grad_bias)
+    if grad_hidden is not None:
+        grad_hidden = grad_hidden.to(x.dtype)
+        if call.sharding is not None and grad_hidden.numel():
+            # Complete only after the last block (whose weight product precedes): reduced here, not beside it.
+            call.sharding.start_grad_hidden_reduce(grad_hidden)()
+    return grad_hidden, None if grad_weight is None else grad_weight.to(w.dtype), grad_bias
