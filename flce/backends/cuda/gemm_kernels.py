@@ -42,7 +42,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flce.backends.cuda.kernels import LN2, _capped_scaled, _moved_to
+from flce.backends.cuda.kernels import _capped_scaled
+from flce.backends.online_softmax import LN2, _moved_to
 
 LOG2E = tl.constexpr(1.4426950408889634)
 

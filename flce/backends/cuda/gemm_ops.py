@@ -14,6 +14,7 @@ import triton.language as tl
 
 from flce.backends.cuda import gemm_kernels
 from flce.backends.cuda.configs import GemmConfig
+from flce.backends.cuda.hardware import multiprocessors
 from flce.config import LCEConfig
 from flce.gradients import GradCoefficients
 from flce.semantics import PartialRowStats, needs_argmax, needs_sum_exp_dz, needs_weighted_sum_z
@@ -37,7 +38,7 @@ def split_count(n_rows: int, vocab: int, config: GemmConfig, device: torch.devic
     if config.splits is not None:
         return min(config.splits, n_tiles)
     row_blocks = triton.cdiv(n_rows, config.block_m)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = multiprocessors(device)
     wanted = max(1, min(n_tiles, _MAX_SPLITS, triton.cdiv(_WAVES * sms, row_blocks)))
     best, best_cost = wanted, None
     for splits in range(max(1, wanted // 2), min(n_tiles, _MAX_SPLITS, 2 * wanted) + 1):
@@ -160,7 +161,7 @@ def gemm_grad(
         # 128 x 256 tile do not fit the registers beside the accumulator.
         subtiles = 2 if config.block_m * config.block_n >= 128 * 256 else 1
         grad_desc = TensorDescriptor.from_tensor(grad, [config.block_m, config.block_n // subtiles])
-        programs = min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
+        programs = min(tiles, multiprocessors(x.device))
         gemm_kernels._gemm_grad_persistent_kernel[(programs,)](
             x_arg, w_arg, grad_desc, bias if bias is not None else a, class_weight if class_weight is not None else a,
             *rows, n, vocab, hidden, vocab_offset, float(cfg.softcap or 1.0), 1.0 / cfg.temperature,
