@@ -115,6 +115,11 @@ def parse_bytes(name: str, text: str) -> int:
     return value
 
 
+def check_variant(variant: str) -> None:
+    if variant not in ("auto", *VARIANTS):
+        raise ValueError(f"variant={variant!r}: expected 'auto', 'plain' or 'full'")
+
+
 def resolve_variant(variant: str, cfg: LCEConfig, per_token_inputs: tuple[str, ...] = (), sharded: bool = False
                     ) -> str:
     """The variant a call runs, by the one rule the module, dispatch and explain share: the full variant serves
@@ -122,8 +127,7 @@ def resolve_variant(variant: str, cfg: LCEConfig, per_token_inputs: tuple[str, .
     without per-token inputs (``per_token_inputs``: the names of those given, token_weights or selected_ids);
     "auto" picks plain where it can. A vocabulary shard (``sharded``) scans with the full variant's kernels, which
     produce combinable statistics. Raises ValueError for an unknown variant and for "plain" where it cannot."""
-    if variant not in ("auto", *VARIANTS):
-        raise ValueError(f"variant={variant!r}: expected 'auto', 'plain' or 'full'")
+    check_variant(variant)
     needs_full = [*cfg.full_feature_options(), *per_token_inputs]
     if variant == "plain" and needs_full:
         raise ValueError(f"variant='plain' cannot serve {', '.join(needs_full)}; use variant='full' or 'auto'")

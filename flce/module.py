@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from flce.config import LCEConfig, config_from_keywords, primitive_options, resolve_variant
+from flce.config import LCEConfig, check_variant, config_from_keywords, primitive_options, resolve_variant
 from flce.distributed.dtensor import localize_inputs
 from flce.engine.plans import BATCH_INVARIANT_TOKENS
 from flce.engine.run import run_backend
@@ -196,7 +196,7 @@ def get_impl(
     ``backend`` forces one backend (else ``FLCE_BACKEND``, else the best available);
     ``variant`` is "auto", "plain" or "full"; ``probe`` replaces the hardware probes (tests).
     """
-    resolve_variant(variant, LCEConfig())  # an unknown variant fails here, not at the first call
+    check_variant(variant)  # an unknown variant fails here, not at the first call
     device_type = resolve_device(device).type
     # Fail at get_impl, not at the first call, when the named backend cannot serve this device.
     candidates_for(device_type, backend, probe)

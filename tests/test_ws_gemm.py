@@ -604,7 +604,7 @@ def test_ws_logit_options_through_flce_match_float64(options: str, training: boo
     monkeypatch.setattr(ws_gemm_ops, "ws_partial_row_stats",
                         lambda *a, **k: kept.append(a[5] is not None) or real(*a, **k))
     with_bias = options == "softcap_bias"
-    # 4096 tokens: forward only takes the fused statistics by default (plan.FUSED_FORWARD_MIN_ROWS).
+    # 4096 tokens: forward only takes the fused statistics by default (families/family.py FUSED_FORWARD_MIN_ROWS).
     x, w, b, t = lm_head_inputs(4096, 1024, 50000, torch.bfloat16, "cuda", with_bias=with_bias)
     if with_bias:
         kwargs = {"softcap": 10.0, "temperature": 0.7}

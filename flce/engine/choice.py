@@ -37,6 +37,7 @@ class DeviceDescription:
     triton: str | None = None  # the version of Triton the kernels compile with (None: not installed)
     # The GPU the kernels run on where the call is planned as another (FLCE_CUDA_PLAN_AS), else None.
     runs_on: str | None = None
+    shared_memory: int = 0  # bytes of shared memory one block may use (CUDA); 0: unknown
 
     @property
     def arch(self) -> str:

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from flce.backends.cuda.families import FAMILIES
+from flce.backends.cuda import families
 from flce.backends.cuda.gluon_compat import triton_version
 from flce.backends.cuda.hardware import describe_device
 
@@ -27,7 +27,7 @@ def kernel_availability(device: torch.device) -> list[tuple[str, bool, str]]:
     else:
         runs, where = False, f"{triton_name}; {device} runs them only under TRITON_INTERPRET=1"
     rows = [("row kernels (Triton)", runs, where)]
-    for family in reversed(FAMILIES):
+    for family in reversed(families.FAMILIES):
         available, why = family.available(gpu)
         rows.append((f"{family.name}: {family.title}", runs and available, why if runs else f"{where}; {why}"))
     return rows

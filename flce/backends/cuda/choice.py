@@ -25,6 +25,7 @@ from flce.backends.cuda.families.family import (
     CHUNK_LOGITS,
     EXPONENTIALS,
     GRADIENT,
+    OPTIONAL_ROLES,
     PRODUCTS,
     ROLES,
     STATISTICS,
@@ -38,6 +39,8 @@ from flce.engine.plans import CUBLAS, FUSED, LOGITS
 # for the plans' path knobs; "triton" names both Triton families: triton_gemm.py).
 ROLE_KNOBS = {STATISTICS: "stats_kernel", CHUNK_LOGITS: "logits_kernel", EXPONENTIALS: "chunk_grad",
               PRODUCTS: "grad_gemm_kernel", GRADIENT: "backward_grad"}
+# The plans' path knobs ("fused" or "cublas") of the roles that have one.
+_PATH_KNOBS = {STATISTICS: "forward_stats", CHUNK_LOGITS: "forward_logits", GRADIENT: "backward_grad"}
 
 
 @dataclass(frozen=True)
@@ -108,9 +111,6 @@ def _asked(role: str, tuned: sizes.TunedKnobs, settings: LaunchSettings) -> tupl
     return None
 
 
-_PATH_KNOBS = {STATISTICS: "forward_stats", CHUNK_LOGITS: "forward_logits", GRADIENT: "backward_grad"}
-
-
 def _pick(role: str, device: DeviceDescription, call: CallDescription, tuned: sizes.TunedKnobs,
           settings: LaunchSettings, failed: Mapping[tuple[str, str], str], picks: Mapping[str, RolePick]) -> RolePick:
     def unusable(family: KernelFamily) -> str | None:
@@ -136,21 +136,27 @@ def _pick(role: str, device: DeviceDescription, call: CallDescription, tuned: si
 
     asked = _asked(role, tuned, settings)
     notes: list[str] = []
-    if asked is not None:
-        name, source = asked
-        if name is None:
-            return RolePick((), source)
-        start = next((f for f in families_for(role) if f.fused), None) if name == FUSED else family_named(name)
-        chain = chain_from(start, notes) if start is not None else ()
+    chain: tuple[KernelFamily, ...] = ()
+    if asked is not None and asked[0] is None:
+        return RolePick((), asked[1])
+    if asked is not None and asked[0] != FUSED:
+        source = asked[1]
+        chain = chain_from(family_named(asked[0]), notes)
     else:
-        source = "heuristic"
-        chain = ()
-        for family in _heuristic_candidates(role, picks):
-            why = unusable(family) or family.unpreferred(device, call, role)
+        # The heuristic, or a cache entry's "fused": the first registered family that can take the role (and, for
+        # the heuristic, that it takes), then that family's fallback chain.
+        source = "heuristic" if asked is None else asked[1]
+        for family in _heuristic_candidates(role, picks) if asked is None else families_for(role):
+            if asked is not None and not family.fused:
+                continue
+            why = unusable(family) or (family.unpreferred(device, call, role) if asked is None else None)
             if why is None:
                 chain = chain_from(family, notes)
                 break
             notes.append(f"{family.name}: {why}")
+    if not chain and (asked is not None or role not in OPTIONAL_ROLES):
+        # Nothing asked for fits: the last registered family (cuBLAS and the row kernels: it fits every call).
+        chain = chain_from(families_for(role)[-1], notes)
     taken = chain[0].name if chain else "none"
     if asked is not None and not notes:
         return RolePick(chain, source)

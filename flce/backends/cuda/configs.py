@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flce.backends.cuda.hardware import has_tma
 from flce.engine.choice import DeviceDescription
 
 _MAX_SPLITS = 256
@@ -76,13 +77,25 @@ class GemmConfig:
                 f"{self.num_stages} stages, splits {self.splits or 'by SM count'}, TMA {'on' if self.tma else 'off'}")
 
 
+# Shared memory one block needs for the default tiles, compiled by Triton 3.6: 3 stages of a 128 x 256 x 64 16-bit
+# tile pair take 147 KiB with TMA loads (the persistent gradient GEMM's TMA store adds 32 KiB), 96 KiB with pointer
+# loads (two buffers in flight).
+_DEFAULT_TILES_SHARED_MEMORY = {True: 180 * 1024, False: 96 * 1024}
+
+
 def default_gemm_config(device: DeviceDescription, dtype: torch.dtype) -> GemmConfig:
     """GPUs: 128 x 256 x 64 tiles, 8 warps, 3 stages, the fastest of six configurations on the H200
     at three LM shapes (95-98% of cuBLAS's TFLOP/s; docs/benchmarks.md); fp32 operands halve the K
-    step to keep shared memory per stage the same. The interpreter: small tiles, so CPU tests run in seconds."""
+    step to keep shared memory per stage the same. A GPU whose blocks get less shared memory than those tiles need
+    (sm_120's 99 KiB beside TMA) takes 128 x 128 tiles in 2 stages, which fit it (tools/compat/compile_for_gpus.py
+    checks every kernel's need against the GPU's); not measured on such a GPU. The interpreter: small tiles, so CPU
+    tests run in seconds."""
     if device.interpreter:
         return GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, tma=False)
-    return GemmConfig(block_n=256, block_k=32 if dtype == torch.float32 else 64)
+    block_k = 32 if dtype == torch.float32 else 64
+    if 0 < device.shared_memory < _DEFAULT_TILES_SHARED_MEMORY[has_tma(device)]:
+        return GemmConfig(block_n=128, block_k=block_k, num_stages=2)
+    return GemmConfig(block_n=256, block_k=block_k)
 
 
 @dataclass(frozen=True)

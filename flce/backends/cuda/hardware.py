@@ -24,22 +24,24 @@ import torch
 
 from flce.engine.choice import DeviceDescription
 
-MiB = 1 << 20
-# GPUs explain can describe by name alone (the names torch.cuda.get_device_name reports, as the autotune
-# cache keys them): compute capability, streaming multiprocessors, memory (about what the driver reports;
-# the planners read it only for the logits-save limit, 4 GiB on every GPU of 32 GiB or more).
-KNOWN_GPUS: dict[str, tuple[tuple[int, int], int, int]] = {
-    "NVIDIA H100 80GB HBM3": ((9, 0), 132, 81559 * MiB),
-    "NVIDIA H100 PCIe": ((9, 0), 114, 81559 * MiB),
-    "NVIDIA H100 NVL": ((9, 0), 132, 95830 * MiB),
-    "NVIDIA H200": ((9, 0), 132, 143771 * MiB),
-    "NVIDIA GH200 480GB": ((9, 0), 132, 97871 * MiB),
-    "NVIDIA A100-SXM4-80GB": ((8, 0), 108, 81251 * MiB),
-    "NVIDIA A100-SXM4-40GB": ((8, 0), 108, 40536 * MiB),
-    "NVIDIA A100 80GB PCIe": ((8, 0), 108, 81251 * MiB),
-    "NVIDIA L40S": ((8, 9), 142, 46068 * MiB),
-    "NVIDIA GeForce RTX 4090": ((8, 9), 128, 24564 * MiB),
-    "NVIDIA B200": ((10, 0), 148, 183359 * MiB),
+KiB, MiB = 1 << 10, 1 << 20
+# GPUs explain can describe by name (the names torch.cuda.get_device_name reports, as the autotune cache keys
+# them): compute capability, streaming multiprocessors, memory (about what the driver reports; the planners read it
+# only for the logits-save limit, 4 GiB on every GPU of 32 GiB or more) and the shared memory one block may use (the
+# CUDA programming guide's opt-in maximum per compute capability: the Triton GEMMs' tiles must fit it).
+KNOWN_GPUS: dict[str, tuple[tuple[int, int], int, int, int]] = {
+    "NVIDIA H100 80GB HBM3": ((9, 0), 132, 81559 * MiB, 227 * KiB),
+    "NVIDIA H100 PCIe": ((9, 0), 114, 81559 * MiB, 227 * KiB),
+    "NVIDIA H100 NVL": ((9, 0), 132, 95830 * MiB, 227 * KiB),
+    "NVIDIA H200": ((9, 0), 132, 143771 * MiB, 227 * KiB),
+    "NVIDIA GH200 480GB": ((9, 0), 132, 97871 * MiB, 227 * KiB),
+    "NVIDIA A100-SXM4-80GB": ((8, 0), 108, 81251 * MiB, 163 * KiB),
+    "NVIDIA A100-SXM4-40GB": ((8, 0), 108, 40536 * MiB, 163 * KiB),
+    "NVIDIA A100 80GB PCIe": ((8, 0), 108, 81251 * MiB, 163 * KiB),
+    "NVIDIA L40S": ((8, 9), 142, 46068 * MiB, 99 * KiB),
+    "NVIDIA GeForce RTX 4090": ((8, 9), 128, 24564 * MiB, 99 * KiB),
+    "NVIDIA B200": ((10, 0), 148, 183359 * MiB, 227 * KiB),
+    "NVIDIA GeForce RTX 5090": ((12, 0), 170, 32607 * MiB, 99 * KiB),
 }
 # The oldest Triton flce's kernels build with (pyproject.toml's triton>=3.5; gluon_compat.py maps Gluon's names
 # from 3.5 to 3.9), and the Triton a described GPU is assumed to have where none is installed or named (the GPU
@@ -119,13 +121,16 @@ def _gpu(index: int, plan_as: str | None) -> DeviceDescription:
     props = torch.cuda.get_device_properties(index)
     real = DeviceDescription(type="cuda", name=torch.cuda.get_device_name(index), total_memory=props.total_memory,
                              capability=(props.major, props.minor), multiprocessors=props.multi_processor_count,
-                             triton=installed_triton())
+                             triton=installed_triton(),
+                             shared_memory=getattr(props, "shared_memory_per_block_optin", 0))
     if plan_as is None:
         return real
     if plan_as not in KNOWN_GPUS:
         raise ValueError(f"{PLAN_AS_ENV}={plan_as!r}: not a GPU flce knows by name; expected one of "
                          f"{sorted(KNOWN_GPUS)}")
-    return replace(real, name=plan_as, capability=KNOWN_GPUS[plan_as][0], runs_on=real.name)
+    capability, _, _, shared_memory = KNOWN_GPUS[plan_as]
+    return replace(real, name=plan_as, capability=capability, shared_memory=min(shared_memory, real.shared_memory),
+                   runs_on=real.name)
 
 
 @cache
@@ -154,4 +159,5 @@ def gpu_description(name: str, capability: tuple[int, int] | None = None, multip
         raise ValueError(f"capability={capability!r}: expected (major, minor), e.g. (9, 0)")
     return DeviceDescription(type="cuda", name=name, total_memory=total_memory or known[2],
                              capability=capability or known[0], multiprocessors=multiprocessors or known[1],
-                             triton=triton or installed_triton() or TESTED_TRITON)
+                             triton=triton or installed_triton() or TESTED_TRITON,
+                             shared_memory=known[3] if known and not capability else 0)

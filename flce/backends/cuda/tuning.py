@@ -18,14 +18,15 @@ def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
     """Chunk rows x every family's forward candidates (cuBLAS + the row kernel per row-kernel launch, the fused
     Triton GEMM per tile configuration, on Hopper the warp-specialised GEMM writing the logits or the kept
     exponentials), each forward with every family that fits the gradient products (grad_gemm_kernel)."""
-    from flce.backends.cuda.families import FAMILIES, families_for
+    from flce.backends.cuda import families
     from flce.backends.cuda.families.family import PRODUCTS, tuning_call
     from flce.backends.cuda.hardware import describe_device
 
     device = describe_device(torch.device(shape.device))
     call = tuning_call(shape)
-    forwards = [knobs for family in FAMILIES for knobs in family.tuning_candidates(device, shape, quick)]
-    products = [family.name for family in families_for(PRODUCTS) if family.unfit(device, call, PRODUCTS) is None]
+    forwards = [knobs for family in families.FAMILIES for knobs in family.tuning_candidates(device, shape, quick)]
+    products = [family.name for family in families.families_for(PRODUCTS)
+                if family.unfit(device, call, PRODUCTS) is None]
     if len(products) > 1:
         forwards = [dict(knobs, grad_gemm_kernel=name) for knobs in forwards for name in products]
     rows = chunk_candidates(shape.tokens, quick, smallest=512)

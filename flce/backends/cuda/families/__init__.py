@@ -17,12 +17,14 @@ FAMILIES: tuple[KernelFamily, ...] = (
     triton_gemm.FAMILY,
     cublas.FAMILY,
 )
-_BY_NAME = {family.name: family for family in FAMILIES}
 
 
 def family_named(name: str) -> KernelFamily:
     """The registered family called ``name``."""
-    return _BY_NAME[name]
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ValueError(f"kernel family {name!r}: not registered; registered: {[f.name for f in FAMILIES]}")
 
 
 def families_for(role: str) -> tuple[KernelFamily, ...]:

@@ -35,6 +35,9 @@ EXPONENTIALS = "exponentials"  # a token chunk's statistics, writing kept expone
 PRODUCTS = "products"  # the gradient products G @ W and G.T @ x
 GRADIENT = "gradient"  # a recomputed chunk's or vocabulary block's d loss / d u (plans' backward_grad "fused")
 ROLES = (STATISTICS, CHUNK_LOGITS, EXPONENTIALS, PRODUCTS, GRADIENT)
+# Roles a call may run without (a chunk's gradient from its logits instead of kept exponentials); every other role
+# always has a family, cuBLAS and the row kernels at the least.
+OPTIONAL_ROLES = frozenset({EXPONENTIALS})
 # The kept exponentials hold a row without a redo while its loss at the call's temperature is under ~84.6 nats
 # (exp_grad_kernels.OFFSET_ABOVE_TARGET + CAP bits), i.e. the row's logits u within 84.6 * temperature nats above
 # the target's. A redone row recomputes its logits twice in a slow kernel, so colder calls, where wrong targets
