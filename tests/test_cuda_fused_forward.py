@@ -464,6 +464,7 @@ kernel = getattr(gemm_kernels, kernel_name)
 names = list(inspect.signature(kernel.fn).parameters)
 constants = {"HAS_BIAS": True, "HAS_SOFTCAP": True, "HAS_CLASS_WEIGHT": False, "HAS_H": has_h, "HAS_E": has_h,
              "NEED_SUM_EXP_DZ": has_h, "NEED_WEIGHTED_SUM_Z": False, "NEED_ARGMAX": has_h, "STORE_LOGITS": True,
+             "STORE_EXP": False,
              "LOGITS_DTYPE": tl.bfloat16, "USE_TMA": True, "IEEE": False, "BLOCK_M": 128, "BLOCK_N": 256,
              "BLOCK_K": 64, "GROUP_M": 8, "SPLITS": 1, "NUM_STAGES": 3, "SUBTILES": 2}
 types = {"x": "tensordesc<bf16[128,64]>", "w": "tensordesc<bf16[256,64]>", "x_desc": "tensordesc<bf16[128,64]>",

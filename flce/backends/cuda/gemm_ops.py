@@ -51,11 +51,17 @@ def split_count(n_rows: int, vocab: int, config: GemmConfig, device: torch.devic
 def gemm_row_stats(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, cfg: LCEConfig,
     vocab_offset: int, config: GemmConfig, logits_out: torch.Tensor | None = None,
+    exp_offset: torch.Tensor | None = None,
 ) -> PartialRowStats:
     """Row statistics of z = cap(x @ w.T + bias) / T (semantics.PartialRowStats), without logits,
-    or also writing them into ``logits_out`` [n, V] (unit column stride) when given.
+    or also writing them into ``logits_out`` [n, V] (unit column stride) when given. With ``exp_offset`` ([n] fp32,
+    base 2; a loss whose gradient is a row multiple of softmax - onehot, no bias or softcap: exp_grad_ops.py)
+    ``logits_out`` gets the kept exponentials instead and the statistics are taken relative to the offsets.
 
     x [n, H], w [V, H] (this shard; global class ids start at vocab_offset), target [n] int64."""
+    if exp_offset is not None and (logits_out is None or bias is not None or cfg.softcap is not None
+                                   or exp_offset.shape != (x.shape[0],) or exp_offset.dtype != torch.float32):
+        raise ValueError("gemm_row_stats: exp_offset needs logits_out, no bias or softcap and an [n] fp32 tensor")
     n, hidden = x.shape
     vocab = w.shape[0]
     stats = PartialRowStats.allocate(n, cfg, x.device)
@@ -86,11 +92,12 @@ def gemm_row_stats(
     gemm_kernels._gemm_row_stats_kernel[grid](
         x_arg, w_arg, bias if bias is not None else part_max, class_weight if class_weight is not None else part_max,
         logits_out if logits_out is not None else x, logits_out.stride(0) if logits_out is not None else 0,
+        exp_offset.contiguous() if exp_offset is not None else part_max,
         part_max, part_sum, part_sum_dz, part_weighted, part_argmax,
         n, vocab, hidden, x.stride(0), w.stride(0), vocab_offset, softcap, 1.0 / cfg.temperature, tiles_per_split,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=cfg.softcap is not None, HAS_CLASS_WEIGHT=class_weight is not None,
         NEED_SUM_EXP_DZ=stats.sum_exp_dz is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
-        NEED_ARGMAX=stats.argmax is not None, STORE_LOGITS=logits_out is not None,
+        NEED_ARGMAX=stats.argmax is not None, STORE_LOGITS=logits_out is not None, STORE_EXP=exp_offset is not None,
         LOGITS_DTYPE=_TRITON_DTYPES[x.dtype], USE_TMA=use_tma,
         IEEE=x.dtype == torch.float32,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,

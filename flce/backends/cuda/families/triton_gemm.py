@@ -29,7 +29,6 @@ STATS_GEMM = _K + "gemm_kernels._gemm_row_stats_kernel"
 STATS_KERNELS = (STATS_GEMM, _K + "gemm_kernels._target_logit_kernel", _K + "gemm_kernels._merge_splits_kernel")
 GRAD_PERSISTENT = _K + "gemm_kernels._gemm_grad_persistent_kernel"
 GRAD_TILES = _K + "gemm_kernels._gemm_grad_kernel"
-EXP_LOGITS = _K + "exp_grad_kernels._exp_logits_kernel"
 class TritonGemm(KernelFamily):
     roles = frozenset({STATISTICS, CHUNK_LOGITS, EXPONENTIALS, GRADIENT})
     fused = True
@@ -79,7 +78,7 @@ class TritonGemm(KernelFamily):
     def kernels(self, role, settings, call):
         if role == GRADIENT:
             return (GRAD_PERSISTENT if self.config(settings).persistent else GRAD_TILES,)
-        return (*STATS_KERNELS, EXP_LOGITS) if role == EXPONENTIALS else STATS_KERNELS
+        return STATS_KERNELS
 
     def launch_text(self, role, settings):
         return f"{self.config(settings).text()} ({settings.gemm_source})"
@@ -93,12 +92,10 @@ class TritonGemm(KernelFamily):
         return gemm_row_stats(hidden, weight, bias, target, cfg, vocab_offset, self.config(settings), logits_out)
 
     def exponentials(self, settings, hidden, weight, target, cfg, offsets, exp_out):
-        from flce.backends.cuda.exp_grad_ops import exponentials_from_logits_
+        from flce.backends.cuda.gemm_ops import gemm_row_stats
 
-        # The logits from the statistics GEMM, then one pass turns them into the exponentials.
-        partial = self.statistics(settings, hidden, weight, None, target, cfg, 0, exp_out)
-        exponentials_from_logits_(exp_out, offsets, cfg.temperature)
-        return partial
+        # The statistics GEMM's epilogue writes the exponentials: no pass over the logits.
+        return gemm_row_stats(hidden, weight, None, target, cfg, 0, self.config(settings), exp_out, exp_offset=offsets)
 
     def gradient(self, settings, hidden, weight, bias, target, cfg, vocab_offset, lse, coeffs):
         from flce.backends.cuda.gemm_ops import gemm_grad
