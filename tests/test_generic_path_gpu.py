@@ -30,7 +30,8 @@ CALLS = {
     "full-variant-bias": (4096, 1024, 32001, True, True, {"label_smoothing": 0.1, "softcap": 30.0}, None),
     "64MiB": (4096, 1024, 32000, False, True, {"memory_budget": 64 << 20}, None),
     "tuned-triton-logits": (4096, 1024, 32000, False, True, {}, {"forward_logits": "fused", "logits_kernel": "triton"}),
-    "tuned-exponentials": (4096, 1024, 32000, False, True, {}, {"chunk_grad": "exponentials", "logits_kernel": "triton"}),
+    "tuned-exponentials": (4096, 1024, 32000, False, True, {},
+                           {"chunk_grad": "exponentials", "logits_kernel": "triton"}),
     "tuned-fused-gradient": (4096, 1024, 32000, False, True, dict(RL, memory_budget=64 << 20),
                              {"forward_stats": "fused", "backward_grad": "fused"}),
 }
