@@ -18,11 +18,12 @@ Conventions shared by all kernels:
 * math is fp32 whatever the logits dtype; offsets are int32 unless ``WIDE_OFFSETS`` (the chunk
   holds 2**31 elements or more, decided on the host).
 * softcap and temperature: ``z = softcap * tanh(u / softcap) / temperature``; tanh is built from
-  ``exp(-2|x|)`` (in (0, 1], no overflow) and a Taylor series near 0 (:func:`_tanh`) because
-  triton-ascend, CUDA Triton and the interpreter all provide ``exp`` but not the same tanh.
+  ``exp(-2|x|)`` (in (0, 1], no overflow) and a Taylor series near 0 (flce/backends/softcap.py, shared with
+  the CUDA kernels) because triton-ascend, CUDA Triton and the interpreter all provide ``exp`` but not the same
+  tanh.
 * small steps are written inline rather than as @jit helpers: the compiler inlines either way, and
-  the interpreter (CI) pays milliseconds per helper call per block. The softcap's tanh is the one
-  helper: three kernels share it, and only softcapped calls pay for it.
+  the interpreter (CI) pays milliseconds per helper call per block. The softcap's tanh is a helper: three
+  kernels share it, and only softcapped calls pay for it.
 """
 
 from __future__ import annotations
@@ -31,25 +32,10 @@ import triton
 import triton.language as tl
 
 from flce.backends.online_softmax import _moved_to
+from flce.backends.softcap import _tanh
 
 # Larger than any column index: the "no candidate" value of the first-index argmax.
 _NO_INDEX = tl.constexpr(2147483647)
-
-
-@triton.jit
-def _tanh(x):
-    """tanh(x) within a few fp32 ulps of it for every x: (1 - e) / (1 + e) with e = exp(-2|x|) and the sign
-    restored, and below |x| = 0.25, where 1 - e cancels (losing softcap * 1e-7 on each logit absolutely),
-    tanh's Taylor series to x^9. The CUDA backend's kernels._tanh is the same formula (its bounds are there)."""
-    a = tl.abs(x)
-    e = tl.exp(-2.0 * a)
-    far = (1.0 - e) / (1.0 + e)
-    s = a * a
-    series = -0.05396825396825397 + s * 0.021869488536155203
-    series = 0.13333333333333333 + s * series
-    series = -0.3333333333333333 + s * series
-    t = tl.where(a < 0.25, a + a * s * series, far)
-    return tl.where(x < 0.0, -t, t)
 
 
 @triton.jit

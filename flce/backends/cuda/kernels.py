@@ -16,25 +16,7 @@ import triton
 import triton.language as tl
 
 from flce.backends.online_softmax import _moved_to
-
-
-@triton.jit
-def _tanh(x):
-    """tanh(x) within a few fp32 ulps of it for every x (2.6e-7 relative at most against float64 with an exact
-    exp, 6e-7 with the GPU's approximate one), so that softcap * tanh(u / softcap) stays within fp32 rounding
-    of u at any softcap. (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1] (no overflow; +-1 at +-inf, NaN at
-    NaN), the sign restored; below |x| = 0.25, where 1 - e cancels (the former 1 - 2 / (exp(2x) + 1) lost
-    softcap * 1e-7 on each logit), tanh's Taylor series to x^9 (truncated 1e-8 relative there). The Ascend
-    kernels and the Gluon statistics epilogue (ws_stats_kernels._softcapped) compute the same formula."""
-    a = tl.abs(x)
-    e = tl.exp(-2.0 * a)
-    far = (1.0 - e) / (1.0 + e)
-    s = a * a
-    series = -0.05396825396825397 + s * 0.021869488536155203
-    series = 0.13333333333333333 + s * series
-    series = -0.3333333333333333 + s * series
-    t = tl.where(a < 0.25, a + a * s * series, far)
-    return tl.where(x < 0.0, -t, t)
+from flce.backends.softcap import _tanh
 
 
 @triton.jit

@@ -32,11 +32,11 @@ def _stats_layout():
 
 @gluon.jit
 def _softcapped(u, softcap):
-    """softcap * tanh(u / softcap) by kernels._tanh's formula, within fp32 rounding of u at any softcap: (1 - e) /
-    (1 + e) with e = exp2(-2 log2(e) |u| / softcap) in (0, 1] and the sign restored, below |u| / softcap = 0.25
-    tanh's Taylor series to x^9. The division is one approximate reciprocal (of 1 + e in [1, 2], within an ulp):
-    the precise division's ~14 instructions a logit more did not hide under the wgmma (measured:
-    docs/design-notes.md). Agrees with the gradient kernels' recomputation to fp32 rounding."""
+    """softcap * tanh(u / softcap) by flce/backends/softcap.py's formula, within fp32 rounding of u at any
+    softcap: (1 - e) / (1 + e) with e = exp2(-2 log2(e) |u| / softcap) in (0, 1] and the sign restored, below
+    |u| / softcap = 0.25 tanh's Taylor series to x^9. The division is one approximate reciprocal (of 1 + e in
+    [1, 2], within an ulp): the precise division's ~14 instructions a logit more did not hide under the wgmma
+    (measured: docs/design-notes.md). Agrees with the gradient kernels' recomputation to fp32 rounding."""
     a = gl.abs(u) * (1.0 / softcap)
     e = gl.exp2(a * -2.8853900817779268)  # -2 log2(e)
     reciprocal = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [e + 1.0], dtype=gl.float32,
