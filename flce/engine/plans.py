@@ -32,10 +32,14 @@ class PlanRequest:
 
     training: gradients follow (the plan may compute them in forward, or keep logits for backward);
     sharded: the weight is one vocabulary shard (vocab parallelism), so schedules that need the
-    whole vocabulary's rows at once (vocabulary blocks, the inference scan by blocks) are out."""
+    whole vocabulary's rows at once (vocabulary blocks, the inference scan by blocks) are out;
+    statistics_first: a row's gradient needs every row's statistics first (a policy loss at a sequence level,
+    flce.engine.objective), so forward takes them all, keeping the plan's saved rows of logits, then the
+    gradients."""
 
     training: bool
     sharded: bool = False
+    statistics_first: bool = False
 
 
 @dataclass(frozen=True)
