@@ -8,6 +8,7 @@
 from flce.explain import explain
 from flce.module import LinearCrossEntropy, get_impl, linear_cross_entropy
 from flce.outputs import LCEOutput
+from flce.policy.api import LinearPolicyLoss, PolicyLossOutput, get_policy_impl, linear_policy_loss
 from flce.registry import Backend, available_backends, register_backend
 
 __version__ = "0.1.0"
@@ -16,9 +17,13 @@ __all__ = [
     "Backend",
     "LCEOutput",
     "LinearCrossEntropy",
+    "LinearPolicyLoss",
+    "PolicyLossOutput",
     "available_backends",
     "explain",
     "get_impl",
+    "get_policy_impl",
     "linear_cross_entropy",
+    "linear_policy_loss",
     "register_backend",
 ]

@@ -77,7 +77,7 @@ class PolicyObjective:
 
     @property
     def statistics_first(self) -> bool:
-        return self.tokens.objective.level != "token"
+        return self.tokens.options.level != "token"
 
     def with_statistics(self, stats: RowStats) -> PolicyObjective:
         if not self.statistics_first:
@@ -136,4 +136,4 @@ def backward_objective(call_cfg: LCEConfig, vocab: int, flat: FlatInputs, denoms
 def needs_statistics_first(flat: FlatInputs) -> bool:
     """Whether the call's gradients need every row's statistics before any (a policy loss at a sequence level):
     what a planner's PlanRequest says (``statistics_first``)."""
-    return flat.policy is not None and flat.policy.objective.level != "token"
+    return flat.policy is not None and flat.policy.options.level != "token"

@@ -114,7 +114,8 @@ def policy_term(ratio: torch.Tensor, advantage: torch.Tensor, logprob: torch.Ten
         weight = torch.clamp(ratio, low, high)  # detached: no gradient along the ratio
         return TermRows(-weight * advantage * logprob, torch.zeros_like(ratio), -weight * advantage)
     if options.term == "sapo":
-        tau = torch.where(advantage > 0, options.sapo_tau_pos, options.sapo_tau_neg)
+        # A 0-d tensor of the advantages' dtype: torch.where of two numbers would be float32.
+        tau = torch.where(advantage > 0, advantage.new_full((), options.sapo_tau_pos), options.sapo_tau_neg)
         gate = torch.sigmoid(tau * (ratio - 1.0))
         return TermRows(-gate * (4.0 / tau) * advantage, -4.0 * advantage * gate * (1.0 - gate) * ratio, 0.0)
     capped = ratio if options.delta is None else torch.clamp(ratio, max=options.delta)
@@ -196,7 +197,9 @@ def policy_rows(logprob: torch.Tensor, entropy: torch.Tensor | None, tokens: Pol
     if options.level == "sequence":
         # d log r_s / d logp_t = share_t: the sequence's whole d loss / d log r_s reaches each of its tokens.
         along_ratio = SequenceLayout.of(tokens).sums(along_ratio) * tokens.sequence_share
-    grad = torch.where(ratio_log.passes, along_ratio, 0.0) + weight * rollout * term.d_logprob
+    if ratio_log.passes is not True:
+        along_ratio = torch.where(ratio_log.passes, along_ratio, 0.0)
+    grad = along_ratio + weight * rollout * term.d_logprob
     if options.beta:
         kl, kl_grad = kl_term(logprob, tokens.ref, options)
         value = value + options.beta * kl
