@@ -109,8 +109,9 @@ def _policy_tokens(tensors: tuple[Tensor | None, ...], kw: dict) -> PolicyTokens
     """The policy loss's per-token inputs the op was given, or None (a cross-entropy call)."""
     if not tensors or tensors[0] is None:  # a caller may omit the policy's arguments (they default to None)
         return None
+    tensors = (*tensors, *(None for _ in TENSOR_FIELDS[len(tensors):]))  # trailing Nones may be left out too
     return PolicyTokens.from_tensors(options_from_primitives(kw), dict(zip(TENSOR_FIELDS, tensors, strict=True)),
-                                     kw["policy_sequence_length"])
+                                     kw.get("policy_sequence_length"))
 
 
 def _chunked_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,

@@ -103,8 +103,9 @@ def policy_primitives(options: PolicyOptions | None) -> dict[str, Any]:
 
 
 def options_from_primitives(primitives: dict[str, Any]) -> PolicyOptions:
-    """The inverse of :func:`policy_primitives` (other keys ignored); checked when the original was made."""
+    """The inverse of :func:`policy_primitives` (other keys ignored; a value left out is its default, as a traced
+    call of the op omits the keywords that equal their schema defaults); checked when the original was made."""
     options = object.__new__(PolicyOptions)
     for name in _NAMES:
-        object.__setattr__(options, name, primitives[f"policy_{name}"])
+        object.__setattr__(options, name, primitives.get(f"policy_{name}", getattr(_DEFAULTS, name)))
     return options
