@@ -62,9 +62,11 @@ class PolicyCase:
 
 def policy_case(generator: torch.Generator, *, batch: int = 3, length: int = 7, hidden_size: int = 12,
                 vocab: int = 37, bias: bool = False, per_token_advantages: bool = False,
-                dtype: torch.dtype = torch.float64, temperature: float = 0.7) -> PolicyCase:
-    """A padded batch: logits of std ~2, about a fifth of the tokens masked and one target per sequence
-    ignore_index, old / reference log-probs the policy's own at ``temperature`` plus noise of 0.15 / 0.3."""
+                dtype: torch.dtype = torch.float64, temperature: float = 0.7, ignored: bool = True,
+                ref_noise: float = 0.3) -> PolicyCase:
+    """A padded batch: logits of std ~2, about a fifth of the tokens masked and (``ignored``) one target per
+    sequence ignore_index, old / reference log-probs the policy's own at ``temperature`` plus noise of 0.15 /
+    ``ref_noise``."""
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, dtype=torch.float64)
 
@@ -72,13 +74,14 @@ def policy_case(generator: torch.Generator, *, batch: int = 3, length: int = 7, 
     weight = randn(vocab, hidden_size) * (2.0 / hidden_size**0.5)
     b = randn(vocab) * 0.5 if bias else None
     target = torch.randint(0, vocab, (batch, length), generator=generator)
-    target[torch.arange(batch), torch.randint(0, length, (batch,), generator=generator)] = -100
+    if ignored:
+        target[torch.arange(batch), torch.randint(0, length, (batch,), generator=generator)] = -100
     mask = torch.rand(batch, length, generator=generator) > 0.2
     logits = hidden @ weight.T + (0 if b is None else b)
     own = torch.log_softmax(logits / temperature, -1).gather(-1, target.clamp(min=0)[..., None]).squeeze(-1)
     advantages = randn(batch, length) if per_token_advantages else randn(batch)
     case = PolicyCase(hidden, weight, b, target, advantages, mask, own + 0.15 * randn(batch, length),
-                      own + 0.3 * randn(batch, length), torch.rand(batch, length, generator=generator) + 0.5)
+                      own + ref_noise * randn(batch, length), torch.rand(batch, length, generator=generator) + 0.5)
     return case.to(dtype)
 
 

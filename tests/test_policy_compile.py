@@ -115,7 +115,7 @@ def test_opcheck_forward_with_a_policy(level: str, generator: torch.Generator) -
     shares = sequence_shares(mask, layout)
     tensors = (case.advantages[:, None].expand(case.target.shape).reshape(-1), weights,
                case.old_logprobs.reshape(-1), case.ref_logprobs.reshape(-1), case.rollout_is_ratio.reshape(-1),
-               -0.01 * mask / mask.sum(), None, shares if level == "sequence" else None)
+               -0.01 * mask / mask.sum(), None, None, shares if level == "sequence" else None)
     options = PolicyOptions(level=level, ratio_low=0.8, ratio_high=1.28, delta=1.5, beta=0.04)
     cfg = policy_config(temperature=0.7)
     kwargs = dict(backend="reference", variant="full", group_name=None, grad_hidden=True, grad_weight=True,

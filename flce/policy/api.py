@@ -95,7 +95,7 @@ class TrlSettings:
         if not isinstance(o["return_entropy"], bool):
             raise TypeError(f"return_entropy={o['return_entropy']!r}: expected a bool")
         check_entropy_weight(o["entropy_weight"])
-        cfg = policy_config(temperature=o["temperature"], ignore_index=o["ignore_index"],
+        cfg = policy_config(temperature=o["temperature"], softcap=o["softcap"], ignore_index=o["ignore_index"],
                             memory_budget=o["memory_budget"], process_group=o["process_group"],
                             accum_dtype=o["accum_dtype"], precision=o["precision"],
                             entropy=o["return_entropy"] or o["entropy_weight"] != 0)
@@ -106,32 +106,33 @@ class TrlSettings:
              rollout_is_ratio: torch.Tensor | None, sequence_ids: torch.Tensor | None, bias: torch.Tensor | None,
              num_items_in_batch: Number | None, device_type: str, backend: str | None,
              probe: HardwareProbe | None) -> PolicyLossOutput:
-        def weights(flat: FlatPolicyTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return (trl_weights(self.loss_type, flat.mask, flat.layout, num_items_in_batch=num_items_in_batch,
-                                max_completion_length=self.max_completion_length),
-                    trl_entropy_weights(flat.mask, self.entropy_weight))
+        def weights(flat: FlatPolicyTensors) -> TokenWeights:
+            return TokenWeights(trl_weights(self.loss_type, flat.mask, flat.layout,
+                                            num_items_in_batch=num_items_in_batch,
+                                            max_completion_length=self.max_completion_length),
+                                trl_entropy_weights(flat.mask, self.entropy_weight))
 
         tensors = PolicyInputs(advantages, mask, old_logprobs, ref_logprobs, rollout_is_ratio, sequence_ids)
         return policy_loss_of_tokens(hidden, weight, target, bias, tensors, self.cfg, self.options, weights,
-                                     device_type=device_type, backend=backend, probe=probe)
+                                     device_type=device_type, backend=backend, probe=probe).output
 
 
 _TRL_DEFAULTS: dict[str, Any] = dict(
     loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, importance_sampling_level="token",
-    temperature=1.0, max_completion_length=None, entropy_weight=0.0, sapo_temperature_pos=1.0,
+    temperature=1.0, softcap=None, max_completion_length=None, entropy_weight=0.0, sapo_temperature_pos=1.0,
     sapo_temperature_neg=1.05, return_entropy=True, ignore_index=-100, memory_budget=None, process_group=None,
     accum_dtype=None, precision="fast",
 )
 
 
-def policy_config(*, temperature: float = 1.0, ignore_index: int = -100, memory_budget: int | None = None,
-                  process_group: Any = None, accum_dtype: torch.dtype | None = None, precision: str = "fast",
-                  entropy: bool = True) -> LCEConfig:
+def policy_config(*, temperature: float = 1.0, softcap: float | None = None, ignore_index: int = -100,
+                  memory_budget: int | None = None, process_group: Any = None, accum_dtype: torch.dtype | None = None,
+                  precision: str = "fast", entropy: bool = True) -> LCEConfig:
     """The engine's options for a policy call: the rows' log-probs (and entropies) as detached extras, its loss a
     sum of the objective's row terms (flce.engine.objective), checked as any call's options are."""
-    return LCEConfig(ignore_index=ignore_index, reduction="sum", temperature=temperature, memory_budget=memory_budget,
-                     process_group=process_group, accum_dtype=accum_dtype, precision=precision,
-                     return_logprobs=True, return_entropy=entropy, detach_extras=True)
+    return LCEConfig(ignore_index=ignore_index, reduction="sum", temperature=temperature, softcap=softcap,
+                     memory_budget=memory_budget, process_group=process_group, accum_dtype=accum_dtype,
+                     precision=precision, return_logprobs=True, return_entropy=entropy, detach_extras=True)
 
 
 class PolicyInputs(NamedTuple):
@@ -145,14 +146,31 @@ class PolicyInputs(NamedTuple):
     sequence_ids: torch.Tensor | None = None
 
 
+class TokenWeights(NamedTuple):
+    """Each token's weights [N] in a front-end's aggregation: of the policy term, of the entropy (None: no entropy
+    term) and of the KL (None: the policy term's)."""
+
+    policy: torch.Tensor
+    entropy: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+
+
+class PolicyCall(NamedTuple):
+    """A policy call's result with what it was computed from (the trainer adapters' metrics read them)."""
+
+    output: PolicyLossOutput
+    tokens: PolicyTokens
+    inputs: FlatPolicyTensors
+
+
 def policy_loss_of_tokens(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
     tensors: PolicyInputs, cfg: LCEConfig, options: PolicyOptions,
-    weights: Callable[[FlatPolicyTensors], tuple[torch.Tensor, torch.Tensor | None]], *, device_type: str,
-    backend: str | None = None, probe: HardwareProbe | None = None,
-) -> PolicyLossOutput:
-    """One policy call: ``cfg`` from :func:`policy_config`, ``options`` the loss's, ``weights`` (flattened tensors ->
-    each token's aggregation weight and entropy weight [N]) the front-end's aggregation."""
+    weights: Callable[[FlatPolicyTensors], TokenWeights], *, device_type: str, backend: str | None = None,
+    probe: HardwareProbe | None = None,
+) -> PolicyCall:
+    """One policy call: ``cfg`` from :func:`policy_config`, ``options`` the loss's, ``weights`` (the flattened
+    tensors -> each token's weights) the front-end's aggregation."""
     if options.beta and tensors.ref_logprobs is None:
         raise ValueError(f"beta={options.beta} but ref_logprobs=None: the KL penalty needs the reference policy's "
                          "log-probs")
@@ -162,28 +180,29 @@ def policy_loss_of_tokens(
         target, tensors.advantages, tensors.mask, old_logprobs=tensors.old_logprobs,
         ref_logprobs=tensors.ref_logprobs, rollout_is_ratio=tensors.rollout_is_ratio,
         sequence_ids=tensors.sequence_ids, ignore_index=cfg.ignore_index, dtype=statistics_dtype(flat.hidden.dtype))
-    token_weight, entropy_weight = weights(flat_tensors)
-    if entropy_weight is not None and not cfg.return_entropy:
+    token_weights = weights(flat_tensors)
+    if token_weights.entropy is not None and not cfg.return_entropy:
         cfg = cfg.replace(return_entropy=True)
     sequences = options.level != "token"
     layout = flat_tensors.layout
     tokens = PolicyTokens(
-        options=options, advantage=flat_tensors.advantage, weight=token_weight, old=flat_tensors.old,
-        ref=flat_tensors.ref, rollout=flat_tensors.rollout, entropy_weight=entropy_weight,
-        sequence=layout.ids if sequences else None,
+        options=options, advantage=flat_tensors.advantage, weight=token_weights.policy, old=flat_tensors.old,
+        ref=flat_tensors.ref, rollout=flat_tensors.rollout, entropy_weight=token_weights.entropy,
+        kl_weight=token_weights.kl, sequence=layout.ids if sequences else None,
         sequence_share=sequence_shares(flat_tensors.mask, layout) if sequences else None,
         sequence_length=layout.length if sequences else None)
     out = run_prepared(dataclasses.replace(flat, policy=tokens), cfg, "full", device_type, backend, probe)
     entropy = out.entropy if cfg.return_entropy else None
     metrics = policy_metrics(out.logprobs.reshape(-1), None if entropy is None else entropy.reshape(-1), tokens,
                              flat_tensors.mask, sequences and flat_tensors.per_sequence_advantages)
-    return PolicyLossOutput(out.loss, out.logprobs, entropy, *metrics)
+    return PolicyCall(PolicyLossOutput(out.loss, out.logprobs, entropy, *metrics), tokens, flat_tensors)
 
 
 class LinearPolicyLoss(torch.nn.Module):
     """:func:`linear_policy_loss` as a module: the constructor takes its options (``loss_type``, ``epsilon_low``,
     ``epsilon_high``, ``delta``, ``beta``, ``importance_sampling_level``, ``temperature``,
     ``max_completion_length``, ``entropy_weight``, ``sapo_temperature_pos`` / ``_neg``, ``return_entropy``,
+    ``softcap`` (as flce.linear_cross_entropy's),
     ``ignore_index``, ``memory_budget``, ``process_group``, ``accum_dtype``, ``precision``), ``forward`` the
     tensors. Subclasses made by :func:`get_policy_impl` fix the device type and backend."""
 

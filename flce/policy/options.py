@@ -15,8 +15,9 @@ from typing import Any
 # The per-token term of the loss as a function of the importance ratio r (semantics.py states each):
 # "clip": PPO's clipped surrogate -min(min(r, delta) A, clamp(r, ratio_low, ratio_high) A);
 # "cispo": -sg(clamp(r, ratio_low, ratio_high)) A logp (a bound may be None);
-# "sapo": -sigmoid(tau (r - 1)) 4 / tau A, tau = sapo_tau_pos where A > 0, else sapo_tau_neg.
-TERMS = ("clip", "cispo", "sapo")
+# "sapo": -sigmoid(tau (r - 1)) 4 / tau A, tau = sapo_tau_pos where A > 0, else sapo_tau_neg;
+# "pg": the plain policy gradient -A logp, no ratio (verl's gpg).
+TERMS = ("clip", "cispo", "sapo", "pg")
 # Where the ratio's log comes from: each token's log-prob difference; its sequence's masked mean, differentiated
 # through the mean (TRL's and Liger's "sequence", GSPO); or that mean as the value with each token's own log-prob
 # as the gradient's path (verl's GSPO: log r = logp - sg(logp) + sg(sequence mean)).

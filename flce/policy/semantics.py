@@ -4,9 +4,10 @@ on materialised logits, by autograd).
 
 The loss is a sum over the call's tokens t,
 
-    loss = sum_t  w_t (rho_t P_t + beta K_t)  +  e_t H_t
+    loss = sum_t  w_t rho_t P_t  +  v_t beta K_t  +  e_t H_t
 
 with ``w_t`` the aggregation weight (the mask and the loss type's normalisation, :func:`aggregation_weights`),
+``v_t`` the KL's (``w_t`` but where a trainer aggregates the two differently, as verl's sapo),
 ``rho_t`` the rollout correction, ``P_t`` the policy term of the importance ratio r (options.py's ``term``),
 ``K_t`` the KL estimator of log-probs against the reference policy's, ``H_t`` the entropy and ``e_t`` its
 weight (-entropy_weight times its aggregation). With logp_t the token's log-prob and old_t the old policy's
@@ -61,8 +62,13 @@ class SequenceLayout(NamedTuple):
         assert self.ids is not None, "a sequence reduction needs the sequences' layout"
         return torch.zeros_like(x).index_add_(0, self.ids, x)[self.ids]
 
-    def count(self, like: torch.Tensor) -> torch.Tensor:
-        """The number of sequences, a 0-d tensor of ``like``'s dtype (packed: the distinct ids present)."""
+    def count(self, like: torch.Tensor, nonempty: torch.Tensor | None = None) -> torch.Tensor:
+        """The number of sequences, a 0-d tensor of ``like``'s dtype (packed: the distinct ids present); with
+        ``nonempty`` [N], of those whose sum of it is > 0 (verl counts the sequences with a token in the mask)."""
+        if nonempty is not None:
+            if self.length is not None:
+                return (nonempty.reshape(-1, self.length).sum(-1) > 0).sum().to(like.dtype)
+            return (torch.zeros_like(like).index_add_(0, self.ids, nonempty.to(like.dtype)) > 0).sum().to(like.dtype)
         if self.length is not None:
             return torch.full((), like.shape[0] // max(1, self.length), dtype=like.dtype, device=like.device)
         assert self.ids is not None
@@ -113,6 +119,8 @@ def policy_term(ratio: torch.Tensor, advantage: torch.Tensor, logprob: torch.Ten
     if options.term == "cispo":
         weight = torch.clamp(ratio, low, high)  # detached: no gradient along the ratio
         return TermRows(-weight * advantage * logprob, torch.zeros_like(ratio), -weight * advantage)
+    if options.term == "pg":
+        return TermRows(-advantage * logprob, torch.zeros_like(ratio), -advantage)
     if options.term == "sapo":
         # A 0-d tensor of the advantages' dtype: torch.where of two numbers would be float32.
         tau = torch.where(advantage > 0, advantage.new_full((), options.sapo_tau_pos), options.sapo_tau_neg)
@@ -200,15 +208,31 @@ def policy_rows(logprob: torch.Tensor, entropy: torch.Tensor | None, tokens: Pol
     if ratio_log.passes is not True:
         along_ratio = torch.where(ratio_log.passes, along_ratio, 0.0)
     grad = along_ratio + weight * rollout * term.d_logprob
+    loss = weight * value
     if options.beta:
         kl, kl_grad = kl_term(logprob, tokens.ref, options)
-        value = value + options.beta * kl
-        grad = grad + weight * options.beta * kl_grad
-    loss = weight * value
+        kl_weight = weight if tokens.kl_weight is None else tokens.kl_weight
+        loss = loss + kl_weight * options.beta * kl
+        grad = grad + kl_weight * options.beta * kl_grad
     if tokens.entropy_weight is not None:
         loss = loss + tokens.entropy_weight * entropy
     # Selected, not multiplied: a masked row's old or reference log-prob may be anything (inf included).
     return PolicyRows(torch.where(live, loss, 0.0), torch.where(live, grad, 0.0), tokens.entropy_weight)
+
+
+def clip_flags(logprob: torch.Tensor, tokens: PolicyTokens, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, whether its ratio was clipped below (advantage < 0) and above (advantage > 0), as TRL flags them
+    (the ratio after delta's cap); cispo: above its cap; sapo and pg: never."""
+    options = tokens.options
+    ratio = torch.exp(log_ratio(logprob, tokens, live).value)
+    advantage = tokens.advantage
+    never = torch.zeros_like(ratio, dtype=torch.bool)
+    if options.term == "clip":
+        capped = ratio if options.delta is None else torch.clamp(ratio, max=options.delta)
+        return (capped < options.ratio_low) & (advantage < 0), (capped > options.ratio_high) & (advantage > 0)
+    if options.term == "cispo":
+        return never, (ratio > options.ratio_high) & (advantage > 0)
+    return never, never
 
 
 class PolicyMetrics(NamedTuple):
@@ -235,26 +259,18 @@ def policy_metrics(logprob: torch.Tensor, entropy: torch.Tensor | None, tokens: 
     def mean(x: torch.Tensor) -> torch.Tensor:
         return torch.where(mask != 0, x * mask, 0.0).sum() / counted
 
-    ratio = torch.exp(log_ratio(logprob, tokens, mask != 0).value)
-    advantage = tokens.advantage
-    zero = torch.zeros_like(ratio, dtype=torch.bool)
-    if options.term == "clip":
-        capped = ratio if options.delta is None else torch.clamp(ratio, max=options.delta)
-        low = (capped < options.ratio_low) & (advantage < 0)
-        high = (capped > options.ratio_high) & (advantage > 0)
-    elif options.term == "cispo":
-        low, high = zero, (ratio > options.ratio_high) & (advantage > 0)
-    else:
-        low, high = zero, zero
+    low, high = clip_flags(logprob, tokens, mask != 0)
     if by_sequence:
+        # Each sequence's flags are its rows' (one ratio, one advantage): a row weighs 1 / (its sequence's rows
+        # times the number of sequences).
         layout = SequenceLayout.of(tokens)
-        per_sequence = 1.0 / (layout.sums(torch.ones_like(ratio)) * layout.count(ratio))
+        per_sequence = 1.0 / (layout.sums(torch.ones_like(logprob)) * layout.count(logprob))
 
         def fraction(flags: torch.Tensor) -> torch.Tensor:
-            return (flags.to(ratio.dtype) * per_sequence).sum()
+            return (flags.to(logprob.dtype) * per_sequence).sum()
     else:
         def fraction(flags: torch.Tensor) -> torch.Tensor:
-            return mean(flags.to(ratio.dtype))
+            return mean(flags.to(logprob.dtype))
 
     kl = None
     if tokens.ref is not None:

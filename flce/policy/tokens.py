@@ -27,6 +27,7 @@ class PolicyTokens:
     ref: torch.Tensor | None = None  # [N] the reference policy's log-probs (the KL term)
     rollout: torch.Tensor | None = None  # [N] the rollout correction, multiplying the policy term
     entropy_weight: torch.Tensor | None = None  # [N] d loss / d entropy; None: no entropy term
+    kl_weight: torch.Tensor | None = None  # [N] the KL term's aggregation weight; None: ``weight``
     # The sequence levels: each token's sequence index and its weight in its sequence's mean log ratio
     # (mask / max(tokens counted in the sequence, 1)); ``sequence_length``: every sequence is that many consecutive
     # rows (the padded form, summed by a reshape), else None (the packed form, summed by index).
@@ -49,4 +50,5 @@ class PolicyTokens:
         return PolicyTokens(options=options, sequence_length=sequence_length, **tensors)
 
 
-TENSOR_FIELDS = ("advantage", "weight", "old", "ref", "rollout", "entropy_weight", "sequence", "sequence_share")
+TENSOR_FIELDS = ("advantage", "weight", "old", "ref", "rollout", "entropy_weight", "kl_weight", "sequence",
+                 "sequence_share")
