@@ -87,6 +87,9 @@ class ForwardState:
     denoms: Denominators
     stats: RowStats | None = None
     saved_logits: torch.Tensor | None = None
+    # Where the kept rows hold exponentials instead of logits (a statistics-first objective's, TokenChunks
+    # chunk_grad "exponentials"): their gradient at a unit upstream scale is saved_row_scale[:, None] * them.
+    saved_row_scale: torch.Tensor | None = None
     grads: Grads | None = None
 
     def for_backward(self) -> ForwardState:
@@ -134,4 +137,5 @@ def call_record(backend: str, device: DeviceDescription, call: CallDescription, 
                       gradients=gradient_timing(call.cfg, training, call.request.statistics_first), memory=memory,
                       steps=tuple(steps),
                       kernel_package=kernel_package, n_rows=call.n_rows, training=training,
-                      in_forward=training and grads_in_forward_allowed(call.cfg))
+                      in_forward=training and grads_in_forward_allowed(call.cfg),
+                      statistics_first=training and call.request.statistics_first)

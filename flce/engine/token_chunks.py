@@ -18,6 +18,11 @@ Backward (deferred): the kept rows' logits become their gradient in place chunk 
 gradient GEMMs run once over all of them (one write of the weight gradient instead of a
 read-modify-write per chunk); every other chunk is recomputed (``backward_grad``: a GEMM and the row
 kernel, or the fused gradient GEMM) and accumulated.
+
+An objective whose gradients need every row's statistics (a sequence-level policy loss) runs both halves in
+forward (flce.engine.schedule): forward as deferred, then backward with grad_output 1. Its kept rows may hold
+exponentials instead of logits (``chunk_grad="exponentials"``, a gradient that is a row multiple of softmax -
+onehot): their row scales at a unit upstream scale, times the objective's once known, scale the two GEMMs.
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
     # Only the plain row kernel's chunks give their terms; the others' come from all rows' statistics at the
     # end (the objective's terms are row by row: one set of small launches a call instead of one a chunk).
     terms_per_chunk: list[RowTerms] = []
+    # A statistics-first objective's kept chunks (chunk_grad "exponentials"): exponentials at a unit scale, whose row
+    # scales the objective's multiply once every row's statistics are known (flce.engine.schedule).
+    kept_row_scales: list[torch.Tensor] = []
     for rows in chunk_bounds(n_rows, plan.tokens_per_chunk):
         t = target[rows]
         n = t.shape[0]
@@ -70,6 +78,13 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
         # A kept chunk's logits are written straight into the saved buffer.
         kept = saved[rows] if saved is not None and rows.stop <= keep else None
         out = kept if kept is not None else buffer.view(n, vocab_here)
+        if kept is not None and plan.chunk_grad == EXPONENTIALS:
+            stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg,
+                                                     torch.ones_like(t, dtype=torch.float32), kept)
+            kept_row_scales.append(row_scale)
+            stats_per_chunk.append(stats)
+            del kept, out
+            continue
         if acc and plan.chunk_grad == EXPONENTIALS:
             # The statistics GEMM keeps exponentials whose row scaling is the gradient: no row kernel
             # passes over them, and the gradient GEMMs scale rows instead. The row scale is linear in the
@@ -116,6 +131,7 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
     if acc is None:
         state = forward_state(call, flat, all_stats, denoms, terms, keep_stats=deferred)
         state.saved_logits = saved
+        state.saved_row_scale = torch.cat(kept_row_scales) if kept_row_scales else None
         return state
     vocab = call.vocab(flat.weight.shape[0])
     loss, z_loss = reduce_terms(terms, cfg, denoms)
@@ -157,7 +173,15 @@ def backward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, state: Forwa
         return kernels.full_grad_(logits, t, cfg, call.vocab_offset, stats.lse, coeffs)
 
     bounds = chunk_bounds(target.shape[0], plan.tokens_per_chunk)
-    if saved is not None:
+    if saved is not None and state.saved_row_scale is not None:
+        # Kept exponentials: the objective's scale of each row times the exponentials' is the gradient; the two
+        # gradient GEMMs once over all of them, no pass over them.
+        kept = slice(0, keep)
+        scale = objective.scales(slice_stats(state.stats, kept), kept, keep).cross_entropy
+        acc.add_row_scaled(saved, state.saved_row_scale * scale, kept)
+        state.saved_row_scale = None
+        del saved
+    elif saved is not None:
         # The kept rows: the row kernels chunk by chunk over the buffer (their temporaries stay
         # chunk-sized), the two gradient GEMMs once over all of them.
         for rows in bounds:
