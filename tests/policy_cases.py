@@ -48,15 +48,18 @@ class PolicyCase:
         return out
 
     def to(self, dtype: torch.dtype, device: str | torch.device = "cpu") -> PolicyCase:
-        """A copy in ``dtype`` on ``device``: fresh leaves, the same values."""
+        """A copy on ``device``: fresh leaves in ``dtype``, the per-token tensors in float32 or wider (as a
+        trainer's log-probs and advantages are), the same values."""
         values = {}
         for f in fields(self):
             t = getattr(self, f.name)
             if t is None:
                 values[f.name] = None
                 continue
-            moved = t.detach().to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-            values[f.name] = moved.requires_grad_() if f.name in ("hidden", "weight", "bias") else moved
+            leaf = f.name in ("hidden", "weight", "bias")
+            kind = (dtype if leaf else torch.promote_types(dtype, torch.float32)) if t.is_floating_point() else t.dtype
+            moved = t.detach().to(device=device, dtype=kind)
+            values[f.name] = moved.requires_grad_() if leaf else moved
         return PolicyCase(**values)
 
 
@@ -132,7 +135,7 @@ def check_against_oracle(case: PolicyCase, options: dict[str, Any], *, rtol: flo
                       for k, v in tensors.items() if k != "bias"}
     if case.bias is not None:
         oracle_tensors["bias"] = fresh[2]
-    oracle_options = {k: v for k, v in options.items() if k in _ORACLE_OPTIONS}
+    oracle_options = {k: v for k, v in options.items() if k in ORACLE_OPTIONS}
     want = reference_policy_loss(fresh[0], fresh[1], case.target, case.advantages.double(), **oracle_tensors,
                                  **oracle_options)
     want_grads = torch.autograd.grad(want["loss"], fresh)
@@ -157,6 +160,6 @@ def check_against_oracle(case: PolicyCase, options: dict[str, Any], *, rtol: flo
     return out
 
 
-_ORACLE_OPTIONS = ("loss_type", "epsilon_low", "epsilon_high", "delta", "beta", "importance_sampling_level",
+ORACLE_OPTIONS = ("loss_type", "epsilon_low", "epsilon_high", "delta", "beta", "importance_sampling_level",
                    "temperature", "max_completion_length", "num_items_in_batch", "entropy_weight",
                    "sapo_temperature_pos", "sapo_temperature_neg", "ignore_index")

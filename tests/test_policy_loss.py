@@ -11,11 +11,21 @@ from typing import Any
 
 import pytest
 import torch
-from policy_cases import LEVELS, LOSS_TYPES, check_against_oracle, full_options, packed, policy_case
+from policy_cases import (
+    LEVELS,
+    LOSS_TYPES,
+    ORACLE_OPTIONS,
+    PolicyCase,
+    check_against_oracle,
+    full_options,
+    packed,
+    policy_case,
+)
 
 import flce
 from flce.engine import run as engine_run
 from flce.engine.plans import CUBLAS, AllRows, TokenChunks, VocabBlocks
+from flce.testing.policy_oracle import reference_policy_loss
 
 FP64 = dict(rtol=1e-9, atol=1e-11)
 # docs/design.md's float32 gradient tolerance; the loss and metrics hold it too.
@@ -248,3 +258,36 @@ def test_bad_input_is_refused_before_any_kernel(name: str, generator: torch.Gene
     advantages = kwargs.pop("advantages")
     with pytest.raises(error, match=message):
         flce.linear_policy_loss(case.hidden, case.weight, case.target, advantages, **kwargs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("budget", [None, 64 << 20], ids=["default", "64MiB"])
+def test_gpu_precision_against_the_oracle(level: str, budget: int | None, generator: torch.Generator) -> None:
+    """On the CUDA backend: float32 to 1e-4 relative (loss, gradients); bfloat16 within 1.5x of the error eager
+    PyTorch's bf16 materialised formula makes against the float64 oracle (docs/design.md's rule), relative norms."""
+    case = policy_case(generator, batch=8, length=256, hidden_size=1024, vocab=32000, temperature=0.7)
+    options = full_options("dapo", level, memory_budget=budget, max_completion_length=256)
+    check_against_oracle(case.to(torch.float32, "cuda"), options, backend="cuda", rtol=1e-4, atol=1e-6)
+    oracle_options = {k: v for k, v in options.items() if k in ORACLE_OPTIONS}
+
+    def errors(case_in: PolicyCase, **how: Any) -> list[float]:
+        tensors = {k: v for k, v in case_in.tensors().items() if k != "bias"}
+        if how:
+            out = reference_policy_loss(case_in.hidden, case_in.weight, case_in.target, case_in.advantages,
+                                        **tensors, **oracle_options, **how)["loss"]
+        else:
+            out = flce.linear_policy_loss(case_in.hidden, case_in.weight, case_in.target, case_in.advantages,
+                                          **tensors, backend="cuda", **options).loss
+        got = [out.detach(), *torch.autograd.grad(out, case_in.leaves())]
+        return [float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want, strict=True)]
+
+    exact = case.to(torch.bfloat16).to(torch.float64, "cuda")  # the rounded inputs, exactly
+    want_loss = reference_policy_loss(exact.hidden, exact.weight, exact.target, exact.advantages,
+                                      **{k: v for k, v in exact.tensors().items() if k != "bias"},
+                                      **oracle_options)["loss"]
+    want = [want_loss.detach(), *torch.autograd.grad(want_loss, exact.leaves())]
+    ours = errors(case.to(torch.bfloat16, "cuda"))
+    eager = errors(case.to(torch.bfloat16, "cuda"), logits_dtype=torch.bfloat16)
+    for name, mine, theirs in zip(("loss", "grad hidden", "grad weight"), ours, eager, strict=True):
+        assert mine <= 1.5 * theirs + 1e-6, f"{name}: flce bf16 {mine:.2e} against eager bf16 {theirs:.2e}"

@@ -21,7 +21,7 @@ _DEFAULTS: dict[str, Any] = dict(
     old_logprobs=None, ref_logprobs=None, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
     importance_sampling_level="token", temperature=1.0, max_completion_length=None, num_items_in_batch=None,
     rollout_is_ratio=None, entropy_weight=0.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-    sequence_ids=None, bias=None, ignore_index=-100,
+    sequence_ids=None, bias=None, ignore_index=-100, logits_dtype=torch.float64,
 )
 
 
@@ -30,31 +30,35 @@ def reference_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, target: to
     """``loss`` (differentiable into the float64 upcasts of hidden, weight and bias), per-token ``logprobs`` and
     ``entropy`` (target's shape, detached), and TRL's metrics ``mean_entropy``, ``mean_kl`` (None without
     reference log-probs), ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio`` (0-d). Options are
-    ``flce.linear_policy_loss``'s math keywords."""
+    ``flce.linear_policy_loss``'s math keywords, and ``logits_dtype``: float64 (the oracle), or a 16-bit dtype for
+    eager PyTorch's materialised formula (logits formed in it, the rest in float32), the bf16 baseline
+    docs/design.md measures a kernel's error against."""
     unknown = set(options) - set(_DEFAULTS)
     if unknown:
         raise TypeError(f"reference_policy_loss: unknown options {sorted(unknown)}")
     o = {**_DEFAULTS, **options}
-    vocab_rows = hidden.double().reshape(-1, hidden.shape[-1]) @ weight.double().T
+    logits_dtype = o["logits_dtype"]
+    math = torch.float64 if logits_dtype == torch.float64 else torch.float32
+    vocab_rows = hidden.to(logits_dtype).reshape(-1, hidden.shape[-1]) @ weight.to(logits_dtype).T
     if o["bias"] is not None:
-        vocab_rows = vocab_rows + o["bias"].double()
-    log_p = torch.log_softmax(vocab_rows / o["temperature"], dim=-1)
+        vocab_rows = vocab_rows + o["bias"].to(logits_dtype)
+    log_p = torch.log_softmax(vocab_rows.to(math) / o["temperature"], dim=-1)
     flat_target = target.reshape(-1)
     valid = flat_target != o["ignore_index"]
     token_logp = log_p.gather(1, torch.where(valid, flat_target, 0)[:, None]).squeeze(1)
     token_entropy = -(log_p.exp() * log_p).sum(-1)
     per_token = {"logp": token_logp, "entropy": token_entropy,
-                 "mask": (mask.reshape(-1) != 0).double() * mask.reshape(-1).double() * valid.double()}
+                 "mask": mask.reshape(-1).to(math) * valid.to(math)}
     for name in ("old_logprobs", "ref_logprobs", "rollout_is_ratio"):
         if o[name] is not None:
-            per_token[name] = o[name].reshape(-1).double()
+            per_token[name] = o[name].reshape(-1).to(math)
     packed = o["sequence_ids"] is not None
     if packed:
-        per_token["advantages"] = advantages.reshape(-1).double()
+        per_token["advantages"] = advantages.reshape(-1).to(math)
         rows = _padded_rows(o["sequence_ids"].reshape(-1))
     else:
         batch, length = target.shape
-        advantage = advantages.double()
+        advantage = advantages.to(math)
         per_token["advantages"] = (advantage[:, None].expand(batch, length) if advantage.dim() == 1
                                    else advantage).reshape(-1)
         rows = torch.arange(batch * length).reshape(batch, length)
@@ -93,7 +97,7 @@ def _trl_loss(x: dict[str, torch.Tensor], o: dict[str, Any], per_sequence_advant
     if loss_type == "cispo":
         per_token_loss = -torch.clamp(coef_1, max=o["epsilon_high"]).detach() * advantages * per_token_logps
     elif loss_type == "sapo":
-        temperatures = torch.where(advantages > 0, torch.tensor(o["sapo_temperature_pos"], dtype=torch.float64),
+        temperatures = torch.where(advantages > 0, advantages.new_full((), o["sapo_temperature_pos"]),
                                    o["sapo_temperature_neg"])
         per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
     else:
@@ -115,7 +119,7 @@ def _trl_loss(x: dict[str, torch.Tensor], o: dict[str, Any], per_sequence_advant
         loss = masked.sum() / (batch * o["max_completion_length"])
     elif loss_type in ("dapo", "cispo"):
         items = o["num_items_in_batch"]
-        normalizer = mask.sum() if items is None else torch.as_tensor(items, dtype=torch.float64)
+        normalizer = mask.sum() if items is None else torch.as_tensor(items, dtype=mask.dtype)
         loss = masked.sum() / normalizer.clamp(min=1.0)
     elif loss_type == "luspo":
         loss = masked.sum(-1).mean()
@@ -131,13 +135,13 @@ def _trl_loss(x: dict[str, torch.Tensor], o: dict[str, Any], per_sequence_advant
         return (value * mask).sum() / mask.sum().clamp(min=1.0)
 
     if loss_type == "cispo":
-        high = ((coef_1 > o["epsilon_high"]) & (advantages > 0)).double()
+        high = ((coef_1 > o["epsilon_high"]) & (advantages > 0)).to(mask.dtype)
         low = torch.zeros_like(high)
     elif loss_type == "sapo":
         low = high = torch.zeros_like(coef_1)
     else:
-        low = ((coef_1 < 1 - o["epsilon_low"]) & (advantages < 0)).double()
-        high = ((coef_1 > 1 + o["epsilon_high"]) & (advantages > 0)).double()
+        low = ((coef_1 < 1 - o["epsilon_low"]) & (advantages < 0)).to(mask.dtype)
+        high = ((coef_1 > 1 + o["epsilon_high"]) & (advantages > 0)).to(mask.dtype)
     with torch.no_grad():
         return {
             "loss": loss,
@@ -145,5 +149,5 @@ def _trl_loss(x: dict[str, torch.Tensor], o: dict[str, Any], per_sequence_advant
             "mean_kl": None if per_token_kl is None else global_masked_mean(per_token_kl.detach()),
             "clip_ratio_low": global_masked_mean(low),
             "clip_ratio_high": global_masked_mean(high),
-            "clip_ratio": global_masked_mean(((low + high) > 0).double()),
+            "clip_ratio": global_masked_mean(((low + high) > 0).to(mask.dtype)),
         }
