@@ -20,6 +20,7 @@ from test_explain import _TILES, DEVICES, _Counted, _counted_function, _planned,
 
 import flce
 from flce.__main__ import main
+from flce.engine import run as engine_run
 
 SHAPE = "16384x4096x151936"
 POLICY_CALLS = {  # name: (level, options)
@@ -152,3 +153,42 @@ def test_interpreter_policy_kernels_that_ran_are_the_ones_the_record_named(name:
     monkeypatch.setattr("flce.backends.cuda.plan.MAX_BLOCK_V", 16)
     with override_params(knobs, limit, backend="cuda"):
         check_against_oracle(fresh, options, backend="cuda", rtol=1e-4, atol=1e-5)
+
+
+GPU_CALLS = {  # name: (level, entropy, memory_budget): bf16 8 x 1024 tokens x 2048 x 32000 on the CUDA backend
+    "token": ("token", True, None),
+    "token-exponentials": ("token", False, None),
+    "sequence-kept-logits": ("sequence", True, 1 << 30),
+    "sequence-kept-exponentials": ("sequence", False, 1 << 30),
+    "sequence-64MiB": ("sequence", True, 64 << 20),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(GPU_CALLS))
+def test_gpu_policy_kernels_that_ran_are_the_ones_explain_named(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                               generator: torch.Generator) -> None:
+    """tests/test_explain_gpu.py's check for policy calls: flce's kernels that ran (torch.profiler's names) are the
+    ones the record names, both ways, and cuBLAS ran where the record names a torch GEMM."""
+    import re
+
+    from helpers import CUBLAS_NAME, TORCH_GEMMS, flce_kernel_names, launched
+
+    level, entropy, budget = GPU_CALLS[name]
+    case = policy_case(generator, batch=8, length=1024, hidden_size=2048, vocab=32000).to(torch.bfloat16, "cuda")
+    options = full_options("dapo", level, entropy_weight=0.01 if entropy else 0.0, return_entropy=entropy,
+                           memory_budget=budget)
+    records = []
+    real = engine_run.apply_eager
+    monkeypatch.setattr(engine_run, "apply_eager", lambda flat, call: records.append(call.choice) or real(flat, call))
+    step = _policy_step(case, options, "cuda")
+    step()  # compiles the kernels
+    names = launched(step)
+    record = records[-1]
+    flce_names = flce_kernel_names()
+    ran = {k for k in flce_names for launched_name in names if re.match(rf"{re.escape(k)}\b", launched_name)}
+    named = {k.rsplit(".", 1)[1] for k in record.kernel_names() if k.startswith("flce.backends.cuda.")}
+    assert ran == named, f"{name}: ran {sorted(ran)}, the record named {sorted(named)}\n{record}"
+    cublas_ran = any(CUBLAS_NAME.search(launched_name) and not any(
+        re.match(rf"{re.escape(k)}\b", launched_name) for k in flce_names) for launched_name in names)
+    assert cublas_ran == bool(record.kernel_names() & TORCH_GEMMS), f"{name}: cuBLAS ran: {cublas_ran}\n{record}"
