@@ -176,6 +176,8 @@ def test_module_form(generator: torch.Generator) -> None:
     want = flce.linear_policy_loss(case.hidden, case.weight, case.target, case.advantages, **case.tensors(),
                                    **options)
     torch.testing.assert_close(got.loss, want.loss, **FP64)
+    with pytest.raises(TypeError, match="LinearPolicyLoss\\(\\) got unexpected options \\['epsilon'\\]; valid"):
+        cls(epsilon=0.2)
 
 
 @pytest.mark.triton

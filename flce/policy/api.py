@@ -49,24 +49,37 @@ class PolicyLossOutput(NamedTuple):
 def linear_policy_loss(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor, /, *,
     mask: torch.Tensor, old_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
-    rollout_is_ratio: torch.Tensor | None = None, sequence_ids: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None, num_items_in_batch: Number | None = None, backend: str | None = None,
-    **options: Any,
+    loss_type: str = "dapo", epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
+    beta: float = 0.0, importance_sampling_level: str = "token", temperature: float = 1.0,
+    max_completion_length: int | None = None, num_items_in_batch: Number | None = None,
+    rollout_is_ratio: torch.Tensor | None = None, entropy_weight: float = 0.0, sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05, sequence_ids: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+    return_entropy: bool = True, softcap: float | None = None, ignore_index: int = -100, backend: str | None = None,
+    memory_budget: int | None = None, process_group: Any = None, accum_dtype: torch.dtype | None = None,
+    precision: str = "fast",
 ) -> PolicyLossOutput:
     """The policy loss of TRL 1.16's GRPOTrainer (and Liger's ``ppo_loss_fn``) on ``hidden @ weight.T + bias`` at
-    ``temperature``, without the logits; flce.policy.loss_types states each ``loss_type``. ``options`` are
-    :class:`LinearPolicyLoss`'s.
+    ``temperature``, without the logits; flce.policy.loss_types states each ``loss_type`` (docs/policy_loss.md).
 
     Padded form: hidden [B, T, H], target / mask / old_logprobs / ref_logprobs / rollout_is_ratio [B, T],
     advantages [B] or [B, T]. Packed form: hidden [N, H], those [N], ``sequence_ids`` [N] (each token's sequence,
     in [0, N)), advantages [N]. ``mask``: the tokens' weights (0: not counted; bool, integer or floating); a
     target equal to ``ignore_index`` does not count either. ``old_logprobs`` None: the current log-probs,
     detached (ratio 1); ``ref_logprobs``: needed where ``beta`` > 0. ``num_items_in_batch``: dapo's and cispo's
-    divisor (a number or a device tensor; default: the mask's sum).
+    divisor (a number or a device tensor; default: the mask's sum); ``max_completion_length``: dr_grpo's.
+    ``return_entropy``: the entropies computed for the metrics (they are anyway where ``entropy_weight`` is set).
+    ``softcap``, ``backend``, ``memory_budget``, ``process_group``, ``accum_dtype``, ``precision``: as
+    flce.linear_cross_entropy's.
     """
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
-    settings = TrlSettings.of(options)
+    settings = TrlSettings.of(dict(
+        loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
+        importance_sampling_level=importance_sampling_level, temperature=temperature, softcap=softcap,
+        max_completion_length=max_completion_length, entropy_weight=entropy_weight,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+        return_entropy=return_entropy, ignore_index=ignore_index, memory_budget=memory_budget,
+        process_group=process_group, accum_dtype=accum_dtype, precision=precision))
     return settings.loss(hidden, weight, target, advantages, mask, old_logprobs, ref_logprobs, rollout_is_ratio,
                          sequence_ids, bias, num_items_in_batch, hidden.device.type, backend, None)
 
@@ -85,7 +98,7 @@ class TrlSettings:
     def of(options: dict[str, Any]) -> TrlSettings:
         unknown = set(options) - set(_TRL_DEFAULTS)
         if unknown:
-            raise TypeError(f"linear_policy_loss() got unexpected options {sorted(unknown)}; valid options: "
+            raise TypeError(f"LinearPolicyLoss() got unexpected options {sorted(unknown)}; valid options: "
                             f"{', '.join(_TRL_DEFAULTS)}")
         o = {**_TRL_DEFAULTS, **options}
         policy = trl_options(o["loss_type"], o["importance_sampling_level"], epsilon_low=o["epsilon_low"],
