@@ -23,7 +23,8 @@ two equal values splits it in halves, |x| has derivative 0 at 0.
 
 Matched against TRL 1.16.0's ``GRPOTrainer._compute_loss`` (loss types grpo, bnpo, dr_grpo, dapo, cispo, luspo,
 sapo; token and sequence importance sampling; ``delta``; the k3 KL with beta; the vLLM importance-sampling
-correction; the entropy bonus; its clip-ratio, KL and entropy metrics) and Liger-Kernel's ``ppo_loss_fn``.
+correction; the entropy bonus; its clip-ratio, KL and entropy metrics) and Liger-Kernel's ``ppo_loss_fn``
+(the same losses; Liger reports one clip fraction, the region's, over the tokens at both levels).
 """
 
 from __future__ import annotations
