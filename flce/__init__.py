@@ -5,6 +5,7 @@
     loss = loss_fn(hidden, lm_head.weight, labels)
 """
 
+from flce.distillation.api import LinearDistillation, get_distillation_impl, linear_distillation_loss
 from flce.explain import explain
 from flce.module import LinearCrossEntropy, get_impl, linear_cross_entropy
 from flce.outputs import LCEOutput
@@ -16,9 +17,12 @@ __all__ = [
     "Backend",
     "LCEOutput",
     "LinearCrossEntropy",
+    "LinearDistillation",
     "available_backends",
     "explain",
+    "get_distillation_impl",
     "get_impl",
     "linear_cross_entropy",
+    "linear_distillation_loss",
     "register_backend",
 ]
