@@ -82,13 +82,13 @@ def _distill_forward(student_hidden: Tensor, student_weight: Tensor, student_bia
     call = _call(pair, kw, wanted.any)
     in_forward = grads_in_forward(call, wanted)
     state = schedule.forward(call, pair, wanted if in_forward else None, keep_stats=wanted.any and not in_forward)
-    empty = student_hidden.new_empty(0)
     grads = (*state.grads[0], *state.grads[1]) if in_forward else (None,) * 6
     stats = state.stats
     if stats is None:  # nothing kept: no deferred backward follows, or there are no rows
         rows = len(stats_present(call.cfg)) if wanted.any and not in_forward else 0
         stats = student_hidden.new_empty((rows, 0) if rows else (0,), dtype=statistics_dtype(student_hidden.dtype))
-    return (state.loss, state.count, *(empty if g is None else g for g in grads), stats)
+    # A fresh empty tensor per absent output: op outputs may not alias one another.
+    return (state.loss, state.count, *(student_hidden.new_empty(0) if g is None else g for g in grads), stats)
 
 def _distill_forward_fake(student_hidden: Tensor, student_weight: Tensor, student_bias: Tensor | None,
                           teacher_hidden: Tensor, teacher_weight: Tensor, teacher_bias: Tensor | None,
