@@ -7,6 +7,7 @@
 
 from flce.distillation.api import LinearDistillation, get_distillation_impl, linear_distillation_loss
 from flce.explain import explain
+from flce.explain_distillation import explain_distillation
 from flce.module import LinearCrossEntropy, get_impl, linear_cross_entropy
 from flce.outputs import LCEOutput
 from flce.registry import Backend, available_backends, register_backend
@@ -20,6 +21,7 @@ __all__ = [
     "LinearDistillation",
     "available_backends",
     "explain",
+    "explain_distillation",
     "get_distillation_impl",
     "get_impl",
     "linear_cross_entropy",

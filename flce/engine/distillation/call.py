@@ -62,6 +62,14 @@ class DistillDescription:
                                                          pair.teacher_weight)),
             cfg=cfg.replace(process_group=None), request=request)
 
+    @staticmethod
+    def tuned(tokens: int, hidden: int, vocab: int, dtype: torch.dtype) -> DistillDescription:
+        """The call flce-autotune's distillation workload makes (flce.autotune.workload): JSD, a teacher of the
+        student's hidden size, no bias, training."""
+        return DistillDescription(n_rows=tokens, student_hidden=hidden, teacher_hidden=hidden, vocab=vocab,
+                                  dtype=dtype, student_bias=False, teacher_bias=False, rows_aligned=True,
+                                  cfg=DistillationConfig(), request=PlanRequest(training=True))
+
     @property
     def key(self) -> tuple:
         """What a planner's answer depends on, hashable (planners memoise records by it)."""

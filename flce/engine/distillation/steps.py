@@ -46,7 +46,7 @@ def distillation_steps(desc: DistillDescription, plan: DistillChunks, names: Pai
     if not training:
         return tuple(steps)
     who = "the student's and the teacher's" if teacher else "the student's"
-    when = "in forward" if in_forward else "in backward, each chunk's logits recomputed (reduction='none')"
+    when = "in forward" if in_forward else "in backward"
     if not in_forward:
         steps.append(Step("backward: each chunk's teacher and student logits again", (gemm,),
                           "each row's upstream gradient arrives in backward; forward kept the rows' statistics"))
