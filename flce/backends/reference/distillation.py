@@ -20,9 +20,11 @@ from flce.engine.distillation.steps import PairKernelNames, distillation_steps, 
 from flce.engine.memory import tuned_chunk_rows
 from flce.engine.plans import PlanRequest
 
-# fp32 temporaries of [rows, V] the torch formulas hold at once over the rows they work on (t, s, both
-# exponentials, the log-mixture, the two gradients and a product): on accelerators a block is the chunk.
-_TEMPORARIES = 8
+# Bytes of one [rows, V] math-dtype temporary of the torch formulas per row block: the CPU's cache-sized block,
+# and on accelerators one large enough for full-speed elementwise launches (32 rows at V = 128k in fp32). The
+# formulas hold about 8 such temporaries at once (t, s, both exponentials, the log-mixture, the two gradients, a
+# product): a fixed 64-128 MiB whatever the chunk, so a chunk's row costs its two logits rows alone.
+ACCELERATOR_BLOCK_BYTES = 16 << 20
 VARIANT = "distillation"
 _CLASS = "flce.backends.reference.distillation.ReferencePairKernels."
 KERNEL_NAMES = PairKernelNames(pair_stats=_CLASS + "pair_stats", mixture_sums=_CLASS + "mixture_sums",
@@ -31,12 +33,10 @@ KERNEL_NAMES = PairKernelNames(pair_stats=_CLASS + "pair_stats", mixture_sums=_C
 
 
 def pair_row_blocks(logits: torch.Tensor) -> Iterator[slice]:
-    """Row slices of a chunk: on the CPU, as many rows as keep the formulas' temporaries of both heads
-    within a few cache-sized blocks; elsewhere the whole chunk."""
+    """Row slices of a chunk whose math-dtype rows fill one block (ACCELERATOR_BLOCK_BYTES, CPU_BLOCK_BYTES)."""
     n_rows, vocab = logits.shape
-    step = max(1, n_rows)
-    if logits.device.type == "cpu":
-        step = max(1, CPU_BLOCK_BYTES // max(1, 2 * vocab * math_dtype(logits.dtype).itemsize))
+    block = CPU_BLOCK_BYTES if logits.device.type == "cpu" else ACCELERATOR_BLOCK_BYTES
+    step = max(1, block // max(1, vocab * math_dtype(logits.dtype).itemsize))
     for start in range(0, n_rows, step):
         yield slice(start, min(start + step, n_rows))
 
@@ -99,11 +99,10 @@ def _rows_of(coeffs: PairCoefficients, rows: slice, math: torch.dtype) -> PairCo
                                for name, value in vars(coeffs).items()})
 
 
-def working_bytes_per_row(device_type: str, vocab: int, dtype: torch.dtype) -> int:
-    """Working memory per token row of a chunk: its two logits buffers and, off the CPU (where a block is the
-    whole chunk), the formulas' temporaries; on the CPU those stay within cache-sized row blocks."""
-    logits = pair_logits_bytes_per_row(vocab, dtype)
-    return logits if device_type == "cpu" else logits + vocab * _TEMPORARIES * math_dtype(dtype).itemsize
+def working_bytes_per_row(vocab: int, dtype: torch.dtype) -> int:
+    """Working memory per token row of a chunk: its two logits rows (the formulas' temporaries stay within
+    fixed row blocks, ACCELERATOR_BLOCK_BYTES' comment)."""
+    return pair_logits_bytes_per_row(vocab, dtype)
 
 
 def plan_chunks(device: DeviceDescription, desc: DistillDescription,
@@ -111,7 +110,7 @@ def plan_chunks(device: DeviceDescription, desc: DistillDescription,
     """Rows per chunk: the autotune cache's tokens_per_chunk, else as many as the budget holds; an explicit
     memory_budget bounds either (flce.engine.memory.tuned_chunk_rows)."""
     cfg = desc.cfg
-    per_row = working_bytes_per_row(device.type, desc.vocab, desc.dtype)
+    per_row = working_bytes_per_row(desc.vocab, desc.dtype)
     rows = tuned_chunk_rows(desc.n_rows, per_row, (entry.params or {}).get("tokens_per_chunk"), cfg.memory_budget,
                             DEFAULT_CHUNK_BUDGET)
     budget = cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET
@@ -123,8 +122,8 @@ def choose_distillation(device: DeviceDescription, desc: DistillDescription,
                         entry: TunedEntry | None = None) -> CallChoice:
     entry = entry or entry_for(device, desc)
     plan, memory = plan_chunks(device, desc, entry)
-    blocks = (f"row blocks of {CPU_BLOCK_BYTES >> 20} MiB per head" if device.type == "cpu"
-              else "the whole chunk at once")
+    block = CPU_BLOCK_BYTES if device.type == "cpu" else ACCELERATOR_BLOCK_BYTES
+    blocks = f"row blocks of {block >> 20} MiB per temporary"
     return CallChoice(backend="reference", device=device.text(), inputs=desc.text(), cache=entry.source, plan=plan,
                       gradients=gradient_timing(desc), memory=memory,
                       steps=distillation_steps(desc, plan, KERNEL_NAMES, lambda role: f"torch ops, {blocks}"),

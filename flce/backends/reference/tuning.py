@@ -22,7 +22,7 @@ def _working_bytes(shape: TuneShape, params: Mapping[str, Scalar]) -> int:
     # The planner's own per-row figure (it depends on the device), the distillation planner's for its shapes.
     rows = min(int(params.get("tokens_per_chunk") or shape.tokens), shape.tokens)
     if shape.variant == DISTILLATION_VARIANT:
-        return rows * distillation.working_bytes_per_row(shape.device.type, shape.vocab, shape.dtype)
+        return rows * distillation.working_bytes_per_row(shape.vocab, shape.dtype)
     return rows * working_bytes_per_row(shape.device.type, shape.vocab, shape.dtype, LCEConfig())
 
 
