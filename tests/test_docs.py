@@ -111,17 +111,15 @@ def test_option_tables_name_every_option(document: str) -> None:
     assert option_rows(REPO / document) == options
 
 
-def test_benchmark_data_loads_and_every_plot_has_its_data() -> None:
-    """The published runs (docs/data) say what made them, and each plot in docs/img is drawn from one."""
+def test_benchmark_data_loads() -> None:
+    """The published runs (docs/data) say what made them (tests/test_benchmarks_page.py checks that each plot in
+    docs/img is drawn from them)."""
     runs = sorted((REPO / "docs" / "data").glob("*.json"))
     assert runs
     for path in runs:
         run = plot.load_run(path)
         assert run["rows"] and run["gpu"] and run["date"], path
         assert plot.markdown(run).count("|") > 0
-    stems = {path.stem for path in runs}
-    orphans = [p.name for p in (REPO / "docs" / "img").glob("*.png") if p.stem not in stems]
-    assert not orphans, f"plots without the data they were drawn from: {orphans}"
 
 
 def test_a_run_file_without_its_metadata_is_refused(tmp_path: Path) -> None:

@@ -4,7 +4,9 @@ products table (its timings need a GPU; here they are scripted, the code around 
 from __future__ import annotations
 
 import importlib.util
+import re
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -93,3 +95,17 @@ def test_every_ratio_is_to_its_own_rounds_floors(peers, monkeypatch) -> None:
     assert floor_row["best_ratio"] == pytest.approx(statistics.median(f / b for f, b in zip(floor3, best3,
                                                                                              strict=True)))
     assert lines[0] == "| 8x16x24 | x @ W.T | 10.00 ms, 0 | - | - |"  # the median round's
+
+
+def test_a_run_records_when_its_revision_was_committed(peers) -> None:
+    """docs/benchmarks.md orders the runs of one day by it (tools/benchmarks/benchmarks_page.py)."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    stamp = peers.revision_committed(f"{head} + local changes")
+    assert stamp is not None and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", stamp)
+    assert peers.revision_committed("flce 0.1.0 (not a git checkout)") is None
+    assert peers.run_record([], "G", "bfloat16", "peers.py", head, None, stamp)["flce_committed"] == stamp
+    assert "flce_committed" not in peers.run_record([], "G", "bfloat16", "peers.py", "flce 0.1.0", None, None)

@@ -164,7 +164,7 @@ INFINITIES = {
 }
 INF_OPTIONS = {
     "plain": {},
-    # Not return_entropy: with a -inf logit its terms are 0 * -inf (README, "Options").
+    # Not return_entropy: with a -inf logit its terms are 0 * -inf (docs/design.md, "The contract").
     "logprobs+temperature": {"return_logprobs": True, "temperature": 0.7},
     "smoothing": {"label_smoothing": 0.1},
     "softcap": {"softcap": 3.0},

@@ -1,7 +1,7 @@
 """CPU benchmark of a fused forward+backward: flce against the 3-GEMM floor and PyTorch.
 
     python tools/benchmarks/cpu.py                      # 4096 x 1024 x 32000 fp32
-    python tools/benchmarks/cpu.py --markdown           # also print the docs/benchmarks.md table
+    python tools/benchmarks/cpu.py --markdown           # also print the table (benchmarks_template.md's CPU part)
 
 Inputs: flce.testing.measure's draw for the shape (logits of std 1, every 17th target ignored), fp32.
 
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(AVAILABLE),
                         help=f"comma-separated subset of {METHODS} (default: those this torch has)")
     parser.add_argument("--no-memory", action="store_true", help="skip the child-process RSS measurements")
-    parser.add_argument("--markdown", action="store_true", help="print the table for docs/benchmarks.md")
+    parser.add_argument("--markdown", action="store_true", help="print the table for docs/benchmarks.md (its template)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

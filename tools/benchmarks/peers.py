@@ -362,9 +362,10 @@ def main() -> None:
             print(clocks.summary.describe(), file=sys.stderr)
     publish(markdown(rows, header, gemm_lines).rstrip("\n"), args.markdown)
     if args.json:
+        revision = args.revision or flce_revision()
         with open(args.json, "w") as f:
-            json.dump(run_record(rows, gpu, args.dtype, command, args.revision or flce_revision(), clocks.summary),
-                      f, indent=1)
+            json.dump(run_record(rows, gpu, args.dtype, command, revision, clocks.summary,
+                                 revision_committed(revision)), f, indent=1)
 
 
 def measure_shape(case: Case, methods: dict, device: str, rounds_wanted: int) -> tuple[list[dict], list[str]]:
@@ -401,9 +402,10 @@ def measure_shape(case: Case, methods: dict, device: str, rounds_wanted: int) ->
 
 
 def run_record(rows: list[dict], gpu: str, dtype: str, command: str, revision: str,
-               clocks: ClockSummary | None = None) -> dict:
+               clocks: ClockSummary | None = None, committed: str | None = None) -> dict:
     """The --json file: the rows with what a reader needs to trust them (GPU, date, versions, command, the
-    GPU's clocks over the run where they were sampled); tools/benchmarks/plot.py draws and tabulates it."""
+    GPU's clocks over the run where they were sampled, when flce's revision was committed where git knows it);
+    tools/benchmarks/plot.py draws and tabulates it, tools/benchmarks/benchmarks_page.py publishes it."""
     versions = {"torch": torch.__version__}
     for package in ("triton", "liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-cutlass-dsl"):
         try:
@@ -411,7 +413,8 @@ def run_record(rows: list[dict], gpu: str, dtype: str, command: str, revision: s
         except importlib.metadata.PackageNotFoundError:
             pass
     return {"gpu": gpu, "date": str(datetime.date.today()), "dtype": dtype, "call": "fwd+bwd, mean loss",
-            "versions": versions, "flce": revision, "command": command,
+            "versions": versions, "flce": revision, **({"flce_committed": committed} if committed else {}),
+            "command": command,
             "clocks": dataclasses.asdict(clocks) if clocks is not None else None,
             "inputs": "flce.testing.measure.shape_inputs: logits of std 1, uniform targets, every 17th ignored",
             "floor": "cuBLAS x @ W.T, G @ W, G.T @ x; G from flce.testing.measure.floor_gradient: N(0, 1)",
@@ -429,6 +432,19 @@ def flce_revision() -> str:
     except (OSError, subprocess.CalledProcessError):
         return f"flce {flce.__version__} (not a git checkout)"
     return commit.stdout.strip() + (" + local changes" if dirty.stdout.strip() else "")
+
+
+def revision_committed(revision: str) -> str | None:
+    """When ``revision`` (its first word: a commit) was committed, UTC, ISO 8601, where this checkout's git knows
+    it, else None: docs/benchmarks.md shows the newest run of a day by it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        seconds = subprocess.run(["git", "-C", root, "log", "-1", "--format=%ct", revision.split()[0], "--"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        moment = datetime.datetime.fromtimestamp(int(seconds), datetime.timezone.utc)
+    except (OSError, IndexError, ValueError, subprocess.CalledProcessError):
+        return None
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Counts the opcodes that tell two Triton releases apart on this kernel: local-memory spills (LDL/STL),
 moves from vector to uniform registers (R2UR), uniform against vector integer arithmetic, barriers,
 wgmma. Run it once under each Triton (e.g. ``PYTHONPATH=<a folder with another triton>``) and compare;
-docs/benchmarks.md ("Triton 3.9 against 3.6") has what it showed.
+docs/design-notes.md ("An opaque ring position for Triton 3.9") has what it showed.
 
     python tools/profiling/ws_sass.py                      # every variant, this Triton
     python tools/profiling/ws_sass.py --variants exponentials --ops LDL,STL,R2UR
