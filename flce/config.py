@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -93,6 +94,46 @@ class LCEConfig:
         validate_options(derived, tuple(changes))
         return derived
 
+
+
+VARIANTS = ("plain", "full")
+# Sizes on the command lines (explain's --memory and --memory_budget, flce-autotune's --memory-budget): binary
+# units for KiB, MiB, GiB, TiB, decimal (SI) ones for KB, MB, GB, TB; what flce prints is always binary (MiB, GiB).
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(name: str, text: str) -> int:
+    """'512MiB', '2GiB', '1.5GB', '1000000' -> bytes (binary units for KiB/MiB/GiB, decimal for KB/MB/GB)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{name}={text!r}: expected a size such as 512MiB, 2GiB or a byte count")
+    value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"{name}={text!r}: expected a positive size")
+    return value
+
+
+def check_variant(variant: str) -> None:
+    if variant not in ("auto", *VARIANTS):
+        raise ValueError(f"variant={variant!r}: expected 'auto', 'plain' or 'full'")
+
+
+def resolve_variant(variant: str, cfg: LCEConfig, per_token_inputs: tuple[str, ...] = (), sharded: bool = False
+                    ) -> str:
+    """The variant a call runs, by the one rule the module, dispatch and explain share: the full variant serves
+    every call; the plain one only calls without a full-feature option (LCEConfig.full_feature_options) and
+    without per-token inputs (``per_token_inputs``: the names of those given, token_weights or selected_ids);
+    "auto" picks plain where it can. A vocabulary shard (``sharded``) scans with the full variant's kernels, which
+    produce combinable statistics. Raises ValueError for an unknown variant and for "plain" where it cannot."""
+    check_variant(variant)
+    needs_full = [*cfg.full_feature_options(), *per_token_inputs]
+    if variant == "plain" and needs_full:
+        raise ValueError(f"variant='plain' cannot serve {', '.join(needs_full)}; use variant='full' or 'auto'")
+    if sharded or (variant == "auto" and needs_full):
+        return "full"
+    return "plain" if variant == "auto" else variant
 
 
 def _unchecked(values: dict[str, Any]) -> LCEConfig:

@@ -14,26 +14,23 @@ the schedule and its sizes, the memory plan, and per step the kernel functions a
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import fields
 from typing import Any
 
 import torch
 
 from flce.autotune.devices import torch_dtype
-from flce.config import LCEConfig, config_from_keywords
+from flce.config import LCEConfig, config_from_keywords, parse_bytes, resolve_variant
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription, describe_device
 from flce.engine.plans import PlanRequest
-from flce.registry import Backend, registered_backends
-from flce.registry.selection import backend_named
+from flce.registry import HardwareProbe, candidates_for
+from flce.registry.selection import choose_for_call
 
 DEFAULT_GPU = "NVIDIA H100 80GB HBM3"
 # Ascend NPUs explain can describe by name: vector cores and device memory (UB size follows the SoC name).
 KNOWN_NPUS = {"Ascend910B1": (48, 64 * 10**9), "Ascend910B2": (48, 64 * 10**9), "Ascend910B3": (40, 64 * 10**9),
               "Ascend910B4": (40, 32 * 10**9)}
 DEFAULT_NPU = "Ascend910B3"
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
 def explain(device: str = "cuda", *, shape: str | tuple[int, int, int], dtype: str | torch.dtype = "bfloat16",
@@ -45,18 +42,26 @@ def explain(device: str = "cuda", *, shape: str | tuple[int, int, int], dtype: s
     ("cpu" with ``backend="cuda"``: the CUDA kernels in the Triton interpreter);
     ``shape``: tokens x H x V; ``gpu``/``npu``: the model as the driver names it (flce.backends.cuda.hardware
     .KNOWN_GPUS, KNOWN_NPUS; an unknown GPU needs ``capability``, ``multiprocessors`` and ``total_memory``);
-    ``triton``: the Triton version to assume; ``training``: gradients follow; ``options``: LCEConfig's."""
+    ``triton``: the Triton version to assume; ``training``: gradients follow; ``options``: LCEConfig's.
+
+    It refuses what a call would refuse, with the same error: the options, the variant, a dtype the kernels do not
+    take, a backend that does not serve the device or the call (selection is the registry's own, flce.registry,
+    with the described device's hardware taken as present)."""
     n_rows, hidden, vocab = _shape(shape)
     cfg = config_from_keywords("explain", options)
     dtype = torch_dtype(dtype)
+    if not dtype.is_floating_point:
+        raise ValueError(f"hidden: expected a floating-point tensor [..., H], got dtype {dtype}")
+    variant = resolve_variant(variant, cfg, sharded=sharded)
     described = _device(device, gpu, npu, capability, multiprocessors, total_memory, triton, backend)
-    if sharded:
-        variant = "full"  # a vocabulary shard's scan is the full variant's (flce.distributed)
-    elif variant == "auto":
-        variant = "full" if cfg.needs_full else "plain"
-    elif variant == "plain" and cfg.needs_full:
-        raise ValueError(f"variant='plain' cannot serve {', '.join(cfg.full_feature_options())}; use 'full' or 'auto'")
-    chosen = _backend(described.type, backend, cfg, dtype, hidden, vocab)
+    # The described device's hardware is present; the CPU runs a Triton backend's kernels in its interpreter
+    # when asked by name, as a call on CPU tensors does.
+    probe = HardwareProbe.fake(cuda=device == "cuda", npu=device == "npu", triton=True,
+                               triton_interpret=device == "cpu")
+    candidates = candidates_for(described.type, backend, probe, described=described)
+    chosen = choose_for_call(candidates, cfg, dtype, hidden, vocab, warn=False)
+    if chosen.choose is None:
+        raise ValueError(f"backend={chosen.name!r} has no planner to explain (no choose)")
     call = CallDescription(n_rows=n_rows, hidden=hidden, vocab=vocab, dtype=dtype, bias=bias, rows_aligned=True,
                            cfg=cfg, variant=variant, request=PlanRequest(training=training, sharded=sharded))
     return chosen.choose(described, call)
@@ -68,14 +73,21 @@ def _shape(shape: str | tuple[int, int, int]) -> tuple[int, int, int]:
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
             raise ValueError(f"shape={shape!r}: expected TOKENSxHIDDENxVOCAB, e.g. 8192x4096x128256")
         shape = tuple(int(p) for p in parts)  # type: ignore[assignment]
-    if len(shape) != 3 or min(shape) < 0 or min(shape[1:]) < 1:
-        raise ValueError(f"shape={shape!r}: expected (tokens >= 0, hidden >= 1, vocab >= 1)")
+    if (len(shape) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
+            or min(shape) < 0 or min(shape[1:]) < 1):
+        raise ValueError(f"shape={shape!r}: expected three whole numbers (tokens >= 0, hidden >= 1, vocab >= 1)")
     return shape  # type: ignore[return-value]
 
 
 def _device(device: str, gpu: str | None, npu: str | None, capability: tuple[int, int] | None,
             multiprocessors: int | None, total_memory: int | None, triton: str | None,
             backend: str | None) -> DeviceDescription:
+    gpu_figures = {"gpu": gpu, "capability": capability, "triton": triton}
+    if device != "cuda" and any(value is not None for value in gpu_figures.values()):
+        named = ", ".join(f"{k}={v!r}" for k, v in gpu_figures.items() if v is not None)
+        raise ValueError(f"{named}: describes a GPU, but device={device!r}; use device='cuda'")
+    if device != "npu" and npu is not None:
+        raise ValueError(f"npu={npu!r}: describes an NPU, but device={device!r}; use device='npu'")
     if device == "cuda":
         from flce.backends.cuda.hardware import gpu_description
 
@@ -83,6 +95,9 @@ def _device(device: str, gpu: str | None, npu: str | None, capability: tuple[int
     if device == "npu":
         name = npu or DEFAULT_NPU
         cores, memory = KNOWN_NPUS.get(name, (None, None))
+        for what, value in (("multiprocessors", multiprocessors), ("total_memory", total_memory)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{what}={value!r}: expected a positive number")
         if None in (cores or multiprocessors, memory or total_memory):
             raise ValueError(f"npu={name!r}: not an NPU flce knows by name (one of {sorted(KNOWN_NPUS)}); give its "
                              "vector cores and memory too")
@@ -96,23 +111,6 @@ def _device(device: str, gpu: str | None, npu: str | None, capability: tuple[int
     if device == "cpu":
         return describe_device(torch.device("cpu"))
     raise ValueError(f"device={device!r}: expected 'cuda', 'cpu' or 'npu'")
-
-
-def _backend(device_type: str, name: str | None, cfg: LCEConfig, dtype: torch.dtype, hidden: int,
-             vocab: int) -> Backend:
-    """The named backend, else the one selection would pick on that device with its hardware present: the
-    highest priority among those serving the device type that support the call, else the reference."""
-    if name is not None:
-        chosen = backend_named(name)
-        if chosen.choose is None:
-            raise ValueError(f"backend={name!r} has no planner to explain (no choose)")
-        return chosen
-    serving = sorted((b for b in registered_backends() if b.serves(device_type) and b.choose is not None),
-                     key=lambda b: -b.priority)
-    for candidate in serving:
-        if candidate.supports(cfg, dtype, hidden, vocab)[0]:
-            return candidate
-    return backend_named("reference")
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -152,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     record = explain(args.device, shape=args.shape, dtype=args.dtype, gpu=args.gpu, npu=args.npu,
                      backend=args.backend, variant=args.variant, training=args.training, bias=args.bias,
                      sharded=args.sharded, capability=_capability(args.capability), multiprocessors=args.sms,
-                     total_memory=None if args.memory is None else parse_size("--memory", args.memory),
+                     total_memory=None if args.memory is None else parse_bytes("--memory", args.memory),
                      triton=args.triton, **options)
     print(record)
     return 0
@@ -167,13 +165,6 @@ def _capability(text: str | None) -> tuple[int, int] | None:
     return int(major), int(minor or 0)
 
 
-def parse_size(flag: str, text: str) -> int:
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"{flag} {text!r}: expected bytes, optionally with KiB, MiB or GiB")
-    return int(match.group(1)) * _UNITS[(match.group(2) or "")[:1].lower()]
-
-
 def _option_value(name: str, text: str, shape: str) -> object:
     """An option's value from its command-line text, by its type in LCEConfig."""
     lowered = text.strip().lower()
@@ -183,7 +174,7 @@ def _option_value(name: str, text: str, shape: str) -> object:
     if name == "accum_dtype":
         return None if lowered == "none" else torch_dtype(lowered)
     if name == "memory_budget":
-        return None if lowered == "none" else parse_size("--memory_budget", text)
+        return None if lowered == "none" else parse_bytes("--memory_budget", text)
     kind = {f.name: f.type for f in fields(LCEConfig)}[name]
     if lowered == "none" and "None" in kind:
         return None

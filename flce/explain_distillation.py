@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from flce.autotune.devices import torch_dtype
-from flce.config import LCEConfig
+from flce.config import LCEConfig, parse_bytes
 from flce.distillation.config import DistillationConfig, config_from_keywords
 from flce.engine.choice import CallChoice
 from flce.engine.distillation.call import DistillDescription
 from flce.engine.plans import PlanRequest
-from flce.explain import DEFAULT_GPU, DEFAULT_NPU, _device, parse_size
+from flce.explain import DEFAULT_GPU, DEFAULT_NPU, _device
 from flce.registry import Backend, registered_backends
 from flce.registry.selection import backend_named
 
@@ -112,7 +112,7 @@ def _option_value(name: str, text: str) -> object:
     kind = {f.name: f.type for f in fields(DistillationConfig)}[name]
     lowered = text.strip().lower()
     if name == "memory_budget":
-        return None if lowered == "none" else parse_size("--memory_budget", text)
+        return None if lowered == "none" else parse_bytes("--memory_budget", text)
     if kind == "bool":
         if lowered not in ("true", "false", "1", "0", "yes", "no"):
             raise ValueError(f"--{name} {text!r}: expected true or false")

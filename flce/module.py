@@ -8,14 +8,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from flce.config import LCEConfig, config_from_keywords, primitive_options
+from flce.config import LCEConfig, check_variant, config_from_keywords, primitive_options, resolve_variant
 from flce.distributed.dtensor import localize_inputs
 from flce.engine.plans import BATCH_INVARIANT_TOKENS
 from flce.engine.run import run_backend
 from flce.engine.selected import check_selected_ids, selected_logprobs
 from flce.inputs import FlatInputs, check_token_weights, prepare_inputs
 from flce.outputs import LCEOutput
-from flce.registry import VARIANTS, HardwareProbe, candidates_for, dispatch, registered_backends, resolve_device
+from flce.registry import HardwareProbe, candidates_for, dispatch, registered_backends, resolve_device
 
 
 class LinearCrossEntropy(torch.nn.Module):
@@ -72,9 +72,7 @@ def _checked_config(caller: str, variant: str, options: dict[str, Any]) -> LCECo
             "cross_entropy calls them weight=); the LM head's weight is the second positional argument"
         )
     config = config_from_keywords(caller, options)
-    if variant == "plain" and config.needs_full:
-        names = ", ".join(config.full_feature_options())
-        raise ValueError(f"variant='plain' cannot serve {names}; use variant='full' or 'auto'")
+    resolve_variant(variant, config)  # refuses what the variant cannot serve, at construction
     return config
 
 
@@ -95,14 +93,12 @@ def _compute(
     flat = prepare_inputs(hidden, weight, target, bias, cfg)
     ids = None
     run_cfg = cfg
+    per_token_inputs = tuple(name for name, given in (("token_weights", token_weights), ("selected_ids", selected_ids))
+                             if given is not None)
+    variant = resolve_variant(variant, cfg, per_token_inputs) if per_token_inputs else variant
     if token_weights is not None:
-        if variant == "plain":
-            raise ValueError("variant='plain' cannot serve token_weights; use variant='full' or 'auto'")
         flat = dataclasses.replace(flat, token_weight=check_token_weights(token_weights, flat))
-        variant = "full"
     if selected_ids is not None:
-        if variant == "plain":
-            raise ValueError("variant='plain' cannot serve selected_ids; use variant='full' or 'auto'")
         ids = check_selected_ids(selected_ids, flat.token_shape, _global_vocab(flat, cfg), flat.hidden.device)
         run_cfg = cfg.replace(return_logprobs=True)
     n_rows, token_shape = flat.target.shape[0], flat.token_shape
@@ -188,11 +184,6 @@ def _unpadded(out: LCEOutput, cfg: LCEConfig, n_rows: int, token_shape: torch.Si
     )
 
 
-def _check_variant(variant: str) -> None:
-    if variant not in ("auto", *VARIANTS):
-        raise ValueError(f"variant={variant!r}: expected 'auto', 'plain' or 'full'")
-
-
 def get_impl(
     device: str | torch.device | torch.Tensor | None = None,
     *,
@@ -205,7 +196,7 @@ def get_impl(
     ``backend`` forces one backend (else ``FLCE_BACKEND``, else the best available);
     ``variant`` is "auto", "plain" or "full"; ``probe`` replaces the hardware probes (tests).
     """
-    _check_variant(variant)
+    check_variant(variant)  # an unknown variant fails here, not at the first call
     device_type = resolve_device(device).type
     # Fail at get_impl, not at the first call, when the named backend cannot serve this device.
     candidates_for(device_type, backend, probe)
@@ -248,7 +239,6 @@ def linear_cross_entropy(
     if not isinstance(hidden, torch.Tensor):
         # Checked here because hidden also names the device: the module's own checks come later.
         raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
-    _check_variant(variant)
     # No module object per call: building one inside a torch.compile trace would break the graph.
     cfg = _checked_config("linear_cross_entropy", variant, options)
     return _compute(hidden, weight, target, bias, cfg, variant, hidden.device.type, backend, None, selected_ids,

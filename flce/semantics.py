@@ -62,19 +62,23 @@ class PartialRowStats:
         )
 
 
+def moved_to(p: PartialRowStats, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The online-softmax merge, torch's one copy of it (flce/backends/online_softmax.py in Triton): p's sum of
+    exp(z - max) and its entropy sum of exp(z - max) * (z - max), both moved to ``new_max`` >= p.row_max."""
+    scale = torch.exp(p.row_max - new_max)
+    dz = shifted_sum_exp_dz(p, new_max)
+    return p.sum_exp * scale, None if dz is None else dz * scale
+
+
 def merge_partial_stats(a: PartialRowStats, b: PartialRowStats) -> PartialRowStats:
     """Statistics of the union of two disjoint column ranges (b's columns after a's)."""
     row_max = torch.maximum(a.row_max, b.row_max)
-    scale_a, scale_b = torch.exp(a.row_max - row_max), torch.exp(b.row_max - row_max)
-
-    def rescaled(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None or y is None else x * scale_a + y * scale_b
-
+    (sum_a, dz_a), (sum_b, dz_b) = moved_to(a, row_max), moved_to(b, row_max)
     return PartialRowStats(
         row_max=row_max,
-        sum_exp=rescaled(a.sum_exp, b.sum_exp),
+        sum_exp=sum_a + sum_b,
         target_z=a.target_z + b.target_z,
-        sum_exp_dz=rescaled(shifted_sum_exp_dz(a, row_max), shifted_sum_exp_dz(b, row_max)),
+        sum_exp_dz=None if dz_a is None or dz_b is None else dz_a + dz_b,
         weighted_sum_z=None if a.weighted_sum_z is None else a.weighted_sum_z + b.weighted_sum_z,
         # Strictly greater: a's columns come first, so ties keep a's (first) index.
         argmax=None if a.argmax is None else torch.where(b.row_max > a.row_max, b.argmax, a.argmax),

@@ -7,7 +7,10 @@ Import them from other test files as ``from helpers import reference_loss``: tes
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -327,3 +330,30 @@ def load_tool(relative_path: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# ---------------------------------------------------------------------------------------------- what ran on a GPU
+
+KERNEL_MODULES = ("kernels", "gemm_kernels", "exp_grad_kernels", "ws_gemm_kernels", "target_kernels")
+TORCH_GEMMS = {"torch.mm", "torch.addmm", "torch.Tensor.addmm_", "torch.matmul"}
+CUBLAS_NAME = re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.IGNORECASE)
+
+
+def flce_kernel_names() -> set[str]:
+    """Every kernel function of the CUDA backend (Triton and Gluon), by name."""
+    names = set()
+    for module in KERNEL_MODULES:
+        mod = importlib.import_module(f"flce.backends.cuda.{module}")
+        names |= {name for name, value in vars(mod).items() if name.endswith("_kernel") and hasattr(value, "fn")}
+    return names
+
+
+def launched(step: Callable[[], None]) -> list[str]:
+    """The CUDA kernels ``step`` launched, by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -4,8 +4,6 @@ configuration for the interpreter. Import as ``from planning import ...`` (tests
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from flce.autotune.lookup import TunedEntry
@@ -50,17 +48,22 @@ def meta_inputs(n: int, h: int, v: int, dtype: torch.dtype = torch.bfloat16, bia
                       token_shape=target.shape)
 
 
-def interpreter_kernels(**changes) -> object:
-    """The CUDA launchers as the choice configures them for the interpreter (Triton GEMM, cuBLAS products),
-    with ``changes`` to the KernelChoice (launch=LaunchParams(...), stats=..., logits=..., products=...)."""
-    from flce.backends.cuda.configs import CUBLAS, TRITON, KernelChoice, LaunchParams, default_gemm_config
+def interpreter_kernels(launch: object = None, **families: str) -> object:
+    """The CUDA launchers as the choice configures them for the interpreter (the Triton GEMM without TMA in every
+    fused role, cuBLAS for the products), with ``launch`` (a LaunchParams) and, per role, a family by name
+    (``statistics="warp_specialized"``; families/family.py's ROLES), each followed by cuBLAS in its chain."""
+    from flce.backends.cuda.configs import LaunchParams, LaunchSettings, default_gemm_config
+    from flce.backends.cuda.families import KernelChoice, family_named
+    from flce.backends.cuda.families.family import PRODUCTS, ROLES
     from flce.backends.cuda.hardware import describe_device
     from flce.backends.cuda.ops import TritonChunkKernels
 
+    names = {role: "triton" for role in ROLES} | {PRODUCTS: "cublas"} | families
+    cublas = family_named("cublas")
+    chains = {role: (family_named(name),) + ((cublas,) if name != "cublas" else ()) for role, name in names.items()}
     gemm = default_gemm_config(describe_device(torch.device("cpu")), torch.float32)
-    base = KernelChoice(stats=TRITON, logits=TRITON, products=CUBLAS, launch=LaunchParams(block_v=4096), gemm=gemm,
-                        fallback_scan_block=512)
-    return TritonChunkKernels(replace(base, **changes))
+    settings = LaunchSettings(launch=launch or LaunchParams(block_v=4096), gemm=gemm, fallback_scan_block=512)
+    return TritonChunkKernels(KernelChoice(chains=chains, settings=settings))
 
 
 def reference_plan(flat: FlatInputs, cfg: LCEConfig | None = None, *, training: bool = True) -> Plan:

@@ -117,7 +117,7 @@ def test_command_line(capsys: pytest.CaptureFixture) -> None:
     assert flce_main(["explain-distillation", "--device", "cpu", "--shape", "64x8x8x32", "--loss", "reverse_kl",
                       "--teacher_grad", "true", "--memory_budget", "1KiB", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
-    assert "schedule: DistillChunks(tokens_per_chunk=4)" in out and "loss=reverse_kl" in out
+    assert "schedule: token chunks: 16 of up to 4 rows" in out and "loss=reverse_kl" in out
     with pytest.raises(SystemExit):
         flce_main(["explain-distillation", "--shape", "64x8x32"])
     assert "TOKENSxSTUDENT_HxTEACHER_HxVOCAB" in capsys.readouterr().err

@@ -79,8 +79,11 @@ def test_hopper_defaults_name_the_warp_specialised_kernel_and_the_shipped_entry(
     assert ws not in a100.kernel_names() and a100.cache.startswith("none")
     assert a100.plan.forward_logits == "cublas" and "flce.backends.cuda.kernels._plain_forward_kernel" in \
         a100.kernel_names()
+    # A Triton older than flce's kernels build with: the cuda backend cannot run there, as a call would find.
     old_triton = flce.explain("cuda", gpu=H100, triton="3.4.0", shape="8192x4096x128256", dtype="bfloat16")
-    assert ws not in old_triton.kernel_names() and "predates the Gluon API" in str(old_triton)
+    assert old_triton.backend == "reference" and ws not in old_triton.kernel_names()
+    with pytest.raises(RuntimeError, match=r"backend='cuda': backend is not available: triton 3.4.0 is older than 3.5"):
+        flce.explain("cuda", gpu=H100, triton="3.4.0", shape="8192x4096x128256", backend="cuda")
 
 
 def test_explain_command(capsys: pytest.CaptureFixture[str]) -> None:

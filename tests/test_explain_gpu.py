@@ -8,13 +8,12 @@ kernel ran)."""
 from __future__ import annotations
 
 import contextlib
-import importlib
 import re
 import zlib
-from collections.abc import Callable
 
 import pytest
 import torch
+from helpers import CUBLAS_NAME, TORCH_GEMMS, flce_kernel_names, launched
 
 import flce
 from flce.autotune import override_params
@@ -22,9 +21,6 @@ from flce.engine import run as engine_run
 
 pytestmark = pytest.mark.cuda
 
-KERNEL_MODULES = ("kernels", "gemm_kernels", "exp_grad_kernels", "ws_gemm_kernels", "target_kernels")
-TORCH_GEMMS = {"torch.mm", "torch.addmm", "torch.Tensor.addmm_", "torch.matmul"}
-CUBLAS_NAME = re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.IGNORECASE)
 RL = {"reduction": "none", "return_logprobs": True, "return_entropy": True, "temperature": 0.7}
 # name: (tokens, hidden, vocab, dtype, bias, training, options, autotune knobs or None; a 0 logits-save limit
 # with "deferred-triton-grad", so that its backward recomputes every chunk)
@@ -49,26 +45,6 @@ CALLS = {
     "deferred-triton-grad": (8192, 2048, 32000, torch.bfloat16, False, True, RL,
                              {"backward_grad": "fused", "forward_stats": "fused", "stats_kernel": "triton"}),
 }
-
-
-def flce_kernel_names() -> set[str]:
-    """Every kernel function of the CUDA backend (Triton and Gluon), by name."""
-    names = set()
-    for module in KERNEL_MODULES:
-        mod = importlib.import_module(f"flce.backends.cuda.{module}")
-        names |= {name for name, value in vars(mod).items() if name.endswith("_kernel") and hasattr(value, "fn")}
-    return names
-
-
-def launched(step: Callable[[], None]) -> list[str]:
-    """The CUDA kernels ``step`` launched, by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 @pytest.mark.parametrize("name", list(CALLS))

@@ -44,20 +44,21 @@ def test_without_gluon_the_choice_takes_the_triton_gemm_and_cublas_with_one_log_
     from planning import cuda_choice, meta_inputs
 
     from flce.backends.cuda import hardware
-    from flce.backends.cuda.configs import WARP_SPECIALIZED
+    from flce.backends.cuda.families import warp_specialized
+    from flce.backends.cuda.families.family import ROLES
 
     monkeypatch.setattr(gluon_compat, "gluon_support", lambda: (False, "triton 3.4 is older than 3.5"))
-    hardware._say_once.cache_clear()
+    warp_specialized._say_once.cache_clear()
     gpu = hardware.gpu_description("NVIDIA H100 80GB HBM3", triton=hardware.installed_triton())
     with caplog.at_level(logging.WARNING, logger="flce"):
         for tokens in (8192, 4096):  # two calls: one log line
             record, kernels = cuda_choice(meta_inputs(tokens, 4096, 128256), device=gpu)
-            assert WARP_SPECIALIZED not in (kernels.stats, kernels.logits, kernels.products)
+            assert not any(family.name == "warp_specialized" for role in ROLES for family in kernels.chains[role])
             assert not any("ws_gemm_kernels" in name for step in record.steps for name in step.kernels), record
             assert "triton 3.4 is older than 3.5" in str(record)
     notes = [r.getMessage() for r in caplog.records if "warp-specialised Gluon GEMM" in r.getMessage()]
     assert len(notes) == 1 and "triton 3.4 is older than 3.5" in notes[0], notes
-    hardware._say_once.cache_clear()
+    warp_specialized._say_once.cache_clear()
 
 
 def test_info_lists_the_cuda_kernels(capsys: pytest.CaptureFixture[str]) -> None:

@@ -108,7 +108,7 @@ def test_the_check_sees_a_circle() -> None:
     graph = _graph()
     assert "flce.engine.schedule" in graph["flce.engine.run"]
     assert "flce.backends.cuda.tuning" in graph["flce.backends.cuda"]
-    assert "flce.backends.cuda.configs" in graph["flce.backends.cuda.ops"]
+    assert "flce.backends.cuda.families" in graph["flce.backends.cuda.ops"]
 
 
 def test_cuda_launchers_reach_no_planner_and_no_schedule() -> None:

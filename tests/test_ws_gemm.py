@@ -285,16 +285,17 @@ def test_ws_training_through_flce_matches_float64(hidden: int, vocab: int, chunk
 
     import flce
     from flce.autotune import override_params
-    from flce.backends.cuda import ops
+    from flce.backends.cuda import ws_gemm_ops
     from flce.testing import reference_loss
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"the ws kernel needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
     stats_calls, gemm_calls = [], []
-    real_stats, real_gemm = ops.ws_partial_row_stats, ops.ws_matmul
-    monkeypatch.setattr(ops, "ws_partial_row_stats",
+    real_stats, real_gemm = ws_gemm_ops.ws_partial_row_stats, ws_gemm_ops.ws_matmul
+    monkeypatch.setattr(ws_gemm_ops, "ws_partial_row_stats",
                         lambda *a, **k: stats_calls.append(a[5] is not None) or real_stats(*a, **k))
-    monkeypatch.setattr(ops, "ws_matmul", lambda *a, **k: gemm_calls.append(k["accumulate"]) or real_gemm(*a, **k))
+    monkeypatch.setattr(ws_gemm_ops, "ws_matmul",
+                        lambda *a, **k: gemm_calls.append(k["accumulate"]) or real_gemm(*a, **k))
     x, w, _, t = lm_head_inputs(3000, hidden, vocab, torch.bfloat16, "cuda", with_bias=False)
     x.requires_grad_(True)
     w.requires_grad_(True)
@@ -448,14 +449,15 @@ def test_ws_rl_call_through_flce_matches_float64(vocab: int, keep_logits: bool,
 
     import flce
     from flce.autotune import override_params
-    from flce.backends.cuda import ops
+    from flce.backends.cuda import ws_gemm_ops
     from flce.testing import reference_loss
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"the ws kernel needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
     kept = []
-    real = ops.ws_partial_row_stats
-    monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *a, **k: kept.append(a[5] is not None) or real(*a, **k))
+    real = ws_gemm_ops.ws_partial_row_stats
+    monkeypatch.setattr(ws_gemm_ops, "ws_partial_row_stats",
+                        lambda *a, **k: kept.append(a[5] is not None) or real(*a, **k))
     x, w, _, t = lm_head_inputs(3000, 1024, vocab, torch.bfloat16, "cuda", with_bias=False, ignore_some=False)
     adv = torch.randn(3000, device="cuda")
     options = {"reduction": "none", "return_logprobs": True, "return_entropy": True, "temperature": 0.7,
@@ -502,14 +504,15 @@ def test_ws_label_smoothing_through_flce_matches_float64(training: bool, monkeyp
 
     import flce
     from flce.autotune import override_params
-    from flce.backends.cuda import ops
+    from flce.backends.cuda import ws_gemm_ops
     from flce.testing import reference_loss
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"the ws kernel needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
     kept = []
-    real = ops.ws_partial_row_stats
-    monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *a, **k: kept.append(a[5] is not None) or real(*a, **k))
+    real = ws_gemm_ops.ws_partial_row_stats
+    monkeypatch.setattr(ws_gemm_ops, "ws_partial_row_stats",
+                        lambda *a, **k: kept.append(a[5] is not None) or real(*a, **k))
     # V = 50000: not a multiple of the 256-column tile, and logits rows 16-byte aligned, so that a TMA
     # store can write kept logits (at V = 32001 the chunk logits go to the Triton GEMM).
     x, w, _, t = lm_head_inputs(3000, 1024, 50000, torch.bfloat16, "cuda", with_bias=False)
@@ -591,16 +594,17 @@ def test_ws_logit_options_through_flce_match_float64(options: str, training: boo
     from helpers import lm_head_inputs, relative_error
 
     import flce
-    from flce.backends.cuda import ops
+    from flce.backends.cuda import ws_gemm_ops
     from flce.testing import reference_loss
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"the ws kernel needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
     kept = []
-    real = ops.ws_partial_row_stats
-    monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *a, **k: kept.append(a[5] is not None) or real(*a, **k))
+    real = ws_gemm_ops.ws_partial_row_stats
+    monkeypatch.setattr(ws_gemm_ops, "ws_partial_row_stats",
+                        lambda *a, **k: kept.append(a[5] is not None) or real(*a, **k))
     with_bias = options == "softcap_bias"
-    # 4096 tokens: forward only takes the fused statistics by default (plan.FUSED_FORWARD_MIN_ROWS).
+    # 4096 tokens: forward only takes the fused statistics by default (families/family.py FUSED_FORWARD_MIN_ROWS).
     x, w, b, t = lm_head_inputs(4096, 1024, 50000, torch.bfloat16, "cuda", with_bias=with_bias)
     if with_bias:
         kwargs = {"softcap": 10.0, "temperature": 0.7}
@@ -635,7 +639,7 @@ def test_ws_logit_options_through_flce_match_float64(options: str, training: boo
 def test_ws_stats_eligibility_is_what_the_epilogue_computes() -> None:
     """Every statistic and option goes to the ws kernel on Hopper (the plain statistics, the RL ones:
     temperature, entropy, the argmax; label smoothing's sum, with class weights too; a softcap, a bias);
-    operands a TMA load cannot read (fp32, unaligned rows) keep the fused Triton GEMM, and so does a GPU
+    operands a TMA load cannot read (fp32, unaligned rows) keep the fused Triton GEMM or cuBLAS, and so does a GPU
     that is not sm_90 or a Triton without Gluon. The choice is made from descriptions: no GPU needed."""
     from planning import cuda_choice, described_gpu, meta_inputs
 
@@ -645,8 +649,9 @@ def test_ws_stats_eligibility_is_what_the_epilogue_computes() -> None:
     h100, flat = described_gpu(), meta_inputs(4096, 16, 32)
 
     def kernels(cfg: LCEConfig | None = None, inputs=flat, device=h100) -> tuple[str, str]:
+        """The families of all rows' statistics and of a chunk's logits for a forward-only call."""
         chosen = cuda_choice(inputs, cfg, training=False, device=device)[1]
-        return chosen.stats, chosen.logits
+        return chosen.family("statistics").name, chosen.family("chunk_logits").name
 
     ws = ("warp_specialized", "warp_specialized")
     for cfg in (LCEConfig(reduction="none", return_logprobs=True, lse_square_scale=1e-4),
@@ -656,11 +661,12 @@ def test_ws_stats_eligibility_is_what_the_epilogue_computes() -> None:
                 LCEConfig(class_weight=torch.ones(32), label_smoothing=0.1)):
         assert kernels(cfg) == ws, cfg
     assert kernels(inputs=meta_inputs(4096, 16, 32, bias=True)) == ws
-    assert kernels(inputs=meta_inputs(4096, 16, 32, dtype=torch.float32)) == ("triton", "triton")
-    assert kernels(inputs=meta_inputs(4096, 16, 36)) == ("warp_specialized", "triton")  # logits rows: 72 bytes
-    assert kernels(inputs=meta_inputs(4096, 12, 32)) == ("triton", "triton")  # operand rows: 24 bytes
-    assert kernels(device=described_gpu("NVIDIA A100-SXM4-80GB")) == ("triton", "triton")
-    assert kernels(device=gpu_description("NVIDIA H100 80GB HBM3", triton="3.4.0")) == ("triton", "triton")
+    assert kernels(inputs=meta_inputs(4096, 16, 32, dtype=torch.float32)) == ("cublas", "cublas")
+    assert kernels(inputs=meta_inputs(4096, 16, 36)) == ("warp_specialized", "cublas")  # logits rows: 72 bytes
+    assert kernels(inputs=meta_inputs(4096, 12, 32))[1] == "cublas"  # operand rows: 24 bytes
+    assert kernels(inputs=meta_inputs(4096, 12, 32))[0] in ("triton", "triton_tma")
+    assert kernels(device=described_gpu("NVIDIA A100-SXM4-80GB")) == ("triton", "cublas")
+    assert kernels(device=gpu_description("NVIDIA H100 80GB HBM3", triton="3.4.0")) == ("triton_tma", "cublas")
 
 
 @pytest.mark.cuda
@@ -672,14 +678,14 @@ def test_ws_forward_through_flce_matches_float64(vocab: int, monkeypatch: pytest
 
     import flce
     from flce.autotune import override_params
-    from flce.backends.cuda import ops
+    from flce.backends.cuda import ws_gemm_ops
     from flce.testing import reference_loss
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"the ws kernel needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
     calls = []
-    real = ops.ws_partial_row_stats
-    monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    real = ws_gemm_ops.ws_partial_row_stats
+    monkeypatch.setattr(ws_gemm_ops, "ws_partial_row_stats", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     x, w, _, t = lm_head_inputs(1000, 1024, vocab, torch.bfloat16, "cuda", with_bias=False)
     options = {"reduction": "none", "return_logprobs": True, "lse_square_scale": 1e-4, "return_z_loss": True}
     with torch.no_grad(), override_params({"forward_stats": "fused"}, backend="cuda"):
@@ -735,14 +741,15 @@ def test_training_at_extreme_logits_and_all_ignored_rows(hidden: int, vocab: int
 
     import flce
     from flce.autotune import override_params
-    from flce.backends.cuda import ops
+    from flce.backends.cuda import ws_gemm_ops
     from flce.testing import reference_loss
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"the ws kernel needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
     stats_calls = []
-    real_stats = ops.ws_partial_row_stats
-    monkeypatch.setattr(ops, "ws_partial_row_stats", lambda *a, **k: stats_calls.append(1) or real_stats(*a, **k))
+    real_stats = ws_gemm_ops.ws_partial_row_stats
+    monkeypatch.setattr(ws_gemm_ops, "ws_partial_row_stats",
+                        lambda *a, **k: stats_calls.append(1) or real_stats(*a, **k))
     x, w, t = _exact_extreme_inputs(2500, hidden, vocab)
     budget = 1024 * vocab * 2  # 1024-row chunks: three of them, the last partial
     x.requires_grad_(True)

@@ -15,14 +15,12 @@ from collections.abc import Sequence
 
 import torch
 
+from flce import config
 from flce.autotune import cache as cache_files
 from flce.autotune import locations
 from flce.autotune.devices import device_name, dtype_name, torch_dtype
 from flce.autotune.progress import Progress
 from flce.autotune.schema import CROSS_ENTROPY_VARIANTS, VARIANT_NAMES, Entry
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -260,15 +258,11 @@ def _clear(args: argparse.Namespace) -> int:
 
 
 def parse_bytes(name: str, text: str) -> int:
-    """'512MiB', '2GiB', '1.5GB', '1000000' -> bytes (binary units for KiB/MiB/GiB, decimal for KB/MB/GB)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise _UsageError(f"{name}={text!r}: expected a size such as 512MiB, 2GiB or a byte count")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise _UsageError(f"{name}={text!r}: expected a positive size")
-    return value
+    """flce.config.parse_bytes, its error a usage error of this command."""
+    try:
+        return config.parse_bytes(name, text)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
 
 
 def format_table(headers: list[str], rows: list[list[str]]) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,11 +26,11 @@ import torch.distributed as dist
 from flce.config import LCEConfig
 from flce.semantics import (
     PartialRowStats,
+    moved_to,
     needs_argmax,
     needs_logit_stats,
     needs_sum_exp_dz,
     needs_weighted_sum_z,
-    shifted_sum_exp_dz,
 )
 
 _TWO_POW_32 = 1 << 32
@@ -115,10 +115,10 @@ def combine_row_stats(partial: PartialRowStats, group: Any) -> PartialRowStats:
             candidate = torch.where(row_max == global_max, argmax, torch.iinfo(torch.int64).max)
             global_argmax = all_reduce_(candidate, dist.ReduceOp.MIN, group)
 
-    scale = torch.exp(row_max - global_max)
-    parts = [partial.sum_exp * scale, partial.target_z.to(row_max.dtype)]
-    if partial.sum_exp_dz is not None:
-        parts.append(shifted_sum_exp_dz(partial, global_max) * scale)
+    sum_exp, sum_exp_dz = moved_to(replace(partial, row_max=row_max), global_max)
+    parts = [sum_exp, partial.target_z.to(row_max.dtype)]
+    if sum_exp_dz is not None:
+        parts.append(sum_exp_dz)
     if partial.weighted_sum_z is not None:
         parts.append(partial.weighted_sum_z.to(row_max.dtype))
     if partial.sum_z is not None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from flce.config import LCEConfig
-from flce.engine.choice import CallChoice
+from flce.engine.choice import CallChoice, CallDescription, DeviceDescription, MemoryPlan, Step
 from flce.engine.plans import Plan
 from flce.semantics import Denominators, PartialRowStats, RowStats
 
@@ -115,3 +115,13 @@ def gradient_timing(cfg: LCEConfig, training: bool) -> str:
         return "in backward (reduction='none': each token's upstream gradient arrives in backward)"
     return ("in backward (log-probs or entropy returned differentiable: their upstream gradients arrive in backward; "
             "detach_extras=True returns them detached and computes the gradients in forward)")
+
+
+def call_record(backend: str, device: DeviceDescription, call: CallDescription, cache: str, plan: Plan,
+                memory: MemoryPlan, steps: list[Step], kernel_package: str) -> CallChoice:
+    """A planner's record of its decision for ``call`` on ``device`` (every backend's planner makes it here)."""
+    training = call.request.training
+    return CallChoice(backend=backend, device=device.text(), inputs=call.text(), cache=cache, plan=plan,
+                      gradients=gradient_timing(call.cfg, training), memory=memory, steps=tuple(steps),
+                      kernel_package=kernel_package, n_rows=call.n_rows, training=training,
+                      in_forward=training and grads_in_forward_allowed(call.cfg))

@@ -17,7 +17,7 @@ import torch
 from flce.autotune.devices import device_name
 from flce.config import LCEConfig
 from flce.engine.memory import total_memory_bytes
-from flce.engine.plans import Plan, PlanRequest
+from flce.engine.plans import Plan, PlanRequest, describe
 from flce.inputs import FlatInputs
 
 # TMA and vectorised loads want each row of an operand to start on a 16-byte boundary.
@@ -35,6 +35,9 @@ class DeviceDescription:
     multiprocessors: int = 0  # streaming multiprocessors (CUDA), vector cores (Ascend)
     interpreter: bool = False  # Triton kernels run in its interpreter, on CPU tensors
     triton: str | None = None  # the version of Triton the kernels compile with (None: not installed)
+    # The GPU the kernels run on where the call is planned as another (FLCE_CUDA_PLAN_AS), else None.
+    runs_on: str | None = None
+    shared_memory: int = 0  # bytes of shared memory one block may use (CUDA); 0: unknown
 
     @property
     def arch(self) -> str:
@@ -52,6 +55,8 @@ class DeviceDescription:
             parts.append("Triton interpreter on CPU tensors")
         if self.triton:
             parts.append(f"triton {self.triton}")
+        if self.runs_on:
+            parts.append(f"planned as this GPU, running on an {self.runs_on} (FLCE_CUDA_PLAN_AS)")
         return ", ".join(parts)
 
 
@@ -183,7 +188,9 @@ class MemoryPlan:
         return MemoryPlan(self.budget, self.budget_from, working_bytes)
 
     def text(self) -> list[str]:
-        lines = [f"budget {_bytes(self.budget)} ({self.budget_from}); working memory {_bytes(self.working_bytes)}"]
+        working = ("none beyond the kept logits" if self.working_bytes == 0 and self.saved_logits_bytes
+                   else _bytes(self.working_bytes))
+        lines = [f"budget {_bytes(self.budget)} ({self.budget_from}); working memory {working}"]
         if self.save_limit is not None:
             lines.append(f"kept logits {_bytes(self.saved_logits_bytes)} of a limit of {_bytes(self.save_limit)} "
                          f"({self.save_limit_from})")
@@ -209,6 +216,11 @@ class CallChoice:
     memory: MemoryPlan
     steps: tuple[Step, ...]
     kernel_package: str  # the package the kernel paths are printed relative to
+    # What the schedule line needs of the call: its tokens, whether gradients follow and whether they are formed in
+    # the forward (engine/call.py call_record fills them).
+    n_rows: int = 0
+    training: bool = False
+    in_forward: bool = False
 
     def with_plan(self, plan: Plan) -> CallChoice:
         """The record with the plan an engine path adjusted (the compile path keeps no logits)."""
@@ -221,7 +233,9 @@ class CallChoice:
     def lines(self) -> list[str]:
         prefix = self.kernel_package + "."
         lines = [f"backend: {self.backend}", f"device: {self.device}", f"call: {self.inputs}",
-                 f"autotune cache: {self.cache}", f"schedule: {self.plan}", f"gradients: {self.gradients}", "memory:"]
+                 f"autotune cache: {self.cache}",
+                 f"schedule: {describe(self.plan, self.n_rows, self.training, self.in_forward)}",
+                 f"gradients: {self.gradients}", "memory:"]
         lines += [f"  {line}" for line in self.memory.text()]
         lines.append(f"steps (kernels in {self.kernel_package} unless named in full):")
         for step in self.steps:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -38,6 +39,15 @@ def logits_save_limit(tuned_limit: int | None, memory_budget: int | None, defaul
     return memory_budget if tuned_limit is None else min(tuned_limit, memory_budget)
 
 
+def call_save_limit(tuned_limit: int | None, memory_budget: int | None, total_memory: int) -> tuple[int, str]:
+    """(bytes of logits a deferred backward may keep, where that figure comes from): logits_save_limit with the
+    device's default (1/8 of its memory, 1-4 GiB)."""
+    limit = logits_save_limit(tuned_limit, memory_budget, logits_save_limit_for(total_memory))
+    source = ("the autotune cache's" if tuned_limit is not None else
+              "memory_budget" if memory_budget is not None else "1/8 of the device's memory, 1-4 GiB")
+    return limit, source
+
+
 def saved_logits_rows(n_rows: int, tokens_per_chunk: int, logits_row_bytes: int, working_row_bytes: int,
                       save_limit: int) -> int:
     """Rows whose logits the deferred schedule keeps from forward for backward (ChunkPlan.saved_rows).
@@ -59,15 +69,21 @@ def positive_int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def tuned_chunk_rows(n_rows: int, row_bytes: int, tuned_rows: object, memory_budget: int | None,
-                     default_budget: int) -> int:
-    """Rows per token chunk of a planner without a heuristic of its own beyond the budget: the autotune
-    cache's ``tokens_per_chunk`` where it holds a usable one, still bounded by an explicit memory_budget;
-    else as many rows of ``row_bytes`` as the budget (memory_budget, or ``default_budget``) holds. At least
-    one row, at most all of them."""
+def call_budget(memory_budget: int | None, default: int, default_name: str) -> tuple[int, str]:
+    """(bytes of working memory a call may use, where that figure comes from): the call's memory_budget, else the
+    planner's default."""
+    return (memory_budget, "memory_budget") if memory_budget is not None else (default, default_name)
+
+
+def tuned_chunk_rows(n_rows: int, row_bytes: int, tuned_rows: object, budget: int,
+                     budget_rows: Callable[[int, int], int] | None = None) -> int:
+    """Rows per token chunk, by the one rule every planner follows: the autotune cache's ``tokens_per_chunk``
+    (``tuned_rows``, where it holds a usable one) is used as tuned while its chunk of ``row_bytes`` rows fits
+    ``budget`` (the call's memory_budget, or the planner's default: a changed default bounds cached chunks too);
+    otherwise the chunks are sized to the budget, by ``budget_rows(n_rows, rows the budget holds)`` where the
+    planner has a rule of its own, else as many rows as it holds. At least one row, at most all of them."""
+    fits = max(1, budget // max(1, row_bytes))
     tuned = positive_int(tuned_rows)
-    if tuned is not None:
-        rows = tuned if memory_budget is None else min(tuned, memory_budget // max(1, row_bytes))
-    else:
-        rows = (memory_budget if memory_budget is not None else default_budget) // max(1, row_bytes)
-    return max(1, min(n_rows, rows))
+    if tuned is not None and tuned <= fits:
+        return max(1, min(n_rows, tuned))
+    return budget_rows(n_rows, fits) if budget_rows is not None else max(1, min(n_rows, fits))

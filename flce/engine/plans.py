@@ -68,21 +68,23 @@ class TokenChunks:
     become its gradient at once. Otherwise (deferred) forward keeps the logits of the first
     ``saved_rows`` rows (0, whole chunks, or all rows) and backward recomputes the rest chunk by
     chunk. forward_logits: how each chunk's logits and statistics are made; backward_grad: how a
-    recomputed chunk's gradient is made; stats_first: where a deferred forward keeps no logits,
+    recomputed chunk's gradient is made (None: no chunk is recomputed); stats_first: where a deferred forward
+    keeps no logits,
     the statistics of all rows at once instead of chunk by chunk; chunk_grad: what a chunk's in-forward
     gradient is made from (LOGITS, or EXPONENTIALS where gradients.gradient_is_row_scaled_softmax)."""
 
     tokens_per_chunk: int
     saved_rows: int = 0
     forward_logits: str = CUBLAS
-    backward_grad: str = CUBLAS
+    backward_grad: str | None = None
     stats_first: AllRows | None = None
     chunk_grad: str = LOGITS
 
     def __post_init__(self) -> None:
-        for name in ("forward_logits", "backward_grad"):
-            if getattr(self, name) not in GEMM_PATHS:
-                raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {GEMM_PATHS}")
+        if self.forward_logits not in GEMM_PATHS:
+            raise ValueError(f"forward_logits={self.forward_logits!r}: expected one of {GEMM_PATHS}")
+        if self.backward_grad not in (*GEMM_PATHS, None):
+            raise ValueError(f"backward_grad={self.backward_grad!r}: expected one of {GEMM_PATHS} or None")
         if self.chunk_grad not in CHUNK_GRADS:
             raise ValueError(f"chunk_grad={self.chunk_grad!r}: expected one of {CHUNK_GRADS}")
 
@@ -126,6 +128,57 @@ def recomputing(plan: Plan) -> Plan:
     """The plan with no logits kept from forward for backward (what the compile path runs: how many
     rows are kept is decided inside the op, where output shapes must be known beforehand)."""
     return replace(plan, saved_rows=0) if isinstance(plan, TokenChunks) else plan
+
+
+def kept_rows(plan: TokenChunks, n_rows: int) -> int:
+    """Rows whose logits a deferred forward keeps: whole chunks only, or all rows."""
+    kept = min(plan.saved_rows, n_rows)
+    return kept if kept == n_rows else kept - kept % max(1, plan.tokens_per_chunk)
+
+
+def describe(plan: Plan, n_rows: int, training: bool, in_forward: bool) -> str:
+    """What a plan runs, in words, for a call of ``n_rows`` tokens: only the parts that run (a deferred plan's
+    recompute where rows are recomputed, its statistics pass where it keeps no logits)."""
+    own_words = getattr(plan, "words", None)
+    if own_words is not None:  # a schedule that says it itself (flce.engine.distillation's DistillChunks)
+        return own_words(n_rows, training, in_forward)
+    if isinstance(plan, AllRows):
+        return f"all {n_rows} rows at once: {_statistics_words(plan)}"
+    if isinstance(plan, VocabBlocks):
+        when = "in the forward" if in_forward else "in backward"
+        return (f"vocabulary blocks of {plan.grad_vocab_block} columns over all {n_rows} rows: statistics first "
+                f"({_statistics_words(plan.stats)}), then each block's gradient {when} from "
+                f"{_GRADIENT_WORDS[plan.backward_grad]}")
+    chunks = -(-n_rows // max(1, plan.tokens_per_chunk)) if n_rows else 0
+    words = [f"token chunks: {chunks} of up to {plan.tokens_per_chunk} rows"]
+    deferred = training and not in_forward
+    keep = kept_rows(plan, n_rows) if deferred else 0
+    if deferred and keep == 0 and plan.stats_first is not None:
+        words.append(f"forward: all rows' statistics at once ({_statistics_words(plan.stats_first)})")
+    elif in_forward and plan.chunk_grad == EXPONENTIALS:
+        words.append("each chunk's statistics and kept exponentials from the fused statistics GEMM, which are its "
+                     "gradient up to a row scale")
+    else:
+        words.append("each chunk's logits and statistics from " + (
+            "the fused statistics GEMM" if plan.forward_logits == FUSED else "a GEMM and the row kernels"))
+        if in_forward:
+            words.append("its gradient formed in the forward over its logits")
+    if deferred:
+        if keep:
+            words.append(f"the logits of {'all' if keep == n_rows else f'the first {keep}'} rows kept for backward")
+        if keep < n_rows:
+            words.append(f"the other chunks recomputed in backward by {_GRADIENT_WORDS[plan.backward_grad]}")
+    return "; ".join(words)
+
+
+_GRADIENT_WORDS = {FUSED: "the fused gradient GEMM", CUBLAS: "a GEMM and the row kernel",
+                   None: "a GEMM and the row kernel"}
+
+
+def _statistics_words(plan: AllRows) -> str:
+    if plan.forward_stats == FUSED:
+        return "one fused statistics GEMM over the vocabulary"
+    return f"vocabulary blocks of {plan.scan_block} columns, each a GEMM and the row kernel"
 
 
 def chunk_bounds(n_rows: int, tokens_per_chunk: int) -> list[slice]:

@@ -11,9 +11,8 @@ import torch
 
 from flce.engine.call import grads_in_forward_allowed
 from flce.engine.choice import CallDescription, Step
-from flce.engine.plans import TokenChunks
+from flce.engine.plans import TokenChunks, kept_rows
 from flce.engine.rows import logits_dtype
-from flce.engine.token_chunks import kept_rows
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 
 from flce.engine import all_rows
 from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
-from flce.engine.plans import EXPONENTIALS, FUSED, TokenChunks, chunk_bounds
+from flce.engine.plans import EXPONENTIALS, FUSED, TokenChunks, chunk_bounds, kept_rows
 from flce.engine.rows import (
     GradAccumulator,
     WorkBuffer,
@@ -40,12 +40,6 @@ from flce.engine.rows import (
 from flce.gradients import grad_coefficients, upstream_scales
 from flce.inputs import FlatInputs
 from flce.semantics import Denominators, RowStats, RowTerms, extras, reduce_terms, row_terms
-
-
-def kept_rows(plan: TokenChunks, n_rows: int) -> int:
-    """Rows whose logits forward keeps: whole chunks only, or all rows."""
-    kept = min(plan.saved_rows, n_rows)
-    return kept if kept == n_rows else kept - kept % max(1, plan.tokens_per_chunk)
 
 
 def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denominators, *,

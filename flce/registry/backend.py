@@ -8,12 +8,10 @@ from typing import Any
 
 import torch
 
-from flce.config import LCEConfig
+from flce.config import VARIANTS, LCEConfig
 from flce.inputs import FlatInputs
 from flce.outputs import LCEOutput
 from flce.registry.probes import HardwareProbe
-
-VARIANTS = ("plain", "full")
 
 # run(flat_inputs, config, variant) -> loss or LCEOutput: a backend's own entry point.
 RunFn = Callable[[FlatInputs, LCEConfig, str], "torch.Tensor | LCEOutput"]
@@ -53,6 +51,9 @@ class Backend:
     run: RunFn | None = None
     capabilities: frozenset[str] = frozenset()
     variants: tuple[str, ...] = VARIANTS
+    # unavailable_on(device) -> why a described device (flce.engine.choice.DeviceDescription, ``python -m flce
+    # explain``) could not run this backend, or None: what is_available checks here, asked of the description.
+    unavailable_on: Callable[[Any], str | None] | None = None
     plan_distillation: PlanDistillationFn | None = None
     choose_distillation: ChooseFn | None = None
 

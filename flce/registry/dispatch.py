@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from flce.config import Primitive, config_from_primitives
+from flce.config import Primitive, config_from_primitives, resolve_variant
 from flce.inputs import FlatInputs
 from flce.registry.backend import Backend
 from flce.registry.probes import PROBE_ENV, HardwareProbe
@@ -92,9 +92,7 @@ def _resolve(
                                                                     device="meta")
     cfg = config_from_primitives(options, class_weight=stand_in_weight)
     chosen = choose_for_call(candidates, cfg, dtype, hidden_size, vocab)
-    if variant == "auto":
-        variant = "full" if cfg.needs_full else "plain"
-    return chosen.name, variant
+    return chosen.name, resolve_variant(variant, cfg)
 
 
 def engine_candidates(candidates: Candidates) -> Candidates:

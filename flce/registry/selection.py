@@ -90,17 +90,28 @@ class Candidates:
     passed_over: tuple[tuple[str, str], ...]  # (name, reason) of better backends left out
 
 
-def candidates_for(device_type: str, backend: str | None = None,
-                   probe: HardwareProbe | None = None) -> Candidates:
+def candidates_for(device_type: str, backend: str | None = None, probe: HardwareProbe | None = None,
+                   described: object = None) -> Candidates:
+    """The backends that may serve a call on ``device_type``: the named one (``backend``, else FLCE_BACKEND), or
+    every registered backend that serves the type and is available, best first. ``described``: a
+    flce.engine.choice.DeviceDescription of a device that is not here (``python -m flce explain``): its hardware
+    and software are taken as present, and a backend is available unless its ``unavailable_on`` says why not."""
     probe = probe or system_probe()
     _load_builtins()
+
+    def availability(b: Backend) -> tuple[bool, str]:
+        if described is None:
+            return b.is_available(probe)
+        why_not = b.unavailable_on(described) if b.unavailable_on is not None else None
+        return (False, why_not) if why_not else (True, "described")
+
     name = backend or os.environ.get(BACKEND_ENV) or None
     if name:
         source = "backend=" if backend else f"{BACKEND_ENV}="
         if name not in _registry:
             raise ValueError(f"{source}{name!r}: unknown backend; registered: {sorted(_registry)}")
         chosen = _registry[name]
-        ok, reason = chosen.is_available(probe)
+        ok, reason = availability(chosen)
         if not ok:
             raise RuntimeError(f"{source}{name!r}: backend is not available: {reason}")
         if not chosen.serves_when_asked(device_type, probe):
@@ -112,7 +123,7 @@ def candidates_for(device_type: str, backend: str | None = None,
     for b in registered_backends():
         if not b.serves(device_type):
             continue
-        ok, reason = b.is_available(probe)
+        ok, reason = availability(b)
         if ok:
             usable.append(b)
         elif "any" not in b.device_types:
@@ -120,13 +131,14 @@ def candidates_for(device_type: str, backend: str | None = None,
     return Candidates(tuple(usable), explicit=False, passed_over=tuple(passed_over))
 
 
-def choose_for_call(cands: Candidates, cfg: LCEConfig, dtype: torch.dtype, hidden_size: int, vocab: int) -> Backend:
-    """The first candidate that supports this call; warns once when a better one is skipped."""
+def choose_for_call(cands: Candidates, cfg: LCEConfig, dtype: torch.dtype, hidden_size: int, vocab: int,
+                    warn: bool = True) -> Backend:
+    """The first candidate that supports this call; warns once when a better one is skipped (``warn``)."""
     reasons = list(cands.passed_over)
     for b in cands.backends:
         ok, reason = b.supports(cfg, dtype, hidden_size, vocab)
         if ok:
-            if reasons:
+            if reasons and warn:
                 _warn_once(b.name, reasons)
             return b
         if cands.explicit:

@@ -19,6 +19,7 @@ paths) where nvidia-cutlass-dsl imports, and then quack's GEMM joins the best-GE
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -131,6 +132,32 @@ def flce_accurate(x, w, t):
     return flce.linear_cross_entropy(x, w, t, precision="accurate")
 
 
+# The generic path on this GPU: calls planned as an A100 would plan them (FLCE_CUDA_PLAN_AS: no TMA, no
+# warp-specialised GEMM), with the heuristic's kernels or the knobs flce-autotune may store for such a GPU.
+GENERIC_GPU = "NVIDIA A100-SXM4-80GB"
+GENERIC_KNOBS = {"flce_generic": None,
+                 "flce_generic_exp": {"chunk_grad": "exponentials", "logits_kernel": "triton"},
+                 "flce_generic_logits": {"forward_logits": "fused", "logits_kernel": "triton", "chunk_grad": "logits"}}
+
+
+def flce_generic(knobs: dict | None) -> Callable:
+    def call(x, w, t):
+        from flce.autotune import override_params
+
+        previous = os.environ.get("FLCE_CUDA_PLAN_AS")
+        os.environ["FLCE_CUDA_PLAN_AS"] = GENERIC_GPU
+        try:
+            with override_params(knobs, backend="cuda") if knobs else contextlib.nullcontext():
+                return flce.linear_cross_entropy(x, w, t)
+        finally:
+            if previous is None:
+                os.environ.pop("FLCE_CUDA_PLAN_AS")
+            else:
+                os.environ["FLCE_CUDA_PLAN_AS"] = previous
+
+    return call
+
+
 def peer_methods() -> dict[str, Callable]:
     methods: dict[str, Callable] = {}
     try:
@@ -160,6 +187,7 @@ def all_methods() -> dict[str, Callable]:
     methods.update(peer_methods())
     methods.update({"flce": flce_default, "flce_1GiB": flce_budget(1024 * MiB), "flce_2GiB": flce_budget(2048 * MiB),
                     "flce_64MiB": flce_budget(64 * MiB), "flce_accurate": flce_accurate})
+    methods.update({name: flce_generic(knobs) for name, knobs in GENERIC_KNOBS.items()})
     return methods
 
 

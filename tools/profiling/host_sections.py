@@ -36,7 +36,8 @@ SECTIONS = (
     ("flce.engine.token_chunks", "reduce_terms", None),
     ("flce.backends.cuda.ops", "TritonChunkKernels", "gemm_exp_grad"),
     ("flce.backends.cuda.ops", "exp_offsets", None),
-    ("flce.backends.cuda.ops", "ws_partial_row_stats", None),
+    ("flce.backends.cuda.ops", "launch_or_fall_back", None),
+    ("flce.backends.cuda.ws_gemm_ops", "ws_partial_row_stats", None),
     ("flce.backends.cuda.ws_gemm_ops", "_descriptor", None),
     ("flce.backends.cuda.ws_gemm_ops", "_launch", None),
     ("flce.backends.cuda.gemm_ops", "merge_splits", None),
@@ -44,7 +45,7 @@ SECTIONS = (
     ("flce.backends.cuda.ops", "redo_exp_rows", None),
     ("flce.engine.rows", "GradAccumulator", "add_row_scaled"),
     ("flce.backends.cuda.ops", "scale_rows", None),
-    ("flce.backends.cuda.ops", "torch_matmul_", None),
+    ("flce.engine.rows", "torch_matmul_", None),
     ("triton.runtime.jit", "JITFunction", "run"),
 )
 

@@ -26,7 +26,7 @@ from flce.distillation.semantics import PairCoefficients, PairStats, PartialPair
 from flce.engine.choice import CallChoice, DeviceDescription, MemoryPlan
 from flce.engine.distillation.call import DistillCall, DistillChunks, DistillDescription, pair_logits_bytes_per_row
 from flce.engine.distillation.steps import PairKernelNames, distillation_steps, gradient_timing
-from flce.engine.memory import tuned_chunk_rows
+from flce.engine.memory import call_budget, tuned_chunk_rows
 from flce.engine.plans import PlanRequest
 
 VARIANT = "distillation"
@@ -126,11 +126,9 @@ def plan_chunks(desc: DistillDescription, entry: TunedEntry) -> tuple[DistillChu
     kernels have no [n, V] temporaries); an explicit memory_budget bounds either."""
     cfg = desc.cfg
     per_row = pair_logits_bytes_per_row(desc.vocab, desc.dtype)
-    rows = tuned_chunk_rows(desc.n_rows, per_row, (entry.params or {}).get("tokens_per_chunk"), cfg.memory_budget,
-                            DEFAULT_CHUNK_BUDGET)
-    budget = cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET
-    return DistillChunks(rows), MemoryPlan(budget, "memory_budget" if cfg.memory_budget is not None else
-                                           "DEFAULT_CHUNK_BUDGET", min(rows, desc.n_rows) * per_row)
+    budget, budget_from = call_budget(cfg.memory_budget, DEFAULT_CHUNK_BUDGET, "DEFAULT_CHUNK_BUDGET")
+    rows = tuned_chunk_rows(desc.n_rows, per_row, (entry.params or {}).get("tokens_per_chunk"), budget)
+    return DistillChunks(rows), MemoryPlan(budget, budget_from, min(rows, desc.n_rows) * per_row)
 
 
 def choose_distillation(device: DeviceDescription, desc: DistillDescription, entry: TunedEntry | None = None,
@@ -147,7 +145,9 @@ def choose_distillation(device: DeviceDescription, desc: DistillDescription, ent
     return CallChoice(backend="ascend", device=device.text(), inputs=desc.text(), cache=entry.source, plan=plan,
                       gradients=gradient_timing(desc), memory=memory,
                       steps=distillation_steps(desc, plan, KERNEL_NAMES, launch),
-                      kernel_package="flce.backends.ascend.distill_kernels")
+                      kernel_package="flce.backends.ascend.distill_kernels",
+                      n_rows=desc.n_rows, training=desc.request.training,
+                      in_forward=desc.request.training and desc.cfg.reduction != "none")
 
 
 def plan_distillation(pair: FlatPair, cfg: DistillationConfig, request: PlanRequest) -> DistillCall:

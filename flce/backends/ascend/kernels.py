@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flce.backends.online_softmax import _moved_to
+
 # Larger than any column index: the "no candidate" value of the first-index argmax.
 _NO_INDEX = tl.constexpr(2147483647)
 
@@ -79,7 +81,8 @@ def _plain_loss_kernel(
             mask = cols < vocab
             x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
             new_max = tl.maximum(running_max, tl.max(x, 0))
-            sum_exp = sum_exp * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
+            earlier_sum = _moved_to(running_max, sum_exp, sum_exp, new_max, False, False)[0]
+            sum_exp = earlier_sum + tl.sum(tl.exp(x - new_max), 0)
             running_max = new_max
         lse = running_max + tl.log(sum_exp)
         tl.store(lse_ptr + row, lse)
@@ -168,14 +171,12 @@ def _row_stats_kernel(
                 z = z * inv_temperature
             block_max = tl.max(tl.where(mask, z, float("-inf")), 0)
             new_max = tl.maximum(running_max, block_max)
-            rescale = tl.exp(running_max - new_max)
             e = tl.where(mask, tl.exp(z - new_max), 0.0)
+            # The earlier blocks' sums moved to the new max (nothing before the first block: its max is -inf).
+            earlier_sum, earlier_sum_dz = _moved_to(running_max, sum_exp, sum_exp_dz, new_max, NEED_SUM_EXP_DZ, False)
             if NEED_SUM_EXP_DZ:
-                # Relative to the running max: the earlier sum moves by (old max - new max) times
-                # the earlier sum of exp (nothing before the first block: its max is -inf).
-                moved = tl.where(sum_exp > 0.0, running_max - new_max, 0.0)
-                sum_exp_dz = (sum_exp_dz + moved * sum_exp) * rescale + tl.sum(e * (z - new_max), 0)
-            sum_exp = sum_exp * rescale + tl.sum(e, 0)
+                sum_exp_dz = earlier_sum_dz + tl.sum(e * (z - new_max), 0)
+            sum_exp = earlier_sum + tl.sum(e, 0)
             if NEED_WEIGHTED_SUM_Z:
                 if HAS_CLASS_WEIGHT:
                     w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0)

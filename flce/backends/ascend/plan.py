@@ -17,9 +17,9 @@ from flce.backends.ascend.ops import (
     ub_bytes_for_arch,
 )
 from flce.config import LCEConfig
-from flce.engine.call import EngineCall, gradient_timing, grads_in_forward_allowed
+from flce.engine.call import EngineCall, call_record, grads_in_forward_allowed
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription, MemoryPlan
-from flce.engine.memory import MiB, logits_save_limit, logits_save_limit_for, saved_logits_rows, tuned_chunk_rows
+from flce.engine.memory import MiB, call_budget, call_save_limit, saved_logits_rows, tuned_chunk_rows
 from flce.engine.plans import PlanRequest, TokenChunks
 from flce.engine.rows import logits_bytes_per_row, logits_dtype
 from flce.engine.steps import RowKernelNames, row_kernel_steps
@@ -67,16 +67,12 @@ def plan_chunks(device: DeviceDescription, call: CallDescription, entry: TunedEn
     """
     cfg = call.cfg
     row_bytes = logits_bytes_per_row(call.vocab, call.dtype, cfg)
-    tokens = tuned_chunk_rows(call.n_rows, row_bytes, (entry.params or {}).get("tokens_per_chunk"),
-                              cfg.memory_budget, DEFAULT_CHUNK_BUDGET)
-    save_limit = logits_save_limit(entry.logits_save_limit_bytes, cfg.memory_budget,
-                                   logits_save_limit_for(device.total_memory))
+    budget, budget_from = call_budget(cfg.memory_budget, DEFAULT_CHUNK_BUDGET, "DEFAULT_CHUNK_BUDGET")
+    tokens = tuned_chunk_rows(call.n_rows, row_bytes, (entry.params or {}).get("tokens_per_chunk"), budget)
+    save_limit, limit_from = call_save_limit(entry.logits_save_limit_bytes, cfg.memory_budget, device.total_memory)
     saved = saved_logits_rows(call.n_rows, tokens, row_bytes, row_bytes, save_limit)
-    memory = MemoryPlan(cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET,
-                        "memory_budget" if cfg.memory_budget is not None else "DEFAULT_CHUNK_BUDGET",
-                        0 if saved == call.n_rows else tokens * row_bytes, saved * row_bytes, save_limit,
-                        "the autotune cache's" if entry.logits_save_limit_bytes is not None else
-                        "memory_budget" if cfg.memory_budget is not None else "1/8 of the device's memory, 1-4 GiB")
+    memory = MemoryPlan(budget, budget_from, 0 if saved == call.n_rows else tokens * row_bytes, saved * row_bytes,
+                        save_limit, limit_from)
     return TokenChunks(tokens_per_chunk=tokens, saved_rows=saved), memory
 
 
@@ -104,10 +100,8 @@ def choose(device: DeviceDescription, call: CallDescription, entry: TunedEntry |
         return (f"BLOCK_V {block_size(kernel, dtype, call.vocab, props.ub_bytes)} (a {props.ub_bytes >> 10} KiB "
                 f"UB), up to {props.vector_cores} programs")
 
-    return CallChoice(backend="ascend", device=device.text(), inputs=call.text(), cache=entry.source, plan=plan,
-                      gradients=gradient_timing(call.cfg, call.request.training), memory=memory,
-                      steps=row_kernel_steps(call, plan, KERNEL_NAMES, launch),
-                      kernel_package="flce.backends.ascend.kernels")
+    steps = row_kernel_steps(call, plan, KERNEL_NAMES, launch)
+    return call_record("ascend", device, call, entry.source, plan, memory, steps, "flce.backends.ascend.kernels")
 
 
 def plan_call(flat: FlatInputs, cfg: LCEConfig, variant: str, request: PlanRequest) -> EngineCall:

@@ -73,6 +73,15 @@ def _choose(device: DeviceDescription, call: CallDescription) -> CallChoice:
     return explain(device, call)
 
 
+def _unavailable_on(device: DeviceDescription) -> str | None:
+    """A described GPU runs the backend where its Triton builds flce's kernels (an NPU or the CPU never)."""
+    from flce.backends.cuda.hardware import triton_too_old
+
+    if device.type == "cuda" or device.interpreter:
+        return triton_too_old(device.triton)
+    return f"a {device.type} device: the cuda backend runs on NVIDIA GPUs and, asked by name, the interpreter"
+
+
 BACKEND = Backend(
     name="cuda",
     device_types=("cuda", "interpret"),
@@ -82,6 +91,7 @@ BACKEND = Backend(
     plan_call=_plan_call,
     choose=_choose,
     capabilities=frozenset({FUSED_STATS_GEMM, FUSED_GRAD_GEMM, KEPT_EXPONENTIALS}),
+    unavailable_on=_unavailable_on,
 )
 register_backend(BACKEND)
 

@@ -1,106 +1,76 @@
 """The one place the CUDA backend decides what a call runs: (device, dtype, shape, options, autotune entry)
 in, one record out. The record (flce.engine.choice.CallChoice) names the schedule, its sizes and memory,
 and per step the kernel functions and why; :class:`~flce.backends.cuda.configs.KernelChoice` is what the
-launchers are told. Both are pure functions of descriptions (no tensor, no driver): ``python -m flce
-explain`` makes the same choice on a machine without the GPU.
+launchers are told: per role the kernel family (cuda/families) and those that take its place. Both are pure
+functions of descriptions (no tensor, no driver): ``python -m flce explain`` makes the same choice on a machine
+without the GPU.
 
-Where each decision comes from, in order: the autotune cache's knob for the shape (``cache entry``), the
-heuristics of cuda/plan.py (``heuristic``), what the device and the operands allow (``eligibility``), and
-kernels that failed to compile earlier in this process (``fallback``, cuda/fallback.py).
+Each role's family comes from, in order: the autotune cache's knob for the shape (``cache entry``; where the
+family named there does not fit the call, or failed to compile here, the families its fallback chain names), else
+the heuristic (``heuristic``: the first registered family that fits the call and that the heuristic takes); the
+schedule and sizes come from cuda/plan.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-
-import torch
+from dataclasses import dataclass, replace
 
 from flce.autotune.lookup import TunedEntry, tuned_entry
 from flce.backends.cuda import plan as sizes
 from flce.backends.cuda import steps
-from flce.backends.cuda.configs import (
-    CUBLAS,
-    GRAD_PERSISTENT,
-    GRAD_TILES,
-    TRITON,
-    TRITON_STATS_GEMM,
-    WARP_SPECIALIZED,
-    WS_GEMM,
-    WS_PRODUCTS,
-    WS_STATISTICS,
-    GemmConfig,
-    KernelChoice,
-    LaunchParams,
-    default_gemm_config,
+from flce.backends.cuda.configs import LaunchParams, LaunchSettings, default_gemm_config
+from flce.backends.cuda.families import KernelChoice, families_for, family_named
+from flce.backends.cuda.families.family import (
+    CHUNK_LOGITS,
+    EXPONENTIALS,
+    GRADIENT,
+    OPTIONAL_ROLES,
+    PRODUCTS,
+    ROLES,
+    STATISTICS,
+    KernelFamily,
 )
-from flce.backends.cuda.hardware import (
-    has_16bit_tensor_cores,
-    has_tma,
-    is_hopper,
-    warp_specialized_available,
-)
-from flce.config import LCEConfig
-from flce.engine.call import gradient_timing
+from flce.engine.call import call_record
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription
-from flce.engine.plans import PlanRequest
-from flce.engine.rows import logits_dtype
+from flce.engine.plans import CUBLAS, FUSED, LOGITS
 
-# The gradient products' default: cuBLAS. On the H100 the warp-specialised products made the default call
-# slower (1.24-1.26x the floor against 1.15-1.18x at 16384x2048x151936: its accumulating G.T @ x of one
-# chunk 7% slower than cuBLAS's addmm, and G @ W of a 1536-row chunk has 96 tiles for 132 SMs;
-# docs/design-notes.md). flce-autotune measures both on Hopper (knob grad_gemm_kernel).
-DEFAULT_GRAD_GEMM_KERNEL = CUBLAS
-_DEFAULTS = LCEConfig()
+# The knob that names each role's family in an autotune entry (its value: a family name, or "fused" / "cublas"
+# for the plans' path knobs; "triton" names both Triton families: triton_gemm.py).
+ROLE_KNOBS = {STATISTICS: "stats_kernel", CHUNK_LOGITS: "logits_kernel", EXPONENTIALS: "chunk_grad",
+              PRODUCTS: "grad_gemm_kernel", GRADIENT: "backward_grad"}
+# The plans' path knobs ("fused" or "cublas") of the roles that have one.
+_PATH_KNOBS = {STATISTICS: "forward_stats", CHUNK_LOGITS: "forward_logits", GRADIENT: "backward_grad"}
+
+
+@dataclass(frozen=True)
+class RolePick:
+    """A role's families (the chosen one first, then its fit fallbacks; none: the role does not run) and why."""
+
+    chain: tuple[KernelFamily, ...]
+    reason: str
 
 
 def choose(device: DeviceDescription, call: CallDescription, entry: TunedEntry,
            failed: Mapping[tuple[str, str], str] | None = None) -> tuple[CallChoice, KernelChoice]:
     """The record of what a call of this description runs on this device, and the launchers' instructions.
-    ``failed``: (kernel, configuration) -> error of kernels that failed to compile here (cuda/fallback.py)."""
+    ``failed``: (family, compile key) -> error of kernels that failed to compile here (cuda/fallback.py)."""
     failed = failed or {}
     tuned = sizes.tuned_knobs(entry)
-    sixteen = call.dtype in (torch.bfloat16, torch.float16)
-    ws_ok, ws_why = warp_specialized_available(device)
-    operands = _ws_operand_problem(call, sixteen)
-    gemm = _gemm_config(device, call, tuned)
-    triton_failed = failed.get((TRITON_STATS_GEMM, gemm.text()))
-    grad_failed = failed.get((GRAD_PERSISTENT if gemm.persistent else GRAD_TILES, gemm.text()))
-
-    def ws_role(knob: str, asked: str | None, role: str, needs_vocab_rows: bool, other: str) -> tuple[str, str]:
-        """(kernel, why) of a role the warp-specialised GEMM may take."""
-        wanted = asked or (DEFAULT_GRAD_GEMM_KERNEL if role == WS_PRODUCTS else WARP_SPECIALIZED)
-        source = f"cache entry: {knob}={asked}" if asked else f"heuristic: {knob} {wanted}"
-        if wanted != WARP_SPECIALIZED:
-            return other, source
-        problem = None if ws_ok else ws_why
-        problem = problem or operands.get("rows") or (operands.get("vocab") if needs_vocab_rows else None)
-        if problem:
-            return other, f"{source}; not eligible ({problem})"
-        error = failed.get((WS_GEMM, role))
-        if error:
-            return other, f"{source}; fallback: it failed to compile here earlier ({error})"
-        return WARP_SPECIALIZED, f"{source}; eligible ({ws_why})"
-
-    stats_role, stats_why = ws_role("stats_kernel", tuned.stats_kernel, WS_STATISTICS, False, TRITON)
-    logits_role, logits_why = ws_role("logits_kernel", tuned.logits_kernel, WS_STATISTICS, True, TRITON)
-    products_role, products_why = ws_role("grad_gemm_kernel", tuned.grad_gemm_kernel, WS_PRODUCTS, True, CUBLAS)
-    eligible = sizes.Eligible(
-        fused_stats=not triton_failed or (stats_role == logits_role == WARP_SPECIALIZED),
-        fused_grad=not grad_failed,
-        ws_logits=logits_role == WARP_SPECIALIZED,
-        fused_stats_default=(device.type == "cuda" and sixteen and call.n_rows >= sizes.FUSED_FORWARD_MIN_ROWS
-                             and has_16bit_tensor_cores(device)),
-        fused_grad_default=is_hopper(device) and sixteen and not operands,
-    )
-    plan, memory = sizes.schedule(device, call, tuned, eligible)
-    kernels = KernelChoice(stats=stats_role, logits=logits_role, products=products_role,
-                           launch=tuned.launch or LaunchParams(block_v=sizes.MAX_BLOCK_V), gemm=gemm,
-                           fallback_scan_block=sizes.fallback_scan_block(call.n_rows, call.dtype.itemsize))
-    why = _Reasons(call, tuned, eligible, stats_why, logits_why, products_why, triton_failed, grad_failed)
-    record = CallChoice(backend="cuda", device=device.text(), inputs=call.text(), cache=tuned.source, plan=plan,
-                        gradients=gradient_timing(call.cfg, call.request.training), memory=memory,
-                        steps=tuple(steps.of_plan(device, call, plan, kernels, why)),
-                        kernel_package="flce.backends.cuda")
+    settings = LaunchSettings(
+        launch=tuned.launch or LaunchParams(block_v=sizes.MAX_BLOCK_V), gemm=_gemm_config(device, call, tuned),
+        fallback_scan_block=sizes.fallback_scan_block(call.n_rows, call.dtype.itemsize),
+        launch_source="cache entry: block_v, num_warps" if tuned.launch else
+        f"heuristic: up to {sizes.MAX_BLOCK_V} columns a block, 8 warps from 2048 columns",
+        gemm_source="cache entry: gemm_*" if tuned.gemm else "heuristic: default_gemm_config")
+    picks: dict[str, RolePick] = {}
+    for role in ROLES:  # CHUNK_LOGITS before EXPONENTIALS: the heuristic keeps exponentials beside that family
+        picks[role] = _pick(role, device, call, tuned, settings, failed, picks)
+    kernels = KernelChoice(chains={role: pick.chain for role, pick in picks.items()}, settings=settings)
+    plan, memory = sizes.schedule(device, call, tuned, kernels)
+    reasons = {role: pick.reason for role, pick in picks.items()}
+    record = call_record("cuda", device, call, tuned.source, plan, memory,
+                         steps.of_plan(device, call, plan, kernels, reasons), "flce.backends.cuda")
     return record, kernels
 
 
@@ -114,81 +84,98 @@ def entry_for(device: DeviceDescription, call: CallDescription) -> TunedEntry:
     return tuned_entry(device.name, "cuda", call.variant, call.dtype, call.hidden, call.vocab, call.n_rows)
 
 
-def ws_takes_every_product(device: DeviceDescription, dtype: torch.dtype, hidden: int, vocab: int) -> bool:
-    """Whether the warp-specialised GEMM can take every product of a call of this shape (aligned operands)."""
-    return warp_specialized_available(device)[0] and not _ws_operand_problem(
-        CallDescription(n_rows=0, hidden=hidden, vocab=vocab, dtype=dtype, bias=False, rows_aligned=True,
-                        cfg=_DEFAULTS, variant="plain", request=PlanRequest(training=True)),
-        dtype in (torch.bfloat16, torch.float16))
+def _asked(role: str, tuned: sizes.TunedKnobs, settings: LaunchSettings) -> tuple[str | None, str] | None:
+    """What the cache entry asks of ``role``: (a family name, "fused" for the first fused family that fits, or None
+    for no family; the knobs it read), or None where it asks nothing."""
+    path = {STATISTICS: tuned.forward_stats, CHUNK_LOGITS: tuned.forward_logits, GRADIENT: tuned.backward_grad}
+    kernel = {STATISTICS: tuned.stats_kernel, CHUNK_LOGITS: tuned.logits_kernel,
+              PRODUCTS: tuned.grad_gemm_kernel}
+    if role == EXPONENTIALS:
+        if tuned.chunk_grad is None:
+            return None
+        if tuned.chunk_grad == LOGITS:
+            return None, "cache entry: chunk_grad=logits"
+        asked = _asked(CHUNK_LOGITS, tuned, settings)
+        if asked is None or asked[0] == CUBLAS:
+            return FUSED, "cache entry: chunk_grad=exponentials"
+        return asked[0], f"cache entry: chunk_grad=exponentials, {asked[1].removeprefix('cache entry: ')}"
+    if path.get(role) == CUBLAS:
+        return CUBLAS, f"cache entry: {_PATH_KNOBS[role]}=cublas"
+    if kernel.get(role):
+        name = kernel[role]
+        if name == "triton":  # the Triton GEMM: with TMA where it fits, unless the entry's tiles turn TMA off
+            name = "triton_tma" if settings.gemm.tma else "triton"
+        return name, f"cache entry: {ROLE_KNOBS[role]}={kernel[role]}"
+    if path.get(role) == FUSED:
+        return FUSED, f"cache entry: {_PATH_KNOBS[role]}=fused"
+    return None
 
 
-def _ws_operand_problem(call: CallDescription, sixteen: bool) -> dict[str, str]:
-    """What in the operands keeps the warp-specialised GEMM out: "rows" (every use), "vocab" (where it
-    writes [rows, V] logits or reads them as a product's operand: TMA needs 16-byte aligned rows)."""
-    problems = {}
-    if not sixteen:
-        problems["rows"] = f"{str(call.dtype).removeprefix('torch.')}: the kernel takes bf16/fp16"
-    elif call.hidden % 8 or not call.rows_aligned:
-        problems["rows"] = f"H={call.hidden} or the operands' rows are not 16-byte aligned"
-    if call.vocab % 8:
-        problems["vocab"] = f"V={call.vocab} is not a multiple of 8: logits rows not 16-byte aligned"
-    return problems
+def _pick(role: str, device: DeviceDescription, call: CallDescription, tuned: sizes.TunedKnobs,
+          settings: LaunchSettings, failed: Mapping[tuple[str, str], str], picks: Mapping[str, RolePick]) -> RolePick:
+    def unusable(family: KernelFamily) -> str | None:
+        """Why ``family`` cannot take the role here: it does not fit, or its kernel failed to compile earlier."""
+        why = family.unfit(device, call, role)
+        error = failed.get((family.name, family.compile_key(role, settings)))
+        return why or (f"fallback: it failed to compile here earlier ({error})" if error else None)
+
+    def chain_from(first: KernelFamily, notes: list[str]) -> tuple[KernelFamily, ...]:
+        """``first`` (or, where it is unusable, the first usable family down its fallback chain) and the usable
+        families after it."""
+        chain, family = [], first
+        while True:
+            if role in family.roles:
+                why = unusable(family)
+                if why is None:
+                    chain.append(family)
+                elif not chain:
+                    notes.append(f"{family.name}: {why}")
+            if family.fallback is None:
+                return tuple(chain)
+            family = family_named(family.fallback)
+
+    asked = _asked(role, tuned, settings)
+    notes: list[str] = []
+    chain: tuple[KernelFamily, ...] = ()
+    if asked is not None and asked[0] is None:
+        return RolePick((), asked[1])
+    if asked is not None and asked[0] != FUSED:
+        source = asked[1]
+        chain = chain_from(family_named(asked[0]), notes)
+    else:
+        # The heuristic, or a cache entry's "fused": the first registered family that can take the role (and, for
+        # the heuristic, that it takes), then that family's fallback chain.
+        source = "heuristic" if asked is None else asked[1]
+        for family in _heuristic_candidates(role, picks) if asked is None else families_for(role):
+            if asked is not None and not family.fused:
+                continue
+            why = unusable(family) or (family.unpreferred(device, call, role) if asked is None else None)
+            if why is None:
+                chain = chain_from(family, notes)
+                break
+            notes.append(f"{family.name}: {why}")
+    if not chain and (asked is not None or role not in OPTIONAL_ROLES):
+        # Nothing asked for fits: the last registered family (cuBLAS and the row kernels: it fits every call).
+        chain = chain_from(families_for(role)[-1], notes)
+    taken = chain[0].name if chain else "none"
+    if asked is not None and not notes:
+        return RolePick(chain, source)
+    passed_over = f"; passed over: {'; '.join(notes)}" if notes else ""
+    return RolePick(chain, f"{source}: {taken}{passed_over}" if asked is None else f"{source}{passed_over}; so {taken}")
 
 
-def _gemm_config(device: DeviceDescription, call: CallDescription, tuned: sizes.TunedKnobs) -> GemmConfig:
-    """The Triton GEMMs' tiles (tuned, else the default), with TMA where the GPU and the operands allow it,
-    and the gradient GEMM's persistent form where its TMA stores can write the gradient rows."""
-    from dataclasses import replace
+def _heuristic_candidates(role: str, picks: Mapping[str, RolePick]) -> tuple[KernelFamily, ...]:
+    """The families the heuristic considers for ``role``, in order. Kept exponentials only beside the family that
+    writes the chunk's logits (one multiply a logit in its epilogue instead of a pass over the logits)."""
+    if role == EXPONENTIALS:
+        logits = picks[CHUNK_LOGITS].chain
+        return logits[:1] if logits and EXPONENTIALS in logits[0].roles else ()
+    return families_for(role)
 
+
+def _gemm_config(device: DeviceDescription, call: CallDescription, tuned: sizes.TunedKnobs):
+    """The Triton GEMMs' tiles (tuned, else the default), with the gradient GEMM's persistent form where its TMA
+    stores can write the gradient rows (16-byte aligned)."""
     base = tuned.gemm or default_gemm_config(device, call.dtype)
-    tma = base.tma and has_tma(device) and call.rows_aligned
-    return replace(base, tma=tma, persistent=base.persistent and tma and (call.vocab * call.dtype.itemsize) % 16 == 0)
-
-
-class _Reasons:
-    """Why each path of the plan was taken, in the words the record prints."""
-
-    def __init__(self, call: CallDescription, tuned: sizes.TunedKnobs, eligible: sizes.Eligible, stats: str,
-                 logits: str, products: str, triton_failed: str | None, grad_failed: str | None) -> None:
-        self.stats_kernel, self.logits_kernel, self.products = stats, logits, products
-        cfg = call.cfg
-        forced = None
-        if cfg.return_logit_stats:
-            forced = "return_logit_stats: the fused GEMMs keep no row min or sum of z"
-        elif logits_dtype(call.dtype, cfg) != call.dtype:
-            forced = 'precision="accurate": fp32 logits come from cuBLAS'
-        elif triton_failed:
-            forced = f"fallback: the Triton statistics GEMM failed to compile here earlier ({triton_failed})"
-        self.forward_stats = self._path("forward_stats", tuned.forward_stats, forced,
-                                        "16-bit tensor cores and at least "
-                                        f"{sizes.FUSED_FORWARD_MIN_ROWS} tokens" if eligible.fused_stats_default
-                                        else "fp32, the interpreter, a pre-sm_80 GPU or fewer than "
-                                        f"{sizes.FUSED_FORWARD_MIN_ROWS} tokens: cuBLAS")
-        self.forward_logits = self._path("forward_logits", tuned.forward_logits, forced,
-                                         "the warp-specialised GEMM writes them" if eligible.ws_logits
-                                         else f"no warp-specialised GEMM here ({logits}): cuBLAS")
-        grad_forced = ('precision="accurate": fp32 logits come from cuBLAS' if logits_dtype(call.dtype, cfg) !=
-                       call.dtype else f"fallback: the fused gradient GEMM failed to compile here earlier "
-                       f"({grad_failed})" if grad_failed else None)
-        self.backward_grad = self._path("backward_grad", tuned.backward_grad, grad_forced,
-                                        "the persistent Hopper kernel with TMA stores" if eligible.fused_grad_default
-                                        else "not Hopper with aligned 16-bit rows: cuBLAS")
-        self.schedule = (f"cache entry: grad_schedule={tuned.grad_schedule}" if tuned.grad_schedule
-                         else "heuristic: the budget's chunk size (cuda/plan.py)")
-        if tuned.tokens_per_chunk is not None:
-            self.schedule += f"; tokens_per_chunk={tuned.tokens_per_chunk} from the cache entry"
-        self.chunk_grad = (f"cache entry: chunk_grad={tuned.chunk_grad}" if tuned.chunk_grad else
-                           "heuristic: kept exponentials beside the warp-specialised statistics GEMM where the "
-                           "call allows them (bf16, no bias, a scalar loss whose gradient is a row multiple of "
-                           "softmax - onehot: no option but a temperature from 0.5, token weights, detached "
-                           "log-probs)")
-        self.launch = ("cache entry: block_v, num_warps" if tuned.launch else
-                       f"heuristic: up to {sizes.MAX_BLOCK_V} columns a block, 8 warps from 2048 columns")
-        self.gemm = "cache entry: gemm_*" if tuned.gemm else "heuristic: default_gemm_config"
-
-    @staticmethod
-    def _path(knob: str, tuned: str | None, forced: str | None, heuristic: str) -> str:
-        if forced:
-            return forced
-        return f"cache entry: {knob}={tuned}" if tuned else f"heuristic: {heuristic}"
+    return replace(base, persistent=base.persistent and (call.vocab * call.dtype.itemsize) % 16 == 0)
 

@@ -1,6 +1,6 @@
-"""What the kernel choice (cuda/choice.py) tells the launchers: which kernel takes each role, and their
-launch configurations. Plain data, importable without Triton, so the choice can be made and printed on a
-machine that has neither the GPU nor Triton.
+"""The launch configurations the kernel choice (cuda/choice.py) gives the launchers: the row kernels' blocks and
+the Triton GEMMs' tiles (which family takes each role: families/KernelChoice). Plain data, importable without
+Triton, so the choice can be made and printed on a machine that has neither the GPU nor Triton.
 """
 
 from __future__ import annotations
@@ -12,21 +12,7 @@ import torch
 from flce.backends.cuda.hardware import has_tma
 from flce.engine.choice import DeviceDescription
 
-# The kernels a role can take: the warp-specialised Gluon GEMM (ws_gemm_kernels), the Triton fused GEMM
-# (gemm_kernels), cuBLAS (torch.mm) and the row kernels (kernels.py).
-WARP_SPECIALIZED = "warp_specialized"
-TRITON = "triton"
-CUBLAS = "cublas"
 _MAX_SPLITS = 256
-# The kernels the choice and the launchers name alike (the record's dotted paths; the fallback registry's keys).
-_K = "flce.backends.cuda."
-WS_GEMM = _K + "ws_gemm_kernels._ws_gemm_kernel"
-TRITON_STATS_GEMM = _K + "gemm_kernels._gemm_row_stats_kernel"
-GRAD_PERSISTENT = _K + "gemm_kernels._gemm_grad_persistent_kernel"
-GRAD_TILES = _K + "gemm_kernels._gemm_grad_kernel"
-# The warp-specialised kernel's statistics epilogue and its plain products compile as separate constexpr
-# variants, so one can fail where the other does not: the fallback registry keeps them apart.
-WS_STATISTICS, WS_PRODUCTS = "statistics", "products"
 
 
 @dataclass(frozen=True)
@@ -48,8 +34,11 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     splits: int | None = None  # None: chosen per call from the SM count (gemm_ops.split_count)
-    tma: bool = True  # tensor-descriptor loads (the choice turns it off where the GPU or the operands cannot)
-    # The gradient GEMM only: one program per SM walking the tiles, with TMA stores (where tma applies).
+    # Tensor-descriptor loads: set by the family that launches (triton_gemm.py); in a cache entry, gemm_tma=false
+    # asks for the family without them.
+    tma: bool = True
+    # The gradient GEMM only: one program per SM walking the tiles, with TMA stores (the choice turns it off where
+    # the gradient's rows are not 16-byte aligned; the family without TMA never runs it).
     persistent: bool = True
 
     @staticmethod
@@ -88,33 +77,36 @@ class GemmConfig:
                 f"{self.num_stages} stages, splits {self.splits or 'by SM count'}, TMA {'on' if self.tma else 'off'}")
 
 
+# Shared memory one block needs for the default tiles, compiled by Triton 3.6: 3 stages of a 128 x 256 x 64 16-bit
+# tile pair take 147 KiB with TMA loads (the persistent gradient GEMM's TMA store adds 32 KiB), 96 KiB with pointer
+# loads (two buffers in flight).
+_DEFAULT_TILES_SHARED_MEMORY = {True: 180 * 1024, False: 96 * 1024}
+
+
 def default_gemm_config(device: DeviceDescription, dtype: torch.dtype) -> GemmConfig:
     """GPUs: 128 x 256 x 64 tiles, 8 warps, 3 stages, the fastest of six configurations on the H200
     at three LM shapes (95-98% of cuBLAS's TFLOP/s; docs/benchmarks.md); fp32 operands halve the K
-    step to keep shared memory per stage the same; TMA loads where the GPU has them. The interpreter:
-    small tiles, so CPU tests run in seconds."""
+    step to keep shared memory per stage the same. A GPU whose blocks get less shared memory than those tiles need
+    (sm_120's 99 KiB beside TMA) takes 128 x 128 tiles in 2 stages, which fit it (tools/compat/compile_for_gpus.py
+    checks every kernel's need against the GPU's); not measured on such a GPU. The interpreter: small tiles, so CPU
+    tests run in seconds."""
     if device.interpreter:
         return GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1, tma=False)
-    return GemmConfig(block_n=256, block_k=32 if dtype == torch.float32 else 64, tma=has_tma(device))
+    block_k = 32 if dtype == torch.float32 else 64
+    if 0 < device.shared_memory < _DEFAULT_TILES_SHARED_MEMORY[has_tma(device)]:
+        return GemmConfig(block_n=128, block_k=block_k, num_stages=2)
+    return GemmConfig(block_n=256, block_k=block_k)
 
 
 @dataclass(frozen=True)
-class KernelChoice:
-    """The launchers' instructions for one call. ``stats``: the fused statistics GEMM where only statistics
-    are taken (WARP_SPECIALIZED or TRITON); ``logits``: where it also writes a chunk's logits or kept
-    exponentials; ``products``: the gradient products G @ W and G.T @ x (WARP_SPECIALIZED or CUBLAS);
-    ``launch``: the row kernels' blocks; ``gemm``: the Triton GEMMs' tiles, with ``tma`` and ``persistent``
-    already settled for this device and these operands."""
+class LaunchSettings:
+    """The launch configuration of one call's kernels: the row kernels' blocks, the Triton GEMMs' tiles (with
+    ``persistent`` settled for the call's operands) and the columns per block of the cuBLAS + row-kernel scan that
+    stands in for a statistics GEMM that failed to compile."""
 
-    stats: str
-    logits: str
-    products: str
     launch: LaunchParams
     gemm: GemmConfig
-    # columns per block of the cuBLAS + row-kernel scan that stands in for a statistics GEMM failing to compile
     fallback_scan_block: int
-
-    @property
-    def grad_gemm(self) -> str:
-        """The fused gradient GEMM's kernel: persistent with TMA stores where the configuration settled on it."""
-        return GRAD_PERSISTENT if self.gemm.persistent else GRAD_TILES
+    # Where the row kernels' blocks and the GEMMs' tiles came from, as the record says it.
+    launch_source: str = "heuristic"
+    gemm_source: str = "heuristic"

@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flce.backends.online_softmax import _moved_to
+
 LOG2E = tl.constexpr(1.4426950408889634)
 # c = the target's base-2 logit + this: E of the target is 2^-58, the largest E of a row stays below 2^64
 # (the GEMM's cap) while the row's loss is under (58 + 64) ln 2 = 84.6 nats, and E of logits more than
@@ -141,7 +143,8 @@ def _exp_rows_redo_kernel(x_ptr, stride_x, w_ptr, stride_w, target_ptr, redo_row
             u = _redo_logits(x_ptr, stride_x, w_ptr, stride_w, rows, row_ok, cols, cols < vocab, hidden,
                              inv_temperature, BLOCK_R, BLOCK_V, BLOCK_K, IEEE)
             new_max = tl.maximum(row_max, tl.max(u, axis=1))
-            row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(u - new_max[:, None]), axis=1)
+            row_sum = _moved_to(row_max, row_sum, row_sum, new_max, False, False)[0] + tl.sum(
+                tl.exp(u - new_max[:, None]), axis=1)
             row_max = new_max
         lse = row_max + tl.log(row_sum)
         tl.store(lse_ptr + rows, lse, mask=row_ok)

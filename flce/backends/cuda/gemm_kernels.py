@@ -42,7 +42,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flce.backends.cuda.kernels import LN2, _capped_scaled, _moved_to
+from flce.backends.cuda.exp_grad_kernels import CAP as EXP_CAP  # the cap the redo kernels test rows against
+from flce.backends.cuda.kernels import _capped_scaled
+from flce.backends.online_softmax import LN2, _moved_to
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -96,18 +98,22 @@ def _logits_tile(x, w, off_m, off_n, M, V, K, stride_xm, stride_wv,
 
 @triton.jit
 def _gemm_row_stats_kernel(
-    x, w, bias_ptr, class_weight_ptr, logits_ptr, stride_lm,
+    x, w, bias_ptr, class_weight_ptr, logits_ptr, stride_lm, exp_offset_ptr,
     part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_weighted_y_ptr, part_argmax_ptr,
     M, V, K, stride_xm, stride_wv, vocab_offset, softcap, inv_temperature, tiles_per_split,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     NEED_SUM_EXP_DZ: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
-    STORE_LOGITS: tl.constexpr, LOGITS_DTYPE: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, STORE_EXP: tl.constexpr, LOGITS_DTYPE: tl.constexpr, USE_TMA: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Partial base-2 row statistics of z = cap(u) / T over one vocabulary split (module docstring).
     STORE_LOGITS: also write the rounded logits u to logits_ptr [M, V] (row stride stride_lm), for
-    a schedule that turns them into the gradient next (one read and one write per logit left)."""
+    a schedule that turns them into the gradient next (one read and one write per logit left).
+    STORE_EXP (a loss whose gradient is a row multiple of softmax - onehot, no bias or softcap: exp_grad_ops.py):
+    write E = min(exp2(y - c), 2^CAP) there instead, c = exp_offset_ptr[row] (base 2), and take the statistics
+    relative to c, as the warp-specialised GEMM's epilogue does (ws_stats_kernels._exp_chunk): each split's
+    partial max is c and its sum the sum of E, so no pass over the logits turns them into the gradient."""
     pid_m, split = _program_tile(tl.program_id(0), M, BLOCK_M, GROUP_M, SPLITS)
     off_m = pid_m * BLOCK_M
     rows = off_m + tl.arange(0, BLOCK_M)
@@ -117,6 +123,8 @@ def _gemm_row_stats_kernel(
     last_tile = tl.minimum(first_tile + tiles_per_split, n_tiles)
 
     running_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    if STORE_EXP:
+        running_max = tl.load(exp_offset_ptr + rows, mask=row_ok, other=0.0)
     running_sum = tl.zeros((BLOCK_M,), tl.float32)
     running_sum_dz = tl.zeros((BLOCK_M,), tl.float32)
     weighted_y = tl.zeros((BLOCK_M,), tl.float32)
@@ -130,34 +138,41 @@ def _gemm_row_stats_kernel(
         if HAS_BIAS:
             u += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         u = u.to(LOGITS_DTYPE)
-        if STORE_LOGITS:
-            tl.store(logits_ptr + rows.to(tl.int64)[:, None] * stride_lm + cols[None, :], u,
+        if STORE_EXP:
+            y = u.to(tl.float32) * (inv_temperature * LOG2E) - running_max[:, None]
+            e = tl.where(col_ok[None, :], tl.exp2(tl.minimum(y, EXP_CAP)), 0.0)
+            tl.store(logits_ptr + rows.to(tl.int64)[:, None] * stride_lm + cols[None, :], e.to(LOGITS_DTYPE),
                      mask=row_ok[:, None] & col_ok[None, :])
-        u = u.to(tl.float32)
-        capped = _capped_scaled(u, softcap, 1.0, HAS_SOFTCAP)
-        y = tl.where(col_ok[None, :], capped * (inv_temperature * LOG2E), float("-inf"))
-        tile_max = tl.max(y, 1)
-        new_max = tl.maximum(running_max, tile_max)
-        e = tl.exp2(y - new_max[:, None])
-        # The earlier tiles' sums moved to the new max (the entropy's to natural z - r, r = max * ln 2),
-        # then this tile's added.
-        running_sum, running_sum_dz = _moved_to(running_max, running_sum, running_sum_dz, new_max, NEED_SUM_EXP_DZ,
-                                                True)
-        if NEED_SUM_EXP_DZ:
-            dz = tl.where(col_ok[None, :], capped * inv_temperature - (new_max * LN2)[:, None], 0.0)
-            running_sum_dz += tl.sum(e * dz, 1)
-        running_sum += tl.sum(e, 1)
-        if NEED_WEIGHTED_SUM_Z:
-            if HAS_CLASS_WEIGHT:
-                cw = tl.load(class_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-                weighted_y += tl.sum(cw[None, :] * tl.where(col_ok[None, :], y, 0.0), 1)
-            else:
-                weighted_y += tl.sum(tl.where(col_ok[None, :], y, 0.0), 1)
-        if NEED_ARGMAX:
-            tile_first = tl.min(tl.where(y == tile_max[:, None], cols[None, :], V), 1).to(tl.int64)
-            # Strictly greater: an earlier tile keeps ties, so the first maximal index wins.
-            best_index = tl.where(tile_max > running_max, tile_first, best_index)
-        running_max = new_max
+            running_sum += tl.sum(e, 1)
+        else:
+            if STORE_LOGITS:
+                tl.store(logits_ptr + rows.to(tl.int64)[:, None] * stride_lm + cols[None, :], u,
+                         mask=row_ok[:, None] & col_ok[None, :])
+            u = u.to(tl.float32)
+            capped = _capped_scaled(u, softcap, 1.0, HAS_SOFTCAP)
+            y = tl.where(col_ok[None, :], capped * (inv_temperature * LOG2E), float("-inf"))
+            tile_max = tl.max(y, 1)
+            new_max = tl.maximum(running_max, tile_max)
+            e = tl.exp2(y - new_max[:, None])
+            # The earlier tiles' sums moved to the new max (the entropy's to natural z - r, r = max * ln 2),
+            # then this tile's added.
+            running_sum, running_sum_dz = _moved_to(running_max, running_sum, running_sum_dz, new_max, NEED_SUM_EXP_DZ,
+                                                    True)
+            if NEED_SUM_EXP_DZ:
+                dz = tl.where(col_ok[None, :], capped * inv_temperature - (new_max * LN2)[:, None], 0.0)
+                running_sum_dz += tl.sum(e * dz, 1)
+            running_sum += tl.sum(e, 1)
+            if NEED_WEIGHTED_SUM_Z:
+                if HAS_CLASS_WEIGHT:
+                    cw = tl.load(class_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                    weighted_y += tl.sum(cw[None, :] * tl.where(col_ok[None, :], y, 0.0), 1)
+                else:
+                    weighted_y += tl.sum(tl.where(col_ok[None, :], y, 0.0), 1)
+            if NEED_ARGMAX:
+                tile_first = tl.min(tl.where(y == tile_max[:, None], cols[None, :], V), 1).to(tl.int64)
+                # Strictly greater: an earlier tile keeps ties, so the first maximal index wins.
+                best_index = tl.where(tile_max > running_max, tile_first, best_index)
+            running_max = new_max
 
     out = split.to(tl.int64) * M + rows
     tl.store(part_max_ptr + out, running_max, mask=row_ok)

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from flce.backends.cuda import gemm_kernels
 from flce.backends.cuda.configs import GemmConfig
+from flce.backends.cuda.hardware import multiprocessors
 from flce.config import LCEConfig
 from flce.gradients import GradCoefficients
 from flce.semantics import PartialRowStats, needs_argmax, needs_sum_exp_dz, needs_weighted_sum_z
@@ -37,7 +38,7 @@ def split_count(n_rows: int, vocab: int, config: GemmConfig, device: torch.devic
     if config.splits is not None:
         return min(config.splits, n_tiles)
     row_blocks = triton.cdiv(n_rows, config.block_m)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = multiprocessors(device)
     wanted = max(1, min(n_tiles, _MAX_SPLITS, triton.cdiv(_WAVES * sms, row_blocks)))
     best, best_cost = wanted, None
     for splits in range(max(1, wanted // 2), min(n_tiles, _MAX_SPLITS, 2 * wanted) + 1):
@@ -50,11 +51,17 @@ def split_count(n_rows: int, vocab: int, config: GemmConfig, device: torch.devic
 def gemm_row_stats(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, cfg: LCEConfig,
     vocab_offset: int, config: GemmConfig, logits_out: torch.Tensor | None = None,
+    exp_offset: torch.Tensor | None = None,
 ) -> PartialRowStats:
     """Row statistics of z = cap(x @ w.T + bias) / T (semantics.PartialRowStats), without logits,
-    or also writing them into ``logits_out`` [n, V] (unit column stride) when given.
+    or also writing them into ``logits_out`` [n, V] (unit column stride) when given. With ``exp_offset`` ([n] fp32,
+    base 2; a loss whose gradient is a row multiple of softmax - onehot, no bias or softcap: exp_grad_ops.py)
+    ``logits_out`` gets the kept exponentials instead and the statistics are taken relative to the offsets.
 
     x [n, H], w [V, H] (this shard; global class ids start at vocab_offset), target [n] int64."""
+    if exp_offset is not None and (logits_out is None or bias is not None or cfg.softcap is not None
+                                   or exp_offset.shape != (x.shape[0],) or exp_offset.dtype != torch.float32):
+        raise ValueError("gemm_row_stats: exp_offset needs logits_out, no bias or softcap and an [n] fp32 tensor")
     n, hidden = x.shape
     vocab = w.shape[0]
     stats = PartialRowStats.allocate(n, cfg, x.device)
@@ -85,11 +92,12 @@ def gemm_row_stats(
     gemm_kernels._gemm_row_stats_kernel[grid](
         x_arg, w_arg, bias if bias is not None else part_max, class_weight if class_weight is not None else part_max,
         logits_out if logits_out is not None else x, logits_out.stride(0) if logits_out is not None else 0,
+        exp_offset.contiguous() if exp_offset is not None else part_max,
         part_max, part_sum, part_sum_dz, part_weighted, part_argmax,
         n, vocab, hidden, x.stride(0), w.stride(0), vocab_offset, softcap, 1.0 / cfg.temperature, tiles_per_split,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=cfg.softcap is not None, HAS_CLASS_WEIGHT=class_weight is not None,
         NEED_SUM_EXP_DZ=stats.sum_exp_dz is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
-        NEED_ARGMAX=stats.argmax is not None, STORE_LOGITS=logits_out is not None,
+        NEED_ARGMAX=stats.argmax is not None, STORE_LOGITS=logits_out is not None, STORE_EXP=exp_offset is not None,
         LOGITS_DTYPE=_TRITON_DTYPES[x.dtype], USE_TMA=use_tma,
         IEEE=x.dtype == torch.float32,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
@@ -160,7 +168,7 @@ def gemm_grad(
         # 128 x 256 tile do not fit the registers beside the accumulator.
         subtiles = 2 if config.block_m * config.block_n >= 128 * 256 else 1
         grad_desc = TensorDescriptor.from_tensor(grad, [config.block_m, config.block_n // subtiles])
-        programs = min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
+        programs = min(tiles, multiprocessors(x.device))
         gemm_kernels._gemm_grad_persistent_kernel[(programs,)](
             x_arg, w_arg, grad_desc, bias if bias is not None else a, class_weight if class_weight is not None else a,
             *rows, n, vocab, hidden, vocab_offset, float(cfg.softcap or 1.0), 1.0 / cfg.temperature,

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import inspect
 
-# The Triton releases this module maps. An older one is refused; a newer one is tried with the 3.9 names.
-OLDEST_TRITON = (3, 5)
+from flce.backends.cuda.hardware import OLDEST_TRITON, triton_release
+
+# The newest Triton release this module maps; a newer one is tried with the 3.9 names (an older one than
+# hardware.OLDEST_TRITON is refused).
 NEWEST_TESTED_TRITON = (3, 9)
 
 try:
@@ -87,8 +89,7 @@ def triton_version() -> tuple[int, int] | None:
         import triton
     except Exception:  # absent, or an install that does not import: no Triton to build with
         return None
-    major, minor = (triton.__version__.split(".") + ["0"])[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+    return triton_release(triton.__version__)
 
 
 _support: tuple[bool, str] | None = None

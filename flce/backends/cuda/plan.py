@@ -2,25 +2,25 @@
 block sizes and the memory they take, from the autotune cache's knobs where it holds them and the
 heuristics below elsewhere. Every figure a heuristic rests on was measured (docs/benchmarks.md).
 
-Pure functions of the call's description and what the kernel choice (cuda/choice.py) found eligible on
-the device: no tensor and no driver is touched here.
+Pure functions of the call's description and the kernel families the choice (cuda/choice.py) took for its
+roles: no tensor and no driver is touched here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, replace
 
 from flce.autotune.lookup import TunedEntry
-from flce.backends.cuda.configs import TRITON, WARP_SPECIALIZED, GemmConfig, LaunchParams
+from flce.backends.cuda.configs import GemmConfig, LaunchParams
+from flce.backends.cuda.families import KernelChoice, families_for
+from flce.backends.cuda.families import family as role
 from flce.config import LCEConfig
 from flce.engine.call import grads_in_forward_allowed
 from flce.engine.choice import CallDescription, DeviceDescription, MemoryPlan
 from flce.engine.memory import (
     MiB,
-    logits_save_limit,
-    logits_save_limit_for,
+    call_budget,
+    call_save_limit,
     positive_int,
     saved_logits_rows,
     tuned_chunk_rows,
@@ -38,7 +38,6 @@ from flce.engine.plans import (
     VocabBlocks,
 )
 from flce.engine.rows import logits_bytes_per_row, logits_dtype
-from flce.gradients import gradient_is_row_scaled_softmax
 
 # Default working memory of one chunk's logits when gradients are computed. Larger chunks mean fewer
 # read-modify-writes of the V x H weight gradient (one per chunk); this keeps the default call
@@ -53,15 +52,7 @@ MIN_VOCAB_BLOCK = 512
 ROW_MULTIPLE = 256
 # Widest row-kernel block a launch may ask for (a tuned block_v beyond it is refused).
 MAX_BLOCK_V = 4096
-# The kernel knobs' values (configs.py): the warp-specialised Gluon GEMM, the Triton fused GEMM, cuBLAS.
-STATS_KERNELS = (WARP_SPECIALIZED, TRITON)
-GRAD_GEMM_KERNELS = (WARP_SPECIALIZED, CUBLAS)
 GRAD_SCHEDULES = ("vocab_blocks", "token_chunks")
-# Below this many tokens the fused forward has few row blocks to spread over the SMs and its fixed
-# costs (target logits, split merge) weigh more; measured on the H200 at 4096 x 4096 x 32000 it is
-# still ahead (1.070x one GEMM against 1.096x for cuBLAS and the row kernel); smaller calls are
-# unmeasured and stay on cuBLAS.
-FUSED_FORWARD_MIN_ROWS = 4096
 # In-forward gradients: budgets that leave token chunks of fewer rows than this take the vocabulary-
 # block schedule, whose recomputed GEMM costs less than each small chunk's read-modify-write of the
 # V x H weight gradient. Measured on the H200 (docs/benchmarks.md): 256-row chunks 1.47x / 1.71x the
@@ -97,8 +88,7 @@ class TunedKnobs:
     grad_schedule: str | None = None
     grad_vocab_block: int | None = None
     gemm: GemmConfig | None = None
-    # the fused statistics GEMM's kernel (STATS_KERNELS) where only statistics are taken, and where it also
-    # writes a chunk's logits; the gradient products' GEMM (GRAD_GEMM_KERNELS)
+    # the kernel family (cuda/families) of all rows' statistics, of a chunk's logits, of the gradient products
     stats_kernel: str | None = None
     logits_kernel: str | None = None
     grad_gemm_kernel: str | None = None
@@ -121,6 +111,12 @@ def tuned_knobs(entry: TunedEntry) -> TunedKnobs:
         value = params.get(name)
         return value if value in allowed else None
 
+    def family(name: str, of_role: str) -> str | None:
+        """A family that has a kernel for the role ("triton": either Triton family; "cublas" only where it is
+        not the plans' path knob's value)."""
+        names = {f.name.removesuffix("_tma") for f in families_for(of_role) if f.fused}
+        return choice(name, tuple(sorted(names)) + (("cublas",) if of_role == role.PRODUCTS else ()))
+
     limit = entry.logits_save_limit_bytes
     return TunedKnobs(tokens_per_chunk=positive_int(params.get("tokens_per_chunk")), launch=launch,
                       logits_save_limit=limit if isinstance(limit, int) and limit >= 0 else None,
@@ -129,73 +125,31 @@ def tuned_knobs(entry: TunedEntry) -> TunedKnobs:
                       backward_grad=choice("backward_grad", GEMM_PATHS), gemm=GemmConfig.from_params(params),
                       grad_schedule=choice("grad_schedule", GRAD_SCHEDULES),
                       grad_vocab_block=positive_int(params.get("grad_vocab_block")),
-                      stats_kernel=choice("stats_kernel", STATS_KERNELS),
-                      logits_kernel=choice("logits_kernel", STATS_KERNELS),
-                      grad_gemm_kernel=choice("grad_gemm_kernel", GRAD_GEMM_KERNELS),
+                      stats_kernel=family("stats_kernel", role.STATISTICS),
+                      logits_kernel=family("logits_kernel", role.CHUNK_LOGITS),
+                      grad_gemm_kernel=family("grad_gemm_kernel", role.PRODUCTS),
                       chunk_grad=choice("chunk_grad", CHUNK_GRADS), source=entry.source)
 
 
-@dataclass(frozen=True)
-class Eligible:
-    """What the kernel choice found the device and inputs allow (cuda/choice.py says why)."""
-
-    fused_stats: bool  # a fused statistics GEMM compiles here (the Triton one at least)
-    fused_grad: bool  # the fused gradient GEMM compiles here
-    ws_logits: bool  # the warp-specialised GEMM takes every product of the loss (its statistics writing logits)
-    fused_stats_default: bool  # the heuristic's fused statistics (16-bit tensor cores, enough rows)
-    fused_grad_default: bool  # the heuristic's fused gradient (the persistent Hopper kernel)
-
-
-# The kept exponentials hold a row without a redo while its loss at the call's temperature is under ~84.6 nats
-# (exp_grad_kernels.OFFSET_ABOVE_TARGET + CAP bits), i.e. the row's logits u within 84.6 * temperature nats above
-# the target's. A redone row recomputes its logits twice in a slow kernel, so colder calls, where wrong targets
-# cross that line (a gap of 8.5 nats at 0.1), keep their logits instead; from 0.5 on it takes a gap of 42 nats.
-EXP_MIN_TEMPERATURE = 0.5
-
-
-def exp_chunk_grad_possible(call: CallDescription) -> bool:
-    """Where a chunk's gradient can come from kept exponentials (capability KEPT_EXPONENTIALS): a call whose
-    gradient is a row multiple of softmax - onehot (the plain loss, a temperature, token weights:
-    gradient_is_row_scaled_softmax) and whose scalar loss is its only differentiable output, bf16 or fp32
-    inputs (fp16 cannot hold exponentials up to 2^64) in the compute dtype, no bias (whose gradient the path
-    does not make), on one device (a vocabulary shard's rows need the other shards' statistics first), a
-    temperature of at least EXP_MIN_TEMPERATURE."""
-    cfg = call.cfg
-    return (not call.bias and not call.request.sharded and gradient_is_row_scaled_softmax(cfg)
-            and cfg.temperature >= EXP_MIN_TEMPERATURE and grads_in_forward_allowed(cfg)
-            and call.dtype in (torch.bfloat16, torch.float32) and logits_dtype(call.dtype, cfg) == call.dtype)
-
-
 def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs,
-             eligible: Eligible) -> tuple[Plan, MemoryPlan]:
+             kernels: KernelChoice) -> tuple[Plan, MemoryPlan]:
     """Training (gradients follow): large token chunks (fewer weight-gradient updates), or vocabulary
     blocks where the budget leaves only small chunks; inference: all rows' statistics at once (the
-    fused GEMM, or vocabulary blocks of all rows) where they fit, else small token chunks."""
+    fused GEMM, or vocabulary blocks of all rows) where they fit, else small token chunks. Which path of each
+    plan is fused follows the families the choice took for its roles."""
     cfg, request, n_rows, vocab = call.cfg, call.request, call.n_rows, call.vocab
     # Bytes of one logit: the compute dtype's, or under precision="accurate" fp32 and the 16-bit copy
     # of its gradient (the scans keep no gradient: scan_bytes).
     logit_bytes = logits_bytes_per_row(1, call.dtype, cfg)
     scan_bytes = logits_dtype(call.dtype, cfg).itemsize
     row_bytes = vocab * logit_bytes
-    if cfg.memory_budget is not None:
-        budget, budget_from = cfg.memory_budget, "memory_budget"
-    elif request.training:
-        budget, budget_from = DEFAULT_CHUNK_BUDGET, "DEFAULT_CHUNK_BUDGET"
-    else:
-        budget, budget_from = INFERENCE_CHUNK_BUDGET, "INFERENCE_CHUNK_BUDGET, no gradient"
-    max_rows = max(1, budget // row_bytes)
-    if request.training and tuned.tokens_per_chunk is not None and not _budget_buys_chunks(cfg, budget):
-        # A tuned chunk still honours an explicit memory_budget.
-        tokens = tuned_chunk_rows(n_rows, row_bytes, tuned.tokens_per_chunk, cfg.memory_budget, budget)
-    else:
-        tokens = chunk_rows(n_rows, max_rows)
-    fused_stats = eligible.fused_stats_default if tuned.forward_stats is None else tuned.forward_stats == FUSED
-    forward_logits = tuned.forward_logits or (FUSED if eligible.ws_logits else CUBLAS)
-    accurate = logits_dtype(call.dtype, cfg) != call.dtype
-    if cfg.return_logit_stats or accurate or not eligible.fused_stats:
-        # The fused statistics GEMM keeps no row min or sum of z (the row-kernel scan does) and rounds each
-        # logits tile to the compute dtype (fp32 logits come from cuBLAS).
-        fused_stats, forward_logits = False, CUBLAS
+    default = ((DEFAULT_CHUNK_BUDGET, "DEFAULT_CHUNK_BUDGET") if request.training
+               else (INFERENCE_CHUNK_BUDGET, "INFERENCE_CHUNK_BUDGET, no gradient"))
+    budget, budget_from = call_budget(cfg.memory_budget, *default)
+    tuned_rows = tuned.tokens_per_chunk if request.training and not _budget_buys_chunks(cfg, budget) else None
+    tokens = tuned_chunk_rows(n_rows, row_bytes, tuned_rows, budget, chunk_rows)
+    fused_stats = kernels.family(role.STATISTICS).fused
+    forward_logits = FUSED if kernels.family(role.CHUNK_LOGITS).fused else CUBLAS
     chunk_bytes = min(tokens, n_rows) * row_bytes
     if not request.training:
         if fused_stats:
@@ -211,15 +165,13 @@ def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs
 
     save_limit, save_limit_from = None, ""
     saved_rows = 0
-    if not grads_in_forward_allowed(cfg):
-        save_limit = logits_save_limit(tuned.logits_save_limit, cfg.memory_budget,
-                                       logits_save_limit_for(device.total_memory))
-        save_limit_from = ("the autotune cache's" if tuned.logits_save_limit is not None else
-                           "memory_budget" if cfg.memory_budget is not None else "1/8 of the device's memory, 1-4 GiB")
+    in_forward = grads_in_forward_allowed(cfg)
+    if not in_forward:
+        save_limit, save_limit_from = call_save_limit(tuned.logits_save_limit, cfg.memory_budget,
+                                                      device.total_memory)
         tokens, saved_rows = _deferred_chunks(n_rows, row_bytes, tokens, save_limit,
                                               tuned.tokens_per_chunk is None and cfg.memory_budget is not None)
-    fused_grad = eligible.fused_grad_default if tuned.backward_grad is None else tuned.backward_grad == FUSED
-    backward_grad = FUSED if fused_grad and not accurate and eligible.fused_grad else CUBLAS
+    backward_grad = FUSED if kernels.family(role.GRADIENT).fused else CUBLAS
     if n_rows and not request.sharded:
         # A tuned schedule was measured without kept logits; where some are kept they decide.
         by_blocks = (tuned.grad_schedule == "vocab_blocks" and not saved_rows) if tuned.grad_schedule else (
@@ -232,18 +184,18 @@ def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs
             stats = AllRows(forward_stats=FUSED) if fused_stats else AllRows(forward_stats=CUBLAS, scan_block=block)
             return (VocabBlocks(grad_vocab_block=block, stats=stats, backward_grad=backward_grad),
                     MemoryPlan(budget, budget_from, n_rows * (block * logit_bytes + STATS_BYTES_PER_ROW)))
-    if tuned.chunk_grad is not None:
-        exponentials = tuned.chunk_grad == EXPONENTIALS and exp_chunk_grad_possible(call)
+    chunks = TokenChunks(tokens_per_chunk=tokens, saved_rows=saved_rows, forward_logits=forward_logits)
+    if in_forward:
+        # A chunk's gradient is made as its statistics are: from its logits, or from the kept exponentials where a
+        # family takes that role; nothing is recomputed.
+        chunks = replace(chunks, chunk_grad=EXPONENTIALS if kernels.family(role.EXPONENTIALS) else LOGITS)
     else:
-        # Kept exponentials wherever possible beside the warp-specialised statistics GEMM, which writes them:
-        # one multiply a logit instead of the gradient pass over the logits.
-        exponentials = forward_logits == FUSED and eligible.ws_logits and exp_chunk_grad_possible(call)
-    kept = saved_rows * row_bytes
-    return (TokenChunks(tokens_per_chunk=tokens, saved_rows=saved_rows, forward_logits=forward_logits,
-                        backward_grad=backward_grad, stats_first=AllRows(forward_stats=FUSED) if fused_stats else None,
-                        chunk_grad=EXPONENTIALS if exponentials else LOGITS),
-            MemoryPlan(budget, budget_from, 0 if saved_rows == n_rows else chunk_bytes, kept, save_limit,
-                       save_limit_from))
+        # Deferred: the rows whose logits are not kept are recomputed in backward; where none are kept, forward
+        # may take all rows' statistics at once (the compile path keeps none: engine/plans.py recomputing).
+        chunks = replace(chunks, backward_grad=backward_grad,
+                         stats_first=AllRows(forward_stats=FUSED) if fused_stats else None)
+    return chunks, MemoryPlan(budget, budget_from, 0 if saved_rows == n_rows else chunk_bytes,
+                              saved_rows * row_bytes, save_limit, save_limit_from)
 
 
 def _budget_buys_chunks(cfg: LCEConfig, budget: int) -> bool:

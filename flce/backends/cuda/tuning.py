@@ -1,41 +1,35 @@
-"""The CUDA backend's tuning space (flce-autotune): chunk rows, row-kernel launches, fused-GEMM tiles,
-and under a memory budget the two lean schedules at the largest size that fits."""
+"""The CUDA backend's tuning space (flce-autotune): chunk rows x the forwards each kernel family offers (its
+tuning candidates), x the gradient products' families where more than one fits; under a memory budget the two
+lean schedules at the largest size that fits. The heuristic is the kernel choice's own (choice.py), read back as
+knobs."""
 
 from __future__ import annotations
 
 import torch
 
 from flce.autotune.spaces import TuneShape, TuningSpace, chunk_candidates, register_tuning_space
-from flce.engine.plans import CUBLAS, EXPONENTIALS, FUSED, GEMM_PATHS, LOGITS
+from flce.engine.plans import GEMM_PATHS
 
 # The space is registered when the backend is (at `import flce`); what it reads from the launchers
 # and the planner, which import triton, is imported when the tuner first asks.
 
 
 def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
-    """Chunk rows x row-kernel launches on the cuBLAS forward, and chunk rows x fused-GEMM tiles with
-    the chunk's statistics and logits from the fused Triton forward (forward_logits). On Hopper also
-    the warp-specialised forward (which also writes the logits, or for bf16 the row-offset exponentials:
-    chunk_grad), and each forward's gradient products on cuBLAS and on the warp-specialised GEMM
-    (grad_gemm_kernel)."""
-    from flce.backends.cuda.choice import ws_takes_every_product
-    from flce.backends.cuda.configs import WARP_SPECIALIZED, GemmConfig, default_gemm_config
+    """Chunk rows x every family's forward candidates (cuBLAS + the row kernel per row-kernel launch, the fused
+    Triton GEMM per tile configuration, on Hopper the warp-specialised GEMM writing the logits or the kept
+    exponentials), each forward with every family that fits the gradient products (grad_gemm_kernel)."""
+    from flce.backends.cuda import families
+    from flce.backends.cuda.families.family import PRODUCTS, tuning_call
     from flce.backends.cuda.hardware import describe_device
-    from flce.backends.cuda.plan import GRAD_GEMM_KERNELS
 
     device = describe_device(torch.device(shape.device))
-    launches = [(4096, 8)] if quick else [(4096, 8), (4096, 16), (2048, 8)]
-    tiles = [default_gemm_config(device, shape.dtype)]
-    if not quick:
-        tiles += [GemmConfig(128, 256, 64, 16, 8, 3), GemmConfig(128, 256, 64, 8, 8, 4)]
+    call = tuning_call(shape)
+    forwards = [knobs for family in families.FAMILIES for knobs in family.tuning_candidates(device, shape, quick)]
+    products = [family.name for family in families.families_for(PRODUCTS)
+                if family.unfit(device, call, PRODUCTS) is None]
+    if len(products) > 1:
+        forwards = [dict(knobs, grad_gemm_kernel=name) for knobs in forwards for name in products]
     rows = chunk_candidates(shape.tokens, quick, smallest=512)
-    forwards = ([{"forward_logits": CUBLAS, "block_v": block_v, "num_warps": warps} for block_v, warps in launches]
-                + [{"forward_logits": FUSED, "logits_kernel": "triton", **t.as_params()} for t in tiles])
-    if ws_takes_every_product(device, shape.dtype, shape.hidden, shape.vocab):
-        forwards.append({"forward_logits": FUSED, "logits_kernel": WARP_SPECIALIZED, "chunk_grad": LOGITS})
-        if shape.dtype == torch.bfloat16:  # the exponentials need bf16's exponent range
-            forwards.append({"forward_logits": FUSED, "logits_kernel": WARP_SPECIALIZED, "chunk_grad": EXPONENTIALS})
-        forwards = [dict(f, grad_gemm_kernel=kernel) for f in forwards for kernel in GRAD_GEMM_KERNELS]
     return [{"tokens_per_chunk": n, **forward} for n in rows for forward in forwards]
 
 
@@ -69,27 +63,33 @@ def _tuning_working_bytes(shape: TuneShape, params: dict) -> int:
 
 
 def _tuning_heuristic(shape: TuneShape) -> dict:
-    """The chunk, launch and forward-path knobs the planner picks with nothing cached (a training
-    call). The gradient schedule is left out: the planner picks it per call from the budget."""
-    from flce.backends.cuda.choice import DEFAULT_GRAD_GEMM_KERNEL, ws_takes_every_product
-    from flce.backends.cuda.configs import LaunchParams, default_gemm_config
+    """The knobs the kernel choice takes for a plain training call with nothing cached (choice.py), so a winning
+    heuristic's entry states what ran: the chunk, the row kernels' launch, each role's family, what a chunk's
+    gradient is made from, and the Triton GEMMs' tiles where a Triton family runs. The gradient schedule is left
+    out: the planner picks it per call from the budget."""
+    from flce.autotune.lookup import TunedEntry
+    from flce.backends.cuda.choice import choose
+    from flce.backends.cuda.families.family import CHUNK_LOGITS, EXPONENTIALS, PRODUCTS, tuning_call
     from flce.backends.cuda.hardware import describe_device
-    from flce.backends.cuda.ops import row_launch
-    from flce.backends.cuda.plan import DEFAULT_CHUNK_BUDGET, MAX_BLOCK_V, chunk_rows
+    from flce.backends.cuda.row_ops import row_launch
+    from flce.engine.plans import EXPONENTIALS as KEPT_EXPONENTIALS
+    from flce.engine.plans import TokenChunks
 
     device = describe_device(torch.device(shape.device))
-    row_bytes = shape.vocab * shape.dtype.itemsize
-    block_v, num_warps = row_launch(shape.vocab, LaunchParams(block_v=MAX_BLOCK_V))
-    ws = ws_takes_every_product(device, shape.dtype, shape.hidden, shape.vocab)
-    knobs = {"tokens_per_chunk": chunk_rows(shape.tokens, max(1, DEFAULT_CHUNK_BUDGET // row_bytes)),
-             "block_v": block_v, "num_warps": num_warps,
-             # a plain training call's defaults (choice.py): the warp-specialised statistics GEMM writes each
-             # chunk's logits or, for bf16, the kept exponentials
-             "forward_logits": FUSED if ws else CUBLAS, "grad_gemm_kernel": DEFAULT_GRAD_GEMM_KERNEL,
-             "chunk_grad": EXPONENTIALS if ws and shape.dtype == torch.bfloat16 else LOGITS}
-    # The Triton GEMMs' tiles only where they run: where the warp-specialised GEMM takes the statistics, they
-    # would be inert keys in the entry.
-    return knobs if ws else {**knobs, **default_gemm_config(device, shape.dtype).as_params()}
+    record, kernels = choose(device, tuning_call(shape), TunedEntry(None, None, "none"))
+    plan = record.plan
+    assert isinstance(plan, TokenChunks), plan
+    block_v, num_warps = row_launch(shape.vocab, kernels.settings.launch)
+    knobs = {"tokens_per_chunk": plan.tokens_per_chunk, "block_v": block_v, "num_warps": num_warps,
+             "forward_logits": plan.forward_logits, "grad_gemm_kernel": kernels.family(PRODUCTS).name,
+             "chunk_grad": plan.chunk_grad}
+    # The Triton GEMMs' tiles only where a family that reads them runs in the call: elsewhere they would be inert
+    # keys in the entry.
+    running = (kernels.family(EXPONENTIALS if plan.chunk_grad == KEPT_EXPONENTIALS else CHUNK_LOGITS),
+               kernels.family(PRODUCTS))
+    if any(family.uses_gemm_tiles for family in running):
+        knobs.update(kernels.settings.gemm.as_params())
+    return knobs
 
 
 # The default (plain, in-forward gradient) schedule never keeps logits, so the save limit is

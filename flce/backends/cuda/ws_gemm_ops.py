@@ -21,7 +21,7 @@ from functools import cache
 import torch
 import triton
 
-from flce.backends.cuda.hardware import describe_device, is_hopper
+from flce.backends.cuda.hardware import describe_device, is_hopper, multiprocessors
 from flce.config import LCEConfig
 from flce.gradients import gradient_is_row_scaled_softmax
 from flce.semantics import PartialRowStats
@@ -111,7 +111,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple,
     a_desc = _descriptor(a.T, [cfg.block_k, cfg.block_m]) if a_mmajor else _descriptor(a, [cfg.block_m, cfg.block_k])
     b_desc = _descriptor(b.T, [cfg.block_n, cfg.block_k]) if b_kmajor else _descriptor(b, [cfg.block_k, cfg.block_n])
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    programs = min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count)
+    programs = min(tiles, multiprocessors(a.device))
     _ws_gemm_kernel[(programs,)](
         a_desc, b_desc, c_desc, m, n, k, *stats_ptrs, _LOG2E * inv_temperature, inv_temperature, softcap or 1.0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, A_MMAJOR=a_mmajor, B_KMAJOR=b_kmajor, GROUP_M=cfg.group_m,

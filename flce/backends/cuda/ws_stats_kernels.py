@@ -13,7 +13,7 @@ from triton.experimental.gluon import language as gl
 
 from flce.backends.cuda.exp_grad_kernels import CAP as EXP_CAP  # the cap the redo kernels test rows against
 
-LN2 = gl.constexpr(0.6931471805599453)  # the same fp32 constant as gemm_kernels.LN2, whose merge reads these partials
+LN2 = gl.constexpr(0.6931471805599453)  # online_softmax.LN2, as the merge that reads these partials
 
 
 # Row statistics: a warpgroup's [64, 256] bf16 half tile is reduced in 16 chunks of 16 rows x 64

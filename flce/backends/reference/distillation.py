@@ -17,7 +17,7 @@ from flce.distillation.tiles import tile_gradients, tile_mixture_sums, tile_stat
 from flce.engine.choice import CallChoice, DeviceDescription, MemoryPlan, describe_device
 from flce.engine.distillation.call import DistillCall, DistillChunks, DistillDescription, pair_logits_bytes_per_row
 from flce.engine.distillation.steps import PairKernelNames, distillation_steps, gradient_timing
-from flce.engine.memory import tuned_chunk_rows
+from flce.engine.memory import call_budget, tuned_chunk_rows
 from flce.engine.plans import PlanRequest
 
 # Bytes of one [rows, V] math-dtype temporary of the torch formulas per row block: the CPU's cache-sized block,
@@ -111,11 +111,9 @@ def plan_chunks(device: DeviceDescription, desc: DistillDescription,
     memory_budget bounds either (flce.engine.memory.tuned_chunk_rows)."""
     cfg = desc.cfg
     per_row = working_bytes_per_row(desc.vocab, desc.dtype)
-    rows = tuned_chunk_rows(desc.n_rows, per_row, (entry.params or {}).get("tokens_per_chunk"), cfg.memory_budget,
-                            DEFAULT_CHUNK_BUDGET)
-    budget = cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET
-    return DistillChunks(rows), MemoryPlan(budget, "memory_budget" if cfg.memory_budget is not None else
-                                           "DEFAULT_CHUNK_BUDGET", min(rows, desc.n_rows) * per_row)
+    budget, budget_from = call_budget(cfg.memory_budget, DEFAULT_CHUNK_BUDGET, "DEFAULT_CHUNK_BUDGET")
+    rows = tuned_chunk_rows(desc.n_rows, per_row, (entry.params or {}).get("tokens_per_chunk"), budget)
+    return DistillChunks(rows), MemoryPlan(budget, budget_from, min(rows, desc.n_rows) * per_row)
 
 
 def choose_distillation(device: DeviceDescription, desc: DistillDescription,
@@ -127,7 +125,9 @@ def choose_distillation(device: DeviceDescription, desc: DistillDescription,
     return CallChoice(backend="reference", device=device.text(), inputs=desc.text(), cache=entry.source, plan=plan,
                       gradients=gradient_timing(desc), memory=memory,
                       steps=distillation_steps(desc, plan, KERNEL_NAMES, lambda role: f"torch ops, {blocks}"),
-                      kernel_package="flce.backends.reference.distillation")
+                      kernel_package="flce.backends.reference.distillation",
+                      n_rows=desc.n_rows, training=desc.request.training,
+                      in_forward=desc.request.training and desc.cfg.reduction != "none")
 
 
 def entry_for(device: DeviceDescription, desc: DistillDescription) -> TunedEntry:

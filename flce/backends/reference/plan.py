@@ -9,9 +9,9 @@ import torch
 from flce.autotune.lookup import TunedEntry, tuned_entry
 from flce.backends.reference.kernels import CPU_BLOCK_BYTES, ReferenceKernels, math_dtype
 from flce.config import LCEConfig
-from flce.engine.call import EngineCall, gradient_timing, grads_in_forward_allowed
+from flce.engine.call import EngineCall, call_record, grads_in_forward_allowed
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription, MemoryPlan, describe_device
-from flce.engine.memory import MiB, logits_save_limit, logits_save_limit_for, saved_logits_rows, tuned_chunk_rows
+from flce.engine.memory import MiB, call_budget, call_save_limit, saved_logits_rows, tuned_chunk_rows
 from flce.engine.plans import BATCH_INVARIANT_TOKENS, PlanRequest, TokenChunks
 from flce.engine.rows import logits_bytes_per_row
 from flce.engine.steps import RowKernelNames, row_kernel_steps
@@ -56,20 +56,19 @@ def plan_chunks(device: DeviceDescription, call: CallDescription, entry: TunedEn
     them into gradients with GEMMs over all kept rows at once)."""
     cfg = call.cfg
     per_row = working_bytes_per_row(device.type, call.vocab, call.dtype, cfg)
-    budget = cfg.memory_budget if cfg.memory_budget is not None else DEFAULT_CHUNK_BUDGET
-    budget_from = "memory_budget" if cfg.memory_budget is not None else "DEFAULT_CHUNK_BUDGET"
+    budget, budget_from = call_budget(cfg.memory_budget, DEFAULT_CHUNK_BUDGET, "DEFAULT_CHUNK_BUDGET")
     if cfg.batch_invariant:
+        # The call pads its tokens to whole tiles (a copy of hidden and the targets where they are not already).
+        padded = -(-call.n_rows // BATCH_INVARIANT_TOKENS) * BATCH_INVARIANT_TOKENS
+        copy = padded * (call.hidden * call.dtype.itemsize + 8) if padded != call.n_rows else 0
         return (TokenChunks(tokens_per_chunk=BATCH_INVARIANT_TOKENS, saved_rows=0),
-                MemoryPlan(budget, "batch_invariant: fixed tiles", BATCH_INVARIANT_TOKENS * per_row))
+                MemoryPlan(budget, "batch_invariant: fixed tiles of 128 rows, the tokens padded to whole tiles",
+                           BATCH_INVARIANT_TOKENS * per_row + copy))
     params = entry.params or {}
-    tokens = tuned_chunk_rows(call.n_rows, per_row, params.get("tokens_per_chunk"), cfg.memory_budget,
-                              DEFAULT_CHUNK_BUDGET)
-    save_limit = logits_save_limit(entry.logits_save_limit_bytes, cfg.memory_budget,
-                                   logits_save_limit_for(device.total_memory))
+    tokens = tuned_chunk_rows(call.n_rows, per_row, params.get("tokens_per_chunk"), budget)
+    save_limit, limit_from = call_save_limit(entry.logits_save_limit_bytes, cfg.memory_budget, device.total_memory)
     logits_row_bytes = logits_bytes_per_row(call.vocab, call.dtype, cfg)
     saved = saved_logits_rows(call.n_rows, tokens, logits_row_bytes, per_row, save_limit)
-    limit_from = ("the autotune cache's" if entry.logits_save_limit_bytes is not None else
-                  "memory_budget" if cfg.memory_budget is not None else "1/8 of the device's memory, 1-4 GiB")
     return (TokenChunks(tokens_per_chunk=tokens, saved_rows=saved),
             MemoryPlan(budget, budget_from, 0 if saved == call.n_rows else tokens * per_row,
                        saved * logits_row_bytes, save_limit, limit_from))
@@ -85,10 +84,8 @@ def choose(device: DeviceDescription, call: CallDescription, entry: TunedEntry |
         per_row = working_bytes_per_row(device.type, call.vocab, call.dtype, call.cfg)
         memory = memory.without_kept_logits(min(plan.tokens_per_chunk, call.n_rows) * per_row)
     blocks = (f"row blocks of {CPU_BLOCK_BYTES >> 20} MiB" if device.type == "cpu" else "the whole chunk at once")
-    return CallChoice(backend="reference", device=device.text(), inputs=call.text(), cache=entry.source, plan=plan,
-                      gradients=gradient_timing(call.cfg, call.request.training), memory=memory,
-                      steps=row_kernel_steps(call, plan, KERNEL_NAMES, lambda role: f"torch ops, {blocks}"),
-                      kernel_package="flce.backends.reference.kernels")
+    steps = row_kernel_steps(call, plan, KERNEL_NAMES, lambda role: f"torch ops, {blocks}")
+    return call_record("reference", device, call, entry.source, plan, memory, steps, "flce.backends.reference.kernels")
 
 
 def entry_for(device: DeviceDescription, call: CallDescription) -> TunedEntry:

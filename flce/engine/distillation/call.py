@@ -28,6 +28,17 @@ class DistillChunks:
         if self.tokens_per_chunk < 1:
             raise ValueError(f"tokens_per_chunk={self.tokens_per_chunk}: expected a positive row count")
 
+    def words(self, n_rows: int, training: bool, in_forward: bool) -> str:
+        """What the plan runs, in words (explain's schedule line)."""
+        chunks = -(-n_rows // self.tokens_per_chunk) if n_rows else 0
+        words = [f"token chunks: {chunks} of up to {self.tokens_per_chunk} rows, both heads' logits of a chunk in "
+                 "two buffers; both softmaxes' statistics"]
+        if in_forward:
+            words.append("the gradients formed in the forward over the logits")
+        elif training:
+            words.append("each chunk's logits recomputed in backward for its gradients")
+        return "; ".join(words)
+
 
 def pair_logits_bytes_per_row(vocab: int, dtype: torch.dtype) -> int:
     """Bytes per token row of a chunk's two logits buffers, teacher's and student's, in the compute dtype
