@@ -5,7 +5,9 @@
     loss = loss_fn(hidden, lm_head.weight, labels)
 """
 
+from flce.distillation.api import LinearDistillation, get_distillation_impl, linear_distillation_loss
 from flce.explain import explain
+from flce.explain_distillation import explain_distillation
 from flce.module import LinearCrossEntropy, get_impl, linear_cross_entropy
 from flce.outputs import LCEOutput
 from flce.registry import Backend, available_backends, register_backend
@@ -16,9 +18,13 @@ __all__ = [
     "Backend",
     "LCEOutput",
     "LinearCrossEntropy",
+    "LinearDistillation",
     "available_backends",
     "explain",
+    "explain_distillation",
+    "get_distillation_impl",
     "get_impl",
     "linear_cross_entropy",
+    "linear_distillation_loss",
     "register_backend",
 ]

@@ -189,8 +189,10 @@ def fresh_planner_memos() -> Iterator[None]:
     """The planners memoise their records by call description (a pure function of it in a process); tests
     that patch a planner's constants (block widths, budgets) must not meet a record another test made."""
     from flce.backends import cuda
+    from flce.backends.reference import distillation as reference_distillation
     from flce.backends.reference import plan as reference_plan
 
     cuda._planned.clear()
     reference_plan._planned.clear()
+    reference_distillation._planned.clear()
     yield

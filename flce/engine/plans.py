@@ -139,6 +139,9 @@ def kept_rows(plan: TokenChunks, n_rows: int) -> int:
 def describe(plan: Plan, n_rows: int, training: bool, in_forward: bool) -> str:
     """What a plan runs, in words, for a call of ``n_rows`` tokens: only the parts that run (a deferred plan's
     recompute where rows are recomputed, its statistics pass where it keeps no logits)."""
+    own_words = getattr(plan, "words", None)
+    if own_words is not None:  # a schedule that says it itself (flce.engine.distillation's DistillChunks)
+        return own_words(n_rows, training, in_forward)
     if isinstance(plan, AllRows):
         return f"all {n_rows} rows at once: {_statistics_words(plan)}"
     if isinstance(plan, VocabBlocks):
