@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("explain", "explain-distillation"):
         try:
             return (explain_call if args.command == "explain" else explain_distillation_call)(args)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:  # what a call would raise: a usage error here
             parser.error(f"{args.command}: {exc}")
     if args.command == "info":
         try:
