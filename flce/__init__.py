@@ -5,7 +5,9 @@
     loss = loss_fn(hidden, lm_head.weight, labels)
 """
 
+from flce.distillation.api import LinearDistillation, get_distillation_impl, linear_distillation_loss
 from flce.explain import explain
+from flce.explain_distillation import explain_distillation
 from flce.module import LinearCrossEntropy, get_impl, linear_cross_entropy
 from flce.outputs import LCEOutput
 from flce.policy.api import LinearPolicyLoss, PolicyLossOutput, get_policy_impl, linear_policy_loss
@@ -19,11 +21,15 @@ __all__ = [
     "LinearCrossEntropy",
     "LinearPolicyLoss",
     "PolicyLossOutput",
+    "LinearDistillation",
     "available_backends",
     "explain",
+    "explain_distillation",
+    "get_distillation_impl",
     "get_impl",
     "get_policy_impl",
     "linear_cross_entropy",
     "linear_policy_loss",
+    "linear_distillation_loss",
     "register_backend",
 ]

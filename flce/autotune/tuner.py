@@ -115,8 +115,8 @@ class Tuner:
     def run(self) -> list[ShapeResult]:
         plans = [(shape, self._candidates(shape)) for shape in self.shapes()]
         # floor, heuristic, keep/recompute, forward-only overlays
-        extra = 2 + (2 if self.space.tunes_logits_save_limit else 0) + len(self.space.inference_overlays)
-        self.progress.start(sum(len(c) + extra for _, c in plans))
+        space = self.space
+        self.progress.start(sum(len(c) + 2 + 2 * space.tunes_limit_of(s) + len(space.overlays_of(s)) for s, c in plans))
         self.results = []
         try:
             for shape, candidates in plans:
@@ -148,7 +148,7 @@ class Tuner:
         result.floor_ms = self.floors.of(shape, inputs)
 
         self.progress.step(f"{label}: heuristic")
-        after_heuristic = len(candidates) + (2 if self.space.tunes_logits_save_limit else 0)
+        after_heuristic = len(candidates) + (2 if self.space.tunes_limit_of(shape) else 0)
         try:
             baseline = self._run(shape, inputs, None, deferred=False, budget=None)
         except Skip as skip:
@@ -181,7 +181,7 @@ class Tuner:
             result.first_error = result.first_error or (
                 f"neither the heuristic ({size_text(baseline.working_bytes)}) nor any candidate fits the memory "
                 f"budget of {size_text(budget)}")
-            self.progress.advance(2 if self.space.tunes_logits_save_limit else 0)
+            self.progress.advance(2 if self.space.tunes_limit_of(shape) else 0)
             return result
         if best_params is not None and heuristic_fits:
             best, baseline = self._confirm_winner(shape, inputs, best_params, baseline, budget, result)
@@ -192,7 +192,7 @@ class Tuner:
         result.peak_kind = best.peak_kind
 
         limit, save_ms, recompute_ms = None, None, None
-        if self.space.tunes_logits_save_limit:
+        if self.space.tunes_limit_of(shape):
             limit, save_ms, recompute_ms = self._logits_save_limit(shape, inputs, best_params, best, budget, label,
                                                                    result)
         overlay, inference_ms = self._inference_overlay(shape, inputs, best_params, label, result)
@@ -289,7 +289,7 @@ class Tuner:
         this round and again in a second round that times the two in turn. Returns the overlay and the
         times to store (the confirmation round's under "confirm ...")."""
         timed: list[tuple[Params, float]] = []
-        for overlay in self.space.inference_overlays:
+        for overlay in self.space.overlays_of(shape):
             self.progress.step(f"{label}: forward only {params_text(overlay)}")
             ms = self._forward_only_ms(shape, inputs, params, overlay, result)
             if ms is not None:

@@ -144,6 +144,9 @@ def describe(plan: Plan, n_rows: int, training: bool, in_forward: bool, statisti
     """What a plan runs, in words, for a call of ``n_rows`` tokens: only the parts that run (a deferred plan's
     recompute where rows are recomputed, its statistics pass where it keeps no logits). ``statistics_first``: the
     gradients are formed in the forward after every row's statistics, as a deferred plan's backward forms them."""
+    own_words = getattr(plan, "words", None)
+    if own_words is not None:  # a schedule that says it itself (flce.engine.distillation's DistillChunks)
+        return own_words(n_rows, training, in_forward)
     if isinstance(plan, AllRows):
         return f"all {n_rows} rows at once: {_statistics_words(plan)}"
     if isinstance(plan, VocabBlocks):
