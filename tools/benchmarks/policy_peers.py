@@ -11,7 +11,8 @@ epsilon_high 0.28, the k3 KL to reference log-probs at beta 0.04, an entropy bon
 entropy), temperature 0.7, ``num_items_in_batch`` = the mask's sum; old and reference log-probs are the policy's
 own plus N(0, 0.1) and N(0, 0.2) noise; one advantage per sequence; every 17th token masked. Methods:
 
-* ``flce policy loss``: flce.linear_policy_loss, default memory budget, and the same within 512 MiB;
+* ``flce policy loss``: flce.linear_policy_loss, default memory budget, within 512 MiB, and with 6 GiB (the
+  sequence level then keeps every row's logits: three GEMMs);
 * ``flce log-probs + TRL formula``: flce.linear_cross_entropy's per-token log-probs and entropy (differentiable),
   TRL's formula in PyTorch outside (what the trainers do with flce's drop-ins);
 * ``torch.compile TRL formula``: the logits materialised and TRL's formula, compiled (Inductor);
@@ -193,6 +194,7 @@ def liger_grpo(setting: Setting, level: str) -> Step:
 METHODS: dict[str, Callable[[Setting, str], Step]] = {
     "flce policy loss": flce_policy(),
     "flce policy loss, 512 MiB": flce_policy(512 * MiB),
+    "flce policy loss, 6 GiB": flce_policy(6 << 30),
     "flce log-probs + TRL formula": flce_logprobs_then_formula(),
     "flce log-probs + TRL formula, 512 MiB": flce_logprobs_then_formula(512 * MiB),
     "torch.compile TRL formula": torch_compile_formula,
