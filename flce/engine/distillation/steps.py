@@ -50,9 +50,11 @@ def distillation_steps(desc: DistillDescription, plan: DistillChunks, names: Pai
     if plan.fused_passes:
         passes = ["both softmaxes' statistics"] + (["JSD's second pass (KL(P||M), KL(Q||M))"] if jsd else [])
         passes += [f"{who} gradient over the logits"] if in_forward else []
-        steps.append(Step(f"each chunk: {', '.join(passes)}, in one kernel", (names.pair_passes,),
-                          f"{what}; each row's sweeps back to back, each reading first what the one before read "
-                          "last (still in L2)", launch("pair_passes")))
+        why = (f"one pass over both logits ({what})" if len(passes) == 1 else
+               f"{what}; a row's sweeps back to back, each starting on the blocks the one before read last (in L2 "
+               "while the rows in flight fit it)")
+        steps.append(Step(f"each chunk: {', '.join(passes)}, in one kernel", (names.pair_passes,), why,
+                          launch("pair_passes")))
     else:
         steps.append(Step("each chunk: both softmaxes' statistics", (names.pair_stats,),
                           f"one pass over both logits ({what})", launch("pair_stats")))
