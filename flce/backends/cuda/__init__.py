@@ -74,10 +74,30 @@ def _choose(device: DeviceDescription, call: CallDescription) -> CallChoice:
     return explain(device, call)
 
 
-def _plan_distillation(pair: object, cfg: object, request: PlanRequest) -> object:
-    from flce.backends.cuda.distill_ops import plan_distillation
+_planned_distillations: dict[tuple, tuple[CallChoice, object]] = {}
 
-    return plan_distillation(pair, cfg, request)
+
+def _plan_distillation(pair: object, cfg: object, request: PlanRequest) -> object:
+    """The record of what a linear distillation call runs (choice.py choose_distillation) and the pair kernels that
+    run it (distill_ops.py), memoised as _plan_call's."""
+    from flce.backends.cuda.choice import choose_distillation, distillation_entry_for
+    from flce.backends.cuda.distill_ops import CudaPairKernels
+    from flce.backends.cuda.fallback import failures
+    from flce.backends.cuda.hardware import describe_device
+    from flce.engine.distillation.call import DistillCall, DistillDescription
+
+    device = describe_device(pair.student_hidden.device)
+    desc = DistillDescription.of(pair, cfg, request)
+    entry, failed = distillation_entry_for(device, desc), failures(pair.student_hidden.device, desc.dtype)
+    key = (device, desc.key, entry.key, tuple(sorted(failed.items())))
+    planned = _planned_distillations.get(key)
+    if planned is None:
+        record, choice = choose_distillation(device, desc, entry, failed)
+        if len(_planned_distillations) >= _PLANNED_LIMIT:
+            _planned_distillations.clear()
+        planned = _planned_distillations[key] = (record, CudaPairKernels(choice))
+    record, kernels = planned
+    return DistillCall(kernels=kernels, cfg=cfg, plan=record.plan, token_shape=pair.token_shape, choice=record)
 
 
 def _choose_distillation(device: DeviceDescription, desc: object) -> CallChoice:

@@ -1,6 +1,5 @@
-"""The CUDA backend's linear distillation: launchers of distill_kernels.py (row_ops.py's counterparts), the pair
-kernels the engine's DistillChunks schedule calls, and the planner a call runs (the choice: choice.py
-choose_distillation).
+"""The CUDA backend's linear distillation: launchers of distill_kernels.py (row_ops.py's counterparts) and the pair
+kernels the engine's DistillChunks schedule calls, launched as the choice (choice.py choose_distillation) says.
 
 Each chunk's two logits buffers come from cuBLAS (flce.engine.rows.gemm_logits); the row kernels read them in the
 compute dtype with fp32 arithmetic and write the gradients over them, so a chunk holds nothing [n, V] beyond them.
@@ -19,7 +18,6 @@ from flce.backends.cuda.families import KernelChoice
 from flce.backends.cuda.ops import TritonChunkKernels
 from flce.backends.cuda.row_ops import GRAD_BLOCKS_PER_PROGRAM, row_launch
 from flce.distillation.config import DistillationConfig
-from flce.distillation.inputs import FlatPair
 from flce.distillation.semantics import (
     PairCoefficients,
     PairStats,
@@ -27,8 +25,6 @@ from flce.distillation.semantics import (
     needs_cross,
     with_mixture_sums,
 )
-from flce.engine.distillation.call import DistillCall, DistillDescription
-from flce.engine.plans import PlanRequest
 
 # distill_kernels' constexpr flags of each loss (its module docstring)
 _CROSS = {"forward_kl": 1, "reverse_kl": 2, "jsd": 0}
@@ -172,28 +168,3 @@ class CudaPairKernels(TritonChunkKernels):
     def pair_passes_(self, teacher_logits, student_logits, target, cfg, scale, teacher):
         return pair_passes_(teacher_logits, student_logits, target, cfg, scale, teacher, self.launch,
                             self.rows_in_flight)
-
-
-# The record and the kernels of each distinct call description, as cuda/__init__.py's _planned for cross-entropy.
-_planned: dict[tuple, tuple[object, CudaPairKernels]] = {}
-_PLANNED_LIMIT = 256
-
-
-def plan_distillation(pair: FlatPair, cfg: DistillationConfig, request: PlanRequest) -> DistillCall:
-    """Backend.plan_distillation: the record of what the call runs (choice.py) and the kernels that run it."""
-    from flce.backends.cuda.choice import choose_distillation, distillation_entry_for
-    from flce.backends.cuda.fallback import failures
-    from flce.backends.cuda.hardware import describe_device
-
-    device = describe_device(pair.student_hidden.device)
-    desc = DistillDescription.of(pair, cfg, request)
-    entry, failed = distillation_entry_for(device, desc), failures(pair.student_hidden.device, desc.dtype)
-    key = (device, desc.key, entry.key, tuple(sorted(failed.items())))
-    planned = _planned.get(key)
-    if planned is None:
-        record, choice = choose_distillation(device, desc, entry, failed)
-        if len(_planned) >= _PLANNED_LIMIT:
-            _planned.clear()
-        planned = _planned[key] = (record, CudaPairKernels(choice))
-    record, kernels = planned
-    return DistillCall(kernels=kernels, cfg=cfg, plan=record.plan, token_shape=pair.token_shape, choice=record)
