@@ -310,3 +310,14 @@ def test_tuning_space_heuristic_is_the_planners_choice() -> None:
     with override_params({"pair_passes": "separate", "tokens_per_chunk": 512}, backend="cuda"):
         tuned = flce.explain_distillation("cpu", backend="cuda", shape=(2048, 16, 16, 64), dtype="float32")
     assert not tuned.plan.fused_passes and tuned.plan.tokens_per_chunk == 512
+
+
+def test_products_family_fits_both_heads_where_the_teacher_takes_a_gradient() -> None:
+    """The cache's warp-specialised products on a Hopper GPU: taken for the student's head, passed over (cuBLAS)
+    where the teacher takes a gradient and its hidden size is one that family cannot take."""
+    ws = "flce.backends.cuda.ws_gemm_kernels._ws_gemm_kernel"
+    with override_params({"grad_gemm_kernel": "warp_specialized"}, backend="cuda"):
+        student_only = flce.explain_distillation("cuda", gpu=H100, shape="8192x4096x4100x128256")
+        both = flce.explain_distillation("cuda", gpu=H100, shape="8192x4096x4100x128256", teacher_grad=True)
+    assert ws in student_only.kernel_names()
+    assert ws not in both.kernel_names() and "the teacher's head: warp_specialized: H=4100" in str(both)
