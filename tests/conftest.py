@@ -196,6 +196,7 @@ def fresh_planner_memos() -> Iterator[None]:
     from flce.backends.reference import plan as reference_plan
 
     cuda._planned.clear()
+    cuda._planned_distillations.clear()
     reference_plan._planned.clear()
     reference_distillation._planned.clear()
     yield

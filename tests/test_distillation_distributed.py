@@ -4,11 +4,14 @@ Every rank builds the same full inputs from the same seed, keeps its vocabulary 
 weights and biases and calls flce with ``process_group``: the loss, the student's (and, where asked, the
 teacher's) grad_hidden, and the rank's slice of each grad_weight / grad_bias must equal the float64 oracle;
 each chunk's statistics travel in one all-reduce (JSD's second pass in a second one), and a compiled
-sharded step is one graph. One spawn runs every case (tests/test_distributed.py's harness).
+sharded step is one graph. One spawn runs every case (tests/test_distributed.py's harness); a second, in fresh
+interpreters under TRITON_INTERPRET=1, runs cases on the CUDA backend's pair kernels.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,7 +44,7 @@ def _shard(pair: Pair, rows: slice) -> Pair:
                 part(pair.teacher_weight), part(pair.teacher_bias), pair.target)
 
 
-def _check_case(checker: Checker, name: str, layout: str, rank: int, group: Any) -> None:
+def _check_case(checker: Checker, name: str, layout: str, rank: int, group: Any, backend: str = "reference") -> None:
     options = dict(CASES[name])
     with_target = options.pop("target", True)
     sizes = LAYOUTS[layout]
@@ -49,10 +52,10 @@ def _check_case(checker: Checker, name: str, layout: str, rank: int, group: Any)
     pair = make_pair(gen, n=11, vocab=sum(sizes), bias=True, target=with_target)
     rows = shard_rows(sizes, rank)
     mine = _shard(pair, rows)
-    with checker.case(f"{name} {layout}"), record_collectives() as records:
+    with checker.case(f"{name} {layout} {backend}"), record_collectives() as records:
         got = flce.linear_distillation_loss(
             mine.student_hidden, mine.student_weight, mine.teacher_hidden, mine.teacher_weight, mine.target,
-            student_bias=mine.student_bias, teacher_bias=mine.teacher_bias, process_group=group, backend="reference",
+            student_bias=mine.student_bias, teacher_bias=mine.teacher_bias, process_group=group, backend=backend,
             **options)
         expected = oracle(pair, **options)
         assert relative(got, expected) <= 1e-5, f"loss: relative error {relative(got, expected):.2e}"
@@ -80,6 +83,15 @@ def _section(checker: Checker, rank: int, world_size: int) -> None:
     for name in CASES:
         for layout in LAYOUTS:
             _check_case(checker, name, layout, rank, group)
+
+
+def _cuda_interpreted(checker: Checker, rank: int, world_size: int) -> None:
+    """The CUDA backend's pair kernels (their vocab_offset, one kernel a pass) in the Triton interpreter."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "test setup: the ranks must start with TRITON_INTERPRET=1"
+    group = torch.distributed.group.WORLD
+    for name, layout in (("jsd-hard-teacher-none", "uneven"), ("forward-kl-sum-hard", "even"),
+                         ("reverse-kl-mean-teacher-chunks", "uneven")):
+        _check_case(checker, name, layout, rank, group, backend="cuda")
 
 
 def _compiled(checker: Checker, rank: int, world_size: int) -> None:
@@ -110,7 +122,7 @@ def _compiled(checker: Checker, rank: int, world_size: int) -> None:
         assert relative(mine.student_weight.grad, pair.student_weight.grad[shard_rows(sizes, rank)]) <= 1e-4
 
 
-SECTIONS = {"2": {"cases": _section, "compiled": _compiled}}
+SECTIONS = {"2": {"cases": _section, "compiled": _compiled}, "2-interpreted": {"cuda_interpreted": _cuda_interpreted}}
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +134,9 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
 def test_two_ranks(section: str, reports: list[dict[str, dict]]) -> None:
     assert_section(reports, section)
 
+
+@pytest.mark.triton
+def test_two_ranks_cuda_kernels_interpreted(tmp_path: Path) -> None:
+    reports = run_ranks(2, tmp_path, sections_module=__name__, sections_key="2-interpreted",
+                        fresh_env={"TRITON_INTERPRET": "1"})
+    assert_section(reports, "cuda_interpreted")

@@ -6,16 +6,21 @@ products G @ W_s and G.T @ x_s), then each method's forward + backward (median m
 ratio is to its own round's floor, reported as the median over rounds and their range, beside the peak
 memory above the gradients it returns (the student's hidden and weight gradients).
 
-    python tools/benchmarks/distill_peers.py                     # both shapes, 3 rounds, bf16 (~5 min on an H100)
+    python tools/benchmarks/distill_peers.py                     # both shapes, 3 rounds, bf16 (~6 min on an H100)
     python tools/benchmarks/distill_peers.py --quick             # a smoke run: one small shape, one round
     python tools/benchmarks/distill_peers.py --json h100.json --markdown h100.md
 
-Methods: ``flce`` (the default memory budget) and ``flce_512MiB`` (memory_budget=512 MiB); ``liger_jsd``,
-Liger-Kernel's ``LigerFusedLinearJSDLoss`` (weight_hard_loss=0, weight_soft_loss=1, beta 0.5; its chunked
-torch.compile loop, which computes the unweighted cross-entropy too), where liger-kernel imports (a row saying
-"fails: ..." otherwise); ``torch_compile``, torch.compile of the formula on materialised logits (the teacher's
-under no_grad). Inputs are flce.testing.measure's draw (logits of std 1, every 17th target ignored); the
-teacher takes no gradient. Only the JSD with beta 0.5 is timed (the issue's comparison).
+Methods: ``flce``, the CUDA backend (by name: a row saying "fails: ..." where it cannot run) as a call plans it
+with nothing cached (the default memory budget, forward's passes over a chunk's logits in one kernel, one program
+a row); ``flce_512MiB`` (memory_budget=512 MiB, the issue's bound); the pair kernels' other launches, as
+flce-autotune would time them (docs/distillation.md): ``flce_separate`` (one kernel a pass, pair_passes=separate),
+``flce_in_flight`` (rows_in_flight = the SM count: the rows a sweep re-reads from L2 fit it) and ``flce_2GiB``
+(memory_budget=2 GiB: 4 chunks, fewer read-modify-writes of the weight gradient); ``liger_jsd``, Liger-Kernel's
+``LigerFusedLinearJSDLoss`` (weight_hard_loss=0, weight_soft_loss=1, beta 0.5; its chunked torch.compile loop,
+which computes the unweighted cross-entropy too), where liger-kernel imports (a row saying "fails: ..."
+otherwise); ``torch_compile``, torch.compile of the formula on materialised logits (the teacher's under no_grad).
+Inputs are flce.testing.measure's draw (logits of std 1, every 17th target ignored); the teacher takes no
+gradient. Only the JSD with beta 0.5 is timed (the issue's comparison).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import flce
+from flce.autotune import override_params
 from flce.testing.measure import MiB, floor_gradient, median_ms, peak_mib_above, publish, shape_inputs
 
 DEFAULT_SHAPES = ("8192x4096x4096x128256", "8192x4096x8192x128256")
@@ -110,12 +116,18 @@ def torch_compile(inputs: Inputs) -> torch.Tensor:
     return _compiled(inputs)
 
 
-def flce_method(budget: int | None) -> Callable[[Inputs], torch.Tensor]:
+def flce_method(budget: int | None, knobs: Callable[[], dict] | None = None) -> Callable[[Inputs], torch.Tensor]:
+    """flce's CUDA backend; ``knobs()``: autotune knobs the call plans with, as a cache entry would give them."""
     def call(inputs: Inputs) -> torch.Tensor:
-        return flce.linear_distillation_loss(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
-                                             inputs.teacher_weight, inputs.target, loss="jsd", beta=BETA,
-                                             memory_budget=budget)
+        with override_params(knobs() if knobs else None, backend="cuda"):
+            return flce.linear_distillation_loss(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
+                                                 inputs.teacher_weight, inputs.target, loss="jsd", beta=BETA,
+                                                 memory_budget=budget, backend="cuda")
     return call
+
+
+def _sm_count() -> dict:
+    return {"rows_in_flight": torch.cuda.get_device_properties(0).multi_processor_count}
 
 
 def liger_method() -> Callable[[Inputs], torch.Tensor]:
@@ -130,7 +142,9 @@ def liger_method() -> Callable[[Inputs], torch.Tensor]:
 def all_methods() -> dict[str, Callable[[Inputs], torch.Tensor] | str]:
     """Every method by name, in the order they run; a method that cannot load here is its "fails: ..." cell."""
     methods: dict[str, Callable[[Inputs], torch.Tensor] | str] = {
-        "flce": flce_method(None), "flce_512MiB": flce_method(512 * MiB)}
+        "flce": flce_method(None), "flce_512MiB": flce_method(512 * MiB),
+        "flce_separate": flce_method(None, lambda: {"pair_passes": "separate"}),
+        "flce_in_flight": flce_method(None, _sm_count), "flce_2GiB": flce_method(2048 * MiB)}
     try:
         methods["liger_jsd"] = liger_method()
     except Exception as exc:

@@ -17,6 +17,7 @@ from flce.backends.cuda.families import family as role
 from flce.config import LCEConfig
 from flce.engine.call import grads_in_forward_allowed
 from flce.engine.choice import CallDescription, DeviceDescription, MemoryPlan
+from flce.engine.distillation.call import DistillChunks, DistillDescription, pair_logits_bytes_per_row
 from flce.engine.memory import (
     MiB,
     call_budget,
@@ -53,6 +54,8 @@ ROW_MULTIPLE = 256
 # Widest row-kernel block a launch may ask for (a tuned block_v beyond it is refused).
 MAX_BLOCK_V = 4096
 GRAD_SCHEDULES = ("vocab_blocks", "token_chunks")
+# Linear distillation's forward passes over a chunk's logits: one kernel (each row's sweeps back to back) or one each.
+PAIR_PASSES = ("fused", "separate")
 # In-forward gradients: budgets that leave token chunks of fewer rows than this take the vocabulary-
 # block schedule, whose recomputed GEMM costs less than each small chunk's read-modify-write of the
 # V x H weight gradient. Measured on the H200 (docs/benchmarks.md): 256-row chunks 1.47x / 1.71x the
@@ -94,6 +97,10 @@ class TunedKnobs:
     grad_gemm_kernel: str | None = None
     # what a chunk's in-forward gradient is made from (engine.plans.CHUNK_GRADS)
     chunk_grad: str | None = None
+    # linear distillation: forward's passes over a chunk's logits in one kernel or one each (PAIR_PASSES), and the
+    # one kernel's programs (rows in flight; None: one a row)
+    pair_passes: str | None = None
+    rows_in_flight: int | None = None
     source: str = "none for this shape"
 
 
@@ -128,7 +135,8 @@ def tuned_knobs(entry: TunedEntry) -> TunedKnobs:
                       stats_kernel=family("stats_kernel", role.STATISTICS),
                       logits_kernel=family("logits_kernel", role.CHUNK_LOGITS),
                       grad_gemm_kernel=family("grad_gemm_kernel", role.PRODUCTS),
-                      chunk_grad=choice("chunk_grad", CHUNK_GRADS), source=entry.source)
+                      chunk_grad=choice("chunk_grad", CHUNK_GRADS), pair_passes=choice("pair_passes", PAIR_PASSES),
+                      rows_in_flight=positive_int(params.get("rows_in_flight")), source=entry.source)
 
 
 def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs,
@@ -284,3 +292,16 @@ def chunk_rows(n_rows: int, max_rows: int) -> int:
         if rows <= max_rows:
             return rows
         chunks += 1
+
+
+def distillation_schedule(desc: DistillDescription, tuned: TunedKnobs) -> tuple[DistillChunks, MemoryPlan]:
+    """Linear distillation's token chunks: rows as cross-entropy's (the cache's tokens_per_chunk while it fits the
+    budget, else the most that fit it, in whole ROW_MULTIPLE rows) of both heads' logits, the kernels' only [n, V]
+    memory (they write the gradients over them); forward's passes in one kernel unless the call is a vocabulary
+    shard (its statistics need the other shards' first) or the cache says pair_passes=separate."""
+    per_row = pair_logits_bytes_per_row(desc.vocab, desc.dtype)
+    budget, budget_from = call_budget(desc.cfg.memory_budget, DEFAULT_CHUNK_BUDGET, "DEFAULT_CHUNK_BUDGET")
+    rows = tuned_chunk_rows(desc.n_rows, per_row, tuned.tokens_per_chunk, budget, chunk_rows)
+    fused = not desc.request.sharded and tuned.pair_passes != "separate"
+    return (DistillChunks(rows, fused_passes=fused),
+            MemoryPlan(budget, budget_from, min(rows, desc.n_rows) * per_row))

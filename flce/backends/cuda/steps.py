@@ -13,9 +13,12 @@ import torch
 from flce.backends.cuda.families import KernelChoice
 from flce.backends.cuda.families import family as role
 from flce.backends.cuda.families.cublas import FULL_GRAD, ROW_STATS, cublas_logits_function
-from flce.backends.cuda.row_ops import PLAIN_FORWARD, PLAIN_GRAD, SCALE
+from flce.backends.cuda.families.family import KernelFamily
+from flce.backends.cuda.row_ops import GRAD_BLOCKS_PER_PROGRAM, PLAIN_FORWARD, PLAIN_GRAD, SCALE
 from flce.engine.call import grads_in_forward_allowed
 from flce.engine.choice import CallDescription, DeviceDescription, Step
+from flce.engine.distillation.call import DistillChunks, DistillDescription
+from flce.engine.distillation.steps import PairKernelNames, distillation_steps
 from flce.engine.plans import EXPONENTIALS, FUSED, AllRows, Plan, TokenChunks, VocabBlocks, kept_rows
 from flce.engine.rows import logits_dtype
 
@@ -25,6 +28,40 @@ EXP_FINISH = _K + "exp_grad_kernels._exp_rows_finish_kernel"
 EXP_REDO = _K + "exp_grad_kernels._exp_rows_redo_kernel"
 SCALE_ROWS = _K + "exp_grad_kernels._scale_rows_kernel"
 COUNT_TOKENS = _K + "target_kernels._count_tokens_kernel"
+PAIR_STATS = _K + "distill_kernels._pair_stats_kernel"
+MIXTURE_SUMS = _K + "distill_kernels._mixture_sums_kernel"
+PAIR_GRAD = _K + "distill_kernels._pair_grad_kernel"
+PAIR_PASSES = _K + "distill_kernels._pair_passes_kernel"
+
+
+def of_distillation(device: DeviceDescription, desc: DistillDescription, plan: DistillChunks, kernels: KernelChoice,
+                    products_call: CallDescription, products_reason: str) -> tuple[Step, ...]:
+    """The steps of a linear distillation plan (flce.engine.distillation.steps orders them), its row kernels
+    distill_ops.py's and its gradient products (``products_call``: the student head's, as the families read a
+    call) those of the family the choice gave the role."""
+    settings = kernels.settings
+    row = settings.launch
+    blocks = f"BLOCK_V up to {row.block_v}, {row.num_warps or '4 or 8'} warps ({settings.launch_source})"
+    in_flight = (f"{settings.rows_in_flight} programs walking the rows (cache entry: rows_in_flight)"
+                 if settings.rows_in_flight else "one program a row (heuristic)")
+    launches = {"pair_passes": f"{blocks}; {in_flight}", "pair_grad": f"{blocks}; {GRAD_BLOCKS_PER_PROGRAM} blocks "
+                "of a row a program"}
+    sums = "torch.addmm" if device.type == "cuda" and desc.dtype != torch.float32 else "torch.Tensor.sum"
+    family, fallbacks = kernels.family(role.PRODUCTS), kernels.fallbacks(role.PRODUCTS)
+
+    def gemms(of: KernelFamily, chunks: int) -> tuple[str, ...]:
+        # the weight gradient: written by the first chunk's product, added into by the others'
+        accumulate = of.accumulate_kernels if chunks > 1 else ()
+        return tuple(dict.fromkeys(of.kernels(role.PRODUCTS, settings, products_call) + accumulate))
+
+    def products(name: str, engine_gemms: tuple[str, ...]) -> Step:
+        chunks = -(-desc.n_rows // plan.tokens_per_chunk) if desc.n_rows else 0
+        return Step(name, gemms(family, chunks), products_reason, family.launch_text(role.PRODUCTS, settings),
+                    gemms(fallbacks[0], chunks) if fallbacks else ())
+
+    names = PairKernelNames(pair_stats=PAIR_STATS, mixture_sums=MIXTURE_SUMS, pair_grad=PAIR_GRAD, scale=SCALE,
+                            bias_sums=sums, pair_passes=PAIR_PASSES, count_tokens=COUNT_TOKENS)
+    return distillation_steps(desc, plan, names, lambda kernel: launches.get(kernel, blocks), products)
 
 
 def of_plan(device: DeviceDescription, call: CallDescription, plan: Plan, kernels: KernelChoice,

@@ -20,9 +20,12 @@ from flce.engine.plans import PlanRequest
 @dataclass(frozen=True)
 class DistillChunks:
     """Token chunks of ``tokens_per_chunk`` rows against the whole vocabulary, both heads' logits of a
-    chunk in two buffers at once (flce.engine.distillation.schedule)."""
+    chunk in two buffers at once (flce.engine.distillation.schedule). ``fused_passes``: forward's passes
+    over a chunk's logits (the statistics, JSD's second pass, the in-forward gradient) are one kernel
+    (:class:`FusedPairPasses`), for an unsharded call only: a shard's statistics need the others' first."""
 
     tokens_per_chunk: int
+    fused_passes: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens_per_chunk < 1:
@@ -33,6 +36,8 @@ class DistillChunks:
         chunks = -(-n_rows // self.tokens_per_chunk) if n_rows else 0
         words = [f"token chunks: {chunks} of up to {self.tokens_per_chunk} rows, both heads' logits of a chunk in "
                  "two buffers; both softmaxes' statistics"]
+        if self.fused_passes:
+            words.append("forward's passes over a chunk's logits in one kernel")
         if in_forward:
             words.append("the gradients formed in the forward over the logits")
         elif training:
@@ -119,6 +124,18 @@ class PairKernels(Protocol):
                    coeffs: PairCoefficients) -> tuple[torch.Tensor, torch.Tensor | None]:
         """d loss / d u_s written over the student's logits and, with ``coeffs.teacher_scale``, d loss / d u_t
         over the teacher's (both returned; None for the teacher's otherwise), in one pass."""
+
+
+class FusedPairPasses(Protocol):
+    """A capability of a backend's pair kernels that a DistillChunks plan with ``fused_passes`` asks for."""
+
+    def pair_passes_(self, teacher_logits: torch.Tensor, student_logits: torch.Tensor, target: torch.Tensor | None,
+                     cfg: DistillationConfig, scale: torch.Tensor | None,
+                     teacher: bool) -> tuple[PairStats, torch.Tensor | None, torch.Tensor | None]:
+        """An unsharded chunk's statistics over the whole vocabulary (JSD's second-pass sums included) and, where
+        ``scale`` (each row's d loss / d row loss, 0 on ignored rows) is given, the gradients written over the
+        logits as pair_grad_ writes them (the teacher's too with ``teacher``): (stats, student's, teacher's; None
+        where not written)."""
 
 
 @dataclass(frozen=True)

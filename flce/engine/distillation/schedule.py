@@ -10,6 +10,9 @@ Forward, chunk by chunk:
    the teacher takes one), and two GEMMs turn it into grad_hidden rows and a grad_weight contribution
    (flce.engine.rows.GradAccumulator). Backward then only scales them by grad_output.
 
+A plan with ``fused_passes`` (an unsharded call, kernels with FusedPairPasses) makes steps 2 and 3's passes
+one kernel, each row's sweeps back to back.
+
 Four GEMMs per chunk in all: the teacher's logits, the student's, and the student's two gradient products.
 With reduction="none" each row's upstream gradient arrives in backward: forward keeps the rows' statistics
 ([k, N], no logits), and backward recomputes each chunk's two logits and forms its gradients (six GEMMs).
@@ -126,15 +129,22 @@ def forward(call: DistillCall, pair, grads_in_forward: PairGradTargets | None, k
         scale = row_scales(one, counts.count, valid, n_rows, cfg)
     logits = _PairLogits(pair, min(call.plan.tokens_per_chunk, n_rows))
     losses, kept = [], []
+    fused = call.plan.fused_passes and call.sharding is None
     for rows in chunk_bounds(n_rows, call.plan.tokens_per_chunk):
         rows_target = None if target is None else target[rows]
         teacher_logits, student_logits = logits.of(rows)
-        stats = chunk_statistics(call, teacher_logits, student_logits, rows_target)
+        teacher = acc is not None and acc.teacher is not None
+        if fused:  # the plan's FusedPairPasses: the statistics and the gradients in one kernel
+            stats, student_grad, teacher_grad = kernels.pair_passes_(
+                teacher_logits, student_logits, rows_target, cfg, None if acc is None else scale[rows], teacher)
+        else:
+            stats = chunk_statistics(call, teacher_logits, student_logits, rows_target)
+            if acc is not None:
+                coeffs = pair_coefficients(stats, scale[rows], cfg, teacher=teacher)
+                student_grad, teacher_grad = kernels.pair_grad_(teacher_logits, student_logits, rows_target, cfg,
+                                                                call.vocab_offset, coeffs)
         losses.append(row_losses(stats, None if valid is None else valid[rows], cfg))
         if acc is not None:
-            coeffs = pair_coefficients(stats, scale[rows], cfg, teacher=acc.teacher is not None)
-            student_grad, teacher_grad = kernels.pair_grad_(teacher_logits, student_logits, rows_target, cfg,
-                                                            call.vocab_offset, coeffs)
             acc.add(student_grad, teacher_grad, rows)
         elif keep_stats:
             kept.append(stats.stacked())
