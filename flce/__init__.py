@@ -10,6 +10,7 @@ from flce.explain import explain
 from flce.explain_distillation import explain_distillation
 from flce.module import LinearCrossEntropy, get_impl, linear_cross_entropy
 from flce.outputs import LCEOutput
+from flce.policy.api import LinearPolicyLoss, PolicyLossOutput, get_policy_impl, linear_policy_loss
 from flce.registry import Backend, available_backends, register_backend
 
 __version__ = "0.1.0"
@@ -18,13 +19,17 @@ __all__ = [
     "Backend",
     "LCEOutput",
     "LinearCrossEntropy",
+    "LinearPolicyLoss",
+    "PolicyLossOutput",
     "LinearDistillation",
     "available_backends",
     "explain",
     "explain_distillation",
     "get_distillation_impl",
     "get_impl",
+    "get_policy_impl",
     "linear_cross_entropy",
+    "linear_policy_loss",
     "linear_distillation_loss",
     "register_backend",
 ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from flce.config import LCEConfig
+from flce.policy.tokens import PolicyTokens
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class FlatInputs:
     bias: torch.Tensor | None  # [V]
     token_shape: torch.Size  # target's shape, for reduction="none" outputs
     token_weight: torch.Tensor | None = None  # [N] in the statistics dtype: the call's token_weights
+    policy: PolicyTokens | None = None  # a policy loss's per-token inputs (flce.linear_policy_loss), else None
 
 
 def prepare_inputs(

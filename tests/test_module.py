@@ -49,7 +49,9 @@ def test_public_surface() -> None:
                                  "get_impl", "linear_cross_entropy", "register_backend",
                                  # linear distillation (docs/distillation.md)
                                  "LinearDistillation", "explain_distillation", "get_distillation_impl",
-                                 "linear_distillation_loss"}
+                                 "linear_distillation_loss",
+                                 # RL policy losses (docs/policy_loss.md)
+                                 "LinearPolicyLoss", "PolicyLossOutput", "get_policy_impl", "linear_policy_loss"}
     assert LCEOutput._fields == ("loss", "z_loss", "token_accuracy", "predicted_tokens", "logprobs", "entropy",
                                  "selected_logprobs", "logit_stats")
 

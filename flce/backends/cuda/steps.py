@@ -131,19 +131,34 @@ def _plan_steps(device: DeviceDescription, call: CallDescription, plan: Plan, ke
 
     assert isinstance(plan, TokenChunks)
     n_rows = call.n_rows
-    deferred = call.request.training and not in_forward
+    # A statistics-first objective (a sequence-level policy loss): a deferred plan's forward and backward, both
+    # in forward (flce.engine.schedule).
+    two_pass = in_forward and call.request.statistics_first
+    deferred = call.request.training and (not in_forward or two_pass)
     keep = kept_rows(plan, n_rows) if deferred else 0
+    later = "after every row's statistics" if two_pass else "backward"
+    kept_exponentials = two_pass and plan.chunk_grad == EXPONENTIALS and keep > 0
     out: list[Step] = []
-    if deferred and keep == 0 and plan.stats_first is not None:
+    if kept_exponentials:
+        making = family_step(f"each of the first {keep} rows' chunks: exponentials and statistics (the gradient up "
+                             "to a row scale)", role.EXPONENTIALS)
+        out.append(Step(making.name, (EXP_OFFSETS, *making.kernels, EXP_FINISH, EXP_REDO), making.reason,
+                        making.launch, making.fallback))
+        if keep < n_rows:
+            out.append(family_step("each other chunk: logits and statistics", role.CHUNK_LOGITS)
+                       if plan.forward_logits == FUSED else
+                       Step("each other chunk: logits and statistics", (cublas_logits, ROW_STATS),
+                            reasons[role.CHUNK_LOGITS], row_launch))
+    elif deferred and keep == 0 and plan.stats_first is not None:
         out.append(all_rows(plan.stats_first, " (in forward)"))
-    elif in_forward and plan.chunk_grad == EXPONENTIALS:
+    elif in_forward and not two_pass and plan.chunk_grad == EXPONENTIALS:
         making = family_step("each chunk: exponentials and statistics (the gradient up to a row scale)",
                              role.EXPONENTIALS)
         out.append(Step(making.name, (EXP_OFFSETS, *making.kernels, EXP_FINISH, EXP_REDO), making.reason,
                         making.launch, making.fallback))
     elif plan.forward_logits == FUSED:
         out.append(family_step("each chunk: logits and statistics", role.CHUNK_LOGITS))
-        if in_forward:
+        if in_forward and not two_pass:
             out.append(Step("each chunk: gradient over its logits", (full_or_plain_grad,),
                             "the row kernel over the logits the statistics GEMM wrote", row_launch))
     elif call.plain:
@@ -152,18 +167,18 @@ def _plan_steps(device: DeviceDescription, call: CallDescription, plan: Plan, ke
     else:
         out.append(Step("each chunk: logits and statistics", (cublas_logits, ROW_STATS), reasons[role.CHUNK_LOGITS],
                         row_launch))
-        if in_forward:
+        if in_forward and not two_pass:
             out.append(Step("each chunk: gradient over its logits", (FULL_GRAD,), "the full variant's row kernel",
                             row_launch))
     if not call.request.training:
         return out
     when = " (in forward)" if in_forward else " (in backward)"
     if deferred:
-        if keep:
-            out.append(Step(f"backward: gradient of the {keep} kept rows' logits", (full_or_plain_grad,),
+        if keep and not kept_exponentials:
+            out.append(Step(f"{later}: gradient of the {keep} kept rows' logits", (full_or_plain_grad,),
                             "logits kept from forward (the memory plan's save limit)", row_launch))
         if keep < n_rows:
-            out.append(recomputed_gradient("backward: each recomputed chunk's gradient", plan.backward_grad,
+            out.append(recomputed_gradient(f"{later}: each recomputed chunk's gradient", plan.backward_grad,
                                            full_or_plain_grad))
     chunks = -(-n_rows // max(1, plan.tokens_per_chunk))
     updates = (keep > 0) + -(-(n_rows - keep) // max(1, plan.tokens_per_chunk)) if deferred else chunks
@@ -175,7 +190,7 @@ def _plan_steps(device: DeviceDescription, call: CallDescription, plan: Plan, ke
         weight_product = (fp32_product,)
     else:
         weight_product = product_kernels + (products.accumulate_kernels if updates > 1 else ())
-    exponentials = in_forward and plan.chunk_grad == EXPONENTIALS
+    exponentials = in_forward and plan.chunk_grad == EXPONENTIALS and (kept_exponentials or not two_pass)
     names = tuple(dict.fromkeys(((SCALE_ROWS,) if exponentials else ()) + product_kernels + weight_product))
     step = family_step(f"gradient products G @ W and G.T @ x{when}", role.PRODUCTS)
     reason = step.reason + ("; grad_weight accumulated in fp32 by cuBLAS (accum_dtype)" if fp32_weight else "")
