@@ -1,5 +1,6 @@
 """``python -m flce info``: the device, every backend's availability and the selection;
-``python -m flce explain``: what a call would run and why (flce/explain.py).
+``python -m flce explain``: what a call would run and why (flce/explain.py); ``python -m flce
+explain-distillation``: the same for a linear distillation call (flce/explain_distillation.py).
 
 The autotune section is printed by ``flce.autotune.info_lines(device)`` when that module is
 importable; flce works without it.
@@ -20,6 +21,8 @@ from flce.config import LCEConfig
 from flce.devices import cpu_fallback_reason
 from flce.explain import add_arguments as explain_arguments
 from flce.explain import run as explain_call
+from flce.explain_distillation import add_arguments as explain_distillation_arguments
+from flce.explain_distillation import run as explain_distillation_call
 from flce.registry import available_backends, candidates_for, choose_for_call, resolve_device
 from flce.testing.measure import cpu_model
 
@@ -131,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                              help="device to report on (default: the current accelerator, else cpu)")
     explain_parser = commands.add_parser("explain", help="what a call would run and why, without running it")
     explain_arguments(explain_parser)
+    distillation_parser = commands.add_parser("explain-distillation",
+                                              help="what a linear distillation call would run and why")
+    explain_distillation_arguments(distillation_parser)
     args = parser.parse_args(argv)
     try:
         code = _run(parser, args)
@@ -143,11 +149,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if args.command == "explain":
+    if args.command in ("explain", "explain-distillation"):
         try:
-            return explain_call(args)
-        except (TypeError, ValueError) as exc:
-            parser.error(f"explain: {exc}")
+            return (explain_call if args.command == "explain" else explain_distillation_call)(args)
+        except (TypeError, ValueError, RuntimeError) as exc:  # what a call would raise: a usage error here
+            parser.error(f"{args.command}: {exc}")
     if args.command == "info":
         try:
             resolve_device(args.device)

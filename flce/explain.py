@@ -9,6 +9,7 @@ the schedule and its sizes, the memory plan, and per step the kernel functions a
 
     python -m flce explain --device cuda --gpu "NVIDIA H100 80GB HBM3" --dtype bfloat16 \\
         --shape 8192x4096x128256 --reduction none --return_logprobs true --no-grad
+    python -m flce explain --shape 16384x4096x151936 --policy sequence --temperature 0.7 --memory_budget 6GiB
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from flce.autotune.devices import torch_dtype
 from flce.config import LCEConfig, config_from_keywords, parse_bytes, resolve_variant
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription, describe_device
 from flce.engine.plans import PlanRequest
+from flce.policy.api import policy_config
+from flce.policy.loss_types import IMPORTANCE_SAMPLING_LEVELS as LEVELS
 from flce.registry import HardwareProbe, candidates_for
 from flce.registry.selection import choose_for_call
 
@@ -37,18 +40,28 @@ def explain(device: str = "cuda", *, shape: str | tuple[int, int, int], dtype: s
             gpu: str | None = None, npu: str | None = None, backend: str | None = None, variant: str = "auto",
             training: bool = True, bias: bool = False, sharded: bool = False,
             capability: tuple[int, int] | None = None, multiprocessors: int | None = None,
-            total_memory: int | None = None, triton: str | None = None, **options: Any) -> CallChoice:
+            total_memory: int | None = None, triton: str | None = None, policy: str | None = None,
+            **options: Any) -> CallChoice:
     """The record of what a call would run (``print`` it for the text). ``device``: "cuda", "cpu" or "npu"
     ("cpu" with ``backend="cuda"``: the CUDA kernels in the Triton interpreter);
     ``shape``: tokens x H x V; ``gpu``/``npu``: the model as the driver names it (flce.backends.cuda.hardware
     .KNOWN_GPUS, KNOWN_NPUS; an unknown GPU needs ``capability``, ``multiprocessors`` and ``total_memory``);
-    ``triton``: the Triton version to assume; ``training``: gradients follow; ``options``: LCEConfig's.
+    ``triton``: the Triton version to assume; ``training``: gradients follow; ``options``: LCEConfig's;
+    ``policy``: the call is flce.linear_policy_loss's at this importance-sampling level ("token", "sequence"), its
+    ``options`` then flce.policy.api.policy_config's (temperature, memory_budget, ...; ``return_entropy``: the
+    entropies computed, for an entropy term or the metrics).
 
     It refuses what a call would refuse, with the same error: the options, the variant, a dtype the kernels do not
     take, a backend that does not serve the device or the call (selection is the registry's own, flce.registry,
     with the described device's hardware taken as present)."""
     n_rows, hidden, vocab = _shape(shape)
-    cfg = config_from_keywords("explain", options)
+    if policy is not None and policy not in LEVELS:
+        raise ValueError(f"policy={policy!r}: expected an importance-sampling level, one of {LEVELS}")
+    if policy is None:
+        cfg = config_from_keywords("explain", options)
+    else:
+        options.setdefault("entropy", options.pop("return_entropy", True))
+        cfg = policy_config(**options)
     dtype = torch_dtype(dtype)
     if not dtype.is_floating_point:
         raise ValueError(f"hidden: expected a floating-point tensor [..., H], got dtype {dtype}")
@@ -62,8 +75,9 @@ def explain(device: str = "cuda", *, shape: str | tuple[int, int, int], dtype: s
     chosen = choose_for_call(candidates, cfg, dtype, hidden, vocab, warn=False)
     if chosen.choose is None:
         raise ValueError(f"backend={chosen.name!r} has no planner to explain (no choose)")
+    request = PlanRequest(training=training, sharded=sharded, statistics_first=policy not in (None, "token"))
     call = CallDescription(n_rows=n_rows, hidden=hidden, vocab=vocab, dtype=dtype, bias=bias, rows_aligned=True,
-                           cfg=cfg, variant=variant, request=PlanRequest(training=training, sharded=sharded))
+                           cfg=cfg, variant=variant, request=request)
     return chosen.choose(described, call)
 
 
@@ -136,6 +150,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bias", action="store_true", help="the LM head has a bias")
     parser.add_argument("--vocab-shard", dest="sharded", action="store_true",
                         help="the weight is one rank's vocabulary shard (process_group)")
+    parser.add_argument("--policy", default=None, choices=LEVELS,
+                        help="a policy loss (flce.linear_policy_loss) at this importance-sampling level; its options: "
+                             "--temperature, --memory_budget, --return_entropy (default true), ...")
     for field in fields(LCEConfig):
         if field.name in ("process_group",):
             continue
@@ -151,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                      backend=args.backend, variant=args.variant, training=args.training, bias=args.bias,
                      sharded=args.sharded, capability=_capability(args.capability), multiprocessors=args.sms,
                      total_memory=None if args.memory is None else parse_bytes("--memory", args.memory),
-                     triton=args.triton, **options)
+                     triton=args.triton, policy=args.policy, **options)
     print(record)
     return 0
 

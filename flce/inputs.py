@@ -13,6 +13,7 @@ import torch
 
 from flce.config import LCEConfig
 from flce.errors import InputError, InputTypeError
+from flce.policy.tokens import PolicyTokens
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class FlatInputs:
     bias: torch.Tensor | None  # [V]
     token_shape: torch.Size  # target's shape, for reduction="none" outputs
     token_weight: torch.Tensor | None = None  # [N] in the statistics dtype: the call's token_weights
+    policy: PolicyTokens | None = None  # a policy loss's per-token inputs (flce.linear_policy_loss), else None
 
 
 def prepare_inputs(

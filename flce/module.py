@@ -108,7 +108,7 @@ def _compute(
     n_rows, token_shape = flat.target.shape[0], flat.token_shape
     if cfg.batch_invariant:
         flat, ids = _padded_to_tiles(flat, cfg, ids)
-    result = _run(flat, run_cfg, variant, device_type, backend_name, probe)
+    result = run_prepared(flat, run_cfg, variant, device_type, backend_name, probe)
     if ids is None and not cfg.batch_invariant:
         return result
     out = result if isinstance(result, LCEOutput) else LCEOutput(loss=result)
@@ -126,8 +126,10 @@ def _compute(
     return out if cfg.returns_extras or ids is not None else out.loss
 
 
-def _run(flat: FlatInputs, cfg: LCEConfig, variant: str, device_type: str, backend_name: str | None,
-         probe: HardwareProbe | None) -> torch.Tensor | LCEOutput:
+def run_prepared(flat: FlatInputs, cfg: LCEConfig, variant: str, device_type: str, backend_name: str | None,
+                 probe: HardwareProbe | None) -> torch.Tensor | LCEOutput:
+    """One prepared call (flce.inputs.prepare_inputs) on the backend the registry picks, sharded or not: the
+    cross-entropy's, and the policy loss's (flce.policy.api) with ``flat.policy`` set."""
     sharded = cfg.process_group is not None
     backend, variant = dispatch(device_type, backend_name, variant, primitive_options(cfg), flat, cfg.class_weight,
                                 sharded, probe)

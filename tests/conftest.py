@@ -47,6 +47,9 @@ for _name in STEERING_ENV:
     os.environ.pop(_name, None)
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="flce-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+# Inductor's compiled code, likewise: its cache under /tmp is shared by every process of the machine's user, and code
+# compiled by another checkout of flce (other custom-op schemas under the same names) fails to load here.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ["XDG_CACHE_HOME"], "inductor"))
 
 
 @lru_cache(maxsize=1)
@@ -189,8 +192,11 @@ def fresh_planner_memos() -> Iterator[None]:
     """The planners memoise their records by call description (a pure function of it in a process); tests
     that patch a planner's constants (block widths, budgets) must not meet a record another test made."""
     from flce.backends import cuda
+    from flce.backends.reference import distillation as reference_distillation
     from flce.backends.reference import plan as reference_plan
 
     cuda._planned.clear()
+    cuda._planned_distillations.clear()
     reference_plan._planned.clear()
+    reference_distillation._planned.clear()
     yield

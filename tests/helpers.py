@@ -334,7 +334,7 @@ def load_tool(relative_path: str) -> ModuleType:
 
 # ---------------------------------------------------------------------------------------------- what ran on a GPU
 
-KERNEL_MODULES = ("kernels", "gemm_kernels", "exp_grad_kernels", "ws_gemm_kernels", "target_kernels")
+KERNEL_MODULES = ("kernels", "gemm_kernels", "exp_grad_kernels", "ws_gemm_kernels", "target_kernels", "distill_kernels")
 TORCH_GEMMS = {"torch.mm", "torch.addmm", "torch.Tensor.addmm_", "torch.matmul"}
 CUBLAS_NAME = re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.IGNORECASE)
 

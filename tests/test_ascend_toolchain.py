@@ -25,7 +25,8 @@ sys.path.insert(0, str(REPO / "tools" / "ascend"))
 from ub_footprint import loop_footprints, shaped_bytes  # noqa: E402
 
 ASCEND_PYTHON = Path(os.environ.get("FLCE_ASCEND_VENV", REPO / "build" / "ascend-venv")) / "bin" / "python"
-KERNELS = ("_plain_loss_kernel", "_plain_grad_kernel", "_row_stats_kernel", "_full_grad_kernel", "_scale_kernel")
+KERNELS = ("_plain_loss_kernel", "_plain_grad_kernel", "_row_stats_kernel", "_full_grad_kernel", "_scale_kernel",
+           "_pair_stats_kernel", "_mixture_sums_kernel", "_pair_grad_kernel")
 FLAGS = {
     "_plain_loss_kernel": ("WRITE_GRAD", "WIDE_OFFSETS"),
     "_plain_grad_kernel": ("WIDE_OFFSETS",),
@@ -33,6 +34,10 @@ FLAGS = {
                           "NEED_WEIGHTED_SUM_Z", "NEED_ARGMAX", "WIDE_OFFSETS"),
     "_full_grad_kernel": ("HAS_SOFTCAP", "HAS_TEMPERATURE", "HAS_CLASS_WEIGHT", "HAS_H", "HAS_E", "WIDE_OFFSETS"),
     "_scale_kernel": ("WIDE_OFFSETS",),
+    # Linear distillation's (CROSS and LOSS are 0 for one loss each, else the others).
+    "_pair_stats_kernel": ("CROSS", "HARD", "HARD_OWN_LSE", "WIDE_OFFSETS"),
+    "_mixture_sums_kernel": ("WIDE_OFFSETS",),
+    "_pair_grad_kernel": ("LOSS", "SOFT", "HARD", "TEACHER", "WIDE_OFFSETS"),
 }
 
 # Two loops over 64-element f32 tiles, in the adapter's printed forms. The second reuses the first's

@@ -10,6 +10,7 @@ ones the record named (tests/test_explain_gpu.py).
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -255,3 +256,71 @@ def _counted_function(function, name: str, sink: set[str]):
         return function(*args, **kwargs)
 
     return counted
+
+
+# ------------------------------------------------------------------ explain refuses what a call refuses
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"variant": "fastest"}, ValueError, "variant='fastest': expected 'auto', 'plain' or 'full'"),
+    ({"variant": "plain", "label_smoothing": 0.1}, ValueError, "variant='plain' cannot serve label_smoothing"),
+    ({"dtype": "int32"}, ValueError, "expected a floating torch dtype"),
+    ({"dtype": torch.int32}, ValueError, "expected a floating"),
+    ({"shape": (8, 8, 8.5)}, ValueError, "expected three whole numbers"),
+    ({"gpu": "NVIDIA H100 80GB HBM3", "multiprocessors": -4}, ValueError, "multiprocessors=-4: expected a positive"),
+    ({"gpu": "NVIDIA Imaginary", "capability": (9, 0), "multiprocessors": 0, "total_memory": 1 << 30}, ValueError,
+     "multiprocessors=0: expected a positive number"),
+    ({"gpu": "NVIDIA Imaginary", "capability": (9, 0), "multiprocessors": 8, "total_memory": 0}, ValueError,
+     "total_memory=0: expected a positive number"),
+    ({"backend": "nonesuch"}, ValueError, "backend='nonesuch': unknown backend"),
+    ({"device": "npu", "backend": "cuda"}, RuntimeError, "backend='cuda': backend is not available"),
+    ({"device": "cpu", "gpu": "NVIDIA H100 80GB HBM3"}, ValueError, "describes a GPU, but device='cpu'"),
+    ({"batch_invariant": True, "backend": "cuda"}, ValueError, "backend 'cuda' does not support this call"),
+])
+def test_explain_refuses_what_a_call_refuses(kwargs: dict, error: type, message: str) -> None:
+    """The same checks as a real call (the options, the variant, the inputs' dtype, selection with the described
+    device's hardware present), with the same errors; the described device's own figures are checked too."""
+    options = {"device": "cuda", "shape": "64x32x128", **kwargs}
+    with pytest.raises(error, match=re.escape(message)):
+        flce.explain(**options)
+
+
+def test_explain_errors_on_the_command_line_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--backend", "nonesuch"], ["--device", "npu", "--backend", "cuda"], ["--variant", "plain",
+                                                                                       "--label_smoothing", "0.1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["explain", "--shape", "64x32x128", *argv])
+        assert exit_info.value.code == 2 and "explain:" in capsys.readouterr().err
+
+
+def test_the_record_shows_what_runs_in_words() -> None:
+    """The schedule line says what runs (no dataclass repr, no cuBLAS on a CPU or NPU plan, no backward recompute
+    or statistics pass where none runs), the memory line no 0 KiB of working memory beside the kept logits, and a
+    batch-invariant plan counts the padded copy of its inputs."""
+    in_forward = str(flce.explain("cuda", gpu=H100, shape="8192x4096x128256"))
+    schedule = next(line for line in in_forward.splitlines() if line.startswith("schedule:"))
+    assert "TokenChunks(" not in schedule and "recomputed" not in schedule and "statistics at once" not in schedule
+    assert schedule.startswith("schedule: token chunks: 4 of up to 2048 rows")
+    for device in ("cpu", "npu"):
+        record = str(flce.explain(device, shape="4096x1024x32000"))
+        assert "cublas" not in record.split("steps")[0] and "a GEMM and the row kernels" in record
+    kept = str(flce.explain("cuda", gpu=H100, shape="8192x4096x128256", **RL))
+    assert "working memory none beyond the kept logits" in kept and "0.0 KiB" not in kept
+    assert "the logits of all rows kept for backward" in kept and "recomputed" not in kept
+    recomputed = str(flce.explain("cuda", gpu=H100, shape="8192x4096x128256", memory_budget=512 << 20, **RL))
+    assert "gradient in backward" in recomputed or "recomputed in backward" in recomputed
+    tiles = flce.explain("cpu", shape="1000x1024x32000", batch_invariant=True).memory
+    padded = 1024 * (1024 * 2 + 8)  # 1000 tokens padded to 8 tiles of 128, a bf16 copy of hidden and the targets
+    assert tiles.working_bytes >= padded and "padded" in tiles.budget_from
+
+
+def test_explain_and_autotune_read_sizes_alike() -> None:
+    """One parser of sizes for explain's --memory / --memory_budget and flce-autotune's --memory-budget: binary
+    units for KiB/MiB/GiB, decimal (SI) ones for KB/MB/GB."""
+    from flce.autotune.cli import parse_bytes as autotune_bytes
+    from flce.config import parse_bytes
+
+    for text, value in (("512MiB", 512 << 20), ("512MB", 512 * 10**6), ("2GiB", 2 << 30), ("1000", 1000)):
+        assert parse_bytes("--memory_budget", text) == value == autotune_bytes("--memory-budget", text)
+    record = flce.explain("cuda", gpu=H100, shape="8192x4096x128256", memory_budget=parse_bytes("x", "512MB"))
+    assert "budget 488.3 MiB (memory_budget)" in str(record)

@@ -187,12 +187,12 @@ def test_host_sections_wrap_every_section_of_this_flce(monkeypatch) -> None:
     counts: collections.Counter = collections.Counter()
     assert sections.install(totals, counts, patch=monkeypatch.setattr) == []
     from flce.config import LCEConfig
-    from flce.engine import token_chunks
+    from flce.engine import objective
     from flce.semantics import count_tokens, denominators
 
     target = torch.tensor([1, -100, 2, 3])
     denoms = denominators(target, LCEConfig(), torch.float32, count_tokens(target, -100))
-    scales = token_chunks.upstream_scales(LCEConfig(), denoms, torch.ones(()), slice(0, 4), 4)
+    scales = objective.upstream_scales(LCEConfig(), denoms, torch.ones(()), slice(0, 4), 4)
     assert torch.allclose(scales.cross_entropy, torch.full((4,), 1 / 3))
-    label = "flce.engine.token_chunks.upstream_scales"
+    label = "flce.engine.objective.upstream_scales"
     assert counts[label] == 1 and totals[label] > 0

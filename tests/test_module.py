@@ -46,9 +46,15 @@ FULL_FEATURE_VALUES = {
 
 
 def test_public_surface() -> None:
-    assert set(flce.__all__) == {"Backend", "InputError", "InputTypeError", "LCEOutput", "LinearCrossEntropy",
-                                 "available_backends", "explain", "get_impl", "linear_cross_entropy",
-                                 "register_backend"}
+    assert set(flce.__all__) == {"Backend", "LCEOutput", "LinearCrossEntropy", "available_backends", "explain",
+                                 "get_impl", "linear_cross_entropy", "register_backend",
+                                 # flce's input errors (docs/usage.md)
+                                 "InputError", "InputTypeError",
+                                 # linear distillation (docs/distillation.md)
+                                 "LinearDistillation", "explain_distillation", "get_distillation_impl",
+                                 "linear_distillation_loss",
+                                 # RL policy losses (docs/policy_loss.md)
+                                 "LinearPolicyLoss", "PolicyLossOutput", "get_policy_impl", "linear_policy_loss"}
     assert LCEOutput._fields == ("loss", "z_loss", "token_accuracy", "predicted_tokens", "logprobs", "entropy",
                                  "selected_logprobs", "logit_stats")
 

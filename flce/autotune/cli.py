@@ -20,7 +20,7 @@ from flce.autotune import cache as cache_files
 from flce.autotune import locations
 from flce.autotune.devices import device_name, dtype_name, torch_dtype
 from flce.autotune.progress import Progress
-from flce.autotune.schema import VARIANT_NAMES, Entry
+from flce.autotune.schema import CROSS_ENTROPY_VARIANTS, VARIANT_NAMES, Entry
 from flce.devices import cpu_fallback_reason, default_device
 
 
@@ -74,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                            f"${locations.CACHE_ENV}, else the user cache, the first writable)")
     tune.add_argument("--backend", default=None,
                       help="backend to tune; default: the one flce dispatches to on this device")
-    tune.add_argument("--variant", default=",".join(VARIANT_NAMES), help="variants, comma-separated (plain,full)")
+    tune.add_argument("--variant", default=",".join(CROSS_ENTROPY_VARIANTS),
+                      help="variants, comma-separated: plain, full (cross-entropy; the default both), distillation "
+                           "(flce.linear_distillation_loss, JSD, a teacher of the student's hidden size)")
     tune.add_argument("--repeats", type=int, default=None, help="timed calls per candidate (median is kept)")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     tune.set_defaults(run=_tune)

@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SCHEMA_VERSION = 1
-VARIANT_NAMES = ("plain", "full")
+# The cross-entropy's variants, and linear distillation's entries (flce.linear_distillation_loss: their hidden is
+# the student's, their params its planners' tokens_per_chunk and row-kernel knobs).
+CROSS_ENTROPY_VARIANTS = ("plain", "full")
+DISTILLATION_VARIANT = "distillation"
+VARIANT_NAMES = (*CROSS_ENTROPY_VARIANTS, DISTILLATION_VARIANT)
 # Marks a file as flce's own: `clear` deletes nothing else, even when the YAML is truncated.
 HEADER = "# flce autotune cache (flce-autotune writes this file; format: flce's docs/design.md, 'Autotune cache')"
 # Headers that files already on users' disks may carry (it named a design document flce does not ship):

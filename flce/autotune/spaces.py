@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flce.autotune.schema import Scalar
+from flce.autotune.schema import DISTILLATION_VARIANT, Scalar
 from flce.inputs import FlatInputs
 
 Params = dict[str, Scalar]
@@ -68,6 +68,14 @@ class TuningSpace:
     # Candidates sized to an explicit --memory-budget (bytes): schedules that only a small budget
     # makes worth timing, e.g. the largest blocks or chunks that fit it. Called only with a budget.
     budget_candidates: Callable[[TuneShape, int], list[Params]] | None = None
+
+    def tunes_limit_of(self, shape: TuneShape) -> bool:
+        """Whether the tuner measures the shape's logits-save limit: distillation's planners keep no logits."""
+        return self.tunes_logits_save_limit and shape.variant != DISTILLATION_VARIANT
+
+    def overlays_of(self, shape: TuneShape) -> tuple[Params, ...]:
+        """The shape's forward-only overlays: the cross-entropy's (its statistics GEMMs), none for distillation."""
+        return () if shape.variant == DISTILLATION_VARIANT else self.inference_overlays
 
 
 _spaces: dict[str, TuningSpace] = {}

@@ -115,8 +115,8 @@ class Tuner:
     def run(self) -> list[ShapeResult]:
         plans = [(shape, self._candidates(shape)) for shape in self.shapes()]
         # floor, heuristic, keep/recompute, forward-only overlays
-        extra = 2 + (2 if self.space.tunes_logits_save_limit else 0) + len(self.space.inference_overlays)
-        self.progress.start(sum(len(c) + extra for _, c in plans))
+        space = self.space
+        self.progress.start(sum(len(c) + 2 + 2 * space.tunes_limit_of(s) + len(space.overlays_of(s)) for s, c in plans))
         self.results = []
         try:
             for shape, candidates in plans:
@@ -142,7 +142,7 @@ class Tuner:
     def _tune_shape(self, shape: TuneShape, candidates: list[Params]) -> ShapeResult:
         result = ShapeResult(shape=shape, backend=self.space.backend)
         label = f"{dtype_name(shape.dtype)} H={shape.hidden} V={shape.vocab} T={shape.tokens} {shape.variant}"
-        after_heuristic = len(candidates) + (2 if self.space.tunes_logits_save_limit else 0)
+        after_heuristic = len(candidates) + (2 if self.space.tunes_limit_of(shape) else 0)
         try:
             inputs = make_inputs(shape, self.request.seed)  # Skip: the shape's inputs do not fit in memory
             self.progress.step(f"{label}: floor")
@@ -179,7 +179,7 @@ class Tuner:
             result.first_error = result.first_error or (
                 f"neither the heuristic ({size_text(baseline.working_bytes)}) nor any candidate fits the memory "
                 f"budget of {size_text(budget)}")
-            self.progress.advance(2 if self.space.tunes_logits_save_limit else 0)
+            self.progress.advance(2 if self.space.tunes_limit_of(shape) else 0)
             return result
         if best_params is not None and heuristic_fits:
             best, baseline = self._confirm_winner(shape, inputs, best_params, baseline, budget, result)
@@ -190,7 +190,7 @@ class Tuner:
         result.peak_kind = best.peak_kind
 
         limit, save_ms, recompute_ms = None, None, None
-        if self.space.tunes_logits_save_limit:
+        if self.space.tunes_limit_of(shape):
             limit, save_ms, recompute_ms = self._logits_save_limit(shape, inputs, best_params, best, budget, label,
                                                                    result)
         overlay, inference_ms = self._inference_overlay(shape, inputs, best_params, label, result)
@@ -287,7 +287,7 @@ class Tuner:
         this round and again in a second round that times the two in turn. Returns the overlay and the
         times to store (the confirmation round's under "confirm ...")."""
         timed: list[tuple[Params, float]] = []
-        for overlay in self.space.inference_overlays:
+        for overlay in self.space.overlays_of(shape):
             self.progress.step(f"{label}: forward only {params_text(overlay)}")
             ms = self._forward_only_ms(shape, inputs, params, overlay, result)
             if ms is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from flce.autotune.measurement import Skip
+from flce.autotune.schema import DISTILLATION_VARIANT
 from flce.autotune.spaces import TuneShape
 from flce.engine.memory import total_memory_bytes
 from flce.testing import measure
@@ -33,6 +34,10 @@ class WorkloadInputs:
     hidden: torch.Tensor
     weight: torch.Tensor
     target: torch.Tensor
+    # A distillation shape's teacher (no gradient), of the student's hidden size: the cache keys its entries
+    # by the student's.
+    teacher_hidden: torch.Tensor | None = None
+    teacher_weight: torch.Tensor | None = None
 
     def clear_grads(self) -> None:
         self.hidden.grad = self.weight.grad = None
@@ -50,11 +55,16 @@ def make_inputs(shape: TuneShape, seed: int) -> WorkloadInputs:
     try:
         hidden, weight, target, _ = measure.shape_inputs(shape.tokens, shape.hidden, shape.vocab, shape.device,
                                                          shape.dtype, seed=seed)
+        if shape.variant != DISTILLATION_VARIANT:
+            return WorkloadInputs(hidden, weight, target)
+        teacher_hidden, teacher_weight, _, _ = measure.shape_inputs(shape.tokens, shape.hidden, shape.vocab,
+                                                                    shape.device, shape.dtype, seed=seed + 1,
+                                                                    requires_grad=False)
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError, the CPU allocator's, a size overflow
         release_memory(shape.device)
         first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
         raise Skip("inputs not allocated", f"{type(exc).__name__}: {first_line}") from None
-    return WorkloadInputs(hidden, weight, target)
+    return WorkloadInputs(hidden, weight, target, teacher_hidden, teacher_weight)
 
 
 def workload_options(variant: str, *, deferred: bool) -> dict:
@@ -70,14 +80,20 @@ def workload_options(variant: str, *, deferred: bool) -> dict:
 
 
 class Workload:
-    """One forward+backward of the backend on the shape's inputs, with the variant's options."""
+    """One forward+backward of the backend on the shape's inputs, with the variant's options (distillation:
+    flce.linear_distillation_loss's JSD, a scalar loss, or per-token losses where deferred)."""
 
     def __init__(self, shape: TuneShape, inputs: WorkloadInputs, backend: str, deferred: bool):
         import flce
 
+        self.inputs = inputs
+        if shape.variant == DISTILLATION_VARIANT:
+            module = flce.get_distillation_impl(shape.device, backend=backend)(
+                loss="jsd", reduction="none" if deferred else "mean")
+            self.module = lambda x, w, t: module(x, w, inputs.teacher_hidden, inputs.teacher_weight, t)
+            return
         options = workload_options(shape.variant, deferred=deferred)
         self.module = flce.get_impl(shape.device, backend=backend, variant=shape.variant)(**options)
-        self.inputs = inputs
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.inputs.clear_grads()
@@ -129,14 +145,14 @@ def spread(timing: measure.Timing) -> float:
 class Floors:
     """The floor of each (dtype, H, V, tokens), measured once and shared by the variants of that shape,
     which run the same three GEMMs (measured per variant, one shape's floor once read 143.1 ms for one
-    and 83.9 ms for the other)."""
+    and 83.9 ms for the other); distillation's, four GEMMs, apart."""
 
     def __init__(self, warmup: int, repeats: int):
         self.warmup, self.repeats = warmup, repeats
         self._ms: dict[tuple, float | None] = {}
 
     def of(self, shape: TuneShape, inputs: WorkloadInputs) -> float | None:
-        key = (shape.dtype, shape.hidden, shape.vocab, shape.tokens)
+        key = (shape.dtype, shape.hidden, shape.vocab, shape.tokens, shape.variant == DISTILLATION_VARIANT)
         if key not in self._ms:
             self._ms[key] = floor_ms(shape, inputs, self.warmup, self.repeats)
         return self._ms[key]
@@ -146,7 +162,7 @@ class Floors:
         floor = self.of(shape, inputs)
         again = floor_ms(shape, inputs, self.warmup, self.repeats)
         lower = again if floor is None or (again is not None and again < floor) else floor
-        self._ms[(shape.dtype, shape.hidden, shape.vocab, shape.tokens)] = lower
+        self._ms[(shape.dtype, shape.hidden, shape.vocab, shape.tokens, shape.variant == DISTILLATION_VARIANT)] = lower
         return lower
 
 
@@ -159,16 +175,19 @@ def release_memory(device: torch.device) -> None:
 
 
 def floor_ms(shape: TuneShape, inputs: WorkloadInputs, warmup: int, repeats: int) -> float | None:
-    """The three GEMMs of forward+backward at full size; None when the [tokens, V] logits and their
-    gradient would take more than a quarter of the device's memory."""
+    """The three GEMMs of forward+backward at full size (distillation: four, the teacher's logits too); None
+    when the [tokens, V] logits and their gradient would take more than a quarter of the device's memory."""
+    teacher = inputs.teacher_hidden is not None
     logits_bytes = shape.tokens * shape.vocab * shape.dtype.itemsize
-    if 2 * logits_bytes > total_memory_bytes(shape.device) // 4:
+    if (3 if teacher else 2) * logits_bytes > total_memory_bytes(shape.device) // 4:
         return None
     x, w = inputs.hidden.detach(), inputs.weight.detach()
     try:
         grad_logits = measure.floor_gradient(shape.tokens, shape.vocab, shape.dtype, shape.device)
 
         def gemms() -> None:
+            if teacher:
+                torch.mm(inputs.teacher_hidden, inputs.teacher_weight.t())
             torch.mm(x, w.t())
             torch.mm(grad_logits, w)
             torch.mm(grad_logits.t(), x)

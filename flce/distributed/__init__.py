@@ -7,6 +7,7 @@ Tokens sharded across ranks with the whole weight on each (context parallelism):
 :func:`token_sharded_mean` turns each rank's summed loss into the global mean.
 """
 
+from flce.distributed import distillation  # noqa: F401  (registers the compile path's sharded distillation)
 from flce.distributed.checks import DISTRIBUTED_CHECKS_ENV
 from flce.distributed.collectives import CollectiveRecord, payload_bytes_per_step, record_collectives
 from flce.distributed.function import vocab_parallel_linear_cross_entropy

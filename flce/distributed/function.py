@@ -24,6 +24,7 @@ from flce.distributed.shards import VocabShard, group_size, vocab_shard
 from flce.engine.call import EngineCall, Sharding
 from flce.engine.custom_ops import apply_op, register_sharded_call
 from flce.engine.function import apply_eager, needs_autograd
+from flce.engine.objective import needs_statistics_first
 from flce.engine.plans import Plan, PlanRequest
 from flce.engine.run import run_backend
 from flce.engine.schedule import planned_call
@@ -65,7 +66,7 @@ def sharded_call(flat: FlatInputs, cfg: LCEConfig, backend: Backend, training: b
     shard = vocab_shard(group, flat.weight)
     checks.check_target_range(flat.target, shard.global_vocab, cfg.ignore_index)
     checks.check_class_weight(cfg, shard.global_vocab)
-    request = PlanRequest(training=training, sharded=True)
+    request = PlanRequest(training=training, sharded=True, statistics_first=needs_statistics_first(flat))
     own = planned_call(backend, flat, cfg, "full", request)
     plan = _agreed_plan(backend, own.plan, flat, cfg, shard, request)
     # The shard-local scan is the "full" variant's: only it produces combinable statistics.

@@ -13,6 +13,7 @@ import torch
 
 from flce.config import LCEConfig
 from flce.engine.call import EngineCall, ForwardState
+from flce.engine.objective import Objective
 from flce.engine.plans import FUSED, AllRows
 from flce.engine.rows import WorkBuffer, block_logits, forward_state, logits_dtype
 from flce.inputs import FlatInputs
@@ -31,10 +32,11 @@ def statistics(call: EngineCall, flat: FlatInputs, plan: AllRows) -> RowStats:
     return RowStats.from_partial(call.combined(partial))
 
 
-def forward(call: EngineCall, flat: FlatInputs, plan: AllRows, denoms: Denominators, *,
+def forward(call: EngineCall, flat: FlatInputs, plan: AllRows, denoms: Denominators, objective: Objective, *,
             keep_stats: bool) -> ForwardState:
-    """Loss and extras; keep_stats: a deferred backward follows and needs the statistics."""
-    return forward_state(call, flat, statistics(call, flat, plan), denoms, keep_stats=keep_stats)
+    """Loss and extras; keep_stats: the gradients follow and need the statistics."""
+    stats = statistics(call, flat, plan)
+    return forward_state(call, flat, stats, denoms, objective.terms(stats, flat.target), keep_stats=keep_stats)
 
 
 def scan_vocab_blocks(

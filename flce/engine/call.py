@@ -10,7 +10,7 @@ import torch
 
 from flce.config import LCEConfig
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription, MemoryPlan, Step
-from flce.engine.plans import Plan
+from flce.engine.plans import Plan, PlanRequest
 from flce.semantics import Denominators, PartialRowStats, RowStats
 
 StatsCombiner = Callable[[PartialRowStats], PartialRowStats]
@@ -90,6 +90,9 @@ class ForwardState:
     denoms: Denominators
     stats: RowStats | None = None
     saved_logits: torch.Tensor | None = None
+    # Where the kept rows hold exponentials instead of logits (a statistics-first objective's, TokenChunks
+    # chunk_grad "exponentials"): their gradient at a unit upstream scale is saved_row_scale[:, None] * them.
+    saved_row_scale: torch.Tensor | None = None
     grads: Grads | None = None
 
     def for_backward(self) -> ForwardState:
@@ -107,11 +110,20 @@ def grads_in_forward_allowed(cfg: LCEConfig) -> bool:
     return cfg.reduction != "none" and (cfg.detach_extras or not (cfg.return_logprobs or cfg.return_entropy))
 
 
-def gradient_timing(cfg: LCEConfig, training: bool) -> str:
+def logits_kept_for_gradients(cfg: LCEConfig, request: PlanRequest) -> bool:
+    """Whether a plan's saved rows of logits are kept: a deferred backward follows, or forward takes every row's
+    statistics before the gradients (``request.statistics_first``) and turns the kept logits into them."""
+    return request.training and (request.statistics_first or not grads_in_forward_allowed(cfg))
+
+
+def gradient_timing(cfg: LCEConfig, training: bool, statistics_first: bool = False) -> str:
     """When a call's gradients are computed, and why: explain's ``gradients:`` line (every engine path decides
     by :func:`grads_in_forward_allowed`)."""
     if not training:
         return "none (no gradient follows)"
+    if grads_in_forward_allowed(cfg) and statistics_first:
+        return ("in forward, after every row's statistics (a sequence-level ratio needs its whole sequence's "
+                "log-probs); backward scales them by grad_output")
     if grads_in_forward_allowed(cfg):
         return "in forward (the scalar loss is the only differentiable output; backward scales them by grad_output)"
     if cfg.reduction == "none":
@@ -125,6 +137,8 @@ def call_record(backend: str, device: DeviceDescription, call: CallDescription, 
     """A planner's record of its decision for ``call`` on ``device`` (every backend's planner makes it here)."""
     training = call.request.training
     return CallChoice(backend=backend, device=device.text(), inputs=call.text(), cache=cache, plan=plan,
-                      gradients=gradient_timing(call.cfg, training), memory=memory, steps=tuple(steps),
+                      gradients=gradient_timing(call.cfg, training, call.request.statistics_first), memory=memory,
+                      steps=tuple(steps),
                       kernel_package=kernel_package, n_rows=call.n_rows, training=training,
-                      in_forward=training and grads_in_forward_allowed(call.cfg))
+                      in_forward=training and grads_in_forward_allowed(call.cfg),
+                      statistics_first=training and call.request.statistics_first)

@@ -221,6 +221,7 @@ class CallChoice:
     n_rows: int = 0
     training: bool = False
     in_forward: bool = False
+    statistics_first: bool = False  # the gradients follow every row's statistics (a sequence-level policy loss)
 
     def with_plan(self, plan: Plan) -> CallChoice:
         """The record with the plan an engine path adjusted (the compile path keeps no logits)."""
@@ -234,7 +235,7 @@ class CallChoice:
         prefix = self.kernel_package + "."
         lines = [f"backend: {self.backend}", f"device: {self.device}", f"call: {self.inputs}",
                  f"autotune cache: {self.cache}",
-                 f"schedule: {describe(self.plan, self.n_rows, self.training, self.in_forward)}",
+                 f"schedule: {describe(self.plan, self.n_rows, self.training, self.in_forward, self.statistics_first)}",
                  f"gradients: {self.gradients}", "memory:"]
         lines += [f"  {line}" for line in self.memory.text()]
         lines.append(f"steps (kernels in {self.kernel_package} unless named in full):")

@@ -33,12 +33,15 @@ from torch import Tensor
 from flce.config import PRIMITIVE_OPTION_TYPES, LCEConfig, config_from_primitives, primitive_options
 from flce.engine.call import EngineCall, ForwardState, GradTargets, grads_in_forward_allowed
 from flce.engine.function import first_order_only
+from flce.engine.objective import needs_statistics_first
 from flce.engine.outputs import as_result, flat_outputs, shape_outputs
 from flce.engine.plans import PlanRequest, recomputing
 from flce.engine.schedule import planned_call, run_backward, run_forward
 from flce.errors import InputError
 from flce.inputs import FlatInputs, _check_target_range
 from flce.outputs import LCEOutput
+from flce.policy.options import POLICY_SCHEMA_KEYWORDS, options_from_primitives, policy_primitives
+from flce.policy.tokens import TENSOR_FIELDS, PolicyTokens
 from flce.registry import Backend, registered_backends
 from flce.semantics import RowStats, denominators, needs_sum_exp_dz, statistics_dtype
 
@@ -57,7 +60,13 @@ def register_sharded_call(fn: ShardedCallFn) -> None:
 _KEYWORDS = ("str backend, str variant, str? group_name, bool grad_hidden, bool grad_weight, bool grad_bias, "
              + ", ".join(f"{kind} {name}" for name, kind in PRIMITIVE_OPTION_TYPES.items()))
 _INPUTS = "Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, Tensor? token_weight"
-_FORWARD_SCHEMA = f"({_INPUTS}, *, {_KEYWORDS}) -> ({', '.join(['Tensor'] * 12)})"
+# A policy loss's per-token tensors (flce.policy.tokens, by field; all None for a cross-entropy call) and its
+# options: forward only, since a policy loss computes its gradients in forward (its scalar loss is its only
+# differentiable output) and never reaches the deferred backward op.
+_POLICY_INPUTS = ", ".join(f"Tensor? policy_{name}=None" for name in TENSOR_FIELDS)
+_POLICY_KEYWORDS = ", ".join(["int? policy_sequence_length=None", *POLICY_SCHEMA_KEYWORDS])
+_FORWARD_SCHEMA = (f"({_INPUTS}, {_POLICY_INPUTS}, *, {_KEYWORDS}, {_POLICY_KEYWORDS}) -> "
+                   f"({', '.join(['Tensor'] * 12)})")
 _BACKWARD_SCHEMA = (f"({_INPUTS}, Tensor lse, Tensor target_z, Tensor lse_minus_mean_z, Tensor? grad_loss, "
                     f"Tensor? grad_logprobs, Tensor? grad_entropy, *, {_KEYWORDS}) -> (Tensor, Tensor, Tensor)")
 # Output positions of flce::chunked_forward: the six user outputs (flat, empty where not asked), the
@@ -82,7 +91,8 @@ def _engine_call(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str, g
     there: the planner is told whether gradients follow); with a group name, the vocab-parallel call."""
     chosen = _backend(backend)
     if group_name is None:
-        return planned_call(chosen, flat, cfg, variant, PlanRequest(training=wanted.any))
+        return planned_call(chosen, flat, cfg, variant,
+                            PlanRequest(training=wanted.any, statistics_first=needs_statistics_first(flat)))
     if _sharded_call is None:
         raise RuntimeError("flce: a vocab-parallel op ran before flce.distributed was imported")
     group = torch.distributed.distributed_c10d._resolve_process_group(group_name)
@@ -93,12 +103,23 @@ def _wanted(kw: dict, bias: Tensor | None) -> GradTargets:
     return GradTargets(hidden=kw["grad_hidden"], weight=kw["grad_weight"], bias=kw["grad_bias"] and bias is not None)
 
 
+def _policy_tokens(tensors: tuple[Tensor | None, ...], kw: dict) -> PolicyTokens | None:
+    """The policy loss's per-token inputs the op was given, or None (a cross-entropy call)."""
+    if not tensors or tensors[0] is None:  # a caller may omit the policy's arguments (they default to None)
+        return None
+    tensors = (*tensors, *(None for _ in TENSOR_FIELDS[len(tensors):]))  # trailing Nones may be left out too
+    return PolicyTokens.from_tensors(options_from_primitives(kw), dict(zip(TENSOR_FIELDS, tensors, strict=True)),
+                                     kw.get("policy_sequence_length"))
+
+
 def _chunked_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
-                     class_weight: Tensor | None, token_weight: Tensor | None, **kw: object) -> tuple[Tensor, ...]:
-    """Forward of one call on flat inputs (hidden [N, H], weight [V, H], target [N] int64, token_weight [N])."""
+                     class_weight: Tensor | None, token_weight: Tensor | None, *policy: Tensor | None,
+                     **kw: object) -> tuple[Tensor, ...]:
+    """Forward of one call on flat inputs (hidden [N, H], weight [V, H], target [N] int64, token_weight [N], the
+    policy loss's per-token tensors [N])."""
     cfg = config_from_primitives(kw, class_weight)
     flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=target.shape,
-                      token_weight=token_weight)
+                      token_weight=token_weight, policy=_policy_tokens(policy, kw))
     if kw["group_name"] is None:
         # prepare_inputs leaves this check to the op while torch.compile traces (it needs the values): CPU targets
         # here, accelerator targets in run_forward's first pass; a vocab-parallel call checks against the global
@@ -125,7 +146,7 @@ def _chunked_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target
 
 
 def _chunked_forward_fake(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
-                          class_weight: Tensor | None, token_weight: Tensor | None,
+                          class_weight: Tensor | None, token_weight: Tensor | None, *_policy: Tensor | None,
                           **kw: object) -> tuple[Tensor, ...]:
     cfg = config_from_primitives(kw)
     n = target.shape[0]
@@ -212,10 +233,11 @@ chunked_backward.register_fake(_chunked_backward_fake)
 
 
 def _forward_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
-    hidden, weight, bias, target, class_weight, token_weight = inputs
+    hidden, weight, bias, target, class_weight, token_weight, *_policy = inputs
     kw = keyword_only_inputs
     wanted = _wanted(kw, bias)
-    ctx.kw = kw
+    # The deferred backward op's keywords: the policy's are forward's alone (a policy call never defers).
+    ctx.kw = {name: value for name, value in kw.items() if not name.startswith("policy_")}
     ctx.wanted = wanted
     cfg = config_from_primitives(kw)
     ctx.in_forward = wanted.any and grads_in_forward_allowed(cfg)
@@ -240,8 +262,10 @@ def _forward_backward(ctx, grad_loss, _z, _acc, _pred, grad_logprobs, grad_entro
             grads = _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
         saved_inputs = ctx.saved_tensors[3:6] if ctx.in_forward else ctx.saved_tensors[:3]
         anchors = tuple(t for t in saved_inputs if t is not None and t.requires_grad)
-        return (*first_order_only(grads[:3], create_graph=True, anchors=anchors), None, None, None)
-    return _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
+        grads = (*first_order_only(grads[:3], create_graph=True, anchors=anchors), None, None, None)
+    else:
+        grads = _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
+    return (*grads, *(None for _ in TENSOR_FIELDS))  # the policy's tensors are constants
 
 
 def _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy):
@@ -282,8 +306,10 @@ def apply_op(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str) -> Te
         raise InputError("return_logit_stats=True is not supported under torch.compile (the custom op does not "
                          "return the logit statistics); call flce outside the compiled region for them")
     grad_mode = torch.is_grad_enabled()
+    policy = flat.policy
     outputs = torch.ops.flce.chunked_forward(
         flat.hidden, flat.weight, flat.bias, flat.target, cfg.class_weight, flat.token_weight,
+        *(policy.tensors().values() if policy is not None else (None for _ in TENSOR_FIELDS)),
         backend=backend,
         variant=variant,
         group_name=None if cfg.process_group is None else cfg.process_group.group_name,
@@ -291,5 +317,7 @@ def apply_op(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str) -> Te
         grad_weight=grad_mode and flat.weight.requires_grad,
         grad_bias=grad_mode and flat.bias is not None and flat.bias.requires_grad,
         **primitive_options(cfg),
+        policy_sequence_length=None if policy is None else policy.sequence_length,
+        **policy_primitives(None if policy is None else policy.options),
     )
     return as_result(shape_outputs(tuple(outputs[_USER_OUTPUTS]), cfg, flat.token_shape), cfg)

@@ -24,6 +24,7 @@ from flce.engine.transformed import backward as transformed_backward
 from flce.engine.transformed import check_first_order, check_unsharded, is_transformed, scaled
 from flce.inputs import FlatInputs
 from flce.outputs import LCEOutput
+from flce.policy.tokens import PolicyTokens
 
 
 class _Handoff:
@@ -42,9 +43,10 @@ class LCEFunction(torch.autograd.Function):
     ``handoff`` carries forward's state to setup_context."""
 
     @staticmethod
-    def forward(hidden, weight, bias, target, token_weight, call: EngineCall, wanted: GradTargets, handoff: _Handoff):
+    def forward(hidden, weight, bias, target, token_weight, policy: PolicyTokens | None, call: EngineCall,
+                wanted: GradTargets, handoff: _Handoff):
         flat = FlatInputs(hidden=hidden, weight=weight, target=target, bias=bias, token_shape=call.token_shape,
-                          token_weight=token_weight)
+                          token_weight=token_weight, policy=policy)
         in_forward = wanted.any and grads_in_forward_allowed(call.cfg)
         state = run_forward(call, flat, grads_in_forward=wanted if in_forward else None, backward_follows=wanted.any)
         handoff.state, handoff.in_forward = state, in_forward
@@ -53,7 +55,7 @@ class LCEFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        hidden, weight, bias, target, token_weight, call, wanted, handoff = inputs
+        hidden, weight, bias, target, token_weight, _policy, call, wanted, handoff = inputs
         ctx.state, ctx.in_forward = handoff.state.for_backward(), handoff.in_forward
         ctx.call, ctx.wanted, ctx.anchors = call, wanted, handoff.anchors
         if not ctx.in_forward and wanted.any:
@@ -74,7 +76,7 @@ class LCEFunction(torch.autograd.Function):
             grad_loss = torch.zeros(shape, dtype=dtype, device=device)
         with torch.no_grad():
             grads = _gradients(ctx, grad_loss, grad_logprobs, grad_entropy)
-        return (*first_order_only(grads, create_graph, ctx.anchors), None, None, None, None, None)
+        return (*first_order_only(grads, create_graph, ctx.anchors), None, None, None, None, None, None)
 
 
 def graph_retained() -> bool:
@@ -188,7 +190,7 @@ def apply_eager(flat: FlatInputs, call: EngineCall) -> Tensor | LCEOutput:
         handoff = _Handoff()
         handoff.anchors = first_order_anchors((flat.hidden, flat.weight, bias))
         *outputs, logit_stats = LCEFunction.apply(flat.hidden, flat.weight, bias, flat.target, flat.token_weight,
-                                                  call, wanted, handoff)
+                                                  flat.policy, call, wanted, handoff)
     else:
         # Inference (no_grad, evaluation, RL log-probs): the statistics alone, nothing kept.
         state = run_forward(call, flat, grads_in_forward=None, backward_follows=False)

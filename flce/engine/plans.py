@@ -32,10 +32,14 @@ class PlanRequest:
 
     training: gradients follow (the plan may compute them in forward, or keep logits for backward);
     sharded: the weight is one vocabulary shard (vocab parallelism), so schedules that need the
-    whole vocabulary's rows at once (vocabulary blocks, the inference scan by blocks) are out."""
+    whole vocabulary's rows at once (vocabulary blocks, the inference scan by blocks) are out;
+    statistics_first: a row's gradient needs every row's statistics first (a policy loss at a sequence level,
+    flce.engine.objective), so forward takes them all, keeping the plan's saved rows of logits, then the
+    gradients."""
 
     training: bool
     sharded: bool = False
+    statistics_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,9 +140,13 @@ def kept_rows(plan: TokenChunks, n_rows: int) -> int:
     return kept if kept == n_rows else kept - kept % max(1, plan.tokens_per_chunk)
 
 
-def describe(plan: Plan, n_rows: int, training: bool, in_forward: bool) -> str:
+def describe(plan: Plan, n_rows: int, training: bool, in_forward: bool, statistics_first: bool = False) -> str:
     """What a plan runs, in words, for a call of ``n_rows`` tokens: only the parts that run (a deferred plan's
-    recompute where rows are recomputed, its statistics pass where it keeps no logits)."""
+    recompute where rows are recomputed, its statistics pass where it keeps no logits). ``statistics_first``: the
+    gradients are formed in the forward after every row's statistics, as a deferred plan's backward forms them."""
+    own_words = getattr(plan, "words", None)
+    if own_words is not None:  # a schedule that says it itself (flce.engine.distillation's DistillChunks)
+        return own_words(n_rows, training, in_forward)
     if isinstance(plan, AllRows):
         return f"all {n_rows} rows at once: {_statistics_words(plan)}"
     if isinstance(plan, VocabBlocks):
@@ -148,23 +156,34 @@ def describe(plan: Plan, n_rows: int, training: bool, in_forward: bool) -> str:
                 f"{_GRADIENT_WORDS[plan.backward_grad]}")
     chunks = -(-n_rows // max(1, plan.tokens_per_chunk)) if n_rows else 0
     words = [f"token chunks: {chunks} of up to {plan.tokens_per_chunk} rows"]
-    deferred = training and not in_forward
+    two_pass = in_forward and statistics_first
+    deferred = training and (not in_forward or two_pass)
     keep = kept_rows(plan, n_rows) if deferred else 0
+    later = "after every row's statistics" if two_pass else "in backward"
     if deferred and keep == 0 and plan.stats_first is not None:
         words.append(f"forward: all rows' statistics at once ({_statistics_words(plan.stats_first)})")
-    elif in_forward and plan.chunk_grad == EXPONENTIALS:
+    elif two_pass and plan.chunk_grad == EXPONENTIALS:
+        words.append("each kept chunk's statistics and exponentials from the fused statistics GEMM (its gradient up "
+                     "to a row scale known once every row's statistics are)")
+        if keep < n_rows:
+            words.append("the other chunks' statistics from " + (
+                "the fused statistics GEMM" if plan.forward_logits == FUSED else "a GEMM and the row kernels"))
+    elif in_forward and not two_pass and plan.chunk_grad == EXPONENTIALS:
         words.append("each chunk's statistics and kept exponentials from the fused statistics GEMM, which are its "
                      "gradient up to a row scale")
     else:
         words.append("each chunk's logits and statistics from " + (
             "the fused statistics GEMM" if plan.forward_logits == FUSED else "a GEMM and the row kernels"))
-        if in_forward:
+        if in_forward and not two_pass:
             words.append("its gradient formed in the forward over its logits")
     if deferred:
+        kept = "exponentials" if two_pass and plan.chunk_grad == EXPONENTIALS else "logits"
+        rows = "all" if keep == n_rows else f"the first {keep}"
         if keep:
-            words.append(f"the logits of {'all' if keep == n_rows else f'the first {keep}'} rows kept for backward")
+            words.append(f"the {kept} of {rows} rows kept, their gradient formed {later}" if two_pass
+                         else f"the logits of {rows} rows kept for backward")
         if keep < n_rows:
-            words.append(f"the other chunks recomputed in backward by {_GRADIENT_WORDS[plan.backward_grad]}")
+            words.append(f"the other chunks recomputed {later} by {_GRADIENT_WORDS[plan.backward_grad]}")
     return "; ".join(words)
 
 

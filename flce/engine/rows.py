@@ -18,7 +18,6 @@ from flce.semantics import (
     count_tokens,
     extras,
     reduce_terms,
-    row_terms,
     statistics_dtype,
 )
 
@@ -210,11 +209,10 @@ def fp32_parts(grad: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]
     yield part
 
 
-def forward_state(call: EngineCall, flat: FlatInputs, stats: RowStats, denoms: Denominators,
-                  terms: RowTerms | None = None, *, keep_stats: bool) -> ForwardState:
-    """Loss, extras and (keep_stats: a deferred backward follows) the statistics, from all rows'."""
-    if terms is None:
-        terms = row_terms(stats, flat.target, call.cfg, call.vocab(flat.weight.shape[0]), flat.token_weight)
+def forward_state(call: EngineCall, flat: FlatInputs, stats: RowStats, denoms: Denominators, terms: RowTerms, *,
+                  keep_stats: bool) -> ForwardState:
+    """Loss, extras and (keep_stats: the gradients follow from them) the statistics, from all rows' and their loss
+    terms (the objective's, flce.engine.objective)."""
     loss, z_loss = reduce_terms(terms, call.cfg, denoms)
     extra = extras(stats, terms, flat.target, call.cfg, denoms, call.vocab(flat.weight.shape[0]))
     return ForwardState(loss=loss, z_loss=z_loss, extras=extra,

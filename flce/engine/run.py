@@ -9,6 +9,7 @@ from torch import Tensor
 from flce.config import LCEConfig
 from flce.engine.custom_ops import apply_op
 from flce.engine.function import apply_eager, needs_autograd
+from flce.engine.objective import needs_statistics_first
 from flce.engine.plans import PlanRequest
 from flce.engine.schedule import planned_call
 from flce.inputs import FlatInputs
@@ -22,4 +23,5 @@ def run_backend(backend: Backend, flat: FlatInputs, cfg: LCEConfig, variant: str
         return apply_op(backend.name, flat, cfg, variant)
     if backend.run is not None:
         return backend.run(flat, cfg, variant)
-    return apply_eager(flat, planned_call(backend, flat, cfg, variant, PlanRequest(training=needs_autograd(flat))))
+    request = PlanRequest(training=needs_autograd(flat), statistics_first=needs_statistics_first(flat))
+    return apply_eager(flat, planned_call(backend, flat, cfg, variant, request))

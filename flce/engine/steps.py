@@ -38,6 +38,8 @@ def row_kernel_steps(call: CallDescription, plan: TokenChunks, names: RowKernelN
     """The steps of ``plan``; ``launch(role)``: how the role's kernel is launched (blocks, programs)."""
     cfg = call.cfg
     in_forward = call.request.training and grads_in_forward_allowed(cfg)
+    # A sequence-level objective: forward takes every row's statistics, then the gradients as a backward would.
+    second_pass = in_forward and call.request.statistics_first
     gemm = logits_gemm(call)
     grad = names.plain_grad if call.plain else names.full_grad
     options = ", ".join(cfg.full_feature_options()) or "per-token outputs"
@@ -47,19 +49,20 @@ def row_kernel_steps(call: CallDescription, plan: TokenChunks, names: RowKernelN
                       why_variant, launch("plain_grad" if in_forward else "plain_loss"))]
     else:
         steps = [Step("each chunk: logits and statistics", (gemm, names.row_stats), why_variant, launch("row_stats"))]
-        if in_forward:
+        if in_forward and not second_pass:
             steps.append(Step("each chunk: gradient over its logits", (names.full_grad,), why_variant,
                               launch("full_grad")))
     if not call.request.training:
         return tuple(steps)
-    keep = 0 if in_forward else kept_rows(plan, call.n_rows)
-    if not in_forward:
+    keep = kept_rows(plan, call.n_rows) if second_pass or not in_forward else 0
+    if second_pass or not in_forward:
+        when_grads = "forward, after every row's statistics" if second_pass else "backward"
         if keep:
-            steps.append(Step(f"backward: gradient of the {keep} kept rows' logits", (grad,),
+            steps.append(Step(f"{when_grads}: gradient of the {keep} kept rows' logits", (grad,),
                               "logits kept from forward (the memory plan's save limit)",
                               launch("plain_grad" if call.plain else "full_grad")))
         if keep < call.n_rows:
-            steps.append(Step("backward: each recomputed chunk's gradient", (gemm, grad), why_variant,
+            steps.append(Step(f"{when_grads}: each recomputed chunk's gradient", (gemm, grad), why_variant,
                               launch("plain_grad" if call.plain else "full_grad")))
     updates = (keep > 0) + -(-(call.n_rows - keep) // max(1, plan.tokens_per_chunk))
     exact = logits_dtype(call.dtype, cfg) != call.dtype  # precision="accurate": both products in fp32

@@ -18,6 +18,11 @@ Backward (deferred): the kept rows' logits become their gradient in place chunk 
 gradient GEMMs run once over all of them (one write of the weight gradient instead of a
 read-modify-write per chunk); every other chunk is recomputed (``backward_grad``: a GEMM and the row
 kernel, or the fused gradient GEMM) and accumulated.
+
+An objective whose gradients need every row's statistics (a sequence-level policy loss) runs both halves in
+forward (flce.engine.schedule): forward as deferred, then backward with grad_output 1. Its kept rows may hold
+exponentials instead of logits (``chunk_grad="exponentials"``, a gradient that is a row multiple of softmax -
+onehot): their row scales at a unit upstream scale, times the objective's once known, scale the two GEMMs.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 
 from flce.engine import all_rows
 from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
+from flce.engine.objective import Objective
 from flce.engine.plans import EXPONENTIALS, FUSED, TokenChunks, chunk_bounds, kept_rows
 from flce.engine.rows import (
     GradAccumulator,
@@ -39,9 +45,8 @@ from flce.engine.rows import (
     logits_dtype,
     slice_stats,
 )
-from flce.gradients import grad_coefficients, upstream_scales
 from flce.inputs import FlatInputs
-from flce.semantics import Denominators, RowStats, RowTerms, extras, reduce_terms, row_terms
+from flce.semantics import Denominators, RowStats, RowTerms, extras, reduce_terms
 
 
 def _hidden_reduce(call: EngineCall) -> Callable[[torch.Tensor], Callable[[], None]] | None:
@@ -49,24 +54,18 @@ def _hidden_reduce(call: EngineCall) -> Callable[[torch.Tensor], Callable[[], No
     return None if call.sharding is None else call.sharding.start_grad_hidden_reduce
 
 
-def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denominators, *,
+def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denominators, objective: Objective, *,
             grads_in_forward: GradTargets | None, backward_follows: bool) -> ForwardState:
-    """Loss and extras; with grads_in_forward, the unscaled gradients too. backward_follows=False
-    (inference) keeps nothing for a backward."""
+    """Loss and extras; with grads_in_forward, the unscaled gradients too (each chunk's from its own statistics:
+    a token-level objective). backward_follows=False (inference) keeps nothing for a backward."""
     cfg, kernels, target = call.cfg, call.kernels, flat.target
     n_rows = target.shape[0]
-    vocab = call.vocab(flat.weight.shape[0])
     acc = GradAccumulator(kernels, flat, cfg, grads_in_forward, _hidden_reduce(call)) if grads_in_forward else None
     deferred = backward_follows and acc is None
     keep = kept_rows(plan, n_rows) if deferred else 0
     if acc is None and keep == 0 and plan.stats_first is not None:
-        return all_rows.forward(call, flat, plan.stats_first, denoms, keep_stats=deferred)
+        return all_rows.forward(call, flat, plan.stats_first, denoms, objective, keep_stats=deferred)
 
-    # The per-row scales of the loss's terms (grad_output taken as 1; backward scales), once for all chunks.
-    scales = None
-    if acc:
-        one = torch.ones((), dtype=denoms.z_loss.dtype, device=target.device)
-        scales = upstream_scales(cfg, denoms, one, slice(0, n_rows), n_rows, flat.token_weight)
     vocab_here = flat.weight.shape[0]
     dtype = logits_dtype(flat.weight.dtype, cfg)
     saved = flat.hidden.new_empty(keep, vocab_here, dtype=dtype) if keep else None
@@ -74,8 +73,11 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
     buffer = WorkBuffer(flat.hidden, min(plan.tokens_per_chunk, n_rows), vocab_here, dtype) if keep < n_rows else None
     stats_per_chunk: list[RowStats] = []
     # Only the plain row kernel's chunks give their terms; the others' come from all rows' statistics at the
-    # end (row_terms is row by row: one set of small launches a call instead of one a chunk).
+    # end (the objective's terms are row by row: one set of small launches a call instead of one a chunk).
     terms_per_chunk: list[RowTerms] = []
+    # A statistics-first objective's kept chunks (chunk_grad "exponentials"): exponentials at a unit scale, whose row
+    # scales the objective's multiply once every row's statistics are known (flce.engine.schedule).
+    kept_row_scales: list[torch.Tensor] = []
     for rows in chunk_bounds(n_rows, plan.tokens_per_chunk):
         t = target[rows]
         n = t.shape[0]
@@ -83,11 +85,24 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
         # A kept chunk's logits are written straight into the saved buffer.
         kept = saved[rows] if saved is not None and rows.stop <= keep else None
         out = kept if kept is not None else buffer.view(n, vocab_here)
+        if kept is not None and plan.chunk_grad == EXPONENTIALS:
+            stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg,
+                                                     torch.ones_like(t, dtype=torch.float32), kept)
+            kept_row_scales.append(row_scale)
+            stats_per_chunk.append(stats)
+            del kept, out
+            continue
         if acc and plan.chunk_grad == EXPONENTIALS:
             # The statistics GEMM keeps exponentials whose row scaling is the gradient: no row kernel
-            # passes over them, and the gradient GEMMs scale rows instead.
-            stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg,
-                                                     scales.cross_entropy[rows], out)
+            # passes over them, and the gradient GEMMs scale rows instead. The row scale is linear in the
+            # upstream scale, so an objective whose scales follow from the statistics multiplies it afterwards.
+            if objective.scales_need_statistics:
+                stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg,
+                                                         torch.ones_like(t, dtype=torch.float32), out)
+                row_scale = row_scale * objective.scales(stats, rows, n).cross_entropy
+            else:
+                stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg,
+                                                         objective.scales(None, rows, n).cross_entropy, out)
             acc.add_row_scaled(out, row_scale, rows)
             stats_per_chunk.append(stats)
             del kept, out
@@ -98,18 +113,20 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
                                              logits)
             stats = RowStats.from_partial(call.combined(partial))
             if acc and call.plain:
-                grad = kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, scales.cross_entropy[rows])
+                grad = kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse,
+                                           objective.scales(stats, rows, n).cross_entropy)
         elif call.plain:
+            assert not objective.scales_need_statistics, "the plain row kernel takes its scale before the statistics"
             logits = chunk_logits(flat, rows, out=out)
             loss_rows, lse, grad = kernels.plain_loss(logits, t, cfg.ignore_index,
-                                                      scales.cross_entropy[rows] if acc else None)
+                                                      objective.scales(None, rows, n).cross_entropy if acc else None)
             stats = RowStats(lse=lse, target_z=lse - loss_rows)
             terms_per_chunk.append(RowTerms(loss_rows, None, t != cfg.ignore_index))
         else:
             logits = chunk_logits(flat, rows, out=out)
             stats = RowStats.from_partial(call.combined(kernels.row_stats(logits, t, cfg, call.vocab_offset)))
         if acc and not call.plain:
-            coeffs = grad_coefficients(stats, t, cfg, vocab, scales.rows(rows), None, None)
+            coeffs = objective.coefficients(stats, t, rows)
             grad = kernels.full_grad_(logits, t, cfg, call.vocab_offset, stats.lse, coeffs)
         if acc:
             acc.add(grad, rows)
@@ -117,23 +134,23 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
         del logits, grad, kept, out
 
     all_stats = concat_stats(stats_per_chunk, target)
-    terms = (concat_terms(terms_per_chunk, target) if terms_per_chunk
-             else row_terms(all_stats, target, cfg, vocab, flat.token_weight))
+    terms = concat_terms(terms_per_chunk, target) if terms_per_chunk else objective.terms(all_stats, target)
     if acc is None:
         state = forward_state(call, flat, all_stats, denoms, terms, keep_stats=deferred)
         state.saved_logits = saved
+        state.saved_row_scale = torch.cat(kept_row_scales) if kept_row_scales else None
         return state
+    vocab = call.vocab(flat.weight.shape[0])
     loss, z_loss = reduce_terms(terms, cfg, denoms)
     return ForwardState(loss=loss, z_loss=z_loss, extras=extras(all_stats, terms, target, cfg, denoms, vocab),
                         denoms=denoms, grads=acc.result())
 
 
 def backward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, state: ForwardState, wanted: GradTargets,
-             grad_loss: torch.Tensor, grad_logprobs: torch.Tensor | None,
-             grad_entropy: torch.Tensor | None) -> Grads:
-    """Deferred gradients from forward's row statistics, kept logits and the upstream gradients."""
+             objective: Objective) -> Grads:
+    """Gradients from forward's row statistics and kept logits under ``objective`` (a deferred backward's
+    upstream gradients, or, in forward, a sequence-level loss once every row's statistics are known)."""
     cfg, kernels, target = call.cfg, call.kernels, flat.target
-    vocab = call.vocab(flat.weight.shape[0])
     assert state.stats is not None
     acc = GradAccumulator(kernels, flat, cfg, wanted, _hidden_reduce(call))
     saved = state.saved_logits
@@ -150,26 +167,28 @@ def backward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, state: Forwa
         """d loss / d u of one chunk, over its logits (recomputed where None)."""
         t = target[rows]
         stats = slice_stats(state.stats, rows)
-        scales = upstream_scales(cfg, state.denoms, grad_loss, rows, t.shape[0], flat.token_weight)
         fused = plan.backward_grad == FUSED and logits is None
-        coeffs = None
-        if not call.plain or fused:
-            coeffs = grad_coefficients(
-                stats, t, cfg, vocab, scales,
-                None if grad_logprobs is None else grad_logprobs.reshape(-1)[rows],
-                None if grad_entropy is None else grad_entropy.reshape(-1)[rows],
-            )
+        coeffs = objective.coefficients(stats, t, rows) if not call.plain or fused else None
         if fused:
             return kernels.gemm_grad(flat.hidden[rows], flat.weight, flat.bias, t, cfg, call.vocab_offset,
                                      stats.lse, coeffs)
         if logits is None:
             logits = chunk_logits(flat, rows, out=recompute_buffer.view(t.shape[0], flat.weight.shape[0]))
         if coeffs is None:
-            return kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse, scales.cross_entropy)
+            return kernels.plain_grad_(logits, t, cfg.ignore_index, stats.lse,
+                                       objective.scales(stats, rows, t.shape[0]).cross_entropy)
         return kernels.full_grad_(logits, t, cfg, call.vocab_offset, stats.lse, coeffs)
 
     bounds = chunk_bounds(target.shape[0], plan.tokens_per_chunk)
-    if saved is not None:
+    if saved is not None and state.saved_row_scale is not None:
+        # Kept exponentials: the objective's scale of each row times the exponentials' is the gradient; the two
+        # gradient GEMMs once over all of them, no pass over them.
+        kept = slice(0, keep)
+        scale = objective.scales(slice_stats(state.stats, kept), kept, keep).cross_entropy
+        acc.add_row_scaled(saved, state.saved_row_scale * scale, kept)
+        state.saved_row_scale = None
+        del saved
+    elif saved is not None:
         # The kept rows: the row kernels chunk by chunk over the buffer (their temporaries stay
         # chunk-sized), the two gradient GEMMs once over all of them.
         for rows in bounds:

@@ -21,37 +21,32 @@ import torch
 
 from flce.engine import all_rows
 from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
+from flce.engine.objective import Objective
 from flce.engine.plans import FUSED, VocabBlocks
 from flce.engine.rows import WorkBuffer, block_logits, forward_state, fp32_parts, logits_dtype
-from flce.gradients import GradCoefficients, grad_coefficients, upstream_scales
+from flce.gradients import GradCoefficients
 from flce.inputs import FlatInputs
 from flce.semantics import Denominators, RowStats, statistics_dtype
 
 
-def forward(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, denoms: Denominators, *,
+def forward(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, denoms: Denominators, objective: Objective, *,
             grads_in_forward: GradTargets | None) -> ForwardState:
-    """Statistics of all rows; with grads_in_forward, the unscaled gradients of a scalar loss too."""
+    """Statistics of all rows; with grads_in_forward, the unscaled gradients of a scalar loss too (every row's
+    statistics come first here, so a sequence-level objective is served as it is)."""
     stats = all_rows.statistics(call, flat, plan.stats)
-    state = forward_state(call, flat, stats, denoms, keep_stats=grads_in_forward is None)
+    state = forward_state(call, flat, stats, denoms, objective.terms(stats, flat.target),
+                          keep_stats=grads_in_forward is None)
     if grads_in_forward is not None:
-        one = torch.ones((), dtype=denoms.z_loss.dtype, device=flat.target.device)
-        scales = upstream_scales(call.cfg, denoms, one, slice(None), flat.target.shape[0], flat.token_weight)
-        coeffs = grad_coefficients(stats, flat.target, call.cfg, flat.weight.shape[0], scales, None, None)
+        coeffs = objective.with_statistics(stats).coefficients(stats, flat.target, slice(None))
         state.grads = block_gradients(call, flat, plan, stats, coeffs, grads_in_forward)
     return state
 
 
 def backward(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, state: ForwardState, wanted: GradTargets,
-             grad_loss: torch.Tensor, grad_logprobs: torch.Tensor | None,
-             grad_entropy: torch.Tensor | None) -> Grads:
-    """Deferred gradients from forward's statistics of all rows and the upstream gradients."""
+             objective: Objective) -> Grads:
+    """Deferred gradients from forward's statistics of all rows and the objective's upstream gradients."""
     assert state.stats is not None
-    target = flat.target
-    scales = upstream_scales(call.cfg, state.denoms, grad_loss, slice(None), target.shape[0], flat.token_weight)
-    coeffs = grad_coefficients(
-        state.stats, target, call.cfg, flat.weight.shape[0], scales,
-        None if grad_logprobs is None else grad_logprobs.reshape(-1),
-        None if grad_entropy is None else grad_entropy.reshape(-1))
+    coeffs = objective.coefficients(state.stats, flat.target, slice(None))
     return block_gradients(call, flat, plan, state.stats, coeffs, wanted)
 
 

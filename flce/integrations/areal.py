@@ -36,6 +36,9 @@ import torch.distributed as dist
 
 import flce
 from flce.distributed.shards import vocab_shard
+from flce.policy.api import PolicyCall, PolicyInputs, TokenWeights, policy_config, policy_loss_of_tokens
+from flce.policy.checks import FlatPolicyTensors
+from flce.policy.options import PolicyOptions
 
 # Tokens per step of the max-logit dot products: [rows, H] gathered weight rows in fp32 at a time.
 _DOT_ROWS = 2048
@@ -103,3 +106,66 @@ def _raw_max_logits(hidden: torch.Tensor, weight: torch.Tensor, argmax: torch.Te
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(max_logits, op=dist.ReduceOp.MAX, group=group)
     return torch.where(argmax >= 0, max_logits, 0.0)
+
+
+# --------------------------------------------------------------------------- the PPO actor's loss
+
+def ppo_actor_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, old_logprobs: torch.Tensor,
+    advantages: torch.Tensor, loss_mask: torch.Tensor, eps_clip: float, eps_clip_higher: float | None = None,
+    c_clip: float | None = None, proximal_logprobs: torch.Tensor | None = None,
+    behav_imp_weight_cap: float | None = None, temperature: float = 1.0, tp_group: dist.ProcessGroup | None = None,
+    bias: torch.Tensor | None = None, sequence_ids: torch.Tensor | None = None, memory_budget: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """AReaL's PPO actor loss (``areal.utils.functional.ppo_actor_loss_fn``, what its ``grpo_loss_fn`` calls
+    without SAPO or M2PO) from the LM head's input, in one flce call: the clipped ratio to the proximal policy
+    (``proximal_logprobs``; the old one where None) with ``eps_clip`` / ``eps_clip_higher``, the dual clip
+    ``c_clip``, times the decoupled behaviour weight exp(proximal - old) (tokens above ``behav_imp_weight_cap``
+    weigh 0), averaged over the tokens of ``loss_mask``.
+
+    ``hidden`` [..., H] with the per-token tensors shaped like ``labels`` (padded [bs, seqlen]; or packed [N] with
+    ``sequence_ids``). Returns ``(loss, stat)`` with AReaL's stat names, per-token and detached: loss,
+    importance_weight, approx_kl, clip_mask, dual_clip_mask, behave_imp_weight, behave_approx_kl, behave_mask."""
+    if c_clip is not None and not c_clip > 1.0:
+        raise ValueError(f"c_clip={c_clip}: expected None or a value > 1 (AReaL's dual clip)")
+    high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    options = PolicyOptions(term="clip", ratio_low=1.0 - float(eps_clip), ratio_high=1.0 + float(high),
+                            delta=None if c_clip is None else float(c_clip))
+    proximal = old_logprobs if proximal_logprobs is None else proximal_logprobs
+    mask = loss_mask.bool()
+    with torch.no_grad():
+        behaviour_kl = proximal.double() - old_logprobs.double()
+        behaviour_weight = behaviour_kl.exp()
+        behaviour_mask = mask if behav_imp_weight_cap is None else (behaviour_weight <= behav_imp_weight_cap) & mask
+        behaviour_weight = torch.where(behaviour_mask, behaviour_weight, 0.0).to(old_logprobs.dtype)
+
+    def weights(flat: FlatPolicyTensors) -> TokenWeights:
+        return TokenWeights(flat.mask / flat.mask.sum().clamp(min=1.0))
+
+    cfg = policy_config(temperature=temperature, memory_budget=memory_budget, process_group=tp_group, entropy=False)
+    tensors = PolicyInputs(advantages, mask, proximal, None, behaviour_weight, sequence_ids)
+    call = policy_loss_of_tokens(hidden, weight, labels, bias, tensors, cfg, options, weights,
+                                 device_type=hidden.device.type)
+    return call.output.loss, _ppo_stat(call, advantages, mask, proximal, options, behaviour_weight, behaviour_kl,
+                                       behaviour_mask)
+
+
+@torch.no_grad()
+def _ppo_stat(call: PolicyCall, advantages: torch.Tensor, mask: torch.Tensor, proximal: torch.Tensor,
+              options: PolicyOptions, behaviour_weight: torch.Tensor, behaviour_kl: torch.Tensor,
+              behaviour_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """AReaL's per-token statistics of the loss, from the call's detached log-probs."""
+    logprobs = call.output.logprobs
+    ratio = torch.where(mask, torch.exp(logprobs - proximal), 0.0)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, options.ratio_low, options.ratio_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(mask)
+    if options.delta is not None:
+        bound = torch.sign(advantages) * options.delta * advantages
+        dual = bound < loss
+        loss = torch.minimum(loss, bound)
+    return {"loss": loss * behaviour_weight, "importance_weight": ratio, "approx_kl": logprobs - proximal,
+            "clip_mask": (unclipped < clipped) & mask, "dual_clip_mask": dual & mask,
+            "behave_imp_weight": behaviour_weight, "behave_approx_kl": torch.where(behaviour_mask, behaviour_kl, 0.0),
+            "behave_mask": behaviour_mask}

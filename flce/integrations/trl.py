@@ -35,14 +35,19 @@ cuBLAS and folds them into online-softmax statistics. :class:`ChunkedLogProbFunc
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable
+import types
+from collections.abc import Callable, Iterable
 
 import torch
 
 import flce
 from flce.config import LCEConfig
 from flce.errors import InputError, InputTypeError
+from flce.policy.loss_types import trl_options
+from flce.policy.semantics import SequenceLayout, clip_flags, sequence_shares
+from flce.policy.tokens import PolicyTokens
 
 # TRL's optional per-token outputs, in the order of its return tuple after the log-probs.
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -116,3 +121,179 @@ def _fold_logit_scale(
         return hidden, bias, folded
     scaled_bias = None if bias is None else bias * logit_scale
     return hidden * logit_scale, scaled_bias, {"temperature": temperature, "softcap": softcap}
+
+
+# --------------------------------------------------------------------------- GRPOTrainer's loss
+
+# The inputs a GRPOTrainer batch may carry beside the text: the multimodal ones go through the model's own forward.
+_MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
+                      "mm_token_type_ids", "image_position_ids", "spatial_shapes", "num_tiles", "num_images")
+# Logit scalings of some model families that TRL's fused head applies and flce's policy head does not (yet).
+_UNHANDLED_SCALINGS = ("output_multiplier", "lm_head_multiplier", "logits_scaling")
+
+
+def add_policy_head(model: torch.nn.Module) -> None:
+    """Patch ``model.forward`` (a Hugging Face causal LM) so that ``model(..., flce_policy=head)`` runs the backbone
+    and returns ``head(hidden_states, lm_head.weight, lm_head.bias, logit_options)``, the logits never made
+    (``logit_options``: flce's temperature-free ``softcap`` and the model's ``logit_scale``); without
+    ``flce_policy`` the forward is the original one. Called through the trainer's wrapped model (DDP, FSDP), the
+    wrappers see an ordinary forward, as with TRL's own ``add_fused_lm_head``."""
+    original = model.forward
+    text_config = model.config.get_text_config()
+    unhandled = [name for name in _UNHANDLED_SCALINGS if getattr(text_config, name, None) is not None]
+    if unhandled:
+        raise ValueError(f"add_policy_head: the model's config sets {unhandled}, a logit scaling flce's policy head "
+                         "does not apply; use TRL's own loss for this model")
+    scaling = {"softcap": getattr(text_config, "final_logit_softcapping", None),
+               "logit_scale": getattr(text_config, "logit_scale", None) or 1.0}
+    # Vision-language models of transformers < 5 expose their language backbone as ``model``.
+    backbone_name = "base_model" if text_config is model.config else "model"
+
+    @functools.wraps(type(model).forward)
+    def forward(self: torch.nn.Module, *args: object, flce_policy: Callable | None = None, **kwargs: object):
+        if flce_policy is None:
+            return original(*args, **kwargs)
+        kwargs["use_cache"] = False
+        hidden = getattr(self, backbone_name)(*args, **kwargs).last_hidden_state
+        head = self.get_output_embeddings()
+        return flce_policy(hidden.to(head.weight.device), head.weight, head.bias, scaling)
+
+    model.forward = types.MethodType(forward, model)
+
+
+class GRPOPolicyLossMixin:
+    """TRL's ``GRPOTrainer._compute_loss`` in one flce call: mix in before GRPOTrainer and patch the model first,
+
+        class Trainer(GRPOPolicyLossMixin, trl.GRPOTrainer): ...
+        add_policy_head(model); trainer = Trainer(model=model, ...)
+
+    The same loss and metrics as TRL 1.16's (every loss type but vespo, both importance-sampling levels,
+    ``delta``, the KL to the reference model, the vLLM importance-sampling correction, the static entropy bonus,
+    the gradient-accumulation and process normalisers). Settings flce does not state (top_entropy_quantile < 1,
+    off_policy_mask_threshold, use_bias_correction_kl, the adaptive entropy bonus, an MoE aux loss, multimodal
+    inputs) raise ``ValueError`` at the first step: leave this mixin out for them."""
+
+    def _compute_loss(self, model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+        self._check_flce_supports(inputs)
+        completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        keep = completion_ids.size(1)
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        # TRL divides dapo and cispo by num_items_in_batch / processes (times accumulation / steps per generation in
+        # training), the others by the accumulation steps; the entropy bonus always by the accumulation steps.
+        items = None
+        if self.loss_type in ("dapo", "cispo"):
+            items = inputs["num_items_in_batch"]
+            scale = self.accelerator.num_processes * (
+                self.args.steps_per_generation / accumulation if mode == "train" else 1.0)
+        else:
+            scale = 1.0 / accumulation
+        entropy_weight = self.entropy_coef / accumulation / scale if self._entropy_bonus_enabled else 0.0
+        rollout = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            rollout = inputs["importance_sampling_ratio"].expand_as(mask)
+        options = dict(
+            loss_type=self.loss_type, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+            delta=self.args.delta, beta=self.beta, importance_sampling_level=self.importance_sampling_level,
+            max_completion_length=self.max_completion_length, entropy_weight=entropy_weight,
+            sapo_temperature_pos=self.args.sapo_temperature_pos, sapo_temperature_neg=self.args.sapo_temperature_neg)
+        old = inputs.get("old_per_token_logps")
+        ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+
+        def head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 scaling: dict) -> flce.PolicyLossOutput:
+            return flce.linear_policy_loss(
+                hidden[:, -keep - 1:-1], weight, completion_ids, inputs["advantages"], mask=mask, old_logprobs=old,
+                ref_logprobs=ref, num_items_in_batch=items, rollout_is_ratio=rollout, bias=bias, **options,
+                **_logit_options(self.temperature, scaling["softcap"], scaling["logit_scale"]))
+
+        with self.accelerator.autocast():
+            out = model(input_ids=input_ids, attention_mask=attention_mask, flce_policy=head)
+        self._log_flce_metrics(out, inputs, mask, mode, scale, entropy_weight, options)
+        return out.loss * scale
+
+    def _check_flce_supports(self, inputs: dict) -> None:
+        unsupported = [name for name, on in (
+            ("top_entropy_quantile < 1", self.top_entropy_quantile < 1.0),
+            ("off_policy_mask_threshold", self.off_policy_mask_threshold is not None),
+            ("use_bias_correction_kl", getattr(self.args, "use_bias_correction_kl", False)),
+            ("use_adaptive_entropy", getattr(self, "use_adaptive_entropy", False)),
+            ("an MoE aux loss", self.aux_loss_enabled),
+            ("multimodal inputs", any(inputs.get(k) is not None for k in _MULTIMODAL_INPUTS)),
+        ) if on]
+        if unsupported:
+            raise ValueError(f"GRPOPolicyLossMixin: flce's policy loss does not state {', '.join(unsupported)}; "
+                             "train without the mixin (TRL's own _compute_loss) for them")
+
+    def _log_flce_metrics(self, out: flce.PolicyLossOutput, inputs: dict, mask: torch.Tensor, mode: str,
+                          scale: float, entropy_weight: float, options: dict) -> None:
+        """TRL's logged metrics from the call's (with their host synchronisations, as TRL's logging makes)."""
+        metrics, accelerator = self._metrics[mode], self.accelerator
+        by_sequence = self.importance_sampling_level == "sequence" and inputs["advantages"].dim() == 1
+
+        def global_mean(local_mean: torch.Tensor, per_sequence: bool = False) -> float:
+            count = torch.tensor(float(mask.shape[0]), device=mask.device) if per_sequence else mask.sum().float()
+            totals = accelerator.reduce(torch.stack([local_mean * count, count]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        if self.beta != 0.0:
+            metrics["kl"].append(global_mean(out.mean_kl))
+        metrics["entropy"].append(global_mean(out.mean_entropy))
+        if self._entropy_bonus_enabled:
+            policy = out.loss.detach() + entropy_weight * out.mean_entropy
+            policy = policy * scale if self.loss_type in ("dapo", "cispo") else policy
+            metrics["policy_loss"].append(accelerator.gather(policy).nanmean().item())
+            if mode == "train" and accelerator.sync_gradients:
+                metrics["entropy_coef"].append(self.entropy_coef)
+        if self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            metrics["clip_ratio/low_mean"].append(global_mean(out.clip_ratio_low, by_sequence))
+            metrics["clip_ratio/high_mean"].append(global_mean(out.clip_ratio_high, by_sequence))
+            metrics["clip_ratio/region_mean"].append(global_mean(out.clip_ratio, by_sequence))
+            low, high = _per_sequence_clip_fractions(out.logprobs, inputs, mask, options)
+            metrics["clip_ratio/low_min"].append(_nan_extreme(accelerator.gather(low), torch.min))
+            metrics["clip_ratio/high_max"].append(_nan_extreme(accelerator.gather(high), torch.max))
+        elif self.loss_type == "cispo":
+            metrics["cispo_clip_ratio"].append(global_mean(out.clip_ratio_high, by_sequence))
+
+
+def _logit_options(temperature: float, softcap: float | None, logit_scale: float) -> dict[str, float | None]:
+    """flce's (temperature, softcap) for ``softcap(s * u) / T`` (_fold_logit_scale's, for s > 0)."""
+    if not logit_scale > 0:
+        raise ValueError(f"logit_scale={logit_scale}: flce's policy head folds a positive logit scale only")
+    return {"temperature": temperature / logit_scale, "softcap": None if softcap is None else softcap / logit_scale}
+
+
+@torch.no_grad()
+def _per_sequence_clip_fractions(logprobs: torch.Tensor, inputs: dict, mask: torch.Tensor,
+                                 options: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's fraction of clipped tokens below and above (TRL's clip_ratio/low_min and high_max read
+    them; NaN for a sequence without tokens), from the policy's clip flags (flce.policy.semantics)."""
+    batch, length = mask.shape
+    policy = trl_options(options["loss_type"], options["importance_sampling_level"],
+                         epsilon_low=options["epsilon_low"], epsilon_high=options["epsilon_high"],
+                         delta=options["delta"], beta=0.0, sapo_temperature_pos=options["sapo_temperature_pos"],
+                         sapo_temperature_neg=options["sapo_temperature_neg"])
+    weights = mask.reshape(-1).to(logprobs.dtype)
+    layout = SequenceLayout(None, length)
+    advantages = inputs["advantages"]
+    advantages = advantages[:, None].expand(batch, length) if advantages.dim() == 1 else advantages
+    old = inputs.get("old_per_token_logps")
+    tokens = PolicyTokens(options=policy, advantage=advantages.reshape(-1).to(logprobs.dtype), weight=weights,
+                          old=None if old is None else old.reshape(-1).to(logprobs.dtype),
+                          sequence_share=sequence_shares(weights, layout), sequence_length=length)
+    low, high = clip_flags(logprobs.reshape(-1), tokens, weights != 0)
+    if policy.level == "sequence" and inputs["advantages"].dim() == 1:  # one value per sequence, as TRL's (B, 1)
+        return low.reshape(batch, length)[:, 0].float(), high.reshape(batch, length)[:, 0].float()
+    counts = weights.reshape(batch, length).sum(-1)
+    return tuple((flags.reshape(batch, length).float() * weights.reshape(batch, length)).sum(-1) / counts
+                 for flags in (low, high))
+
+
+def _nan_extreme(values: torch.Tensor, extreme: Callable) -> float:
+    """TRL's nanmin / nanmax: the extreme of the values that are not NaN, NaN where all are."""
+    kept = values[~torch.isnan(values)]
+    return float("nan") if kept.numel() == 0 else extreme(kept).item()

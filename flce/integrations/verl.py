@@ -36,6 +36,7 @@ computed by flce's registry (so on the CPU, CUDA, Ascend, any hidden size, any s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -43,6 +44,10 @@ import torch.distributed as dist
 
 import flce
 from flce.errors import InputError
+from flce.policy.api import PolicyCall, PolicyInputs, TokenWeights, policy_config, policy_loss_of_tokens
+from flce.policy.checks import FlatPolicyTensors
+from flce.policy.options import PolicyOptions
+from flce.policy.semantics import kl_term, log_ratio, policy_rows
 
 _REDUCTIONS = ("none", "sum", "mean")
 
@@ -85,3 +90,191 @@ class _ShareGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad / ctx.world_size, None
+
+
+
+# --------------------------------------------------------------------------- the PPO actor's loss
+
+# verl's policy loss modes (verl.trainer.ppo.core_algos, 0.9.1) that flce's policy loss states exactly.
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "gpg")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# verl's kl_loss_type names -> flce's estimators (a "+" suffix: the value from it, k2's gradient).
+KL_LOSS_TYPES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "low_var_kl",
+                 "k3": "low_var_kl"}
+# verl clamps the log ratio to [-20, 20] before exp (vanilla, cispo, sapo); its GSPO clamps the combined log
+# ratio above at 10.
+_LOG_RATIO_BOUND = 20.0
+_GSPO_LOG_RATIO_MAX = 10.0
+
+
+def ppo_loss(
+    config: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, old_log_prob: torch.Tensor,
+    advantages: torch.Tensor, response_mask: torch.Tensor, rollout_is_weights: torch.Tensor | None = None,
+    ref_log_prob: torch.Tensor | None = None, temperature: float = 1.0, bias: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None, dist_process_group: dist.ProcessGroup | None = None,
+    memory_budget: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+    """verl's PPO actor loss (``verl.workers.utils.losses.ppo_loss``: the policy loss of
+    ``config.policy_loss.loss_mode``, minus ``entropy_coeff`` times the aggregated entropy, plus ``kl_loss_coef``
+    times the aggregated ``kl_loss_type`` KL when ``use_kl_loss``) from the LM head's input, in one flce call.
+
+    ``config``: verl's ActorConfig (or any object with its fields: clip_ratio, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c, loss_agg_mode, loss_scale_factor, entropy_coeff, tau_pos, tau_neg, use_kl_loss, kl_loss_type,
+    kl_loss_coef, policy_loss.loss_mode, global_batch_info). ``hidden`` [bs, response_length, H] and
+    ``labels``, ``old_log_prob``, ``advantages``, ``response_mask`` (and ``rollout_is_weights``,
+    ``ref_log_prob``) [bs, response_length]; or the packed form, [N, H] and [N] with ``sequence_ids`` [N].
+    Returns ``(loss, metrics)``: verl's metric names, 0-d detached tensors (verl's loss functions call .item(),
+    a host synchronisation each; these leave that to the caller), ``kl_coef`` a float.
+
+    What differs from verl's code: an empty batch gives 0 where verl's token-mean divides 0 by 0; the rest is
+    verl's arithmetic (its log-ratio clamps, dual clip and sequence counts included)."""
+    mode = _field(_field(config, "policy_loss", {}), "loss_mode", "vanilla")
+    if mode not in POLICY_LOSS_MODES:
+        raise ValueError(f"config.policy_loss.loss_mode={mode!r}: flce states verl's {POLICY_LOSS_MODES}; the "
+                         "others (clip_cov, kl_cov, geo_mean, dppo_*, dro, bypass_mode) run through verl's own code")
+    agg_mode = _field(config, "loss_agg_mode", "token-mean")
+    if agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"config.loss_agg_mode={agg_mode!r}: expected one of {LOSS_AGG_MODES}")
+    options = _policy_options(config, mode)
+    entropy_coeff = float(_field(config, "entropy_coeff", 0.0))
+    batch = _batch_info(config)
+
+    def weights(flat: FlatPolicyTensors) -> TokenWeights:
+        aggregated = _aggregation(agg_mode, flat, batch)
+        # verl's sapo aggregates its policy term by sequence whatever loss_agg_mode says (the KL and entropy not).
+        policy = _aggregation("seq-mean-token-mean", flat, batch) if mode == "sapo" else aggregated
+        return TokenWeights(policy, None if entropy_coeff == 0 else -entropy_coeff * aggregated, aggregated)
+
+    cfg = policy_config(temperature=temperature, memory_budget=memory_budget, process_group=dist_process_group,
+                        entropy=entropy_coeff != 0)
+    tensors = PolicyInputs(advantages, response_mask, None if mode == "gpg" else old_log_prob,
+                           ref_log_prob if options.beta else None, rollout_is_weights, sequence_ids)
+    call = policy_loss_of_tokens(hidden, weight, labels, bias, tensors, cfg, options, weights,
+                                 device_type=hidden.device.type)
+    metrics = _metrics(mode, options, call, old_log_prob, agg_mode, batch, entropy_coeff, ref_log_prob)
+    return call.output.loss, metrics
+
+
+def _field(obj: Any, name: str, default: Any) -> Any:
+    """A config field from an object or a mapping (verl's configs are both)."""
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def _batch_info(config: Any) -> dict[str, Any]:
+    """verl's global_batch_info (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor), defaulted."""
+    info = dict(_field(config, "global_batch_info", None) or {})
+    info.setdefault("dp_size", 1)
+    info.setdefault("loss_scale_factor", _field(config, "loss_scale_factor", None))
+    return info
+
+
+def _policy_options(config: Any, mode: str) -> PolicyOptions:
+    clip = _field(config, "clip_ratio", 0.2)
+    low = _field(config, "clip_ratio_low", None)
+    high = _field(config, "clip_ratio_high", None)
+    low, high = clip if low is None else low, clip if high is None else high
+    kl: dict[str, Any] = {}
+    if _field(config, "use_kl_loss", False):
+        kind = _field(config, "kl_loss_type", "low_var_kl")
+        if kind.removesuffix("+") not in KL_LOSS_TYPES:
+            raise ValueError(f"config.kl_loss_type={kind!r}: expected one of {tuple(KL_LOSS_TYPES)}, optionally "
+                             "with a '+' (k2's gradient)")
+        kl = dict(beta=float(_field(config, "kl_loss_coef", 0.001)), kl=KL_LOSS_TYPES[kind.removesuffix("+")],
+                  kl_straight_through=kind.endswith("+"))
+    bounds = dict(ratio_low=1.0 - float(low), ratio_high=1.0 + float(high))
+    clamp = dict(log_ratio_min=-_LOG_RATIO_BOUND, log_ratio_max=_LOG_RATIO_BOUND)
+    if mode == "vanilla":
+        dual_clip = float(_field(config, "clip_ratio_c", 3.0))
+        if not dual_clip > 1.0:
+            raise ValueError(f"config.clip_ratio_c={dual_clip}: the dual clip's lower bound must exceed 1 (verl)")
+        return PolicyOptions(term="clip", delta=dual_clip, **bounds, **clamp, **kl)
+    if mode == "gspo":
+        return PolicyOptions(term="clip", level="sequence_token", log_ratio_max=_GSPO_LOG_RATIO_MAX, **bounds, **kl)
+    if mode == "cispo":
+        return PolicyOptions(term="cispo", **bounds, **clamp, **kl)
+    if mode == "sapo":
+        return PolicyOptions(term="sapo", sapo_tau_pos=float(_field(config, "tau_pos", 1.0)),
+                             sapo_tau_neg=float(_field(config, "tau_neg", 1.05)), **clamp, **kl)
+    return PolicyOptions(term="pg", ratio_low=None, ratio_high=None, **kl)
+
+
+def _aggregation(mode: str, flat: FlatPolicyTensors, batch: dict[str, Any]) -> torch.Tensor:
+    """Each token's weight in verl's ``agg_loss(loss_mat, loss_mask, mode, **global_batch_info)``."""
+    mask, layout, dp_size = flat.mask, flat.layout, batch["dp_size"]
+    needed = "batch_num_tokens" if mode == "token-mean" else None if mode == "token-sum" else "global_batch_size"
+    if dp_size > 1 and needed and batch.get(needed) is None:
+        raise ValueError(f"config.global_batch_info: {mode} with dp_size={dp_size} needs {needed} (verl's "
+                         "agg_loss)")
+    if mode == "token-mean":
+        tokens = batch.get("batch_num_tokens")
+        # verl divides by the mask's sum as it is (0 / 0 for an empty batch); flce by at least 1.
+        return mask / (mask.sum().clamp(min=1.0) if tokens is None else tokens) * dp_size
+    if mode == "token-sum":
+        return mask * dp_size
+    sequences = batch.get("global_batch_size")
+    if sequences is None:  # the sequences with a token in the mask
+        sequences = layout.count(mask, nonempty=mask)
+    weights = mask / sequences * dp_size
+    if mode == "seq-mean-token-mean":
+        # verl divides by the sequence's token count + 1e-8, which its float32 sum of a bool mask rounds away.
+        return weights / layout.sums(mask).clamp(min=1.0)
+    if mode == "seq-mean-token-sum-norm":
+        horizon = batch.get("loss_scale_factor") or layout.length
+        if horizon is None:
+            raise ValueError("seq-mean-token-sum-norm in the packed form: set config.loss_scale_factor (verl's "
+                             "horizon is the padded response length)")
+        return weights / horizon
+    return weights
+
+
+@torch.no_grad()
+def _metrics(mode: str, options: PolicyOptions, call: PolicyCall, old_log_prob: torch.Tensor, agg_mode: str,
+             batch: dict[str, Any], entropy_coeff: float,
+             ref_log_prob: torch.Tensor | None) -> dict[str, torch.Tensor | float]:
+    """verl's metrics of the loss, from the call's detached log-probs and entropies."""
+    tokens, flat = call.tokens, call.inputs
+    logprob = call.output.logprobs.reshape(-1)
+    mask = flat.mask
+
+    def masked_mean(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask != 0, values * mask, 0.0).sum() / (mask.sum() + 1e-8)
+
+    metrics: dict[str, torch.Tensor | float] = {}
+    policy_only = replace(tokens, options=replace(options, beta=0.0), entropy_weight=None)
+    metrics["actor/pg_loss"] = policy_rows(logprob, None, policy_only).loss.sum()
+    if mode != "gpg":
+        old = old_log_prob.reshape(-1).to(logprob.dtype)
+        own = torch.where(mask != 0, logprob - old, 0.0)
+        advantage = flat.advantage
+        zero = torch.zeros((), dtype=logprob.dtype, device=logprob.device)
+        if mode == "gspo":
+            ratio = torch.exp(log_ratio(logprob, tokens, mask != 0).value)
+            metrics["actor/ppo_kl"] = masked_mean(-own)
+        else:
+            clamped = own.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+            ratio = torch.exp(clamped)
+            metrics["actor/ppo_kl"] = masked_mean(-clamped)
+        clipped = torch.clamp(ratio, options.ratio_low, options.ratio_high)
+        if mode in ("vanilla", "gspo"):
+            unclipped_loss, clipped_loss = -advantage * ratio, -advantage * clipped
+            metrics["actor/pg_clipfrac"] = masked_mean((clipped_loss > unclipped_loss).to(ratio.dtype))
+            lower = zero
+            if mode == "vanilla":
+                worst = torch.maximum(unclipped_loss, clipped_loss)
+                lower = masked_mean(((worst > -advantage * options.delta) & (advantage < 0)).to(ratio.dtype))
+            metrics["actor/pg_clipfrac_lower"] = lower
+        elif mode == "cispo":
+            metrics["actor/pg_clipfrac"] = masked_mean((ratio != clipped).to(ratio.dtype))
+            metrics["actor/pg_clipfrac_lower"] = zero
+        else:
+            metrics["actor/pg_clipfrac"] = metrics["actor/pg_clipfrac_lower"] = zero
+    aggregated = _aggregation(agg_mode, flat, batch)
+    if call.output.entropy is not None and entropy_coeff:
+        metrics["actor/entropy_loss"] = (aggregated * call.output.entropy.reshape(-1)).sum()
+    if options.beta:
+        kl = kl_term(logprob, ref_log_prob.reshape(-1).to(logprob.dtype), options)[0]
+        metrics["kl_loss"] = torch.where(mask != 0, aggregated * kl, 0.0).sum()
+        metrics["kl_coef"] = options.beta
+    return metrics

@@ -23,6 +23,10 @@ PlanCallFn = Callable[[FlatInputs, LCEConfig, str, Any], Any]
 # choose(device, call) -> flce.engine.choice.CallChoice for a flce.engine.choice.DeviceDescription and
 # CallDescription: what plan_call decides for such a call, without its tensors or its device (explain).
 ChooseFn = Callable[[Any, Any], Any]
+# plan_distillation(pair, config, request) -> flce.engine.distillation.call.DistillCall for a
+# flce.distillation.inputs.FlatPair and DistillationConfig; choose_distillation(device, description) -> the
+# record of the same decision (flce.engine.choice.CallChoice) from a DistillDescription (explain).
+PlanDistillationFn = Callable[[Any, Any, Any], Any]
 # supports(config, dtype, hidden_size, vocab) -> (ok, reason): decided once per call signature.
 SupportsFn = Callable[[LCEConfig, torch.dtype, int, int], tuple[bool, str]]
 
@@ -33,7 +37,8 @@ class Backend:
     priority: higher wins among available backends; is_available(probe) and supports(config,
     dtype, hidden_size, vocab) answer (ok, reason). A backend built on the shared engine gives
     ``plan_call`` and the kernel ``capabilities`` it offers (flce.engine.kernels), and ``choose``, the same
-    decision from descriptions (``python -m flce explain``); ``run`` replaces
+    decision from descriptions (``python -m flce explain``); ``plan_distillation`` and ``choose_distillation`` the
+    same for linear distillation (None: the backend has no distillation kernels); ``run`` replaces
     the engine for a backend with an entry point of its own (None: the engine runs ``plan_call``'s
     plan)."""
 
@@ -50,6 +55,8 @@ class Backend:
     # unavailable_on(device) -> why a described device (flce.engine.choice.DeviceDescription, ``python -m flce
     # explain``) could not run this backend, or None: what is_available checks here, asked of the description.
     unavailable_on: Callable[[Any], str | None] | None = None
+    plan_distillation: PlanDistillationFn | None = None
+    choose_distillation: ChooseFn | None = None
 
     def __post_init__(self) -> None:
         if self.plan_call is None and self.run is None:

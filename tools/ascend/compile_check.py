@@ -52,9 +52,11 @@ sys.path.insert(0, str(REPO / "tools" / "ascend"))
 import torch  # noqa: E402
 from ub_footprint import loop_footprints  # noqa: E402
 
-from flce.backends.ascend import ops  # noqa: E402
+from flce.backends.ascend import distill_ops, ops  # noqa: E402
 from flce.backends.ascend import plan as ascend_plan  # noqa: E402
 from flce.config import LCEConfig  # noqa: E402
+from flce.distillation.config import DistillationConfig  # noqa: E402
+from flce.distillation.semantics import PairCoefficients, PairStats  # noqa: E402
 from flce.gradients import GradCoefficients  # noqa: E402
 
 # SoC names as triton-ascend's target reports them; the UB of each comes from ops.ub_bytes_for_arch.
@@ -143,6 +145,9 @@ def record_launches(soc: str, vocab: int, dtype_name: str) -> list[Launch]:
                 coeffs = GradCoefficients(a=per_row(rows), h=per_row(rows) if has_h else None, d=per_row(rows),
                                           e=per_row(rows) if cfg.label_smoothing else None)
                 kernels.full_grad_(logits(rows), target, cfg, 0, stats.row_max, coeffs)
+        distillation = distill_ops.AscendPairKernels(props)
+        with mock.patch.object(distill_ops, "_kernels", lambda: _Recorder(context, launches)):  # noqa: B023
+            record_distillation(distillation, logits, per_row, target, rows)
     # In-forward gradients of hidden [TOKENS, H] and weight [V, H], and one past int32 offsets.
     for numel in (TOKENS * HIDDEN, vocab * HIDDEN, ops.INT32_LIMIT):
         context = f"{soc} V={vocab} {dtype_name} scale of {numel} elements"
@@ -151,10 +156,40 @@ def record_launches(soc: str, vocab: int, dtype_name: str) -> list[Launch]:
     return launches
 
 
-def _kernel_functions() -> dict:
-    from flce.backends.ascend import kernels
+def _distillation_configs() -> Iterator[DistillationConfig]:
+    """Option sets that switch every flag of the distillation kernels: each loss with and without the
+    teacher's gradient and the hard-label term (at temperature 1, sharing the student's softmax, and at
+    another, with its own), and the hard term alone."""
+    for loss in ("forward_kl", "reverse_kl", "jsd"):
+        for teacher in (False, True):
+            for hard_label_weight, temperature in ((0.0, 1.0), (0.5, 1.0), (0.5, 2.0)):
+                yield DistillationConfig(loss=loss, teacher_grad=teacher, hard_label_weight=hard_label_weight,
+                                         temperature=temperature)
+    yield DistillationConfig(loss="jsd", hard_label_weight=1.0)
 
-    return {name: getattr(kernels, name) for name in dir(kernels) if name.endswith("_kernel")}
+
+def record_distillation(kernels: distill_ops.AscendPairKernels, logits, per_row, target: torch.Tensor,
+                        rows: int) -> None:
+    """The distillation launchers' launches for one chunk size: every option set of _distillation_configs."""
+    for cfg in _distillation_configs():
+        kernels.pair_stats(logits(rows), logits(rows), target, cfg, 0)
+        stats = PairStats(teacher_lse=per_row(rows), student_lse=per_row(rows))
+        if cfg.soft and cfg.loss == "jsd":
+            kernels.mixture_sums(logits(rows), logits(rows), stats, cfg)
+        coeffs = PairCoefficients(
+            teacher_lse=per_row(rows), student_lse=per_row(rows), soft_scale=per_row(rows),
+            student_center=per_row(rows) if cfg.loss != "forward_kl" else None,
+            teacher_center=per_row(rows) if cfg.teacher_grad and cfg.loss != "reverse_kl" else None,
+            hard_lse=per_row(rows) if cfg.hard else None, hard_scale=per_row(rows) if cfg.hard else None,
+            teacher_scale=per_row(rows) if cfg.teacher_grad else None)
+        kernels.pair_grad_(logits(rows), logits(rows), target, cfg, 0, coeffs)
+
+
+def _kernel_functions() -> dict:
+    from flce.backends.ascend import distill_kernels, kernels
+
+    return {name: getattr(module, name) for module in (kernels, distill_kernels) for name in dir(module)
+            if name.endswith("_kernel")}
 
 
 def _ast_source(launch: Launch):

@@ -42,6 +42,8 @@ REQUIRED = ("gpu", "date", "versions", "command", "rows")
 LABELS = {
     "flce": "flce", "flce_2GiB": "flce, 2 GiB", "flce_1GiB": "flce, 1 GiB", "flce_512MiB": "flce, 512 MiB",
     "flce_128MiB": "flce, 128 MiB", "flce_64MiB": "flce, 64 MiB", "flce_accurate": "flce, accurate",
+    "flce_generic": "flce generic (as an A100)", "flce_generic_exp": "flce generic, Triton exponentials",
+    "flce_generic_logits": "flce generic, Triton logits",
     "quack_chunked": "quack chunked", "quack": "quack scaled-exp",
     "torch_compile": "torch.compile", "torch_eager": "torch eager", "torch_chunked_compile": "torch chunked compile",
     "torch_native_chunked": "torch F.linear_cross_entropy", "liger_cute": "Liger CuTe SM90",
@@ -53,7 +55,8 @@ FAILURE_REASONS = (("m == n", "m == n"), ("multiple of 256", "V % 256 != 0"))
 # One colour per implementation in every plot (tab10's, flce's in greys); others take the rest in turn.
 COLOURS = {
     "flce": "#000000", "flce_64MiB": "#7f7f7f", "flce_128MiB": "#a0a0a0", "flce_512MiB": "#7f7f7f",
-    "flce_1GiB": "#303030", "flce_2GiB": "#606060", "flce_accurate": "#505050",
+    "flce_1GiB": "#303030", "flce_2GiB": "#606060", "flce_accurate": "#505050", "flce_generic": "#404080",
+    "flce_generic_exp": "#6060a0", "flce_generic_logits": "#8080c0",
     "quack_chunked": "#ff7f0e", "quack": "#2ca02c", "torch_compile": "#d62728",
     "liger_cute": "#9467bd", "liger_cute_rl": "#9467bd", "liger": "#8c564b", "cce": "#e377c2", "verl": "#bcbd22",
     "areal": "#17becf", "trl": "#1f77b4",

@@ -5,7 +5,9 @@ instead of launched (Triton's driver replaced by one that reports the target; no
 
 The calls cover what the kernel choice gives those GPUs with nothing cached (the heuristic) and what flce-autotune
 may store for them (the fused Triton GEMM writing a chunk's logits, the fused gradient GEMM, kept exponentials
-from the Triton GEMM), in bf16, fp16 and fp32, forward-only and training, plain, RL and full-variant options.
+from the Triton GEMM), in bf16, fp16 and fp32, forward-only and training, plain, RL and full-variant options; and
+linear distillation's pair kernels (forward's passes in one kernel, and one kernel a pass as a vocabulary shard or
+the cache's pair_passes=separate runs them).
 
     python tools/compat/compile_for_gpus.py --gpu "NVIDIA A100-SXM4-80GB" [--json out.json]
 
@@ -40,6 +42,9 @@ from flce.autotune import override_params  # noqa: E402
 from flce.backends import cuda  # noqa: E402
 from flce.backends.cuda import hardware  # noqa: E402
 from flce.config import LCEConfig  # noqa: E402
+from flce.distillation.config import DistillationConfig  # noqa: E402
+from flce.distillation.inputs import prepare_pair  # noqa: E402
+from flce.engine.distillation.run import run_distillation  # noqa: E402
 from flce.engine.run import run_backend  # noqa: E402
 from flce.inputs import prepare_inputs  # noqa: E402
 
@@ -59,6 +64,19 @@ CALLS = [
      (torch.bfloat16,), True),
     ("tuned: fused gradient GEMM", dict(RL, memory_budget=512 << 20),
      {"forward_stats": "fused", "backward_grad": "fused"}, (torch.bfloat16,), True),
+]
+
+# Linear distillation (flce.linear_distillation_loss), student H x teacher H from the shape above: (label, options,
+# autotune knobs, dtypes, training). One kernel a pass ("separate") is what a vocabulary shard runs.
+DISTILL_HIDDEN = (4096, 8192)
+DISTILL_CALLS = [
+    ("distillation jsd", {"hard_label_weight": 0.2}, None, (torch.bfloat16, torch.float16, torch.float32), True),
+    ("distillation forward kl deferred, teacher", {"loss": "forward_kl", "reduction": "none", "teacher_grad": True,
+                                                   "temperature": 2.0}, None, (torch.bfloat16,), True),
+    ("distillation one kernel a pass", {"loss": "jsd"}, {"pair_passes": "separate"}, (torch.bfloat16,), True),
+    ("distillation reverse kl one kernel a pass", {"loss": "reverse_kl", "hard_label_weight": 0.5},
+     {"pair_passes": "separate"}, (torch.bfloat16,), True),
+    ("distillation forward only", {}, None, (torch.bfloat16,), False),
 ]
 
 
@@ -109,20 +127,28 @@ def compile_calls(gpu: str) -> tuple[list[dict], dict[str, list[str]]]:
             for dtype in dtypes:
                 current_call[0] = f"{label}, {str(dtype).removeprefix('torch.')}"
                 _one_call(options, knobs, dtype, training)
+        for label, options, knobs, dtypes, training in DISTILL_CALLS:
+            for dtype in dtypes:
+                current_call[0] = f"{label}, {str(dtype).removeprefix('torch.')}"
+                _one_distillation(options, knobs, dtype, training)
     return list(compiled.values()), {call: sorted(kernels) for call, kernels in per_call.items()}
 
 
 def named_by_explain(gpu: str) -> dict[str, list[str]]:
     """Per call, the Triton kernels (and what takes their place) that explain names for it on ``gpu``."""
     named = {}
-    for label, options, knobs, dtypes, training in CALLS:
-        for dtype in dtypes:
-            with override_params(knobs, backend="cuda") if knobs else _nothing():
-                record = flce.explain("cuda", gpu=gpu, shape=SHAPE, dtype=dtype, training=training, **options)
-            names = record.kernel_names()
-            named[f"{label}, {str(dtype).removeprefix('torch.')}"] = sorted(
-                name for name in names if name.startswith("flce.backends.cuda.")
-                and name.rpartition(".")[0].endswith("kernels"))
+    for calls, explain in ((CALLS, lambda dtype, training, options: flce.explain(
+            "cuda", gpu=gpu, shape=SHAPE, dtype=dtype, training=training, **options)),
+                           (DISTILL_CALLS, lambda dtype, training, options: flce.explain_distillation(
+            "cuda", gpu=gpu, shape=(SHAPE[0], *DISTILL_HIDDEN, SHAPE[2]), dtype=dtype, training=training,
+            **options))):
+        for label, options, knobs, dtypes, training in calls:
+            for dtype in dtypes:
+                with override_params(knobs, backend="cuda") if knobs else _nothing():
+                    record = explain(dtype, training, options)
+                named[f"{label}, {str(dtype).removeprefix('torch.')}"] = sorted(
+                    name for name in record.kernel_names() if name.startswith("flce.backends.cuda.")
+                    and name.rpartition(".")[0].endswith("kernels"))
     return named
 
 
@@ -139,6 +165,22 @@ def _one_call(options: dict, knobs: dict | None, dtype: torch.dtype, training: b
             loss = out.logprobs.sum() + out.entropy.sum() if cfg.return_entropy else out
             loss = loss if isinstance(loss, torch.Tensor) else loss.loss
             torch.autograd.grad(loss.sum(), (x, w))
+
+
+def _one_distillation(options: dict, knobs: dict | None, dtype: torch.dtype, training: bool) -> None:
+    n, _, v = SHAPE
+    student, teacher = DISTILL_HIDDEN
+    xs = torch.empty(n, student, dtype=dtype, device="meta", requires_grad=training)
+    ws = torch.empty(v, student, dtype=dtype, device="meta", requires_grad=training)
+    teacher_grad = training and options.get("teacher_grad", False)
+    xt = torch.empty(n, teacher, dtype=dtype, device="meta", requires_grad=teacher_grad)
+    wt = torch.empty(v, teacher, dtype=dtype, device="meta", requires_grad=teacher_grad)
+    t = torch.empty(n, dtype=torch.int64, device="meta")
+    cfg = DistillationConfig(**options)
+    with override_params(knobs, backend="cuda") if knobs else _nothing(), torch.set_grad_enabled(training):
+        loss = run_distillation(cuda.BACKEND, prepare_pair(xs, ws, xt, wt, t, None, None, cfg), cfg)
+        if training:
+            torch.autograd.grad(loss.sum(), (xs, ws))
 
 
 class _nothing:

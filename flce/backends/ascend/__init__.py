@@ -102,6 +102,18 @@ def _choose(device: DeviceDescription, call: CallDescription) -> CallChoice:
     return choose(device, call)
 
 
+def _plan_distillation(pair: object, cfg: object, request: PlanRequest) -> object:
+    from flce.backends.ascend.distill_ops import plan_distillation
+
+    return plan_distillation(pair, cfg, request)
+
+
+def _choose_distillation(device: DeviceDescription, desc: object) -> CallChoice:
+    from flce.backends.ascend.distill_ops import choose_distillation
+
+    return choose_distillation(device, desc)
+
+
 BACKEND = Backend(
     name="ascend",
     device_types=("npu", "interpret"),
@@ -110,5 +122,7 @@ BACKEND = Backend(
     supports=_supports,
     plan_call=_plan_call,
     choose=_choose,
+    plan_distillation=_plan_distillation,
+    choose_distillation=_choose_distillation,
 )
 register_backend(BACKEND)

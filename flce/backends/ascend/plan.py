@@ -17,7 +17,7 @@ from flce.backends.ascend.ops import (
     ub_bytes_for_arch,
 )
 from flce.config import LCEConfig
-from flce.engine.call import EngineCall, call_record, grads_in_forward_allowed
+from flce.engine.call import EngineCall, call_record, logits_kept_for_gradients
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription, MemoryPlan
 from flce.engine.memory import MiB, call_budget, call_save_limit, saved_logits_rows, tuned_chunk_rows
 from flce.engine.plans import PlanRequest, TokenChunks
@@ -90,8 +90,8 @@ def choose(device: DeviceDescription, call: CallDescription, entry: TunedEntry |
         entry = tuned_entry(device.name, "ascend", call.variant, call.dtype, call.hidden, call.vocab, call.n_rows)
     props = props or properties_of(device)
     plan, memory = plan_chunks(device, call, entry)
-    if not call.request.training or grads_in_forward_allowed(call.cfg):
-        # No deferred backward: the plan's saved rows are never kept.
+    if not logits_kept_for_gradients(call.cfg, call.request):
+        # Neither a deferred backward nor a second pass in forward: the plan's saved rows are never kept.
         memory = memory.without_kept_logits(min(plan.tokens_per_chunk, call.n_rows)
                                             * logits_bytes_per_row(call.vocab, call.dtype, call.cfg))
 

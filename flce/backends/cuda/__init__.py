@@ -1,5 +1,6 @@
 """CUDA backend: Triton and Gluon kernels (fused statistics and gradient GEMMs, row kernels between cuBLAS
-GEMMs) for NVIDIA GPUs; cuda/choice.py decides which run for a call.
+GEMMs) for NVIDIA GPUs, and linear distillation's pair row kernels (distill_ops.py); cuda/choice.py decides which
+run for a call.
 
 Triton is imported only when a kernel first runs, so ``import flce`` works without it.
 With TRITON_INTERPRET=1 the same kernels run on CPU tensors (``get_impl("cpu", backend="cuda")``).
@@ -73,6 +74,38 @@ def _choose(device: DeviceDescription, call: CallDescription) -> CallChoice:
     return explain(device, call)
 
 
+_planned_distillations: dict[tuple, tuple[CallChoice, object]] = {}
+
+
+def _plan_distillation(pair: object, cfg: object, request: PlanRequest) -> object:
+    """The record of what a linear distillation call runs (choice.py choose_distillation) and the pair kernels that
+    run it (distill_ops.py), memoised as _plan_call's."""
+    from flce.backends.cuda.choice import choose_distillation, distillation_entry_for
+    from flce.backends.cuda.distill_ops import CudaPairKernels
+    from flce.backends.cuda.fallback import failures
+    from flce.backends.cuda.hardware import describe_device
+    from flce.engine.distillation.call import DistillCall, DistillDescription
+
+    device = describe_device(pair.student_hidden.device)
+    desc = DistillDescription.of(pair, cfg, request)
+    entry, failed = distillation_entry_for(device, desc), failures(pair.student_hidden.device, desc.dtype)
+    key = (device, desc.key, entry.key, tuple(sorted(failed.items())))
+    planned = _planned_distillations.get(key)
+    if planned is None:
+        record, choice = choose_distillation(device, desc, entry, failed)
+        if len(_planned_distillations) >= _PLANNED_LIMIT:
+            _planned_distillations.clear()
+        planned = _planned_distillations[key] = (record, CudaPairKernels(choice))
+    record, kernels = planned
+    return DistillCall(kernels=kernels, cfg=cfg, plan=record.plan, token_shape=pair.token_shape, choice=record)
+
+
+def _choose_distillation(device: DeviceDescription, desc: object) -> CallChoice:
+    from flce.backends.cuda.choice import choose_distillation, distillation_entry_for
+
+    return choose_distillation(device, desc, distillation_entry_for(device, desc))[0]
+
+
 def _unavailable_on(device: DeviceDescription) -> str | None:
     """A described GPU runs the backend where its Triton builds flce's kernels (an NPU or the CPU never)."""
     from flce.backends.cuda.hardware import triton_too_old
@@ -92,6 +125,8 @@ BACKEND = Backend(
     choose=_choose,
     capabilities=frozenset({FUSED_STATS_GEMM, FUSED_GRAD_GEMM, KEPT_EXPONENTIALS}),
     unavailable_on=_unavailable_on,
+    plan_distillation=_plan_distillation,
+    choose_distillation=_choose_distillation,
 )
 register_backend(BACKEND)
 

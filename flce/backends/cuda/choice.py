@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from flce.autotune.lookup import TunedEntry, tuned_entry
+from flce.autotune.schema import DISTILLATION_VARIANT
 from flce.backends.cuda import plan as sizes
 from flce.backends.cuda import steps
 from flce.backends.cuda.configs import LaunchParams, LaunchSettings, default_gemm_config
@@ -31,8 +32,11 @@ from flce.backends.cuda.families.family import (
     STATISTICS,
     KernelFamily,
 )
+from flce.config import LCEConfig
 from flce.engine.call import call_record
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription
+from flce.engine.distillation.call import DistillDescription
+from flce.engine.distillation.steps import gradient_timing
 from flce.engine.plans import CUBLAS, FUSED, LOGITS
 
 # The knob that names each role's family in an autotune entry (its value: a family name, or "fused" / "cublas"
@@ -72,6 +76,51 @@ def choose(device: DeviceDescription, call: CallDescription, entry: TunedEntry,
     record = call_record("cuda", device, call, tuned.source, plan, memory,
                          steps.of_plan(device, call, plan, kernels, reasons), "flce.backends.cuda")
     return record, kernels
+
+
+def choose_distillation(device: DeviceDescription, desc: DistillDescription, entry: TunedEntry,
+                        failed: Mapping[tuple[str, str], str] | None = None) -> tuple[CallChoice, KernelChoice]:
+    """The same choice for a linear distillation call: cuBLAS writes both heads' logits, the pair row kernels
+    (distill_kernels.py) take the passes over them with the cache's blocks and rows in flight, the gradient products
+    take their role's family as cross-entropy's do (a family the teacher's head does not fit is passed over where the
+    teacher takes a gradient), and cuda/plan.py sizes the chunks."""
+    failed = failed or {}
+    tuned = sizes.tuned_knobs(entry)
+    call = _products_call(desc, desc.student_hidden)
+    settings = LaunchSettings(
+        launch=tuned.launch or LaunchParams(block_v=sizes.MAX_BLOCK_V), gemm=_gemm_config(device, call, tuned),
+        fallback_scan_block=sizes.fallback_scan_block(call.n_rows, call.dtype.itemsize),
+        rows_in_flight=tuned.rows_in_flight,
+        launch_source="cache entry: block_v, num_warps" if tuned.launch else
+        f"heuristic: up to {sizes.MAX_BLOCK_V} columns a block, 8 warps from 2048 columns")
+    pick = _pick(PRODUCTS, device, call, tuned, settings, failed, {})
+    if desc.request.training and desc.cfg.teacher_grad:
+        teacher_call = _products_call(desc, desc.teacher_hidden)
+        unfit = {f.name: f.unfit(device, teacher_call, PRODUCTS) for f in pick.chain}
+        kept = tuple(f for f in pick.chain if unfit[f.name] is None)
+        if kept[:1] != pick.chain[:1]:
+            pick = RolePick(kept, f"{pick.reason}; the teacher's head: {pick.chain[0].name}: "
+                                  f"{unfit[pick.chain[0].name]}; so {kept[0].name}")
+    kernels = KernelChoice(chains={PRODUCTS: pick.chain}, settings=settings)
+    plan, memory = sizes.distillation_schedule(desc, tuned)
+    record = CallChoice(backend="cuda", device=device.text(), inputs=desc.text(), cache=tuned.source, plan=plan,
+                        gradients=gradient_timing(desc), memory=memory,
+                        steps=steps.of_distillation(device, desc, plan, kernels, call, pick.reason),
+                        kernel_package="flce.backends.cuda", n_rows=desc.n_rows, training=desc.request.training,
+                        in_forward=desc.request.training and desc.cfg.reduction != "none")
+    return record, kernels
+
+
+def distillation_entry_for(device: DeviceDescription, desc: DistillDescription) -> TunedEntry:
+    return tuned_entry(device.name, "cuda", DISTILLATION_VARIANT, desc.dtype, desc.student_hidden, desc.vocab,
+                       desc.n_rows)
+
+
+def _products_call(desc: DistillDescription, hidden: int) -> CallDescription:
+    """A head's gradient products as the families read a call: its sizes, dtype and operands' alignment."""
+    return CallDescription(n_rows=desc.n_rows, hidden=hidden, vocab=desc.vocab, dtype=desc.dtype,
+                           bias=desc.student_bias, rows_aligned=desc.rows_aligned, cfg=LCEConfig(), variant="plain",
+                           request=desc.request)
 
 
 def explain(device: DeviceDescription, call: CallDescription) -> CallChoice:

@@ -17,6 +17,7 @@ from flce.backends.cuda.families import family as role
 from flce.config import LCEConfig
 from flce.engine.call import grads_in_forward_allowed
 from flce.engine.choice import CallDescription, DeviceDescription, MemoryPlan
+from flce.engine.distillation.call import DistillChunks, DistillDescription, pair_logits_bytes_per_row
 from flce.engine.memory import (
     MiB,
     call_budget,
@@ -53,6 +54,8 @@ ROW_MULTIPLE = 256
 # Widest row-kernel block a launch may ask for (a tuned block_v beyond it is refused).
 MAX_BLOCK_V = 4096
 GRAD_SCHEDULES = ("vocab_blocks", "token_chunks")
+# Linear distillation's forward passes over a chunk's logits: one kernel (each row's sweeps back to back) or one each.
+PAIR_PASSES = ("fused", "separate")
 # In-forward gradients: budgets that leave token chunks of fewer rows than this take the vocabulary-
 # block schedule, whose recomputed GEMM costs less than each small chunk's read-modify-write of the
 # V x H weight gradient. Measured on the H200 (docs/benchmarks.md): 256-row chunks 1.47x / 1.71x the
@@ -94,6 +97,10 @@ class TunedKnobs:
     grad_gemm_kernel: str | None = None
     # what a chunk's in-forward gradient is made from (engine.plans.CHUNK_GRADS)
     chunk_grad: str | None = None
+    # linear distillation: forward's passes over a chunk's logits in one kernel or one each (PAIR_PASSES), and the
+    # one kernel's programs (rows in flight; None: one a row)
+    pair_passes: str | None = None
+    rows_in_flight: int | None = None
     source: str = "none for this shape"
 
 
@@ -128,7 +135,8 @@ def tuned_knobs(entry: TunedEntry) -> TunedKnobs:
                       stats_kernel=family("stats_kernel", role.STATISTICS),
                       logits_kernel=family("logits_kernel", role.CHUNK_LOGITS),
                       grad_gemm_kernel=family("grad_gemm_kernel", role.PRODUCTS),
-                      chunk_grad=choice("chunk_grad", CHUNK_GRADS), source=entry.source)
+                      chunk_grad=choice("chunk_grad", CHUNK_GRADS), pair_passes=choice("pair_passes", PAIR_PASSES),
+                      rows_in_flight=positive_int(params.get("rows_in_flight")), source=entry.source)
 
 
 def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs,
@@ -166,7 +174,11 @@ def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs
     save_limit, save_limit_from = None, ""
     saved_rows = 0
     in_forward = grads_in_forward_allowed(cfg)
-    if not in_forward:
+    # A call whose gradients need every row's statistics first (a sequence-level policy loss: request.statistics_first)
+    # is planned as a deferred call is (the rows its budget keeps, all rows' statistics at once where it keeps none,
+    # the recomputed chunks' gradient path, vocabulary blocks where they pay) and runs both passes in forward.
+    two_pass = in_forward and request.statistics_first
+    if not in_forward or two_pass:
         save_limit, save_limit_from = call_save_limit(tuned.logits_save_limit, cfg.memory_budget,
                                                       device.total_memory)
         tokens, saved_rows = _deferred_chunks(n_rows, row_bytes, tokens, save_limit,
@@ -175,7 +187,7 @@ def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs
     if n_rows and not request.sharded:
         # A tuned schedule was measured without kept logits; where some are kept they decide.
         by_blocks = (tuned.grad_schedule == "vocab_blocks" and not saved_rows) if tuned.grad_schedule else (
-            _vocab_blocks_pay(cfg, n_rows, vocab, tokens, saved_rows > 0))
+            _vocab_blocks_pay(cfg, n_rows, vocab, tokens, saved_rows > 0, two_pass))
         columns = vocab_block_columns(n_rows, logit_bytes, budget)
         if tuned.grad_vocab_block:  # a tuned block still honours an explicit memory_budget
             columns = tuned.grad_vocab_block if cfg.memory_budget is None else min(tuned.grad_vocab_block, columns)
@@ -185,7 +197,13 @@ def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs
             return (VocabBlocks(grad_vocab_block=block, stats=stats, backward_grad=backward_grad),
                     MemoryPlan(budget, budget_from, n_rows * (block * logit_bytes + STATS_BYTES_PER_ROW)))
     chunks = TokenChunks(tokens_per_chunk=tokens, saved_rows=saved_rows, forward_logits=forward_logits)
-    if in_forward:
+    if two_pass:
+        # The kept rows hold exponentials where a family makes them (their row scale known once every row's
+        # statistics are), else logits; the others are recomputed.
+        exponentials = bool(saved_rows) and kernels.family(role.EXPONENTIALS) is not None
+        chunks = replace(chunks, backward_grad=backward_grad, chunk_grad=EXPONENTIALS if exponentials else LOGITS,
+                         stats_first=AllRows(forward_stats=FUSED) if fused_stats else None)
+    elif in_forward:
         # A chunk's gradient is made as its statistics are: from its logits, or from the kept exponentials where a
         # family takes that role; nothing is recomputed.
         chunks = replace(chunks, chunk_grad=EXPONENTIALS if kernels.family(role.EXPONENTIALS) else LOGITS)
@@ -244,14 +262,15 @@ def _deferred_cost(n_rows: int, tokens: int, saved_rows: int) -> int:
     return recomputed + _RMW_IN_RECOMPUTED_ROWS * updates
 
 
-def _vocab_blocks_pay(cfg: LCEConfig, n_rows: int, vocab: int, chunk: int, logits_saved: bool) -> bool:
+def _vocab_blocks_pay(cfg: LCEConfig, n_rows: int, vocab: int, chunk: int, logits_saved: bool,
+                      two_pass: bool = False) -> bool:
     """The heuristic choice of the vocabulary-block schedule. In forward it trades a fourth GEMM for
-    the weight gradient's read-modify-writes, worth it for small chunks only. The deferred schedule
-    recomputes the logits either way (unless some are saved), so there blocks only trade a V x H
-    read-modify-write per token chunk for an N x H one per block: fewer bytes when N < V."""
+    the weight gradient's read-modify-writes, worth it for small chunks only. The deferred schedule (and a
+    statistics-first one, ``two_pass``) recomputes the logits either way (unless some are saved), so there blocks
+    only trade a V x H read-modify-write per token chunk for an N x H one per block: fewer bytes when N < V."""
     if chunk >= n_rows:
         return False
-    if grads_in_forward_allowed(cfg):
+    if grads_in_forward_allowed(cfg) and not two_pass:
         return chunk < VOCAB_BLOCK_SCHEDULE_BELOW_ROWS
     return not logits_saved and n_rows < vocab
 
@@ -273,3 +292,16 @@ def chunk_rows(n_rows: int, max_rows: int) -> int:
         if rows <= max_rows:
             return rows
         chunks += 1
+
+
+def distillation_schedule(desc: DistillDescription, tuned: TunedKnobs) -> tuple[DistillChunks, MemoryPlan]:
+    """Linear distillation's token chunks: rows as cross-entropy's (the cache's tokens_per_chunk while it fits the
+    budget, else the most that fit it, in whole ROW_MULTIPLE rows) of both heads' logits, the kernels' only [n, V]
+    memory (they write the gradients over them); forward's passes in one kernel unless the call is a vocabulary
+    shard (its statistics need the other shards' first) or the cache says pair_passes=separate."""
+    per_row = pair_logits_bytes_per_row(desc.vocab, desc.dtype)
+    budget, budget_from = call_budget(desc.cfg.memory_budget, DEFAULT_CHUNK_BUDGET, "DEFAULT_CHUNK_BUDGET")
+    rows = tuned_chunk_rows(desc.n_rows, per_row, tuned.tokens_per_chunk, budget, chunk_rows)
+    fused = not desc.request.sharded and tuned.pair_passes != "separate"
+    return (DistillChunks(rows, fused_passes=fused),
+            MemoryPlan(budget, budget_from, min(rows, desc.n_rows) * per_row))

@@ -13,9 +13,12 @@ import torch
 from flce.backends.cuda.families import KernelChoice
 from flce.backends.cuda.families import family as role
 from flce.backends.cuda.families.cublas import FULL_GRAD, ROW_STATS, cublas_logits_function
-from flce.backends.cuda.row_ops import PLAIN_FORWARD, PLAIN_GRAD, SCALE
+from flce.backends.cuda.families.family import KernelFamily
+from flce.backends.cuda.row_ops import GRAD_BLOCKS_PER_PROGRAM, PLAIN_FORWARD, PLAIN_GRAD, SCALE
 from flce.engine.call import grads_in_forward_allowed
 from flce.engine.choice import CallDescription, DeviceDescription, Step
+from flce.engine.distillation.call import DistillChunks, DistillDescription
+from flce.engine.distillation.steps import PairKernelNames, distillation_steps
 from flce.engine.plans import EXPONENTIALS, FUSED, AllRows, Plan, TokenChunks, VocabBlocks, kept_rows
 from flce.engine.rows import logits_dtype
 
@@ -25,6 +28,40 @@ EXP_FINISH = _K + "exp_grad_kernels._exp_rows_finish_kernel"
 EXP_REDO = _K + "exp_grad_kernels._exp_rows_redo_kernel"
 SCALE_ROWS = _K + "exp_grad_kernels._scale_rows_kernel"
 COUNT_TOKENS = _K + "target_kernels._count_tokens_kernel"
+PAIR_STATS = _K + "distill_kernels._pair_stats_kernel"
+MIXTURE_SUMS = _K + "distill_kernels._mixture_sums_kernel"
+PAIR_GRAD = _K + "distill_kernels._pair_grad_kernel"
+PAIR_PASSES = _K + "distill_kernels._pair_passes_kernel"
+
+
+def of_distillation(device: DeviceDescription, desc: DistillDescription, plan: DistillChunks, kernels: KernelChoice,
+                    products_call: CallDescription, products_reason: str) -> tuple[Step, ...]:
+    """The steps of a linear distillation plan (flce.engine.distillation.steps orders them), its row kernels
+    distill_ops.py's and its gradient products (``products_call``: the student head's, as the families read a
+    call) those of the family the choice gave the role."""
+    settings = kernels.settings
+    row = settings.launch
+    blocks = f"BLOCK_V up to {row.block_v}, {row.num_warps or '4 or 8'} warps ({settings.launch_source})"
+    in_flight = (f"{settings.rows_in_flight} programs walking the rows (cache entry: rows_in_flight)"
+                 if settings.rows_in_flight else "one program a row (heuristic)")
+    launches = {"pair_passes": f"{blocks}; {in_flight}", "pair_grad": f"{blocks}; {GRAD_BLOCKS_PER_PROGRAM} blocks "
+                "of a row a program"}
+    sums = "torch.addmm" if device.type == "cuda" and desc.dtype != torch.float32 else "torch.Tensor.sum"
+    family, fallbacks = kernels.family(role.PRODUCTS), kernels.fallbacks(role.PRODUCTS)
+
+    def gemms(of: KernelFamily, chunks: int) -> tuple[str, ...]:
+        # the weight gradient: written by the first chunk's product, added into by the others'
+        accumulate = of.accumulate_kernels if chunks > 1 else ()
+        return tuple(dict.fromkeys(of.kernels(role.PRODUCTS, settings, products_call) + accumulate))
+
+    def products(name: str, engine_gemms: tuple[str, ...]) -> Step:
+        chunks = -(-desc.n_rows // plan.tokens_per_chunk) if desc.n_rows else 0
+        return Step(name, gemms(family, chunks), products_reason, family.launch_text(role.PRODUCTS, settings),
+                    gemms(fallbacks[0], chunks) if fallbacks else ())
+
+    names = PairKernelNames(pair_stats=PAIR_STATS, mixture_sums=MIXTURE_SUMS, pair_grad=PAIR_GRAD, scale=SCALE,
+                            bias_sums=sums, pair_passes=PAIR_PASSES, count_tokens=COUNT_TOKENS)
+    return distillation_steps(desc, plan, names, lambda kernel: launches.get(kernel, blocks), products)
 
 
 def of_plan(device: DeviceDescription, call: CallDescription, plan: Plan, kernels: KernelChoice,
@@ -94,19 +131,34 @@ def _plan_steps(device: DeviceDescription, call: CallDescription, plan: Plan, ke
 
     assert isinstance(plan, TokenChunks)
     n_rows = call.n_rows
-    deferred = call.request.training and not in_forward
+    # A statistics-first objective (a sequence-level policy loss): a deferred plan's forward and backward, both
+    # in forward (flce.engine.schedule).
+    two_pass = in_forward and call.request.statistics_first
+    deferred = call.request.training and (not in_forward or two_pass)
     keep = kept_rows(plan, n_rows) if deferred else 0
+    later = "after every row's statistics" if two_pass else "backward"
+    kept_exponentials = two_pass and plan.chunk_grad == EXPONENTIALS and keep > 0
     out: list[Step] = []
-    if deferred and keep == 0 and plan.stats_first is not None:
+    if kept_exponentials:
+        making = family_step(f"each of the first {keep} rows' chunks: exponentials and statistics (the gradient up "
+                             "to a row scale)", role.EXPONENTIALS)
+        out.append(Step(making.name, (EXP_OFFSETS, *making.kernels, EXP_FINISH, EXP_REDO), making.reason,
+                        making.launch, making.fallback))
+        if keep < n_rows:
+            out.append(family_step("each other chunk: logits and statistics", role.CHUNK_LOGITS)
+                       if plan.forward_logits == FUSED else
+                       Step("each other chunk: logits and statistics", (cublas_logits, ROW_STATS),
+                            reasons[role.CHUNK_LOGITS], row_launch))
+    elif deferred and keep == 0 and plan.stats_first is not None:
         out.append(all_rows(plan.stats_first, " (in forward)"))
-    elif in_forward and plan.chunk_grad == EXPONENTIALS:
+    elif in_forward and not two_pass and plan.chunk_grad == EXPONENTIALS:
         making = family_step("each chunk: exponentials and statistics (the gradient up to a row scale)",
                              role.EXPONENTIALS)
         out.append(Step(making.name, (EXP_OFFSETS, *making.kernels, EXP_FINISH, EXP_REDO), making.reason,
                         making.launch, making.fallback))
     elif plan.forward_logits == FUSED:
         out.append(family_step("each chunk: logits and statistics", role.CHUNK_LOGITS))
-        if in_forward:
+        if in_forward and not two_pass:
             out.append(Step("each chunk: gradient over its logits", (full_or_plain_grad,),
                             "the row kernel over the logits the statistics GEMM wrote", row_launch))
     elif call.plain:
@@ -115,18 +167,18 @@ def _plan_steps(device: DeviceDescription, call: CallDescription, plan: Plan, ke
     else:
         out.append(Step("each chunk: logits and statistics", (cublas_logits, ROW_STATS), reasons[role.CHUNK_LOGITS],
                         row_launch))
-        if in_forward:
+        if in_forward and not two_pass:
             out.append(Step("each chunk: gradient over its logits", (FULL_GRAD,), "the full variant's row kernel",
                             row_launch))
     if not call.request.training:
         return out
     when = " (in forward)" if in_forward else " (in backward)"
     if deferred:
-        if keep:
-            out.append(Step(f"backward: gradient of the {keep} kept rows' logits", (full_or_plain_grad,),
+        if keep and not kept_exponentials:
+            out.append(Step(f"{later}: gradient of the {keep} kept rows' logits", (full_or_plain_grad,),
                             "logits kept from forward (the memory plan's save limit)", row_launch))
         if keep < n_rows:
-            out.append(recomputed_gradient("backward: each recomputed chunk's gradient", plan.backward_grad,
+            out.append(recomputed_gradient(f"{later}: each recomputed chunk's gradient", plan.backward_grad,
                                            full_or_plain_grad))
     chunks = -(-n_rows // max(1, plan.tokens_per_chunk))
     updates = (keep > 0) + -(-(n_rows - keep) // max(1, plan.tokens_per_chunk)) if deferred else chunks
@@ -138,7 +190,7 @@ def _plan_steps(device: DeviceDescription, call: CallDescription, plan: Plan, ke
         weight_product = (fp32_product,)
     else:
         weight_product = product_kernels + (products.accumulate_kernels if updates > 1 else ())
-    exponentials = in_forward and plan.chunk_grad == EXPONENTIALS
+    exponentials = in_forward and plan.chunk_grad == EXPONENTIALS and (kept_exponentials or not two_pass)
     names = tuple(dict.fromkeys(((SCALE_ROWS,) if exponentials else ()) + product_kernels + weight_product))
     step = family_step(f"gradient products G @ W and G.T @ x{when}", role.PRODUCTS)
     reason = step.reason + ("; grad_weight accumulated in fp32 by cuBLAS (accum_dtype)" if fp32_weight else "")

@@ -1,13 +1,16 @@
 """The CUDA backend's tuning space (flce-autotune): chunk rows x the forwards each kernel family offers (its
 tuning candidates), x the gradient products' families where more than one fits; under a memory budget the two
-lean schedules at the largest size that fits. The heuristic is the kernel choice's own (choice.py), read back as
-knobs."""
+lean schedules at the largest size that fits. Linear distillation's shapes (variant "distillation"): chunk rows x
+its row kernels' blocks and passes x the products' families. The heuristic is the kernel choice's own (choice.py),
+read back as knobs."""
 
 from __future__ import annotations
 
 import torch
 
+from flce.autotune.schema import DISTILLATION_VARIANT
 from flce.autotune.spaces import TuneShape, TuningSpace, chunk_candidates, register_tuning_space
+from flce.engine.distillation.call import DistillDescription, pair_logits_bytes_per_row
 from flce.engine.plans import GEMM_PATHS
 
 # The space is registered when the backend is (at `import flce`); what it reads from the launchers
@@ -15,7 +18,8 @@ from flce.engine.plans import GEMM_PATHS
 
 
 def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
-    """Chunk rows x every family's forward candidates (cuBLAS + the row kernel per row-kernel launch, the fused
+    """Linear distillation's shapes: _distillation_candidates. Cross-entropy's: chunk rows x every family's forward
+    candidates (cuBLAS + the row kernel per row-kernel launch, the fused
     Triton GEMM per tile configuration, on Hopper the warp-specialised GEMM writing the logits or the kept
     exponentials), each forward with every family that fits the gradient products (grad_gemm_kernel)."""
     from flce.backends.cuda import families
@@ -24,12 +28,28 @@ def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
 
     device = describe_device(torch.device(shape.device))
     call = tuning_call(shape)
-    forwards = [knobs for family in families.FAMILIES for knobs in family.tuning_candidates(device, shape, quick)]
     products = [family.name for family in families.families_for(PRODUCTS)
                 if family.unfit(device, call, PRODUCTS) is None]
+    if shape.variant == DISTILLATION_VARIANT:
+        return _distillation_candidates(shape, quick, device.multiprocessors, products)
+    forwards = [knobs for family in families.FAMILIES for knobs in family.tuning_candidates(device, shape, quick)]
     if len(products) > 1:
         forwards = [dict(knobs, grad_gemm_kernel=name) for knobs in forwards for name in products]
     rows = chunk_candidates(shape.tokens, quick, smallest=512)
+    return [{"tokens_per_chunk": n, **forward} for n in rows for forward in forwards]
+
+
+def _distillation_candidates(shape: TuneShape, quick: bool, sms: int, products: list[str]) -> list[dict]:
+    """Chunk rows x the pair row kernels' blocks x forward's passes in one kernel (all rows in flight, or one or two
+    a multiprocessor) or one kernel each, x the gradient products' families that fit."""
+    launches = [(4096, 8)] if quick else [(4096, 8), (4096, 16), (2048, 8)]
+    in_flight = [None] if quick or not sms else [None, sms, 2 * sms]
+    passes = [{"pair_passes": "fused", **({"rows_in_flight": r} if r else {})} for r in in_flight]
+    passes.append({"pair_passes": "separate"})
+    forwards = [{"block_v": block_v, "num_warps": warps, **p} for block_v, warps in launches for p in passes]
+    if len(products) > 1:
+        forwards = [dict(knobs, grad_gemm_kernel=name) for knobs in forwards for name in products]
+    rows = chunk_candidates(shape.tokens, quick, smallest=256)
     return [{"tokens_per_chunk": n, **forward} for n in rows for forward in forwards]
 
 
@@ -42,6 +62,9 @@ def _tuning_budget_candidates(shape: TuneShape, budget: int) -> list[dict]:
     from flce.backends.cuda.plan import MIN_VOCAB_BLOCK, chunk_rows, vocab_block_columns
 
     itemsize = shape.dtype.itemsize
+    if shape.variant == DISTILLATION_VARIANT:  # token chunks only: the largest that fit
+        rows = chunk_rows(shape.tokens, budget // pair_logits_bytes_per_row(shape.vocab, shape.dtype))
+        return [{"tokens_per_chunk": rows}] if 0 < rows < shape.tokens else []
     candidates = []
     rows = chunk_rows(shape.tokens, budget // (shape.vocab * itemsize))
     if 0 < rows < shape.tokens:
@@ -54,6 +77,9 @@ def _tuning_budget_candidates(shape: TuneShape, budget: int) -> list[dict]:
 
 
 def _tuning_working_bytes(shape: TuneShape, params: dict) -> int:
+    if shape.variant == DISTILLATION_VARIANT:  # both heads' logits of a chunk, the kernels' only [n, V] memory
+        rows = int(params.get("tokens_per_chunk") or shape.tokens)
+        return min(rows, shape.tokens) * pair_logits_bytes_per_row(shape.vocab, shape.dtype)
     if params.get("grad_schedule") == "vocab_blocks" and params.get("grad_vocab_block"):
         from flce.backends.cuda.plan import STATS_BYTES_PER_ROW
 
@@ -76,6 +102,15 @@ def _tuning_heuristic(shape: TuneShape) -> dict:
     from flce.engine.plans import TokenChunks
 
     device = describe_device(torch.device(shape.device))
+    if shape.variant == DISTILLATION_VARIANT:
+        from flce.backends.cuda.choice import choose_distillation
+
+        desc = DistillDescription.tuned(shape.tokens, shape.hidden, shape.vocab, shape.dtype)
+        record, kernels = choose_distillation(device, desc, TunedEntry(None, None, "none"))
+        block_v, num_warps = row_launch(shape.vocab, kernels.settings.launch)
+        return {"tokens_per_chunk": record.plan.tokens_per_chunk, "block_v": block_v, "num_warps": num_warps,
+                "pair_passes": "fused" if record.plan.fused_passes else "separate",
+                "grad_gemm_kernel": kernels.family(PRODUCTS).name}
     record, kernels = choose(device, tuning_call(shape), TunedEntry(None, None, "none"))
     plan = record.plan
     assert isinstance(plan, TokenChunks), plan

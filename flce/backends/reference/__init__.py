@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from flce.backends.reference import tuning  # noqa: F401  (registers the tuning space)
+from flce.backends.reference.distillation import choose_distillation, plan_distillation
 from flce.backends.reference.plan import choose, plan_call
 from flce.config import LCEConfig
 from flce.registry import Backend, HardwareProbe, register_backend
@@ -27,5 +28,7 @@ BACKEND = Backend(
     supports=_supports_everything,
     plan_call=plan_call,
     choose=choose,
+    plan_distillation=plan_distillation,
+    choose_distillation=choose_distillation,
 )
 register_backend(BACKEND)

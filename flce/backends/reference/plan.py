@@ -9,7 +9,7 @@ import torch
 from flce.autotune.lookup import TunedEntry, tuned_entry
 from flce.backends.reference.kernels import CPU_BLOCK_BYTES, ReferenceKernels, math_dtype
 from flce.config import LCEConfig
-from flce.engine.call import EngineCall, call_record, grads_in_forward_allowed
+from flce.engine.call import EngineCall, call_record, logits_kept_for_gradients
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription, MemoryPlan, describe_device
 from flce.engine.memory import MiB, call_budget, call_save_limit, saved_logits_rows, tuned_chunk_rows
 from flce.engine.plans import BATCH_INVARIANT_TOKENS, PlanRequest, TokenChunks
@@ -79,8 +79,8 @@ def choose(device: DeviceDescription, call: CallDescription, entry: TunedEntry |
     if entry is None:
         entry = entry_for(device, call)
     plan, memory = plan_chunks(device, call, entry)
-    if not call.request.training or grads_in_forward_allowed(call.cfg):
-        # No deferred backward: the plan's saved rows are never kept.
+    if not logits_kept_for_gradients(call.cfg, call.request):
+        # Neither a deferred backward nor a second pass in forward: the plan's saved rows are never kept.
         per_row = working_bytes_per_row(device.type, call.vocab, call.dtype, call.cfg)
         memory = memory.without_kept_logits(min(plan.tokens_per_chunk, call.n_rows) * per_row)
     blocks = (f"row blocks of {CPU_BLOCK_BYTES >> 20} MiB" if device.type == "cpu" else "the whole chunk at once")

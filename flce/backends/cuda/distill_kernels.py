@@ -1,0 +1,310 @@
+"""Triton row kernels of linear distillation over one chunk's two logits buffers, the teacher's and the
+student's, each written by a cuBLAS GEMM (device code only): flce.distillation.tiles' formulas restated
+column block by column block, as kernels.py's are for cross-entropy.
+
+A program takes one logits row (or, ``_pair_passes_kernel``, rows ``pid, pid + P, ...``) and streams it in
+BLOCK_V column blocks; logits arrive in the compute dtype (bf16/fp16/fp32), all arithmetic is fp32, and the
+gradients are written over the logits they come from. Shared arguments:
+
+    teacher_ptr, student_ptr   [n, V] raw logits u_t, u_s of this (shard of the) vocabulary, row strides
+                               stride_teacher, stride_student, unit column stride
+    target_ptr                 [n] int64 global class ids (read where HARD), vocab_offset: column 0's id
+    inv_temperature            1 / T: t = u_t / T, s = u_s / T
+
+and constexpr flags: ``CROSS`` 1 forward KL's sum exp(t - max t) (t - s), 2 reverse KL's sum exp(s - max s)
+(s - t), 0 none; ``LOSS`` 0 forward KL, 1 reverse KL, 2 JSD; ``SOFT`` the divergence is part of the loss;
+``HARD`` the hard-label cross-entropy is (its own max and sum of exp(u_s) where ``HARD_OWN_LSE``, T != 1);
+``TEACHER`` the teacher's logits take a gradient too.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flce.backends.online_softmax import _moved_to
+
+
+@triton.jit
+def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constexpr, HARD_OWN_LSE: tl.constexpr,
+                 BLOCK_V: tl.constexpr):
+    """One row's partial statistics over columns [0, V) (semantics.PartialPairStats): (max t, sum exp(t - max t),
+    max s, sum exp(s - max s), the CROSS sum relative to its own softmax's max, max u_s, sum exp(u_s - max u_s)),
+    every running sum moved to its running max as that grows."""
+    cols = tl.arange(0, BLOCK_V)
+    t_max = tl.full((), float("-inf"), tl.float32)
+    s_max = tl.full((), float("-inf"), tl.float32)
+    h_max = tl.full((), float("-inf"), tl.float32)
+    t_sum = tl.zeros((), tl.float32)
+    s_sum = tl.zeros((), tl.float32)
+    h_sum = tl.zeros((), tl.float32)
+    cross = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK_V):
+        mask = start + cols < V
+        # Masked lanes read 0: finite, and kept out of every max and sum below.
+        u_t = tl.load(teacher_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        u_s = tl.load(student_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        t = u_t * inv_temperature
+        s = u_s * inv_temperature
+        new_t_max = tl.maximum(t_max, tl.max(tl.where(mask, t, float("-inf")), 0))
+        new_s_max = tl.maximum(s_max, tl.max(tl.where(mask, s, float("-inf")), 0))
+        e_t = tl.where(mask, tl.exp(t - new_t_max), 0.0)
+        e_s = tl.where(mask, tl.exp(s - new_s_max), 0.0)
+        if CROSS == 1:
+            cross = _moved_to(t_max, cross, cross, new_t_max, False, False)[0] + tl.sum(e_t * (t - s), 0)
+        if CROSS == 2:
+            cross = _moved_to(s_max, cross, cross, new_s_max, False, False)[0] + tl.sum(e_s * (s - t), 0)
+        t_sum = _moved_to(t_max, t_sum, t_sum, new_t_max, False, False)[0] + tl.sum(e_t, 0)
+        s_sum = _moved_to(s_max, s_sum, s_sum, new_s_max, False, False)[0] + tl.sum(e_s, 0)
+        if HARD_OWN_LSE:
+            new_h_max = tl.maximum(h_max, tl.max(tl.where(mask, u_s, float("-inf")), 0))
+            h_sum = _moved_to(h_max, h_sum, h_sum, new_h_max, False, False)[0] + tl.sum(
+                tl.where(mask, tl.exp(u_s - new_h_max), 0.0), 0)
+            h_max = new_h_max
+        t_max = new_t_max
+        s_max = new_s_max
+    return t_max, t_sum, s_max, s_sum, cross, h_max, h_sum
+
+
+@triton.jit
+def _log_mixture(log_p, log_q, log_beta, log_one_minus_beta):
+    """log(beta p + (1 - beta) q) as the larger term plus log(1 + exp(-|difference|)): no overflow, no log of 0."""
+    a = log_p + log_beta
+    b = log_q + log_one_minus_beta
+    larger = tl.maximum(a, b)
+    return larger + tl.log(1.0 + tl.exp(tl.minimum(a, b) - larger))
+
+
+@triton.jit
+def _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_lse, student_lse, log_beta,
+                   log_one_minus_beta, REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """JSD's second pass over one row: (sum p (log p - log m), sum q (log q - log m)) given both rows' lse over the
+    whole vocabulary; REVERSE walks the blocks from the last (the ones an earlier sweep read last, still in L2)."""
+    cols = tl.arange(0, BLOCK_V)
+    n_blocks = tl.cdiv(V, BLOCK_V)
+    teacher_kl = tl.zeros((), tl.float32)
+    student_kl = tl.zeros((), tl.float32)
+    for i in range(0, n_blocks):
+        block = i
+        if REVERSE:
+            block = n_blocks - 1 - i
+        start = block * BLOCK_V
+        mask = start + cols < V
+        log_p = tl.load(teacher_row + start + cols, mask=mask, other=0.0).to(tl.float32) * inv_temperature - teacher_lse
+        log_q = tl.load(student_row + start + cols, mask=mask, other=0.0).to(tl.float32) * inv_temperature - student_lse
+        log_m = _log_mixture(log_p, log_q, log_beta, log_one_minus_beta)
+        teacher_kl += tl.sum(tl.where(mask, tl.exp(log_p) * (log_p - log_m), 0.0), 0)
+        student_kl += tl.sum(tl.where(mask, tl.exp(log_q) * (log_q - log_m), 0.0), 0)
+    return teacher_kl, student_kl
+
+
+@triton.jit
+def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperature, teacher_lse, student_lse,
+                soft_scale, student_center, teacher_center, teacher_scale, hard_lse, hard_scale, beta, log_beta,
+                log_one_minus_beta, LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr,
+                TEACHER: tl.constexpr, REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Overwrite columns [first, stop) of one row's student logits with d loss / d u_s and, with TEACHER, its
+    teacher logits with d loss / d u_t (semantics module docstring: soft_scale f_s plus the hard term's
+    hard_scale (softmax(u_s) - onehot), teacher_scale f_t); both are formed before either is written."""
+    cols = tl.arange(0, BLOCK_V)
+    n_blocks = tl.cdiv(stop - first, BLOCK_V)
+    for i in range(0, n_blocks):
+        block = i
+        if REVERSE:
+            block = n_blocks - 1 - i
+        start = first + block * BLOCK_V
+        mask = start + cols < stop
+        u_t = tl.load(teacher_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        u_s = tl.load(student_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        t = u_t * inv_temperature
+        s = u_s * inv_temperature
+        log_p = t - teacher_lse
+        log_q = s - student_lse
+        g_s = tl.zeros([BLOCK_V], dtype=tl.float32)
+        g_t = tl.zeros([BLOCK_V], dtype=tl.float32)
+        if SOFT:
+            p = tl.exp(log_p)
+            q = tl.exp(log_q)
+            if LOSS == 0:
+                g_s = q - p
+                if TEACHER:
+                    g_t = p * ((t - s) - teacher_center)
+            if LOSS == 1:
+                g_s = q * ((s - t) - student_center)
+                if TEACHER:
+                    g_t = p - q
+            if LOSS == 2:
+                log_m = _log_mixture(log_p, log_q, log_beta, log_one_minus_beta)
+                g_s = (1.0 - beta) * q * (log_q - log_m - student_center)
+                if TEACHER:
+                    g_t = beta * p * (log_p - log_m - teacher_center)
+            g_s = g_s * soft_scale
+        if HARD:
+            hard_p = tl.exp(u_s - hard_lse)
+            g_s += hard_scale * tl.where(start + cols == target_col, hard_p - 1.0, hard_p)
+        tl.store(student_row + start + cols, g_s.to(student_row.dtype.element_ty), mask=mask)
+        if TEACHER:
+            tl.store(teacher_row + start + cols, (g_t * teacher_scale).to(teacher_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _target_column(target_ptr, row, V, vocab_offset, ignore_index):
+    """The row's target column in this shard's logits, -1 where the shard does not hold it or it is ignored."""
+    target = tl.load(target_ptr + row)
+    local = target - vocab_offset
+    here = (local >= 0) & (local < V) & (target != ignore_index)
+    return tl.where(here, local, -1)
+
+
+@triton.jit
+def _pair_stats_kernel(
+    teacher_ptr, stride_teacher, student_ptr, stride_student, target_ptr,
+    teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr,
+    target_logit_ptr,
+    V, vocab_offset, ignore_index, inv_temperature,
+    CROSS: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Both softmaxes' partial statistics of each row in one pass (semantics.PartialPairStats; [n] fp32 outputs,
+    cross_ptr read where CROSS, hard_* where HARD_OWN_LSE, target_logit_ptr where HARD: u_s at the target, 0 off
+    this shard)."""
+    row = tl.program_id(0).to(tl.int64)
+    teacher_row = teacher_ptr + row * stride_teacher
+    student_row = student_ptr + row * stride_student
+    t_max, t_sum, s_max, s_sum, cross, h_max, h_sum = _stats_sweep(teacher_row, student_row, V, inv_temperature,
+                                                                   CROSS, HARD_OWN_LSE, BLOCK_V)
+    tl.store(teacher_max_ptr + row, t_max)
+    tl.store(teacher_sum_ptr + row, t_sum)
+    tl.store(student_max_ptr + row, s_max)
+    tl.store(student_sum_ptr + row, s_sum)
+    if CROSS != 0:
+        tl.store(cross_ptr + row, cross)
+    if HARD_OWN_LSE:
+        tl.store(hard_max_ptr + row, h_max)
+        tl.store(hard_sum_ptr + row, h_sum)
+    if HARD:
+        col = _target_column(target_ptr, row, V, vocab_offset, ignore_index)
+        picked = tl.load(student_row + tl.maximum(col, 0)).to(tl.float32)
+        tl.store(target_logit_ptr + row, tl.where(col >= 0, picked, 0.0))
+
+
+@triton.jit
+def _mixture_sums_kernel(
+    teacher_ptr, stride_teacher, student_ptr, stride_student, teacher_lse_ptr, student_lse_ptr,
+    teacher_kl_ptr, student_kl_ptr,
+    V, inv_temperature, log_beta, log_one_minus_beta,
+    BLOCK_V: tl.constexpr,
+):
+    """JSD's second pass, a separate kernel (vocabulary shards, whose lse are global only after an exchange):
+    this shard's sums of KL(P || M) and KL(Q || M) per row, given both rows' lse ([n] fp32 each)."""
+    row = tl.program_id(0).to(tl.int64)
+    teacher_kl, student_kl = _mixture_sweep(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student,
+                                            V, inv_temperature, tl.load(teacher_lse_ptr + row),
+                                            tl.load(student_lse_ptr + row), log_beta, log_one_minus_beta, False,
+                                            BLOCK_V)
+    tl.store(teacher_kl_ptr + row, teacher_kl)
+    tl.store(student_kl_ptr + row, student_kl)
+
+
+@triton.jit
+def _pair_grad_kernel(
+    teacher_ptr, stride_teacher, student_ptr, stride_student, target_ptr,
+    teacher_lse_ptr, student_lse_ptr, soft_scale_ptr, student_center_ptr, teacher_center_ptr, teacher_scale_ptr,
+    hard_lse_ptr, hard_scale_ptr,
+    V, vocab_offset, ignore_index, inv_temperature, beta, log_beta, log_one_minus_beta,
+    LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, TEACHER: tl.constexpr, SPAN: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The gradients over the logits from per-row coefficients (semantics.PairCoefficients, [n] fp32 each; a
+    centre read where its loss has one, the teacher's where TEACHER, the hard term's where HARD). Program
+    (row, k) takes columns [k SPAN, (k + 1) SPAN): the columns are independent once the coefficients are known,
+    so a chunk's rows split into short programs (kernels._plain_grad_kernel says why)."""
+    row = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * SPAN
+    student_center = 0.0
+    if LOSS != 0:
+        student_center = tl.load(student_center_ptr + row)
+    teacher_center = 0.0
+    teacher_scale = 0.0
+    if TEACHER:
+        teacher_scale = tl.load(teacher_scale_ptr + row)
+        if LOSS != 1:
+            teacher_center = tl.load(teacher_center_ptr + row)
+    hard_lse = 0.0
+    hard_scale = 0.0
+    target_col = -1
+    if HARD:
+        hard_lse = tl.load(hard_lse_ptr + row)
+        hard_scale = tl.load(hard_scale_ptr + row)
+        target_col = _target_column(target_ptr, row, V, vocab_offset, ignore_index)
+    _grad_sweep(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student, first,
+                tl.minimum(first + SPAN, V), target_col, inv_temperature, tl.load(teacher_lse_ptr + row),
+                tl.load(student_lse_ptr + row), tl.load(soft_scale_ptr + row), student_center, teacher_center,
+                teacher_scale, hard_lse, hard_scale, beta, log_beta, log_one_minus_beta, LOSS, SOFT, HARD, TEACHER,
+                False, BLOCK_V)
+
+
+@triton.jit
+def _pair_passes_kernel(
+    teacher_ptr, stride_teacher, student_ptr, stride_student, target_ptr, scale_ptr, stride_scale,
+    teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr,
+    target_logit_ptr, teacher_kl_ptr, student_kl_ptr,
+    n_rows, V, ignore_index, inv_temperature, soft_factor, hard_factor, beta, log_beta, log_one_minus_beta,
+    CROSS: tl.constexpr, LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr,
+    MIXTURE: tl.constexpr, WRITE_GRAD: tl.constexpr, TEACHER: tl.constexpr, GRAD_REVERSE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Every pass of an unsharded chunk in one kernel, a row's sweeps back to back: its statistics (outputs as
+    _pair_stats_kernel's), with MIXTURE JSD's sums KL(P || M), KL(Q || M) (teacher_kl_ptr, student_kl_ptr), and
+    with WRITE_GRAD its gradients over the logits, the per-row coefficients formed here from the row's loss scale
+    r (scale_ptr, stride stride_scale: 0 broadcasts one; semantics.pair_coefficients: soft scale r soft_factor,
+    soft_factor = (1 - w) / T, hard scale r hard_factor, hard_factor = w, the centres from this row's sums).
+    Each sweep walks the blocks in the direction opposite to the one before it (GRAD_REVERSE: the gradient's
+    sweep follows the statistics' alone), so it starts on the blocks still in L2; program p takes rows p, p + P,
+    ...: P, the rows in flight, bounds what L2 must hold."""
+    pid = tl.program_id(0)
+    for row_index in range(pid, n_rows, tl.num_programs(0)):
+        row = tl.cast(row_index, tl.int64)
+        teacher_row = teacher_ptr + row * stride_teacher
+        student_row = student_ptr + row * stride_student
+        t_max, t_sum, s_max, s_sum, cross, h_max, h_sum = _stats_sweep(teacher_row, student_row, V, inv_temperature,
+                                                                       CROSS, HARD_OWN_LSE, BLOCK_V)
+        tl.store(teacher_max_ptr + row, t_max)
+        tl.store(teacher_sum_ptr + row, t_sum)
+        tl.store(student_max_ptr + row, s_max)
+        tl.store(student_sum_ptr + row, s_sum)
+        if CROSS != 0:
+            tl.store(cross_ptr + row, cross)
+        if HARD_OWN_LSE:
+            tl.store(hard_max_ptr + row, h_max)
+            tl.store(hard_sum_ptr + row, h_sum)
+        target_col = -1
+        if HARD:
+            target_col = _target_column(target_ptr, row, V, 0, ignore_index)
+            picked = tl.load(student_row + tl.maximum(target_col, 0)).to(tl.float32)
+            tl.store(target_logit_ptr + row, tl.where(target_col >= 0, picked, 0.0))
+        teacher_lse = t_max + tl.log(t_sum)
+        student_lse = s_max + tl.log(s_sum)
+        teacher_kl = 0.0
+        student_kl = 0.0
+        if MIXTURE:
+            teacher_kl, student_kl = _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_lse,
+                                                    student_lse, log_beta, log_one_minus_beta, True, BLOCK_V)
+            tl.store(teacher_kl_ptr + row, teacher_kl)
+            tl.store(student_kl_ptr + row, student_kl)
+        if WRITE_GRAD:
+            r = tl.load(scale_ptr + row * stride_scale)
+            student_center = 0.0
+            teacher_center = 0.0
+            if LOSS == 0:
+                teacher_center = cross / t_sum
+            if LOSS == 1:
+                student_center = cross / s_sum
+            if LOSS == 2:
+                student_center = student_kl
+                teacher_center = teacher_kl
+            hard_lse = student_lse
+            if HARD_OWN_LSE:
+                hard_lse = h_max + tl.log(h_sum)
+            _grad_sweep(teacher_row, student_row, 0, V, target_col, inv_temperature, teacher_lse, student_lse,
+                        r * soft_factor, student_center, teacher_center, r * soft_factor, hard_lse, r * hard_factor,
+                        beta, log_beta, log_one_minus_beta, LOSS, SOFT, HARD, TEACHER, GRAD_REVERSE, BLOCK_V)

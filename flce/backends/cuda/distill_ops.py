@@ -1,0 +1,170 @@
+"""The CUDA backend's linear distillation: launchers of distill_kernels.py (row_ops.py's counterparts) and the pair
+kernels the engine's DistillChunks schedule calls, launched as the choice (choice.py choose_distillation) says.
+
+Each chunk's two logits buffers come from cuBLAS (flce.engine.rows.gemm_logits); the row kernels read them in the
+compute dtype with fp32 arithmetic and write the gradients over them, so a chunk holds nothing [n, V] beyond them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from flce.backends.cuda import distill_kernels as k
+from flce.backends.cuda.configs import LaunchParams
+from flce.backends.cuda.families import KernelChoice
+from flce.backends.cuda.ops import TritonChunkKernels
+from flce.backends.cuda.row_ops import GRAD_BLOCKS_PER_PROGRAM, row_launch
+from flce.distillation.config import DistillationConfig
+from flce.distillation.semantics import (
+    PairCoefficients,
+    PairStats,
+    PartialPairStats,
+    needs_cross,
+    with_mixture_sums,
+)
+
+# distill_kernels' constexpr flags of each loss (its module docstring)
+_CROSS = {"forward_kl": 1, "reverse_kl": 2, "jsd": 0}
+_LOSS = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
+
+
+def _readable(t: torch.Tensor) -> torch.Tensor:
+    """Logits as the kernels read them: unit column stride (the schedule's buffers have it already)."""
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _mixture_constants(cfg: DistillationConfig) -> tuple[float, float, float]:
+    return cfg.beta, math.log(cfg.beta), math.log1p(-cfg.beta)
+
+
+def _jsd(cfg: DistillationConfig) -> bool:
+    return cfg.soft and cfg.loss == "jsd"
+
+
+def pair_stats(teacher_logits: torch.Tensor, student_logits: torch.Tensor, target: torch.Tensor | None,
+               cfg: DistillationConfig, vocab_offset: int, launch: LaunchParams) -> PartialPairStats:
+    """PairKernels.pair_stats: one program a row."""
+    teacher_logits, student_logits = _readable(teacher_logits), _readable(student_logits)
+    n, vocab = student_logits.shape
+    stats = PartialPairStats.allocate(n, cfg, student_logits.device)
+    if n == 0:
+        return stats
+    block_v, num_warps = row_launch(vocab, launch)
+    unused = stats.teacher_max  # stands in for the pointers whose flag is off: never read
+    k._pair_stats_kernel[(n,)](
+        teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
+        target if cfg.hard else unused, stats.teacher_max, stats.teacher_sum, stats.student_max, stats.student_sum,
+        *(unused if t is None else t for t in (stats.cross, stats.hard_max, stats.hard_sum, stats.target_logit)),
+        vocab, vocab_offset, cfg.ignore_index, 1.0 / cfg.temperature,
+        CROSS=_CROSS[cfg.loss] if needs_cross(cfg) else 0, HARD=cfg.hard, HARD_OWN_LSE=cfg.hard_needs_own_lse,
+        BLOCK_V=block_v, num_warps=num_warps,
+    )
+    return stats
+
+
+def mixture_sums(teacher_logits: torch.Tensor, student_logits: torch.Tensor, stats: PairStats,
+                 cfg: DistillationConfig, launch: LaunchParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """PairKernels.mixture_sums: one program a row."""
+    teacher_logits, student_logits = _readable(teacher_logits), _readable(student_logits)
+    n, vocab = student_logits.shape
+    teacher_kl = torch.empty(n, dtype=torch.float32, device=student_logits.device)
+    student_kl = torch.empty_like(teacher_kl)
+    if n:
+        block_v, num_warps = row_launch(vocab, launch)
+        _, log_beta, log_one_minus_beta = _mixture_constants(cfg)
+        k._mixture_sums_kernel[(n,)](
+            teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
+            _rows(stats.teacher_lse), _rows(stats.student_lse), teacher_kl, student_kl,
+            vocab, 1.0 / cfg.temperature, log_beta, log_one_minus_beta, BLOCK_V=block_v, num_warps=num_warps,
+        )
+    return teacher_kl, student_kl
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A per-row vector as the kernels read it: fp32, contiguous (a broadcast scale made whole: [n] floats)."""
+    return t.float().contiguous()
+
+
+def pair_grad_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, target: torch.Tensor | None,
+               cfg: DistillationConfig, vocab_offset: int, coeffs: PairCoefficients,
+               launch: LaunchParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """PairKernels.pair_grad_: program (row, k) takes GRAD_BLOCKS_PER_PROGRAM blocks of the row."""
+    n, vocab = student_logits.shape
+    teacher = coeffs.teacher_scale is not None
+    if n == 0:
+        return student_logits, teacher_logits if teacher else None
+    # Written in place: the buffers must be the ones the schedule passes on (its GEMMs' contiguous outputs).
+    assert teacher_logits.stride(1) == 1 and student_logits.stride(1) == 1
+    block_v, num_warps = row_launch(vocab, launch)
+    span = block_v * GRAD_BLOCKS_PER_PROGRAM
+    lse = _rows(coeffs.teacher_lse)
+    present = [lse if t is None else _rows(t) for t in (coeffs.student_lse, coeffs.soft_scale, coeffs.student_center,
+                                                         coeffs.teacher_center, coeffs.teacher_scale, coeffs.hard_lse,
+                                                         coeffs.hard_scale)]
+    k._pair_grad_kernel[(n, triton.cdiv(vocab, span))](
+        teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
+        target if cfg.hard else lse, lse, *present,
+        vocab, vocab_offset, cfg.ignore_index, 1.0 / cfg.temperature, *_mixture_constants(cfg),
+        LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard, TEACHER=teacher, SPAN=span, BLOCK_V=block_v,
+        num_warps=num_warps,
+    )
+    return student_logits, teacher_logits if teacher else None
+
+
+def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, target: torch.Tensor | None,
+                 cfg: DistillationConfig, scale: torch.Tensor | None, teacher: bool, launch: LaunchParams,
+                 rows_in_flight: int | None) -> tuple[PairStats, torch.Tensor | None, torch.Tensor | None]:
+    """FusedPairPasses.pair_passes_ (an unsharded chunk): ``rows_in_flight`` programs (None: one a row)."""
+    n, vocab = student_logits.shape
+    device = student_logits.device
+    partial = PartialPairStats.allocate(n, cfg, device)
+    jsd = _jsd(cfg)
+    teacher_kl, student_kl = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(2))
+    write = scale is not None
+    if n:
+        assert teacher_logits.stride(1) == 1 and student_logits.stride(1) == 1  # gradients written in place
+        block_v, num_warps = row_launch(vocab, launch)
+        unused = partial.teacher_max
+        row_scale = unused if scale is None else scale.float()
+        k._pair_passes_kernel[(min(n, rows_in_flight or n),)](
+            teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
+            target if cfg.hard else unused, row_scale, row_scale.stride(0),
+            partial.teacher_max, partial.teacher_sum, partial.student_max, partial.student_sum,
+            *(unused if t is None else t for t in (partial.cross, partial.hard_max, partial.hard_sum,
+                                                   partial.target_logit)),
+            teacher_kl, student_kl,
+            n, vocab, cfg.ignore_index, 1.0 / cfg.temperature, (1.0 - cfg.hard_label_weight) / cfg.temperature,
+            cfg.hard_label_weight, *_mixture_constants(cfg),
+            CROSS=_CROSS[cfg.loss] if needs_cross(cfg) else 0, LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard,
+            HARD_OWN_LSE=cfg.hard_needs_own_lse, MIXTURE=jsd, WRITE_GRAD=write, TEACHER=write and teacher,
+            GRAD_REVERSE=not jsd, BLOCK_V=block_v, num_warps=num_warps,
+        )
+    stats = PairStats.from_partial(partial, cfg)
+    if jsd:
+        stats = with_mixture_sums(stats, teacher_kl, student_kl)
+    return stats, student_logits if write else None, teacher_logits if write and teacher else None
+
+
+class CudaPairKernels(TritonChunkKernels):
+    """flce.engine.distillation.call.PairKernels and FusedPairPasses (and RowKernels: the gradient products by the
+    family the choice gave them, through its fallback chain), launched as ``choice`` says."""
+
+    def __init__(self, choice: KernelChoice) -> None:
+        super().__init__(choice)
+        self.rows_in_flight = choice.settings.rows_in_flight
+
+    def pair_stats(self, teacher_logits, student_logits, target, cfg, vocab_offset):
+        return pair_stats(teacher_logits, student_logits, target, cfg, vocab_offset, self.launch)
+
+    def mixture_sums(self, teacher_logits, student_logits, stats, cfg):
+        return mixture_sums(teacher_logits, student_logits, stats, cfg, self.launch)
+
+    def pair_grad_(self, teacher_logits, student_logits, target, cfg, vocab_offset, coeffs):
+        return pair_grad_(teacher_logits, student_logits, target, cfg, vocab_offset, coeffs, self.launch)
+
+    def pair_passes_(self, teacher_logits, student_logits, target, cfg, scale, teacher):
+        return pair_passes_(teacher_logits, student_logits, target, cfg, scale, teacher, self.launch,
+                            self.rows_in_flight)

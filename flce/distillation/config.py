@@ -1,0 +1,153 @@
+"""The options of one linear distillation call, validated once, before any kernel runs.
+
+Every backend's distillation kernels receive a :class:`DistillationConfig`; docs/distillation.md is the
+user's table of the same options.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from flce.config import REDUCTIONS, Primitive
+
+LOSSES = ("forward_kl", "reverse_kl", "jsd")
+
+
+@dataclass(frozen=True)
+class DistillationConfig:
+    """A call's options. ``loss``: the divergence between P = softmax(teacher / temperature) and
+    Q = softmax(student / temperature); ``beta``: JSD's mixture weight of P, in (0, 1);
+    ``hard_label_weight``: w in ``w * CE(student at temperature 1, target) + (1 - w) * divergence``;
+    ``teacher_grad``: whether the teacher's tensors (those that require grad) get gradients (False: the
+    teacher is a constant, whatever its tensors' requires_grad says)."""
+
+    loss: str = "jsd"
+    beta: float = 0.5
+    temperature: float = 1.0
+    hard_label_weight: float = 0.0
+    ignore_index: int = -100
+    reduction: str = "mean"
+    memory_budget: int | None = None
+    process_group: Any = None
+    teacher_grad: bool = False
+
+    def __post_init__(self) -> None:
+        for name, check in _CHECKS.items():
+            check(getattr(self, name))
+        # Whole numbers are accepted for the real-valued options and stored as floats (the op schema's type).
+        for name in ("beta", "temperature", "hard_label_weight"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+    @property
+    def hard(self) -> bool:
+        """The hard-label cross-entropy term is part of the loss."""
+        return self.hard_label_weight != 0.0
+
+    @property
+    def soft(self) -> bool:
+        """The divergence term is part of the loss."""
+        return self.hard_label_weight != 1.0
+
+    @property
+    def hard_needs_own_lse(self) -> bool:
+        """The cross-entropy's softmax (temperature 1) differs from the divergence's: its own statistics."""
+        return self.hard and self.temperature != 1.0
+
+    def replace(self, **changes: Any) -> DistillationConfig:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return DistillationConfig(**values)
+
+
+def _check_loss(value: Any) -> None:
+    if value not in LOSSES:
+        close = difflib.get_close_matches(str(value), LOSSES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"loss={value!r}: expected one of {LOSSES}{hint}")
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name}={value!r}: expected a finite real number")
+    return float(value)
+
+
+def _check_beta(value: Any) -> None:
+    if not 0.0 < _real("beta", value) < 1.0:
+        raise ValueError(f"beta={value}: expected a value in the open interval (0, 1) (beta -> 0 and 1 are "
+                         "the KL divergences: pass loss='forward_kl' or 'reverse_kl')")
+
+
+def _check_temperature(value: Any) -> None:
+    if not _real("temperature", value) > 0.0:
+        raise ValueError(f"temperature={value}: expected a value > 0")
+
+
+def _check_hard_label_weight(value: Any) -> None:
+    if not 0.0 <= _real("hard_label_weight", value) <= 1.0:
+        raise ValueError(f"hard_label_weight={value}: expected a value in [0, 1]")
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r}: expected an int")
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{name}={value}: expected a value that fits in int64")
+
+
+def _check_reduction(value: Any) -> None:
+    if value not in REDUCTIONS:
+        raise ValueError(f"reduction={value!r}: expected one of {REDUCTIONS}")
+
+
+def _check_memory_budget(value: Any) -> None:
+    if value is not None:
+        _check_int("memory_budget", value)
+        if value <= 0:
+            raise ValueError(f"memory_budget={value}: expected a positive byte count")
+
+
+def _check_teacher_grad(value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"teacher_grad={value!r}: expected a bool")
+
+
+_CHECKS = {
+    "loss": _check_loss,
+    "beta": _check_beta,
+    "temperature": _check_temperature,
+    "hard_label_weight": _check_hard_label_weight,
+    "ignore_index": lambda value: _check_int("ignore_index", value),
+    "reduction": _check_reduction,
+    "memory_budget": _check_memory_budget,
+    "teacher_grad": _check_teacher_grad,
+}
+OPTION_NAMES = tuple(f.name for f in fields(DistillationConfig))
+
+# The options as primitives for the compile path's op schema (process_group travels by its name).
+PRIMITIVE_OPTION_TYPES = {"loss": "str", "beta": "float", "temperature": "float", "hard_label_weight": "float",
+                          "ignore_index": "int", "reduction": "str", "memory_budget": "int?", "teacher_grad": "bool"}
+
+
+def config_from_keywords(caller: str, options: dict[str, Any]) -> DistillationConfig:
+    """``DistillationConfig(**options)`` with an unknown keyword reported against ``caller``."""
+    for name in options:
+        if name not in OPTION_NAMES:
+            close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{caller}() got an unexpected option {name!r}{hint} Valid options: "
+                            f"{', '.join(OPTION_NAMES)}")
+    return DistillationConfig(**options)
+
+
+def primitive_options(cfg: DistillationConfig) -> dict[str, Primitive]:
+    return {name: getattr(cfg, name) for name in PRIMITIVE_OPTION_TYPES}
+
+
+def config_from_primitives(options: dict[str, Any], process_group: Any = None) -> DistillationConfig:
+    """The inverse of :func:`primitive_options` (``options`` may hold other keys)."""
+    return DistillationConfig(**{name: options[name] for name in PRIMITIVE_OPTION_TYPES},
+                              process_group=process_group)

@@ -1,0 +1,263 @@
+"""Linear distillation's loss and gradient, expressed through per-row statistics of two softmaxes.
+
+With u_t, u_s a row's raw teacher and student logits (``hidden @ weight.T + bias``), T the temperature,
+t = u_t / T, s = u_s / T, P = softmax(t), Q = softmax(s), log p = t - lse_t, log q = s - lse_s:
+
+    forward_kl = KL(P || Q) = E_p[t - s] - lse_t + lse_s
+    reverse_kl = KL(Q || P) = E_q[s - t] - lse_s + lse_t
+    jsd        = beta KL(P || M) + (1 - beta) KL(Q || M),  M = beta P + (1 - beta) Q,  0 < beta < 1
+
+with no T^2 factor, and a row's loss ``w CE(u_s, y) + (1 - w) divergence`` (w = hard_label_weight; the
+cross-entropy at temperature 1: lse(u_s) - u_s[y]). A row whose target is ignore_index contributes
+nothing; "mean" divides by the counted rows (all rows without a target).
+
+**Statistics.** A scan over vocabulary tiles keeps, per row, online (a running max, and sums relative
+to it, rescaled when it grows: mergeable across tiles and across vocabulary shards in any order):
+both softmaxes' (max, sum exp); for the KL divergences the "cross" sum that makes their expectation
+in the same pass, sum exp(t - max_t) (t - s) for forward KL (its E_p[t - s]) and sum exp(s - max_s)
+(s - t) for reverse KL; for the hard term the target's raw logit and, where T != 1, the raw student
+logits' own (max, sum exp). JSD needs log m = log(beta p + (1 - beta) q), known only once both lse
+are: a second pass over the tiles sums KL(P || M) and KL(Q || M), plain sums (additive across tiles
+and shards).
+
+**Gradients.** With r a row's upstream scale (0 on ignored rows), the gradient of the raw student
+logits is ``r w (softmax(u_s) - onehot(y)) + r (1 - w) / T f_s`` and, where the teacher takes one, of
+the raw teacher logits ``r (1 - w) / T f_t``, elementwise:
+
+    forward_kl  f_s = q - p                                 f_t = p ((t - s) - E_p[t - s])
+    reverse_kl  f_s = q ((s - t) - E_q[s - t])             f_t = p - q
+    jsd         f_s = (1 - beta) q (log q - log m - KL(Q||M))  f_t = beta p (log p - log m - KL(P||M))
+
+(each a softmax's Jacobian applied to d loss / d probabilities; the teacher's column is the student's
+of the swapped loss). A row kernel needs only the per-row scalars of :class:`PairCoefficients`; the
+formula itself is written once in torch, :mod:`flce.distillation.tiles`, which the reference kernels
+run and the Triton kernels restate.
+
+**Against Liger-Kernel and TRL.** TRL's GKD (``GKDTrainer.generalized_jsd_loss``) and Liger-Kernel 0.8.5's
+``LigerFusedLinearJSDLoss`` compute the same generalized JSD (M = beta P + (1 - beta) Q, weights beta
+on KL(P||M)), divide the logits by the temperature without a T^2 factor, sum over the vocabulary and
+average over the non-ignored tokens. Differences: both take beta = 0 and beta = 1 as forward and
+reverse KL (the limits of JSD(beta) / beta are those, not of JSD itself), here separate ``loss``
+values; Liger weights the hard and soft terms independently (weight_hard_loss, weight_soft_loss: here
+w and 1 - w), runs its JSD in the logits' dtype (bf16 logits: bf16 log-softmax) where flce's
+statistics are fp32, pads a smaller student vocabulary with zero logits where flce refuses unequal
+vocabularies, and never differentiates the teacher; Liger before 0.5 mixed M = beta Q + (1 - beta) P.
+TRL's ``batchmean`` without labels divides by the batch size of its first dimension, not the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from flce.distillation.config import DistillationConfig
+
+
+@dataclass
+class PartialPairStats:
+    """One scan's statistics of a row range's two softmaxes over some columns, mergeable (module docstring).
+
+    Sums are relative to their max; ``cross`` to the teacher's max (forward KL) or the student's (reverse
+    KL); ``target_logit`` is 0 where the columns do not hold the target."""
+
+    teacher_max: torch.Tensor  # [n], max t
+    teacher_sum: torch.Tensor  # [n], sum exp(t - teacher_max)
+    student_max: torch.Tensor  # [n], max s
+    student_sum: torch.Tensor  # [n], sum exp(s - student_max)
+    cross: torch.Tensor | None = None  # [n] KL divergences only (module docstring)
+    hard_max: torch.Tensor | None = None  # [n] max u_s: the hard term at a temperature != 1
+    hard_sum: torch.Tensor | None = None  # [n] sum exp(u_s - hard_max)
+    target_logit: torch.Tensor | None = None  # [n] u_s[target]: the hard term
+
+    @staticmethod
+    def allocate(n_rows: int, cfg: DistillationConfig, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> PartialPairStats:
+        """Uninitialised statistics for a kernel to write: the optional ones only where ``cfg`` needs them."""
+        def row() -> torch.Tensor:
+            return torch.empty(n_rows, dtype=dtype, device=device)
+
+        own_lse = cfg.hard_needs_own_lse
+        return PartialPairStats(row(), row(), row(), row(), cross=row() if needs_cross(cfg) else None,
+                                hard_max=row() if own_lse else None, hard_sum=row() if own_lse else None,
+                                target_logit=row() if cfg.hard else None)
+
+    def present(self) -> list[torch.Tensor]:
+        """The statistics this scan holds, in field order (what a vocab-parallel combine exchanges)."""
+        return [getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None]
+
+    def like(self, values: list[torch.Tensor]) -> PartialPairStats:
+        """Statistics of the same kinds as this one's, from ``values`` in :meth:`present`'s order."""
+        found = iter(values)
+        return PartialPairStats(**{f.name: None if getattr(self, f.name) is None else next(found)
+                                   for f in fields(self)})
+
+
+def needs_cross(cfg: DistillationConfig) -> bool:
+    """The KL divergences' expectation comes from the first pass; JSD has its second pass instead."""
+    return cfg.soft and cfg.loss != "jsd"
+
+
+def merge_pair_stats(a: PartialPairStats, b: PartialPairStats, cfg: DistillationConfig) -> PartialPairStats:
+    """Statistics of the union of two disjoint column ranges (or vocabulary shards)."""
+    def rescaled(max_a: torch.Tensor, max_b: torch.Tensor, *pairs: tuple[torch.Tensor, torch.Tensor]):
+        new_max = torch.maximum(max_a, max_b)
+        # exp(-inf - -inf) is nan: a side without columns (max -inf) weighs 0.
+        scale_a = torch.where(max_a == -torch.inf, 0.0, torch.exp(max_a - new_max))
+        scale_b = torch.where(max_b == -torch.inf, 0.0, torch.exp(max_b - new_max))
+        return new_max, [x * scale_a + y * scale_b for x, y in pairs]
+
+    cross_of_teacher = cfg.loss == "forward_kl"
+    teacher_pairs = [(a.teacher_sum, b.teacher_sum)] + ([(a.cross, b.cross)] if a.cross is not None
+                                                        and cross_of_teacher else [])
+    student_pairs = [(a.student_sum, b.student_sum)] + ([(a.cross, b.cross)] if a.cross is not None
+                                                        and not cross_of_teacher else [])
+    teacher_max, teacher_sums = rescaled(a.teacher_max, b.teacher_max, *teacher_pairs)
+    student_max, student_sums = rescaled(a.student_max, b.student_max, *student_pairs)
+    merged = PartialPairStats(teacher_max, teacher_sums[0], student_max, student_sums[0])
+    if a.cross is not None:
+        merged.cross = (teacher_sums if cross_of_teacher else student_sums)[1]
+    if a.hard_max is not None:
+        merged.hard_max, (merged.hard_sum,) = rescaled(a.hard_max, b.hard_max, (a.hard_sum, b.hard_sum))
+    if a.target_logit is not None:
+        merged.target_logit = a.target_logit + b.target_logit
+    return merged
+
+
+@dataclass
+class PairStats:
+    """A row's statistics over the whole vocabulary (all shards): what the loss and the gradient read."""
+
+    teacher_lse: torch.Tensor  # [n], lse of t
+    student_lse: torch.Tensor  # [n], lse of s
+    cross_mean: torch.Tensor | None = None  # [n], E_p[t - s] (forward KL) or E_q[s - t] (reverse KL)
+    hard_lse: torch.Tensor | None = None  # [n], lse of u_s (the student's lse at temperature 1)
+    target_logit: torch.Tensor | None = None  # [n], u_s[target]
+    teacher_mixture_kl: torch.Tensor | None = None  # [n], KL(P || M) (JSD's second pass)
+    student_mixture_kl: torch.Tensor | None = None  # [n], KL(Q || M)
+
+    @staticmethod
+    def from_partial(p: PartialPairStats, cfg: DistillationConfig) -> PairStats:
+        student_lse = p.student_max + torch.log(p.student_sum)
+        cross_sum = p.teacher_sum if cfg.loss == "forward_kl" else p.student_sum
+        hard_lse = None
+        if cfg.hard:
+            # At temperature 1 the student's softmax is the cross-entropy's.
+            hard_lse = p.hard_max + torch.log(p.hard_sum) if p.hard_max is not None else student_lse
+        return PairStats(teacher_lse=p.teacher_max + torch.log(p.teacher_sum), student_lse=student_lse,
+                         cross_mean=None if p.cross is None else p.cross / cross_sum, hard_lse=hard_lse,
+                         target_logit=p.target_logit)
+
+    def rows(self, rows: slice) -> PairStats:
+        return PairStats(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
+                            for f in fields(self)})
+
+    def stacked(self) -> torch.Tensor:
+        """The statistics present, as one [k, n] tensor (what a deferred backward keeps)."""
+        return torch.stack([getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None])
+
+    @staticmethod
+    def unstacked(values: torch.Tensor, cfg: DistillationConfig) -> PairStats:
+        """The inverse of :meth:`stacked` for a call of ``cfg``."""
+        found = iter(values.unbind(0))
+        present = stats_present(cfg)
+        return PairStats(**{f.name: next(found) if f.name in present else None for f in fields(PairStats)})
+
+
+def stats_present(cfg: DistillationConfig) -> tuple[str, ...]:
+    """The PairStats fields a call of ``cfg`` fills, in field order."""
+    names = ["teacher_lse", "student_lse"]
+    if needs_cross(cfg):
+        names.append("cross_mean")
+    if cfg.hard:
+        names += ["hard_lse", "target_logit"]
+    if cfg.soft and cfg.loss == "jsd":
+        names += ["teacher_mixture_kl", "student_mixture_kl"]
+    return tuple(names)
+
+
+def with_mixture_sums(stats: PairStats, teacher_kl: torch.Tensor, student_kl: torch.Tensor) -> PairStats:
+    """``stats`` with JSD's second-pass sums, KL(P || M) and KL(Q || M) over the whole vocabulary."""
+    stats.teacher_mixture_kl, stats.student_mixture_kl = teacher_kl, student_kl
+    return stats
+
+
+def divergence(stats: PairStats, cfg: DistillationConfig) -> torch.Tensor:
+    """Each row's divergence (module docstring)."""
+    if cfg.loss == "forward_kl":
+        return stats.cross_mean - stats.teacher_lse + stats.student_lse
+    if cfg.loss == "reverse_kl":
+        return stats.cross_mean - stats.student_lse + stats.teacher_lse
+    return cfg.beta * stats.teacher_mixture_kl + (1.0 - cfg.beta) * stats.student_mixture_kl
+
+
+def row_losses(stats: PairStats, valid: torch.Tensor | None, cfg: DistillationConfig) -> torch.Tensor:
+    """Each row's loss, 0 where its target is ignored (``valid`` None: every row counts)."""
+    loss = None
+    if cfg.soft:
+        loss = (1.0 - cfg.hard_label_weight) * divergence(stats, cfg)
+    if cfg.hard:
+        # A row whose target is ignored has no target logit: its value is dropped by the select below.
+        ce = cfg.hard_label_weight * (stats.hard_lse - stats.target_logit)
+        loss = ce if loss is None else loss + ce
+    return loss if valid is None else torch.where(valid, loss, 0.0)
+
+
+def reduced(rows: torch.Tensor, count: torch.Tensor, cfg: DistillationConfig) -> torch.Tensor:
+    """The call's loss from its row losses: their sum, their mean over ``count`` counted rows (0 where
+    there is none, as flce's cross-entropy), or the rows themselves."""
+    if cfg.reduction == "none":
+        return rows
+    total = rows.sum()
+    if cfg.reduction == "sum":
+        return total
+    return torch.where(count > 0, total / count.clamp(min=1), 0.0)
+
+
+def row_scales(grad_loss: torch.Tensor, count: torch.Tensor, valid: torch.Tensor | None, n_rows: int,
+               cfg: DistillationConfig, rows: slice = slice(None)) -> torch.Tensor:
+    """d loss / d (row loss) of ``rows`` from the loss's upstream gradient, 0 on ignored rows: [n] in the
+    statistics' dtype."""
+    dtype = count.dtype
+    if cfg.reduction == "none":
+        scale = grad_loss.reshape(-1)[rows].to(dtype)
+    else:
+        g = grad_loss.reshape(()).to(dtype)
+        if cfg.reduction == "mean":
+            g = torch.where(count > 0, g / count.clamp(min=1), 0.0)
+        scale = g.expand(n_rows)
+    # Selected, not multiplied: an ignored row gets nothing even from an inf or NaN upstream gradient.
+    return scale if valid is None else torch.where(valid[rows], scale, 0.0)
+
+
+@dataclass
+class PairCoefficients:
+    """The per-row scalars of the module docstring's gradient formula, [n] each."""
+
+    teacher_lse: torch.Tensor
+    student_lse: torch.Tensor
+    soft_scale: torch.Tensor  # r (1 - w) / T
+    student_center: torch.Tensor | None = None  # reverse KL: E_q[s - t]; JSD: KL(Q || M)
+    teacher_center: torch.Tensor | None = None  # forward KL: E_p[t - s]; JSD: KL(P || M) (teacher gradient)
+    hard_lse: torch.Tensor | None = None  # the cross-entropy's lse (hard term)
+    hard_scale: torch.Tensor | None = None  # r w
+    teacher_scale: torch.Tensor | None = None  # r (1 - w) / T, where the teacher takes a gradient
+
+
+def pair_coefficients(stats: PairStats, scale: torch.Tensor, cfg: DistillationConfig,
+                      teacher: bool) -> PairCoefficients:
+    """The coefficients of rows whose loss is scaled by ``scale`` (:func:`row_scales`); ``teacher``: the
+    teacher's logits take a gradient too."""
+    soft_scale = scale * ((1.0 - cfg.hard_label_weight) / cfg.temperature)
+    coeffs = PairCoefficients(teacher_lse=stats.teacher_lse, student_lse=stats.student_lse, soft_scale=soft_scale)
+    if cfg.loss == "reverse_kl":
+        coeffs.student_center = stats.cross_mean
+    elif cfg.loss == "jsd":
+        coeffs.student_center = stats.student_mixture_kl
+    if teacher:
+        coeffs.teacher_scale = soft_scale
+        coeffs.teacher_center = {"forward_kl": stats.cross_mean, "reverse_kl": None,
+                                 "jsd": stats.teacher_mixture_kl}[cfg.loss]
+    if cfg.hard:
+        coeffs.hard_lse, coeffs.hard_scale = stats.hard_lse, scale * cfg.hard_label_weight
+    return coeffs

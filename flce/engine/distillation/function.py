@@ -1,0 +1,134 @@
+"""The eager autograd path of a distillation call: a ``torch.autograd.Function`` around its schedule.
+
+Gradients computed in forward (reduction "mean" / "sum") are scaled by grad_output in backward, in place
+by the backend's ``scale_`` (which skips the pass where grad_output is exactly 1), or out of place where
+the backward retains the graph; reduction "none" runs the deferred backward. Second derivatives are
+refused, as cross-entropy's are (flce.engine.function.first_order_only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flce.distillation.inputs import FlatPair
+from flce.engine.call import GradTargets
+from flce.engine.distillation import schedule
+from flce.engine.distillation.call import DistillCall, PairGradTargets
+from flce.engine.function import first_order_anchors, first_order_only, graph_retained
+
+
+class _Handoff:
+    """Forward's state on its way to setup_context (a plain object, passed through as it is)."""
+
+    state: schedule.DistillState
+    in_forward: bool
+    anchors: tuple[Tensor, ...]
+
+
+def grads_in_forward(call: DistillCall, wanted: PairGradTargets) -> bool:
+    """A scalar loss as the only output: the gradients are formed in forward."""
+    return wanted.any and call.cfg.reduction != "none"
+
+
+def _pair(tensors: tuple, call: DistillCall) -> FlatPair:
+    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target = tensors
+    return FlatPair(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
+                    target, call.token_shape)
+
+
+def shaped_loss(loss: Tensor, call: DistillCall) -> Tensor:
+    return loss.reshape(call.token_shape) if call.cfg.reduction == "none" else loss
+
+
+class DistillFunction(torch.autograd.Function):
+    """Forward runs the schedule; ``wanted`` says which inputs get gradients (decided before apply, from
+    requires_grad and teacher_grad), ``handoff`` carries forward's state to setup_context."""
+
+    @staticmethod
+    def forward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target,
+                call: DistillCall, wanted: PairGradTargets, handoff: _Handoff):
+        tensors = (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target)
+        in_forward = grads_in_forward(call, wanted)
+        state = schedule.forward(call, _pair(tensors, call), wanted if in_forward else None,
+                                 keep_stats=wanted.any and not in_forward)
+        handoff.state, handoff.in_forward = state, in_forward
+        return shaped_loss(state.loss, call)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        *tensors, call, wanted, handoff = inputs
+        ctx.call, ctx.wanted, ctx.anchors = call, wanted, handoff.anchors
+        ctx.in_forward, ctx.state = handoff.in_forward, handoff.state
+        if not ctx.in_forward and wanted.any:
+            ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            grads = _gradients(ctx, grad_loss)
+        return (*first_order_only(grads, create_graph, ctx.anchors), None, None, None, None)
+
+
+def _gradients(ctx, grad_loss: Tensor | None) -> tuple[Tensor | None, ...]:
+    call, state = ctx.call, ctx.state
+    if grad_loss is None:
+        grad_loss = torch.zeros_like(state.loss)
+    if ctx.in_forward:
+        student, teacher = _scaled(call, state, grad_loss.reshape(()))
+    else:
+        pair = _pair(ctx.saved_tensors, call)
+        student, teacher = schedule.backward(call, pair, state, ctx.wanted, grad_loss)
+    if call.sharding is not None:
+        for grad_hidden in (student[0], teacher[0]):
+            if grad_hidden is not None and grad_hidden.numel():
+                call.sharding.reduce_grad_hidden(grad_hidden)
+    return (*student, *teacher, None)
+
+
+def _scaled(call: DistillCall, state: schedule.DistillState, scale: Tensor):
+    """grad_output times the gradients forward computed: in place, or out of place (kept unscaled for the
+    next backward) where this backward retains the graph."""
+    if state.grads is None:
+        raise RuntimeError(
+            "flce: trying to backward through this distillation loss a second time, after a backward that did "
+            "not retain its graph: its gradients, computed in forward, were handed out then. Pass "
+            "retain_graph=True to the earlier backward, or call the loss again.")
+    if graph_retained():
+        return tuple(tuple(None if g is None else (g.to(scale.dtype) * scale).to(g.dtype) for g in grads)
+                     for grads in state.grads)
+    grads, state.grads = state.grads, None
+    return tuple(tuple(None if g is None else call.kernels.scale_(g, scale) for g in part) for part in grads)
+
+
+def wanted_gradients(pair: FlatPair, teacher_grad: bool) -> PairGradTargets:
+    """Which inputs get gradients: those that require grad, the teacher's only where teacher_grad asks; none
+    outside grad mode."""
+    enabled = torch.is_grad_enabled()
+
+    def asks(t: Tensor | None, teacher: bool = False) -> bool:
+        return enabled and t is not None and t.requires_grad and (teacher_grad or not teacher)
+
+    return PairGradTargets(
+        student=GradTargets(asks(pair.student_hidden), asks(pair.student_weight), asks(pair.student_bias)),
+        teacher=GradTargets(asks(pair.teacher_hidden, True), asks(pair.teacher_weight, True),
+                            asks(pair.teacher_bias, True)))
+
+
+def apply_eager(pair: FlatPair, call: DistillCall) -> Tensor:
+    """Run the Function (or, where no gradient follows, the forward alone) and return the loss."""
+    wanted = wanted_gradients(pair, call.cfg.teacher_grad)
+    tensors = (pair.student_hidden, pair.student_weight, pair.student_bias, pair.teacher_hidden, pair.teacher_weight,
+               pair.teacher_bias, pair.target)
+    if not wanted.any:
+        state = schedule.forward(call, pair, None, keep_stats=False)
+        return shaped_loss(state.loss, call)
+    handoff = _Handoff()
+    differentiated = tensors[:3] + (tensors[3:6] if call.cfg.teacher_grad else (None, None, None))
+    handoff.anchors = first_order_anchors(differentiated)
+    # The teacher's tensors enter detached unless teacher_grad: autograd then gives them no gradient.
+    if not call.cfg.teacher_grad:
+        tensors = tensors[:3] + tuple(None if t is None else t.detach() for t in tensors[3:6]) + tensors[6:]
+    return DistillFunction.apply(*tensors, call, wanted, handoff)

@@ -1,0 +1,139 @@
+"""What a call differentiates, as the schedules see it: per row, the scales of ``-logp`` and of the entropy in
+the loss (flce.gradients.UpstreamScales), hence the gradient coefficients, and the rows' loss terms.
+
+A schedule asks an objective for a row range's scales right after the range's statistics and before its
+gradient kernel; the kernels consume them and never know which loss they serve. Two objectives exist:
+
+* :class:`CrossEntropyObjective`: the cross-entropy call's loss (token weights, entropy term, z-loss, class
+  weights) under its upstream gradients. Its scales do not depend on the statistics, so the in-forward path
+  computes them once for all rows, as before (the plain path's cost is unchanged);
+* :class:`PolicyObjective`: a policy loss (flce.policy.semantics), whose scales are functions of each row's
+  log-prob and entropy: of the row's own at token level, of its sequence's at a sequence level
+  (``statistics_first``: the schedule takes every row's statistics before any gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from flce.config import LCEConfig
+from flce.gradients import GradCoefficients, UpstreamScales, grad_coefficients, upstream_scales
+from flce.inputs import FlatInputs
+from flce.policy.semantics import policy_rows
+from flce.policy.tokens import PolicyTokens
+from flce.semantics import Denominators, RowStats, RowTerms, row_terms
+
+
+@dataclass(frozen=True)
+class CrossEntropyObjective:
+    """The cross-entropy loss under ``grad_loss`` (its output's upstream gradient) and, in a deferred backward,
+    the upstream gradients of the returned log-probs and entropy. ``precomputed``: the scales of all rows, made
+    once where they serve every chunk (in forward, grad_loss 1)."""
+
+    cfg: LCEConfig
+    vocab: int
+    denoms: Denominators
+    token_weight: torch.Tensor | None
+    grad_loss: torch.Tensor
+    grad_logprobs: torch.Tensor | None = None
+    grad_entropy: torch.Tensor | None = None
+    precomputed: UpstreamScales | None = None
+
+    statistics_first = False
+    scales_need_statistics = False
+
+    def with_statistics(self, stats: RowStats) -> CrossEntropyObjective:
+        return self
+
+    def scales(self, stats: RowStats | None, rows: slice, n_rows: int) -> UpstreamScales:
+        if self.precomputed is not None:
+            return self.precomputed.rows(rows)
+        return upstream_scales(self.cfg, self.denoms, self.grad_loss, rows, n_rows, self.token_weight)
+
+    def coefficients(self, stats: RowStats, target: torch.Tensor, rows: slice) -> GradCoefficients:
+        return grad_coefficients(
+            stats, target, self.cfg, self.vocab, self.scales(stats, rows, target.shape[0]),
+            None if self.grad_logprobs is None else self.grad_logprobs.reshape(-1)[rows],
+            None if self.grad_entropy is None else self.grad_entropy.reshape(-1)[rows])
+
+    def terms(self, stats: RowStats, target: torch.Tensor) -> RowTerms:
+        return row_terms(stats, target, self.cfg, self.vocab, self.token_weight)
+
+
+@dataclass(frozen=True)
+class PolicyObjective:
+    """A policy loss over the rows' log-probs and entropies (flce.policy.semantics.policy_rows), grad_output 1.
+    At a sequence level ``all_rows`` holds every row's gradient scales, made by :meth:`with_statistics` once all
+    statistics are known."""
+
+    cfg: LCEConfig
+    vocab: int
+    tokens: PolicyTokens
+    all_rows: UpstreamScales | None = None
+
+    scales_need_statistics = True
+
+    @property
+    def statistics_first(self) -> bool:
+        return self.tokens.options.level != "token"
+
+    def with_statistics(self, stats: RowStats) -> PolicyObjective:
+        if not self.statistics_first:
+            return self
+        return replace(self, all_rows=self._scales(stats, self.tokens, slice(None)))
+
+    def scales(self, stats: RowStats | None, rows: slice, n_rows: int) -> UpstreamScales:
+        if self.all_rows is not None:
+            return self.all_rows.rows(rows)
+        assert not self.statistics_first, "a sequence level's scales need every row's statistics first"
+        return self._scales(stats, self.tokens.rows(rows), rows)
+
+    def coefficients(self, stats: RowStats, target: torch.Tensor, rows: slice) -> GradCoefficients:
+        return grad_coefficients(stats, target, self.cfg, self.vocab, self.scales(stats, rows, target.shape[0]),
+                                 None, None)
+
+    def terms(self, stats: RowStats, target: torch.Tensor) -> RowTerms:
+        rows = policy_rows(self._logprobs(stats, target), stats.entropy, self.tokens)
+        return RowTerms(rows.loss, None, target != self.cfg.ignore_index)
+
+    def _logprobs(self, stats: RowStats, target: torch.Tensor) -> torch.Tensor:
+        return torch.where(target != self.cfg.ignore_index, stats.target_z - stats.lse, 0.0)
+
+    def _scales(self, stats: RowStats, tokens: PolicyTokens, rows: slice) -> UpstreamScales:
+        valid = tokens.weight != 0
+        logprobs = torch.where(valid, stats.target_z - stats.lse, 0.0)
+        grads = policy_rows(logprobs, stats.entropy, tokens)
+        # The loss's d / d logp is the scale of -logp (the cross-entropy term) negated; nothing reads the z-loss's.
+        ce = -grads.grad_logprob
+        return UpstreamScales(ce, ce, grads.grad_entropy)
+
+
+Objective = CrossEntropyObjective | PolicyObjective
+
+
+def forward_objective(call_cfg: LCEConfig, vocab: int, flat: FlatInputs, denoms: Denominators,
+                      precompute: bool) -> Objective:
+    """The objective a forward differentiates (grad_output 1): the policy loss where the call carries one, else
+    the cross-entropy's, its scales made once for all rows with ``precompute`` (gradients in forward)."""
+    if flat.policy is not None:
+        return PolicyObjective(call_cfg, vocab, flat.policy)
+    one = torch.ones((), dtype=denoms.z_loss.dtype, device=flat.target.device)
+    n_rows = flat.target.shape[0]
+    precomputed = (upstream_scales(call_cfg, denoms, one, slice(0, n_rows), n_rows, flat.token_weight)
+                   if precompute else None)
+    return CrossEntropyObjective(call_cfg, vocab, denoms, flat.token_weight, one, precomputed=precomputed)
+
+
+def backward_objective(call_cfg: LCEConfig, vocab: int, flat: FlatInputs, denoms: Denominators,
+                       grad_loss: torch.Tensor, grad_logprobs: torch.Tensor | None,
+                       grad_entropy: torch.Tensor | None) -> CrossEntropyObjective:
+    """The cross-entropy's objective in a deferred backward, under its upstream gradients."""
+    return CrossEntropyObjective(call_cfg, vocab, denoms, flat.token_weight, grad_loss, grad_logprobs, grad_entropy)
+
+
+def needs_statistics_first(flat: FlatInputs) -> bool:
+    """Whether the call's gradients need every row's statistics before any (a policy loss at a sequence level):
+    what a planner's PlanRequest says (``statistics_first``)."""
+    return flat.policy is not None and flat.policy.options.level != "token"

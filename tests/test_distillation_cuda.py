@@ -1,0 +1,323 @@
+"""The CUDA backend's linear distillation kernels (flce/backends/cuda/distill_kernels.py) against the float64
+oracle: in the Triton interpreter on CPU tensors without a GPU (``backend="cuda"``; tests/conftest.py sets
+TRITON_INTERPRET=1), on the GPU where there is one. Blocks of 16 columns make a row of 40 span three blocks, the
+last partial. Every loss x reduction x hard-label weight (ignored rows, biases, a temperature, the teacher's
+gradient, chunks of three rows), temperatures, no target, forward's passes in one kernel and one kernel each,
+rows in flight, vocabulary shards (the kernels' statistics merged across shards as the engine's vocab-parallel
+combine merges them), bf16 and fp16 within 1.5x of eager's error; the record a call plans equals explain's and
+names the kernels that ran; the tuning space's heuristic is the planner's choice.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from distillation_helpers import assert_matches_oracle, flce_loss, make_pair, oracle, relative
+
+import flce
+from flce.autotune import override_params
+from flce.distillation.config import DistillationConfig
+from flce.distillation.semantics import PairStats, merge_pair_stats, pair_coefficients, with_mixture_sums
+from flce.distillation.tiles import tile_gradients, tile_mixture_sums, tile_statistics
+
+pytestmark = pytest.mark.triton
+
+LOSSES = ("forward_kl", "reverse_kl", "jsd")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL_BLOCKS = {"block_v": 16, "num_warps": 4}
+# 13 rows of 2 x 40 fp32 logits: chunks of 3 rows.
+MANY_CHUNKS = 1000
+H100, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
+
+
+def _check(pair, generator: torch.Generator, knobs: dict | None = None, **options: object) -> None:
+    with override_params(dict(SMALL_BLOCKS, **(knobs or {})), backend="cuda"):
+        assert_matches_oracle(pair.detached(DEVICE), generator, backend="cuda", **options)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("hard_label_weight", [0.0, 0.3, 1.0])
+def test_every_loss_reduction_and_hard_weight(loss: str, reduction: str, hard_label_weight: float,
+                                              generator: torch.Generator) -> None:
+    pair = make_pair(generator, bias=True)
+    _check(pair, generator, loss=loss, reduction=reduction, hard_label_weight=hard_label_weight, temperature=0.7,
+           teacher_grad=True, memory_budget=MANY_CHUNKS)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
+def test_temperatures(loss: str, temperature: float, generator: torch.Generator) -> None:
+    pair = make_pair(generator, scale=3.0)
+    _check(pair, generator, loss=loss, temperature=temperature, hard_label_weight=0.2, beta=0.3)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("knobs", [{"pair_passes": "separate"}, {"rows_in_flight": 3}], ids=["separate", "in-flight"])
+def test_passes_one_kernel_each_and_rows_in_flight(loss: str, knobs: dict, generator: torch.Generator) -> None:
+    pair = make_pair(generator, n=17, bias=True, scale=2.0)
+    _check(pair, generator, knobs, loss=loss, hard_label_weight=0.3, temperature=1.3, teacher_grad=True)
+
+
+@pytest.mark.parametrize(("loss", "reduction"), [("forward_kl", "mean"), ("reverse_kl", "sum"), ("jsd", "none")])
+def test_without_target(loss: str, reduction: str, generator: torch.Generator) -> None:
+    pair = make_pair(generator, target=False, token_shape=(3, 5))
+    _check(pair, generator, loss=loss, reduction=reduction, memory_budget=MANY_CHUNKS)
+
+
+def test_other_ignore_index_and_all_rows_ignored(generator: torch.Generator) -> None:
+    pair = make_pair(generator, ignore_index=5, ignore_fraction=0.4)
+    _check(pair, generator, loss="reverse_kl", ignore_index=5, hard_label_weight=0.5, temperature=0.9)
+    ignored = make_pair(generator, ignore_fraction=1.0).detached(DEVICE)
+    with override_params(SMALL_BLOCKS, backend="cuda"):
+        loss = flce_loss(ignored, hard_label_weight=0.5, backend="cuda")
+    loss.backward()
+    assert loss.item() == 0.0
+    assert ignored.student_hidden.grad.abs().max().item() == 0.0
+    assert ignored.student_weight.grad.abs().max().item() == 0.0
+    empty = make_pair(generator, n=0).detached(DEVICE)
+    loss = flce_loss(empty, backend="cuda")
+    loss.backward()
+    assert loss.item() == 0.0 and empty.student_weight.grad.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("hard_label_weight", [0.0, 0.4])
+def test_vocab_shards_merge_to_the_whole_row(loss: str, hard_label_weight: float, generator: torch.Generator) -> None:
+    """Each shard's pair_stats (its vocab_offset), merged as the vocab-parallel combine merges them, equal the whole
+    row's in float64 (flce.distillation.tiles); each shard's JSD sums and gradients, given the merged statistics,
+    equal the whole row's columns of them."""
+    from flce.backends.cuda import distill_ops
+    from flce.backends.cuda.configs import LaunchParams
+
+    cfg = DistillationConfig(loss=loss, hard_label_weight=hard_label_weight, temperature=0.8, beta=0.3)
+    n, vocab = 6, 40
+    u_t = torch.randn(n, vocab, generator=generator, dtype=torch.float64) * 3
+    u_s = torch.randn(n, vocab, generator=generator, dtype=torch.float64) * 3
+    target = torch.randint(0, vocab, (n,), generator=generator)
+    target[1] = cfg.ignore_index
+    whole_cols = torch.where(target != cfg.ignore_index, target, -1)
+    want = PairStats.from_partial(tile_statistics(u_t, u_s, whole_cols, cfg), cfg)
+    launch = LaunchParams(block_v=16, num_warps=4)
+    shards = ((0, 9), (9, 40))
+    merged = None
+    for start, stop in shards:
+        part = distill_ops.pair_stats(u_t[:, start:stop].float().to(DEVICE), u_s[:, start:stop].float().to(DEVICE),
+                                      target.to(DEVICE), cfg, start, launch)
+        part = part.like([t.double().cpu() for t in part.present()])
+        merged = part if merged is None else merge_pair_stats(merged, part, cfg)
+    got = PairStats.from_partial(merged, cfg)
+    for name in ("teacher_lse", "student_lse", "cross_mean", "hard_lse", "target_logit"):
+        a, b = getattr(want, name), getattr(got, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    if cfg.soft and loss == "jsd":
+        sums = [distill_ops.mixture_sums(u_t[:, a:b].float().to(DEVICE), u_s[:, a:b].float().to(DEVICE),
+                                         _on(got, DEVICE), cfg, launch) for a, b in shards]
+        teacher_kl, student_kl = (sum(s[i].double().cpu() for s in sums) for i in range(2))
+        want_kl = tile_mixture_sums(u_t, u_s, want.teacher_lse, want.student_lse, cfg)
+        torch.testing.assert_close(teacher_kl, want_kl[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(student_kl, want_kl[1], rtol=1e-5, atol=1e-6)
+        want = with_mixture_sums(want, *want_kl)
+        got = with_mixture_sums(got, teacher_kl, student_kl)
+    scale = torch.rand(n, generator=generator, dtype=torch.float64) + 0.5
+    scale[1] = 0.0
+    want_grads = tile_gradients(u_t, u_s, whole_cols, pair_coefficients(want, scale, cfg, teacher=True), cfg)
+    coeffs = pair_coefficients(_on(got, DEVICE), scale.float().to(DEVICE), cfg, teacher=True)
+    for start, stop in shards:
+        teacher_logits = u_t[:, start:stop].float().contiguous().to(DEVICE)
+        student_logits = u_s[:, start:stop].float().contiguous().to(DEVICE)
+        student_grad, teacher_grad = distill_ops.pair_grad_(teacher_logits, student_logits, target.to(DEVICE), cfg,
+                                                            start, coeffs, launch)
+        assert student_grad.data_ptr() == student_logits.data_ptr(), "the gradient is written over the logits"
+        for got_grad, want_grad in ((student_grad, want_grads[0]), (teacher_grad, want_grads[1])):
+            torch.testing.assert_close(got_grad.double().cpu(), want_grad[:, start:stop], rtol=1e-4, atol=1e-6)
+
+
+def _on(stats: PairStats, device: str) -> PairStats:
+    return PairStats(**{name: None if t is None else t.float().to(device) for name, t in vars(stats).items()})
+
+
+def _eager(pair, dtype: torch.dtype, loss: str, temperature: float) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The materialised formula in ``dtype`` (its log-softmax too), as a user's eager PyTorch would run it: the error
+    flce must stay within; mean over the counted rows."""
+    xs = pair.student_hidden.detach().to(dtype).requires_grad_()
+    ws = pair.student_weight.detach().to(dtype).requires_grad_()
+    xt, wt = pair.teacher_hidden.detach().to(dtype), pair.teacher_weight.detach().to(dtype)
+    log_q = torch.log_softmax(xs @ ws.T / temperature, dim=-1)
+    log_p = torch.log_softmax(xt @ wt.T / temperature, dim=-1)
+    if loss == "forward_kl":
+        rows = (log_p.exp() * (log_p - log_q)).sum(-1)
+    elif loss == "reverse_kl":
+        rows = (log_q.exp() * (log_q - log_p)).sum(-1)
+    else:
+        half = torch.tensor(0.5, dtype=dtype, device=xs.device).log()
+        log_m = torch.logaddexp(log_p + half, log_q + half)
+        rows = 0.5 * (log_p.exp() * (log_p - log_m)).sum(-1) + 0.5 * (log_q.exp() * (log_q - log_m)).sum(-1)
+    valid = pair.target != -100
+    mean = torch.where(valid, rows.float(), 0.0).sum() / valid.sum()
+    return mean, torch.autograd.grad(mean, (xs, ws))
+
+
+@pytest.mark.parametrize(("dtype", "loss"), [(torch.bfloat16, "forward_kl"), (torch.bfloat16, "reverse_kl"),
+                                             (torch.bfloat16, "jsd"), (torch.float16, "jsd")])
+def test_16_bit_within_eager_error(dtype: torch.dtype, loss: str, generator: torch.Generator) -> None:
+    pair = make_pair(generator, n=64, student_size=32, teacher_size=48, vocab=256, ignore_fraction=0.1,
+                     scale=3.0).detached(DEVICE)
+    reference = pair.detached("cpu")
+    expected = oracle(reference, loss=loss, temperature=1.5)
+    want = torch.autograd.grad(expected, (reference.student_hidden, reference.student_weight))
+    eager, eager_grads = _eager(pair, dtype, loss, 1.5)
+    ours = type(pair)(*(None if t is None else t.detach().to(dtype).requires_grad_(t.requires_grad)
+                        for t in pair.leaves), pair.target)
+    with override_params({"block_v": 64, "num_warps": 4}, backend="cuda"):
+        got = flce_loss(ours, loss=loss, temperature=1.5, backend="cuda", memory_budget=64 * 256 * 2 * 2 // 3)
+    grads = torch.autograd.grad(got, (ours.student_hidden, ours.student_weight))
+    assert relative(got.detach(), expected) <= 1.5 * max(relative(eager.detach(), expected), 1e-3)
+    for name, g, e, w in zip(("grad student_hidden", "grad student_weight"), grads, eager_grads, want, strict=True):
+        assert relative(g, w) <= 1.5 * relative(e, w), (name, relative(g, w), relative(e, w))
+
+
+# ------------------------------------------------------------------------- the record: what a call plans and runs
+
+def _planned(monkeypatch: pytest.MonkeyPatch, step) -> object:
+    """The record of the distillation call ``step`` makes (its DistillCall carries it)."""
+    from flce.engine.distillation import run
+
+    records = []
+    real = run.apply_eager
+
+    def capturing(pair, call):
+        records.append(call.choice)
+        return real(pair, call)
+
+    monkeypatch.setattr(run, "apply_eager", capturing)
+    step()
+    assert len(records) == 1 and records[0] is not None
+    return records[0]
+
+
+RECORD_CALLS = {  # name: (options, knobs, training, bias)
+    "jsd-fused": ({"hard_label_weight": 0.2}, {}, True, True),
+    "forward-kl-none-teacher": ({"loss": "forward_kl", "reduction": "none", "teacher_grad": True,
+                                 "memory_budget": MANY_CHUNKS}, {}, True, False),
+    "reverse-kl-separate": ({"loss": "reverse_kl", "temperature": 2.0}, {"pair_passes": "separate"}, True, True),
+    "jsd-separate-many-chunks": ({"memory_budget": MANY_CHUNKS}, {"pair_passes": "separate", "rows_in_flight": 4},
+                                 True, False),
+    "no-grad": ({"hard_label_weight": 0.5}, {}, False, False),
+}
+
+
+@pytest.mark.parametrize("name", list(RECORD_CALLS))
+def test_record_equals_explain_and_names_what_ran(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                  generator: torch.Generator) -> None:
+    """A call's record equals explain's for the same description (the interpreter's CPU, or this GPU), and every
+    Triton kernel and torch GEMM it launched (counted by name) is one the record names, and the reverse."""
+    from test_explain import _Counted, _counted_function
+
+    options, knobs, training, bias = RECORD_CALLS[name]
+    ran: set[str] = set()
+    for module_name in ("distill_kernels", "kernels", "target_kernels"):
+        module = importlib.import_module(f"flce.backends.cuda.{module_name}")
+        for attr, value in list(vars(module).items()):
+            if attr.endswith("_kernel") and hasattr(value, "fn"):
+                monkeypatch.setattr(module, attr, _Counted(value, f"{module.__name__}.{attr}", ran))
+    gemms = {"torch.mm": (torch, "mm"), "torch.addmm": (torch, "addmm"),
+             "torch.Tensor.addmm_": (torch.Tensor, "addmm_")}
+    for label, (owner, attr) in gemms.items():
+        monkeypatch.setattr(owner, attr, _counted_function(getattr(owner, attr), label, ran))
+    pair = make_pair(generator, n=16, student_size=8, teacher_size=24, vocab=48, bias=bias,
+                     teacher_requires_grad=options.get("teacher_grad", False)).detached(DEVICE)
+
+    def step() -> None:
+        with override_params(knobs or None, backend="cuda"), torch.set_grad_enabled(training):
+            loss = flce_loss(pair, backend="cuda", **options)
+        if training:
+            loss.sum().backward()
+
+    planned = _planned(monkeypatch, step)
+    described = {}
+    if DEVICE == "cuda":  # this GPU as its driver describes it
+        props = torch.cuda.get_device_properties(0)
+        described = {"gpu": torch.cuda.get_device_name(0), "capability": (props.major, props.minor),
+                     "multiprocessors": props.multi_processor_count, "total_memory": props.total_memory}
+    with override_params(knobs or None, backend="cuda"):
+        explained = flce.explain_distillation(DEVICE, backend="cuda", shape=(16, 8, 24, 48), dtype="float32",
+                                              training=training, student_bias=bias, teacher_bias=bias, **described,
+                                              **options)
+    assert explained == planned
+    named = {k for k in planned.kernel_names() if k.startswith("flce.") or k in gemms}
+    assert ran == named, f"ran {sorted(ran)}\n{planned}"
+    assert planned.plan.fused_passes == (knobs.get("pair_passes") != "separate")
+
+
+@pytest.mark.parametrize("gpu", [H100, A100])
+@pytest.mark.parametrize("options", [{}, {"loss": "reverse_kl", "reduction": "none", "teacher_grad": True},
+                                     {"hard_label_weight": 0.5, "memory_budget": 128 << 20}])
+def test_record_on_a_described_gpu_equals_the_plan(gpu: str, options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner reads its device through hardware.describe_device: with a described GPU injected there, a call
+    planned on stand-in tensors of the issue's shape (nothing runs) has explain's record; its chunks fit the budget,
+    and it names the pair kernels, cuBLAS logits and the gradient products' family."""
+    from flce.backends import cuda
+    from flce.backends.cuda import hardware
+    from flce.distillation.inputs import FlatPair
+    from flce.engine.plans import PlanRequest
+
+    monkeypatch.setattr(hardware, "describe_device", lambda device: hardware.gpu_description(gpu))
+    n, hs, ht, v = 8192, 4096, 8192, 128256
+
+    def view(*size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.empty((), dtype=dtype).expand(*size)
+
+    pair = FlatPair(view(n, hs), view(v, hs), None, view(n, ht), view(v, ht), None, view(n, dtype=torch.int64),
+                    torch.Size([n]))
+    cfg = DistillationConfig(**options)
+    planned = cuda.BACKEND.plan_distillation(pair, cfg, PlanRequest(training=True))
+    explained = flce.explain_distillation("cuda", gpu=gpu, shape=(n, hs, ht, v), dtype="bfloat16", **options)
+    assert planned.choice == explained and explained.backend == "cuda"
+    assert explained.memory.working_bytes <= explained.memory.budget
+    assert explained.memory.working_bytes == planned.plan.tokens_per_chunk * 2 * v * 2
+    names = explained.kernel_names()
+    passes = "_pair_passes_kernel" if cfg.reduction != "none" else "_pair_grad_kernel"
+    assert f"flce.backends.cuda.distill_kernels.{passes}" in names and "torch.mm" in names
+    assert "ws_gemm_kernels" not in " ".join(names)  # the heuristic's products: cuBLAS (measured faster)
+
+
+def test_vocabulary_shard_plans_one_kernel_a_pass() -> None:
+    record = flce.explain_distillation("cuda", gpu=H100, shape="8192x4096x4096x64128", sharded=True)
+    assert not record.plan.fused_passes
+    names = record.kernel_names()
+    for kernel in ("_pair_stats_kernel", "_mixture_sums_kernel", "_pair_grad_kernel"):
+        assert f"flce.backends.cuda.distill_kernels.{kernel}" in names
+
+
+def test_tuning_space_heuristic_is_the_planners_choice() -> None:
+    from flce.autotune.spaces import TuneShape, tuning_space
+
+    space = tuning_space("cuda")
+    shape = TuneShape(torch.device("cpu"), torch.float32, 16, 64, 2048, "distillation")
+    heuristic = space.heuristic(shape)
+    record = flce.explain_distillation("cpu", backend="cuda", shape=(2048, 16, 16, 64), dtype="float32")
+    assert heuristic["tokens_per_chunk"] == record.plan.tokens_per_chunk
+    assert heuristic["pair_passes"] == "fused" and heuristic["grad_gemm_kernel"] == "cublas"
+    candidates = space.candidates(shape, True)
+    assert {c["pair_passes"] for c in candidates} == {"fused", "separate"}
+    assert space.working_bytes(shape, {"tokens_per_chunk": 256}) == 256 * 2 * 64 * 4
+    assert space.budget_candidates(shape, 64 * 512 * 2 * 4) == [{"tokens_per_chunk": 512}]
+    with override_params({"pair_passes": "separate", "tokens_per_chunk": 512}, backend="cuda"):
+        tuned = flce.explain_distillation("cpu", backend="cuda", shape=(2048, 16, 16, 64), dtype="float32")
+    assert not tuned.plan.fused_passes and tuned.plan.tokens_per_chunk == 512
+
+
+def test_products_family_fits_both_heads_where_the_teacher_takes_a_gradient() -> None:
+    """The cache's warp-specialised products on a Hopper GPU: taken for the student's head, passed over (cuBLAS)
+    where the teacher takes a gradient and its hidden size is one that family cannot take."""
+    ws = "flce.backends.cuda.ws_gemm_kernels._ws_gemm_kernel"
+    with override_params({"grad_gemm_kernel": "warp_specialized"}, backend="cuda"):
+        student_only = flce.explain_distillation("cuda", gpu=H100, shape="8192x4096x4100x128256")
+        both = flce.explain_distillation("cuda", gpu=H100, shape="8192x4096x4100x128256", teacher_grad=True)
+    assert ws in student_only.kernel_names()
+    assert ws not in both.kernel_names() and "the teacher's head: warp_specialized: H=4100" in str(both)

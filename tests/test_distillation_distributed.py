@@ -1,0 +1,142 @@
+"""Vocab-parallel linear distillation over gloo on the CPU, 2 ranks, even and uneven shards.
+
+Every rank builds the same full inputs from the same seed, keeps its vocabulary shard of both heads'
+weights and biases and calls flce with ``process_group``: the loss, the student's (and, where asked, the
+teacher's) grad_hidden, and the rank's slice of each grad_weight / grad_bias must equal the float64 oracle;
+each chunk's statistics travel in one all-reduce (JSD's second pass in a second one), and a compiled
+sharded step is one graph. One spawn runs every case (tests/test_distributed.py's harness); a second, in fresh
+interpreters under TRITON_INTERPRET=1, runs cases on the CUDA backend's pair kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distillation_helpers import NAMES, Pair, gradients, make_pair, oracle, relative
+from test_distributed import Checker, assert_section, run_ranks, seed_of, shard_rows
+
+import flce
+from flce.distributed import record_collectives
+
+pytestmark = pytest.mark.distributed
+
+LAYOUTS = {"even": (20, 20), "uneven": (9, 31)}
+CASES: dict[str, dict[str, Any]] = {
+    "jsd-mean": {"loss": "jsd", "beta": 0.3},
+    "jsd-hard-teacher-none": {"loss": "jsd", "hard_label_weight": 0.4, "temperature": 0.8, "teacher_grad": True,
+                              "reduction": "none"},
+    "forward-kl-sum-hard": {"loss": "forward_kl", "reduction": "sum", "hard_label_weight": 0.25, "temperature": 1.7},
+    "reverse-kl-mean-teacher-chunks": {"loss": "reverse_kl", "teacher_grad": True, "memory_budget": 700},
+    "reverse-kl-no-target": {"loss": "reverse_kl", "reduction": "none", "target": False},
+}
+
+
+def _shard(pair: Pair, rows: slice) -> Pair:
+    def part(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach()[rows].clone().requires_grad_(t.requires_grad)
+
+    return Pair(pair.student_hidden.detach().clone().requires_grad_(), part(pair.student_weight),
+                part(pair.student_bias), pair.teacher_hidden.detach().clone().requires_grad_(),
+                part(pair.teacher_weight), part(pair.teacher_bias), pair.target)
+
+
+def _check_case(checker: Checker, name: str, layout: str, rank: int, group: Any, backend: str = "reference") -> None:
+    options = dict(CASES[name])
+    with_target = options.pop("target", True)
+    sizes = LAYOUTS[layout]
+    gen = seed_of(f"{name}/{layout}")
+    pair = make_pair(gen, n=11, vocab=sum(sizes), bias=True, target=with_target)
+    rows = shard_rows(sizes, rank)
+    mine = _shard(pair, rows)
+    with checker.case(f"{name} {layout} {backend}"), record_collectives() as records:
+        got = flce.linear_distillation_loss(
+            mine.student_hidden, mine.student_weight, mine.teacher_hidden, mine.teacher_weight, mine.target,
+            student_bias=mine.student_bias, teacher_bias=mine.teacher_bias, process_group=group, backend=backend,
+            **options)
+        expected = oracle(pair, **options)
+        assert relative(got, expected) <= 1e-5, f"loss: relative error {relative(got, expected):.2e}"
+        upstream = torch.rand(expected.shape, generator=gen, dtype=torch.float64) + 0.5
+        got_grads = gradients(got, upstream, mine)
+        want = gradients(expected, upstream, pair)
+        for field, g, w in zip(NAMES, got_grads, want, strict=True):
+            if getattr(pair, field) is None:
+                continue
+            if field.startswith("teacher") and not options.get("teacher_grad"):
+                assert g is None, f"{field}: a gradient without teacher_grad"
+                continue
+            w = w[rows] if field.endswith(("weight", "bias")) else w
+            assert relative(g, w) <= 1e-4, f"{field}: relative error {relative(g, w):.2e}"
+        if "memory_budget" not in options:
+            # One chunk: one all-reduce of both softmaxes' statistics (and JSD's second-pass sums), then one of
+            # each grad_hidden in backward.
+            summed = [r for r in records if r.kind == "all_reduce(SUM)"]
+            passes = 2 if options["loss"] == "jsd" else 1
+            assert len(summed) == passes + 1 + bool(options.get("teacher_grad")), [(r.kind, r.numel) for r in records]
+            assert all(r.kind in ("all_reduce(SUM)", "all_gather") for r in records), records
+
+def _section(checker: Checker, rank: int, world_size: int) -> None:
+    group = torch.distributed.group.WORLD
+    for name in CASES:
+        for layout in LAYOUTS:
+            _check_case(checker, name, layout, rank, group)
+
+
+def _cuda_interpreted(checker: Checker, rank: int, world_size: int) -> None:
+    """The CUDA backend's pair kernels (their vocab_offset, one kernel a pass) in the Triton interpreter."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "test setup: the ranks must start with TRITON_INTERPRET=1"
+    group = torch.distributed.group.WORLD
+    for name, layout in (("jsd-hard-teacher-none", "uneven"), ("forward-kl-sum-hard", "even"),
+                         ("reverse-kl-mean-teacher-chunks", "uneven")):
+        _check_case(checker, name, layout, rank, group, backend="cuda")
+
+
+def _compiled(checker: Checker, rank: int, world_size: int) -> None:
+    import torch._dynamo.testing
+
+    group = torch.distributed.group.WORLD
+    sizes = LAYOUTS["uneven"]
+    gen = seed_of("compiled")
+    pair = make_pair(gen, n=11, vocab=sum(sizes), bias=False)
+    mine = _shard(pair, shard_rows(sizes, rank))
+    options = {"loss": "jsd", "hard_label_weight": 0.3}
+
+    def step(xs, ws, xt, wt, target):
+        return flce.linear_distillation_loss(xs, ws, xt, wt, target, process_group=group, backend="reference",
+                                             **options)
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    with checker.case("compiled sharded step"):
+        got = compiled(mine.student_hidden, mine.student_weight, mine.teacher_hidden, mine.teacher_weight, mine.target)
+        got.backward()
+        expected = oracle(pair, **options)
+        expected.backward()
+        assert counter.frame_count == 1, f"{counter.frame_count} graphs"
+        assert relative(got, expected) <= 1e-5
+        assert relative(mine.student_hidden.grad, pair.student_hidden.grad) <= 1e-4
+        assert relative(mine.student_weight.grad, pair.student_weight.grad[shard_rows(sizes, rank)]) <= 1e-4
+
+
+SECTIONS = {"2": {"cases": _section, "compiled": _compiled}, "2-interpreted": {"cuda_interpreted": _cuda_interpreted}}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
+    return run_ranks(2, tmp_path_factory.mktemp("distill-gloo"), sections_module=__name__, sections_key="2")
+
+
+@pytest.mark.parametrize("section", sorted(SECTIONS["2"]))
+def test_two_ranks(section: str, reports: list[dict[str, dict]]) -> None:
+    assert_section(reports, section)
+
+
+@pytest.mark.triton
+def test_two_ranks_cuda_kernels_interpreted(tmp_path: Path) -> None:
+    reports = run_ranks(2, tmp_path, sections_module=__name__, sections_key="2-interpreted",
+                        fresh_env={"TRITON_INTERPRET": "1"})
+    assert_section(reports, "cuda_interpreted")

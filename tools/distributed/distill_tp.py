@@ -1,0 +1,216 @@
+"""Vocab-parallel linear distillation on 2 GPUs: agreement with the unsharded call, then TP = 2 against TP = 1.
+
+    torchrun --nproc-per-node 2 tools/distributed/distill_tp.py --out $OUT        # NCCL, bf16, JSD, ~2 min
+    torchrun --nproc-per-node 2 tools/distributed/distill_tp.py --device cpu --shapes 256x32x48x1000 \
+        --iters 2 --warmup 1                                                       # gloo smoke run on a CPU
+
+1. Agreement (small shapes, uneven shards, fp32 and bf16, every loss, a hard-label term, the teacher's
+   gradient asked once): on every rank the sharded loss, the student's grad_hidden and this rank's slice of
+   grad_weight against the unsharded call on the same device, and (fp32) the loss against the float64 oracle.
+2. Time, per shape of ``--shapes`` (``TOKENSxSTUDENT_HxTEACHER_HxVOCAB``; default 8192 x 4096 x {4096, 8192}
+   x 128256, bf16, JSD beta 0.5, the default memory budget): TP = 1 (each rank the whole call, side by side as
+   data-parallel replicas run) and TP = 2 (both heads' vocabulary halved), forward + backward, median of
+   --iters after --warmup, every step starting with the ranks aligned by a barrier. The target: TP = 2 at
+   most 0.53x TP = 1 (half the GEMMs, plus the per-chunk statistics all-reduce and grad_hidden's).
+
+Rank 0 prints the summary and writes distill_tp.json and distill_tp.md to --out (default $OUT, if set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import flce
+from flce.testing.distillation import reference_distillation_loss
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+TARGET_RATIO = 0.53
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="8192x4096x4096x128256,8192x4096x8192x128256",
+                   help="comma-separated TOKENSxSTUDENT_HxTEACHER_HxVOCAB")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--loss", default="jsd")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--backend", default=None, help="flce backend (default: the registry's choice)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--skip-checks", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for distill_tp.json / .md")
+    return p.parse_args(argv)
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--shapes {text!r}: expected TOKENSxSTUDENT_HxTEACHER_HxVOCAB, e.g. 8192x4096x8192x128256")
+    return tuple(int(p) for p in parts)  # type: ignore[return-value]
+
+
+def halves(vocab: int, uneven: bool) -> list[int]:
+    """Two shards: equal, or (uneven) the first a third smaller."""
+    first = vocab // 2 - (vocab // 6 if uneven else 0)
+    return [first, vocab - first]
+
+
+def inputs(tokens: int, student: int, teacher: int, vocab: int, dtype: torch.dtype, device: torch.device,
+           seed: int) -> dict[str, torch.Tensor]:
+    """The same inputs on every rank (drawn with one seed on each): logits O(1), every 17th target ignored."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def draw(*size: int, std: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*size, generator=g) * std).to(device, dtype)
+
+    target = torch.randint(0, vocab, (tokens,), generator=g)
+    target[::17] = -100
+    return {"xs": draw(tokens, student), "ws": draw(vocab, student, std=student**-0.5), "xt": draw(tokens, teacher),
+            "wt": draw(vocab, teacher, std=teacher**-0.5), "target": target.to(device)}
+
+
+def call(data: dict[str, torch.Tensor], rows: slice | None, group: object, options: dict) -> tuple:
+    """Loss and the gradients of (xs, ws[rows], xt, wt[rows]) of one call (the shard's weights with ``rows``)."""
+    leaves = {k: (v if rows is None or not k.startswith("w") else v[rows]).detach().clone().requires_grad_()
+              for k, v in data.items() if k != "target"}
+    loss = flce.linear_distillation_loss(leaves["xs"], leaves["ws"], leaves["xt"], leaves["wt"], data["target"],
+                                         process_group=group, **options)
+    loss.backward()
+    return loss.detach(), {k: v.grad for k, v in leaves.items()}
+
+
+def relative(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    if a is None or b is None:
+        return 0.0 if a is b else float("inf")
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm()) if b.norm() > 0 else float((a - b).norm())
+
+
+def check_agreement(device: torch.device, backend: str | None) -> list[dict]:
+    """Section 1 of the module docstring; every rank checks, rank 0 reports."""
+    rank = dist.get_rank()
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for loss in ("forward_kl", "reverse_kl", "jsd"):
+            options = {"loss": loss, "hard_label_weight": 0.2, "temperature": 0.9, "backend": backend,
+                       "teacher_grad": loss == "jsd"}
+            data = inputs(257, 64, 96, 3001, dtype, device, seed=11)
+            sizes = halves(3001, uneven=True)
+            rows = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+            sharded, grads = call(data, rows, dist.group.WORLD, options)
+            whole, full = call(data, None, None, options)
+            errors = {"loss": relative(sharded, whole), "grad xs": relative(grads["xs"], full["xs"]),
+                      "grad ws shard": relative(grads["ws"], full["ws"][rows])}
+            if options["teacher_grad"]:
+                errors["grad wt shard"] = relative(grads["wt"], full["wt"][rows])
+            if dtype == torch.float32:
+                math = {k: v for k, v in options.items() if k not in ("backend", "teacher_grad")}
+                oracle = reference_distillation_loss(data["xs"], data["ws"], data["xt"], data["wt"], data["target"],
+                                                     **math)
+                errors["loss vs float64 oracle"] = relative(sharded, oracle)
+            limit = 1e-4 if dtype == torch.float32 else 2e-2
+            worst = max(errors.values())
+            worst_all = torch.tensor([worst], device=device)
+            dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)
+            results.append({"dtype": str(dtype).removeprefix("torch."), "loss": loss, "errors": errors,
+                            "worst over ranks": float(worst_all), "limit": limit,
+                            "passed": float(worst_all) <= limit})
+    return results
+
+
+def timed(fn: Callable[[], None], device: torch.device, warmup: int, iters: int) -> list[float]:
+    """Milliseconds of each call after warm-up; every call starts with all ranks aligned."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def time_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, device: torch.device) -> dict:
+    tokens, student, teacher, vocab = shape
+    rank = dist.get_rank()
+    dtype = DTYPES[args.dtype]
+    data = inputs(tokens, student, teacher, vocab, dtype, device, seed=5)
+    options = {"loss": args.loss, "backend": args.backend}
+    sizes = halves(vocab, uneven=False)
+    rows = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in data.items() if k in ("xs", "ws")}
+    shard = leaves["ws"].detach()[rows].clone().requires_grad_()
+
+    def step(weight: torch.Tensor, teacher_weight: torch.Tensor, group: object) -> None:
+        leaves["xs"].grad = weight.grad = None
+        flce.linear_distillation_loss(leaves["xs"], weight, data["xt"], teacher_weight, data["target"],
+                                      process_group=group, **options).backward()
+
+    tp1 = timed(lambda: step(leaves["ws"], data["wt"], None), device, args.warmup, args.iters)
+    teacher_shard = data["wt"][rows].contiguous()
+    tp2 = timed(lambda: step(shard, teacher_shard, dist.group.WORLD), device, args.warmup, args.iters)
+    median1, median2 = statistics.median(tp1), statistics.median(tp2)
+    return {"shape": "x".join(map(str, shape)), "tp1_ms": median1, "tp2_ms": median2, "ratio": median2 / median1,
+            "tp1_range": [min(tp1), max(tp1)], "tp2_range": [min(tp2), max(tp2)],
+            "meets_target": median2 / median1 <= TARGET_RATIO}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Vocab-parallel linear distillation ({report['device']}, {report['dtype']}, loss {report['loss']})", ""]
+    if report["checks"]:
+        lines += ["| dtype | loss | worst relative error over ranks | limit | |", "|---|---|---|---|---|"]
+        lines += [f"| {c['dtype']} | {c['loss']} | {c['worst over ranks']:.2e} | {c['limit']:.0e} | "
+                  f"{'ok' if c['passed'] else 'FAILED'} |" for c in report["checks"]]
+        lines.append("")
+    lines += [f"| shape (tokens x student H x teacher H x V) | TP=1 ms | TP=2 ms | TP=2 / TP=1 (target <= "
+              f"{TARGET_RATIO}) |", "|---|---|---|---|"]
+    lines += [f"| {t['shape']} | {t['tp1_ms']:.2f} ({t['tp1_range'][0]:.2f}-{t['tp1_range'][1]:.2f}) | "
+              f"{t['tp2_ms']:.2f} ({t['tp2_range'][0]:.2f}-{t['tp2_range'][1]:.2f}) | {t['ratio']:.3f}"
+              f"{'' if t['meets_target'] else ' (over target)'} |" for t in report["timings"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        device = torch.device("cuda", local)
+    else:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    if dist.get_world_size() != 2:
+        raise SystemExit(f"distill_tp.py runs on 2 ranks (torchrun --nproc-per-node 2), got {dist.get_world_size()}")
+    shapes = [parse_shape(s) for s in args.shapes.split(",")]
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "dtype": args.dtype,
+              "loss": args.loss, "checks": [] if args.skip_checks else check_agreement(device, args.backend),
+              "timings": [time_shape(shape, args, device) for shape in shapes]}
+    failed = [c for c in report["checks"] if not c["passed"]]
+    if dist.get_rank() == 0:
+        text = markdown(report)
+        print(text)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            Path(args.out, "distill_tp.json").write_text(json.dumps(report, indent=1))
+            Path(args.out, "distill_tp.md").write_text(text)
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
