@@ -1,7 +1,11 @@
 """A PPO-style policy-gradient step on per-token log-probs and entropy from flce, at a sampling
 temperature, without materialising the [tokens, vocab] logits in the training step.
 
-    python examples/rl_policy_gradient.py
+    OMP_NUM_THREADS=1 python examples/rl_policy_gradient.py
+
+Python 3.10 to 3.13 with flce installed (docs/install.md). OMP_NUM_THREADS=1 matters on a small shared
+machine (2 to 4 cores that other jobs use): with torch's default threads train_tiny_lm.py took 160 s there
+against 25 s, rl_policy_gradient.py 4 s against 3 s (docs/usage.md, "Integrations").
 """
 
 import torch

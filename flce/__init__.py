@@ -6,6 +6,7 @@
 """
 
 from flce.distillation.api import LinearDistillation, get_distillation_impl, linear_distillation_loss
+from flce.errors import InputError, InputTypeError
 from flce.explain import explain
 from flce.explain_distillation import explain_distillation
 from flce.module import LinearCrossEntropy, get_impl, linear_cross_entropy
@@ -17,6 +18,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "InputError",
+    "InputTypeError",
     "LCEOutput",
     "LinearCrossEntropy",
     "LinearPolicyLoss",

@@ -18,6 +18,7 @@ import torch
 
 import flce
 from flce.config import LCEConfig
+from flce.devices import cpu_fallback_reason
 from flce.explain import add_arguments as explain_arguments
 from flce.explain import run as explain_call
 from flce.explain_distillation import add_arguments as explain_distillation_arguments
@@ -101,9 +102,12 @@ def autotune_lines(device: torch.device) -> list[str]:
 
 
 def info(device: str | torch.device | None) -> int:
+    fallback = cpu_fallback_reason() if device is None else None
     device = resolve_device(device)
     print(f"flce {flce.__version__} · torch {torch.__version__} · python {platform.python_version()}")
     print(f"device: {device_description(device)}")
+    if fallback is not None:
+        print(f"  ({fallback})")
     print()
     print("backends:")
     for line in backend_table():
@@ -134,6 +138,17 @@ def main(argv: list[str] | None = None) -> int:
                                               help="what a linear distillation call would run and why")
     explain_distillation_arguments(distillation_parser)
     args = parser.parse_args(argv)
+    try:
+        code = _run(parser, args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at the interpreter's exit
+        return code
+    except BrokenPipeError:  # `python -m flce info | head -1`
+        from flce.autotune.cli import closed_pipe_exit
+
+        return closed_pipe_exit()
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command in ("explain", "explain-distillation"):
         try:
             return (explain_call if args.command == "explain" else explain_distillation_call)(args)
@@ -141,10 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{args.command}: {exc}")
     if args.command == "info":
         try:
-            device = resolve_device(args.device)
+            resolve_device(args.device)
         except (TypeError, ValueError) as exc:
             parser.error(f"--device: {exc}")  # exits with status 2, the message and no traceback
-        return info(device)
+        return info(args.device)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

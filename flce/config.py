@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from flce.errors import InputError, InputTypeError
+
 REDUCTIONS = ("mean", "sum", "none")
 # fast: logits rounded to the (16-bit) compute dtype before the fp32 softmax, as the GEMM writes them;
 # accurate: the statistics and the gradient from fp32 logits, 16-bit only as GEMM operands.
@@ -87,7 +89,7 @@ class LCEConfig:
         this config was made (a call's options are validated once, however often flce derives from them)."""
         unknown = set(changes) - set(_OPTION_NAMES)
         if unknown:
-            raise TypeError(f"LCEConfig.replace() got unknown options {sorted(unknown)}")
+            raise InputTypeError(f"LCEConfig.replace() got unknown options {sorted(unknown)}")
         values = {name: getattr(self, name) for name in _OPTION_NAMES}
         values.update(changes)
         derived = _unchecked(values)
@@ -108,16 +110,16 @@ def parse_bytes(name: str, text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"{name}={text!r}: expected a size such as 512MiB, 2GiB or a byte count")
+        raise InputError(f"{name}={text!r}: expected a size such as 512MiB, 2GiB or a byte count")
     value = int(float(match.group(1)) * _SIZE_UNITS[unit])
     if value <= 0:
-        raise ValueError(f"{name}={text!r}: expected a positive size")
+        raise InputError(f"{name}={text!r}: expected a positive size")
     return value
 
 
 def check_variant(variant: str) -> None:
     if variant not in ("auto", *VARIANTS):
-        raise ValueError(f"variant={variant!r}: expected 'auto', 'plain' or 'full'")
+        raise InputError(f"variant={variant!r}: expected 'auto', 'plain' or 'full'")
 
 
 def resolve_variant(variant: str, cfg: LCEConfig, per_token_inputs: tuple[str, ...] = (), sharded: bool = False
@@ -130,7 +132,7 @@ def resolve_variant(variant: str, cfg: LCEConfig, per_token_inputs: tuple[str, .
     check_variant(variant)
     needs_full = [*cfg.full_feature_options(), *per_token_inputs]
     if variant == "plain" and needs_full:
-        raise ValueError(f"variant='plain' cannot serve {', '.join(needs_full)}; use variant='full' or 'auto'")
+        raise InputError(f"variant='plain' cannot serve {', '.join(needs_full)}; use variant='full' or 'auto'")
     if sharded or (variant == "auto" and needs_full):
         return "full"
     return "plain" if variant == "auto" else variant
@@ -154,42 +156,42 @@ def validate_options(cfg: LCEConfig, names: tuple[str, ...]) -> None:
 
 def _check_reduction(value: Any) -> None:
     if value not in REDUCTIONS:
-        raise ValueError(f"reduction={value!r}: expected one of {REDUCTIONS}")
+        raise InputError(f"reduction={value!r}: expected one of {REDUCTIONS}")
 
 
 def _check_label_smoothing(value: Any) -> None:
     _check_real("label_smoothing", value)
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"label_smoothing={value}: expected a value in [0, 1]")
+        raise InputError(f"label_smoothing={value}: expected a value in [0, 1]")
 
 
 def _check_lse_square_scale(value: Any) -> None:
     _check_real("lse_square_scale", value)
     if value < 0.0:
-        raise ValueError(f"lse_square_scale={value}: expected a value >= 0")
+        raise InputError(f"lse_square_scale={value}: expected a value >= 0")
 
 
 def _check_softcap(value: Any) -> None:
     if value is not None:
         _check_real("softcap", value)
         if not value > 0.0:
-            raise ValueError(f"softcap={value}: expected None or a value > 0")
+            raise InputError(f"softcap={value}: expected None or a value > 0")
 
 
 def _check_temperature(value: Any) -> None:
     _check_real("temperature", value)
     if not value > 0.0:
-        raise ValueError(f"temperature={value}: expected a value > 0")
+        raise InputError(f"temperature={value}: expected a value > 0")
 
 
 def _check_class_weight(w: Any) -> None:
     if w is None:
         return
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or not w.is_floating_point():
-        raise ValueError(f"class_weight: expected a 1-D floating-point tensor of shape [V], got {_describe(w)}")
+        raise InputError(f"class_weight: expected a 1-D floating-point tensor of shape [V], got {_describe(w)}")
     if w.requires_grad:
         # As torch's cross_entropy(weight=...) refuses: no gradient flows to class weights.
-        raise ValueError(
+        raise InputError(
             "class_weight requires grad, but class weights are constants (no gradient flows to them, "
             "as for torch's cross_entropy weight=); pass class_weight.detach()"
         )
@@ -197,25 +199,25 @@ def _check_class_weight(w: Any) -> None:
 
 def _check_precision(value: Any) -> None:
     if value not in PRECISIONS:
-        raise ValueError(f"precision={value!r}: expected one of {PRECISIONS}")
+        raise InputError(f"precision={value!r}: expected one of {PRECISIONS}")
 
 
 def _check_accum_dtype(value: Any) -> None:
     if value not in (None, torch.float32):
-        raise ValueError(f"accum_dtype={value}: expected None or torch.float32")
+        raise InputError(f"accum_dtype={value}: expected None or torch.float32")
 
 
 def _check_memory_budget(value: Any) -> None:
     if value is not None:
         _check_int("memory_budget", value)
         if value <= 0:
-            raise ValueError(f"memory_budget={value}: expected a positive byte count")
+            raise InputError(f"memory_budget={value}: expected a positive byte count")
 
 
 def _check_bool(name: str) -> Any:
     def check(value: Any) -> None:
         if not isinstance(value, bool):
-            raise TypeError(f"{name}={value!r}: expected a bool")
+            raise InputTypeError(f"{name}={value!r}: expected a bool")
 
     return check
 
@@ -255,14 +257,14 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 def _check_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r}: expected an int")
+        raise InputTypeError(f"{name}={value!r}: expected an int")
     if not _INT64_MIN <= value <= _INT64_MAX:
-        raise ValueError(f"{name}={value}: expected a value that fits in int64, [-2**63, 2**63 - 1]")
+        raise InputError(f"{name}={value}: expected a value that fits in int64, [-2**63, 2**63 - 1]")
 
 
 def _check_real(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"{name}={value!r}: expected a finite real number")
+        raise InputTypeError(f"{name}={value!r}: expected a finite real number")
 
 
 def _describe(value: Any) -> str:
@@ -280,7 +282,8 @@ def config_from_keywords(caller: str, options: dict[str, Any]) -> LCEConfig:
         if name not in valid:
             close = difflib.get_close_matches(name, valid, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"{caller}() got an unexpected option {name!r}{hint} Valid options: {', '.join(valid)}")
+            raise InputTypeError(f"{caller}() got an unexpected option {name!r}{hint} Valid options: "
+                                 f"{', '.join(valid)}")
     return LCEConfig(**options)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from flce.config import LCEConfig
+from flce.errors import InputError, InputTypeError
 from flce.policy.tokens import PolicyTokens
 
 
@@ -37,39 +38,41 @@ def prepare_inputs(
 ) -> FlatInputs:
     for name, value in (("hidden", hidden), ("weight", weight), ("target", target)):
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+            raise InputTypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
+        raise InputTypeError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
     if hidden.dim() < 1 or not hidden.is_floating_point():
-        raise ValueError(f"hidden: expected a floating-point tensor [..., H], got {_shape(hidden)}")
+        raise InputError(f"hidden: expected a floating-point tensor [..., H], got {_shape(hidden)}")
     if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"weight: expected a floating-point tensor [V, H], got {_shape(weight)}")
+        raise InputError(f"weight: expected a floating-point tensor [V, H], got {_shape(weight)}")
     vocab, hidden_size = weight.shape
     # A rank's vocabulary shard may be empty: the distributed wrapper reports that on every rank at once.
     if vocab == 0 and config.process_group is None:
-        raise ValueError(f"weight: has shape {tuple(weight.shape)}, no classes; expected [V, H] with V >= 1")
+        raise InputError(f"weight: has shape {tuple(weight.shape)}, no classes; expected [V, H] with V >= 1")
     if hidden.shape[-1] != hidden_size:
-        raise ValueError(
+        raise InputError(
             f"hidden: last dimension is {hidden.shape[-1]} but weight is [V={vocab}, H={hidden_size}]; "
             "expected hidden [..., H] with the same H"
         )
-    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-        raise TypeError(f"target: expected an integer tensor of class ids, got dtype {target.dtype}")
     # The shapes, not only the counts: a [5, 4] target against a [4, 5, H] hidden has one target per
     # token but pairs them by flat index with the wrong tokens (torch's cross_entropy raises too).
     if target.shape != hidden.shape[:-1]:
         tokens = hidden.shape[:-1].numel()
-        raise ValueError(
+        raise InputError(
             f"target: has shape {tuple(target.shape)} ({target.numel()} elements) but hidden has shape "
             f"{tuple(hidden.shape)} ({tokens} tokens); expected target of shape hidden.shape[:-1] = "
             f"{tuple(hidden.shape[:-1])}"
         )
+    # After the shape, as torch's cross_entropy: a target of probabilities with the wrong batch size is a
+    # ValueError there too.
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise InputTypeError(f"target: expected an integer tensor of class ids, got dtype {target.dtype}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != vocab):
-        raise ValueError(f"bias: expected shape [V={vocab}], got {tuple(bias.shape)}")
+        raise InputError(f"bias: expected shape [V={vocab}], got {tuple(bias.shape)}")
     # With a process group the weight is this rank's shard but class_weight covers the global
     # vocabulary: the distributed wrapper checks it against the global size.
     if config.class_weight is not None and config.process_group is None and config.class_weight.shape[0] != vocab:
-        raise ValueError(
+        raise InputError(
             f"class_weight: expected shape [V={vocab}], got {tuple(config.class_weight.shape)}"
         )
     _check_same_device(hidden, weight, target, bias, config.class_weight)
@@ -90,17 +93,17 @@ def check_token_weights(token_weights: object, flat: FlatInputs) -> torch.Tensor
     """The call's ``token_weights`` checked against its target and flattened to [N] in the statistics' dtype
     (float32, or float64 for float64 inputs)."""
     if not isinstance(token_weights, torch.Tensor):
-        raise TypeError(f"token_weights: expected a torch.Tensor or None, got {type(token_weights).__name__}")
+        raise InputTypeError(f"token_weights: expected a torch.Tensor or None, got {type(token_weights).__name__}")
     if not token_weights.is_floating_point():
-        raise TypeError(f"token_weights: expected a floating-point tensor, got dtype {token_weights.dtype}")
+        raise InputTypeError(f"token_weights: expected a floating-point tensor, got dtype {token_weights.dtype}")
     if token_weights.shape != flat.token_shape:
-        raise ValueError(f"token_weights: has shape {tuple(token_weights.shape)}; expected the target's shape "
+        raise InputError(f"token_weights: has shape {tuple(token_weights.shape)}; expected the target's shape "
                          f"{tuple(flat.token_shape)}, one weight per token")
     if token_weights.requires_grad:
-        raise ValueError("token_weights requires grad, but token weights are constants (no gradient flows to "
+        raise InputError("token_weights requires grad, but token weights are constants (no gradient flows to "
                          "them, as to class_weight); pass token_weights.detach()")
     if token_weights.device != flat.target.device:
-        raise ValueError(f"token_weights is on {token_weights.device} but target is on {flat.target.device}; "
+        raise InputError(f"token_weights is on {token_weights.device} but target is on {flat.target.device}; "
                          "expected all tensors on one device")
     dtype = torch.promote_types(flat.hidden.dtype, torch.float32)
     return token_weights.reshape(-1).to(dtype)
@@ -116,12 +119,12 @@ def _common_dtype(
         dtype = torch.get_autocast_dtype(device_type)
         return (hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
     if hidden.dtype != weight.dtype:
-        raise TypeError(
+        raise InputTypeError(
             f"hidden has dtype {hidden.dtype} but weight has dtype {weight.dtype}; expected the same "
             "dtype (or call inside torch.autocast)"
         )
     if bias is not None and bias.dtype != weight.dtype:
-        raise TypeError(f"bias has dtype {bias.dtype}; expected the weight's dtype {weight.dtype}")
+        raise InputTypeError(f"bias has dtype {bias.dtype}; expected the weight's dtype {weight.dtype}")
     return hidden, weight, bias
 
 
@@ -131,7 +134,7 @@ def _check_same_device(*tensors: torch.Tensor | None) -> None:
     first_name, first = present[0]
     for name, tensor in present[1:]:
         if tensor.device != first.device:
-            raise ValueError(
+            raise InputError(
                 f"{name} is on {tensor.device} but {first_name} is on {first.device}; "
                 "expected all tensors on one device"
             )
@@ -151,9 +154,16 @@ def _check_target_range(target: torch.Tensor, vocab: int, ignore_index: int, sha
     bad = _out_of_range(target, vocab, ignore_index)
     if bool(bad.any()):
         value = int(target[bad][0])
-        raise ValueError(
+        raise InputError(
             f"target contains {value}, outside [0, {vocab}) and not ignore_index={ignore_index}"
         )
+
+
+def check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Targets in [0, vocab) or equal to ignore_index, wherever they are: on the host for CPU tensors (an
+    InputError naming the value), a device-side assertion on an accelerator (no host synchronisation)."""
+    _check_target_range(target, vocab, ignore_index, sharded=False)
+    assert_targets_in_range(target, vocab, ignore_index)
 
 
 def assert_targets_in_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:

@@ -13,6 +13,7 @@ from flce.distributed.dtensor import localize_inputs
 from flce.engine.plans import BATCH_INVARIANT_TOKENS
 from flce.engine.run import run_backend
 from flce.engine.selected import check_selected_ids, selected_logprobs
+from flce.errors import InputTypeError
 from flce.inputs import FlatInputs, check_token_weights, prepare_inputs
 from flce.outputs import LCEOutput
 from flce.registry import HardwareProbe, candidates_for, dispatch, registered_backends, resolve_device
@@ -44,8 +45,11 @@ class LinearCrossEntropy(torch.nn.Module):
         *, selected_ids: torch.Tensor | None = None, token_weights: torch.Tensor | None = None,
     ) -> torch.Tensor | LCEOutput:
         cfg = self.config
-        if self.class_weight is not None and self.class_weight is not cfg.class_weight:
+        # The buffer is what the call weighs by, as nn.CrossEntropyLoss.weight: moved with the module, or
+        # assigned (a tensor weighs, None unweighs).
+        if self.class_weight is not cfg.class_weight:
             cfg = cfg.replace(class_weight=self.class_weight)
+            resolve_variant(self.variant, cfg)  # a plain-variant module refuses class weights assigned to it
         return _compute(hidden, weight, target, bias, cfg, self.variant, self.device_type, self.backend_name,
                         self.probe, selected_ids, token_weights)
 
@@ -67,7 +71,7 @@ class LinearCrossEntropy(torch.nn.Module):
 def _checked_config(caller: str, variant: str, options: dict[str, Any]) -> LCEConfig:
     if "weight" in options:
         # torch's cross_entropy names its class weights weight=; here weight is the LM head's matrix.
-        raise TypeError(
+        raise InputTypeError(
             f"{caller}() got weight=: flce's keyword for class weights is class_weight= (torch's "
             "cross_entropy calls them weight=); the LM head's weight is the second positional argument"
         )
@@ -156,12 +160,13 @@ def _padded_to_tiles(flat: FlatInputs, cfg: LCEConfig,
     n_rows = flat.target.shape[0]
     pad = -n_rows % BATCH_INVARIANT_TOKENS
     if pad == 0:
+        # ids' K by name, not -1: a batch of no tokens has no elements to infer it from.
         return dataclasses.replace(flat, token_shape=torch.Size([n_rows])), (
-            None if ids is None else ids.reshape(n_rows, -1))
+            None if ids is None else ids.reshape(n_rows, ids.shape[-1]))
     hidden = torch.cat([flat.hidden, flat.hidden.new_zeros(pad, flat.hidden.shape[1])])
     target = torch.cat([flat.target, flat.target.new_full((pad,), cfg.ignore_index)])
     if ids is not None:
-        ids = ids.reshape(n_rows, -1)
+        ids = ids.reshape(n_rows, ids.shape[-1])
         ids = torch.cat([ids, ids.new_zeros(pad, ids.shape[1])])
     token_weight = None if flat.token_weight is None else torch.cat([flat.token_weight,
                                                                      flat.token_weight.new_zeros(pad)])
@@ -240,7 +245,7 @@ def linear_cross_entropy(
     reaches the options and gets a message naming ``class_weight``, not a clash with ``weight``."""
     if not isinstance(hidden, torch.Tensor):
         # Checked here because hidden also names the device: the module's own checks come later.
-        raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
+        raise InputTypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
     # No module object per call: building one inside a torch.compile trace would break the graph.
     cfg = _checked_config("linear_cross_entropy", variant, options)
     return _compute(hidden, weight, target, bias, cfg, variant, hidden.device.type, backend, None, selected_ids,

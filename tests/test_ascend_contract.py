@@ -147,6 +147,14 @@ def test_every_option_and_reduction_fp32(options, reduction):
     assert_matches(got, want, 1e-5, 1e-4)
 
 
+@pytest.mark.parametrize("softcap", [1e2, 1e4, 1e8, 1e30])
+def test_large_softcaps_fp32(softcap):
+    """tanh(u / softcap) near 0 at any cap: built as 1 - e of e = exp(-2|x|) alone it lost softcap * 1e-7 on
+    each logit (per-token losses 5e-4 off at a cap of 1e4)."""
+    got, want = run_both({"softcap": softcap, "reduction": "none"}, with_bias=True)
+    assert_matches(got, want, 1e-5, 1e-4)
+
+
 def test_upstream_gradients_through_logprobs_and_entropy():
     options = {"reduction": "none", "return_logprobs": True, "return_entropy": True, "softcap": 4.0}
     got, want = run_both(options, with_bias=True, upstream=("loss", "logprobs", "entropy"))

@@ -448,6 +448,10 @@ def test_an_explicit_path_is_honoured_or_the_save_fails(cache_env: dict[str, Pat
         assert str(unwritable) in str(caught.value)
     assert not cache_env["user"].exists()
     writable = tmp_path / "mine" / "autotune.yaml"
+    with pytest.raises(OSError, match=f"no folder {writable.parent}"):  # a mistyped folder is not created
+        cache_files.save_target(writable, log=lambda _: None)
+    assert not writable.parent.exists()
+    writable.parent.mkdir()
     assert cache_files.save_target(writable, log=lambda _: None) == writable.absolute()
     assert not writable.exists(), "checking a location writes no file"
 

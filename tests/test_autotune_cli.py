@@ -121,6 +121,47 @@ def test_tune_fails_before_measuring_when_its_cache_path_cannot_take_the_entries
     assert not list(cache_env.glob("*.corrupt-*")) and not locations.user_cache_path().exists()
 
 
+def test_tune_into_a_missing_folder_fails_before_measuring_and_creates_nothing(
+        cache_env: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cache /no/such/dir/x.yaml: a mistyped folder is not created (docs/autotune.md: tune writes there or
+    fails before measuring); the environment's and the user cache's folders are flce's to create."""
+    monkeypatch.setattr(Tuner, "run", lambda self: pytest.fail("the tuner measured before the path was checked"))
+    path = cache_env / "no" / "such" / "dir" / "x.yaml"
+    code, _, err = run_cli(capsys, "tune", *TINY, "--tokens", "64", "--quick", "--cache", str(path), "--no-progress")
+    assert code == 1 and f"no folder {path.parent}" in err, err
+    assert not (cache_env / "no").exists() and not locations.user_cache_path().exists()
+
+
+def test_tune_through_a_symbolic_link_writes_the_linked_file(cache_env: Path, capsys: pytest.CaptureFixture) -> None:
+    """--cache LINK to a shared cache: the shared file gets the entry and the link stays a link."""
+    shared = cache_env / "shared" / "cache.yaml"
+    shared.parent.mkdir()
+    link = cache_env / "mine.yaml"
+    link.symlink_to(shared)
+    code, out, err = run_cli(capsys, "tune", *TINY, "--tokens", "64", "--variant", "plain", "--quick",
+                             "--no-progress", "--cache", str(link))
+    assert code == 0, err
+    assert link.is_symlink() and link.resolve() == shared.resolve()
+    loaded = cache_files.read_file(shared)
+    assert loaded.usable and len(loaded.entries) == 1 and loaded.entries[0].hidden == 16
+    assert f"wrote 1 entry to {shared.resolve()}" in out
+    code, _, err = run_cli(capsys, "tune", *TINY, "--tokens", "128", "--variant", "plain", "--quick",
+                           "--no-progress", "--cache", str(link))
+    assert code == 0 and link.is_symlink() and len(cache_files.read_file(shared).entries) == 2, err
+
+
+def test_tune_of_a_shape_whose_inputs_cannot_be_allocated_prints_the_summary(cache_env: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    """H = 2**40: no input tensor of that size exists here. The shape is skipped with the allocator's reason,
+    the summary printed, the exit status 1, no traceback."""
+    code, out, err = run_cli(capsys, "tune", "--device", "cpu", "--dtype", "float32", "--hidden", str(2**40),
+                             "--vocab", "8", "--tokens", "4", "--variant", "plain", "--quick", "--no-progress",
+                             "--cache", str(cache_env / "c.yaml"))
+    assert code == 1 and "Traceback" not in err
+    assert f"float32 4x{2**40}x8 plain" in out and "inputs not allocated" in out, out
+    assert "can't allocate memory" in out or "overflow" in out, out
+
+
 @pytest.mark.parametrize("where", ["--cache", "env", "user"])
 def test_tune_refuses_a_directory_at_the_cache_path_and_moves_nothing(
         cache_env: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
@@ -277,6 +318,7 @@ def test_tune_says_how_many_shapes_and_which_variants(cache_env: Path, capsys: p
 
 def test_tune_leaves_no_lock_file(cache_env: Path, capsys: pytest.CaptureFixture) -> None:
     path = cache_env / "tuned" / "c.yaml"
+    path.parent.mkdir()
     code, _, err = run_cli(capsys, "tune", *TINY, "--tokens", "64", "--variant", "plain", "--quick",
                            "--no-progress", "--cache", str(path))
     assert code == 0, err

@@ -512,7 +512,25 @@ TOKEN_SHARDED_OPTIONS: dict[str, dict[str, Any]] = {
     "plain": {},
     "z-loss+smoothing": dict(lse_square_scale=1e-2, label_smoothing=0.1),
     "class_weight+smoothing": dict(label_smoothing=0.1, class_weight=True),
+    # Weights whose sum over the counted targets is negative, zero or NaN: torch's weighted mean divides by it.
+    "negative class_weight": dict(class_weight="negative"),
+    "zero class_weight": dict(class_weight="zero"),
+    "NaN class_weight on a counted class": dict(class_weight="nan"),
 }
+
+
+def _token_sharded_class_weight(kind: Any, target: torch.Tensor, gen: torch.Generator) -> torch.Tensor | None:
+    if kind is None:
+        return None
+    weight = random_class_weight(13, gen)
+    if kind == "negative":
+        return -weight
+    if kind == "zero":
+        return torch.zeros_like(weight)
+    if kind == "nan":
+        counted = target[target != -100]
+        weight[int(counted[0]) if counted.numel() else 0] = float("nan")
+    return weight
 
 
 def section_token_sharded(checker: Checker, rank: int, world_size: int) -> None:
@@ -533,8 +551,8 @@ def section_token_sharded(checker: Checker, rank: int, world_size: int) -> None:
             elif layout == "all ignored":
                 target[:] = -100
             call = dict(options)
-            if call.get("class_weight") is True:
-                call["class_weight"] = random_class_weight(13, gen)
+            if "class_weight" in call:
+                call["class_weight"] = _token_sharded_class_weight(call["class_weight"], target, gen)
             want_h, want_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
             want = flce.linear_cross_entropy(want_h, want_w, target, **call)
             want.backward()
@@ -553,9 +571,15 @@ def section_token_sharded(checker: Checker, rank: int, world_size: int) -> None:
             with checker.case(case):
                 for reduction, (loss, grad_hidden, grad_weight) in got.items():
                     scale = world_size if reduction == "mean" else 1
-                    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
-                    torch.testing.assert_close(grad_hidden, scale * want_h.grad[mine], rtol=1e-5, atol=1e-6)
-                    torch.testing.assert_close(grad_weight / scale, want_w.grad, rtol=1e-5, atol=1e-6)
+                    close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-6, equal_nan=True)
+                    close(loss, want.detach())
+                    # A zero or NaN divisor makes the upstream gradient of the rank's sum call inf or NaN, which
+                    # reaches its ignored rows too (flce scales the gradients it formed in forward; torch's sum
+                    # skips ignored rows): those rows are compared where the divisor is finite and non-zero.
+                    rows = (target[mine] != -100 if call.get("class_weight") is not None
+                            and not bool(torch.isfinite(want.detach())) else slice(None))
+                    close(grad_hidden[rows], scale * want_h.grad[mine][rows])
+                    close(grad_weight / scale, want_w.grad)
     with checker.case("token-sharded: class_weight without z_loss_sum"):
         _expect_error(lambda: token_sharded_mean(torch.zeros(()), torch.zeros(3, dtype=torch.long), world,
                                                  class_weight=torch.ones(4)), ValueError, "z_loss_sum=None")
@@ -563,6 +587,10 @@ def section_token_sharded(checker: Checker, rank: int, world_size: int) -> None:
         _expect_error(lambda: token_sharded_mean(torch.ones(()), torch.zeros(3, dtype=torch.long), world,
                                                  class_weight=torch.ones(4), z_loss_sum=torch.ones(())),
                       RuntimeError, "not supported")
+    with checker.case("token-sharded: a target outside the class weights"):
+        _expect_error(lambda: token_sharded_mean(torch.zeros(()), torch.tensor([0, 4, -100]), world,
+                                                 class_weight=torch.ones(4), z_loss_sum=torch.zeros(())),
+                      ValueError, "target contains 4, outside [0, 4)")
     with checker.case("token-sharded: a per-token loss"):
         _expect_error(lambda: token_sharded_mean(torch.zeros(3), torch.zeros(3, dtype=torch.long), world),
                       ValueError, "reduction='sum'")

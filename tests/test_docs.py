@@ -4,6 +4,7 @@ and the docs describe the project rather than how it was built."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import re
@@ -144,3 +145,24 @@ def test_the_docs_describe_the_project_not_how_it_was_built() -> None:
     found = [f"{path.relative_to(REPO)}:{number}" for path in markdown_files()
              for number, line in enumerate(path.read_text().splitlines(), 1) if narration.search(line)]
     assert not found, f"narration in {found}"
+
+
+def _python_range() -> tuple[str, str]:
+    """pyproject's requires-python ">=3.A,<3.B" as ("3.A", "3.(B-1)"): the supported versions, both ends in."""
+    text = (REPO / "pyproject.toml").read_text()
+    low, high = re.search(r'requires-python\s*=\s*">=(3\.\d+),<3\.(\d+)"', text).groups()
+    return low, f"3.{int(high) - 1}"
+
+
+def test_install_page_and_examples_state_what_a_fresh_machine_needs() -> None:
+    """What a newcomer on a laptop needs first, where they read first: the Python range (pyproject's) at the
+    top of docs/install.md and in each example's docstring, and OMP_NUM_THREADS=1 for a small shared machine
+    in both (the examples ran 6x slower without it there)."""
+    low, high = _python_range()
+    stated = f"Python {low} to {high}"
+    install = (REPO / "docs" / "install.md").read_text()
+    first_section = install.split("\n## ", 1)[0]
+    assert stated in first_section and "OMP_NUM_THREADS=1" in first_section, first_section
+    for example in sorted((REPO / "examples").glob("*.py")):
+        docstring = ast.get_docstring(ast.parse(example.read_text())) or ""
+        assert stated in docstring and f"OMP_NUM_THREADS=1 python examples/{example.name}" in docstring, example

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flce"
 # half of flce.autotune (lookup, schema, files, the tuning-space registry) sits below the backends,
 # which read tuned knobs and register their spaces; its tuner and CLI run the public API, at the top.
 LAYERS: list[tuple[str, ...]] = [
-    ("flce.config", "flce.outputs", "flce.policy.options"),
+    ("flce.config", "flce.outputs", "flce.errors", "flce.devices", "flce.policy.options"),
     ("flce.inputs", "flce.testing", "flce.policy.tokens"),
     ("flce.semantics", "flce.gradients", "flce.distillation", "flce.policy"),
     ("flce.autotune",),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import re
 import sys
 import types
@@ -47,6 +48,8 @@ FULL_FEATURE_VALUES = {
 def test_public_surface() -> None:
     assert set(flce.__all__) == {"Backend", "LCEOutput", "LinearCrossEntropy", "available_backends", "explain",
                                  "get_impl", "linear_cross_entropy", "register_backend",
+                                 # flce's input errors (docs/usage.md)
+                                 "InputError", "InputTypeError",
                                  # linear distillation (docs/distillation.md)
                                  "LinearDistillation", "explain_distillation", "get_distillation_impl",
                                  "linear_distillation_loss",
@@ -123,6 +126,29 @@ def test_class_weight_is_a_buffer_that_moves_with_the_module(generator: torch.Ge
     expected = reference_loss(hidden, weight, target, class_weight=cw).loss
     assert_close_per_design(loss, expected, kind="forward", dtype=torch.float64, name="loss")
     assert "'reduction': 'mean'" in repr(module) and "backend=None" in repr(module)
+
+
+def test_class_weight_assigned_on_the_module_takes_effect_as_torchs_weight(generator: torch.Generator) -> None:
+    """The module's class_weight attribute is what its calls weigh by, as nn.CrossEntropyLoss.weight: a tensor
+    assigned weighs, None assigned unweighs (before, None left the constructor's weights in force)."""
+    cw, other = random_class_weight(V, generator), random_class_weight(V, generator)
+    hidden, weight, target, _ = make_inputs((8,), H, V, generator=generator)
+    module, torch_loss = flce.get_impl("cpu")(class_weight=cw), torch.nn.CrossEntropyLoss(weight=cw)
+    for value in (None, other, cw, None):
+        module.class_weight, torch_loss.weight = value, value
+        want = reference_loss(hidden, weight, target, class_weight=value).loss
+        torch.testing.assert_close(torch_loss(hidden @ weight.T, target), want.float(), rtol=1e-5, atol=1e-6)
+        assert_close_per_design(module(hidden, weight, target), want, kind="forward", dtype=torch.float32,
+                                name=f"loss with class_weight {None if value is None else 'set'}")
+    unweighted = flce.get_impl("cpu")()
+    unweighted.class_weight = cw
+    assert_close_per_design(unweighted(hidden, weight, target), reference_loss(hidden, weight, target,
+                                                                              class_weight=cw).loss,
+                            kind="forward", dtype=torch.float32, name="class_weight assigned after construction")
+    plain = flce.get_impl("cpu", variant="plain")()
+    plain.class_weight = cw  # the plain variant has no class weights: refused, not ignored
+    with pytest.raises(ValueError, match="variant='plain' cannot serve class_weight"):
+        plain(hidden, weight, target)
 
 
 @pytest.mark.parametrize("variant", ["auto", "full"])
@@ -227,6 +253,23 @@ def test_info_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     assert re.search(r"^\s+reference\s+any\s+0\s+yes\s+pure PyTorch", out, re.MULTILINE), out
     assert "selected for a default-options float32 call: reference" in out
     assert out.rstrip().endswith("autotune for cpu: 3 entries"), "the autotune helper's lines close the report"
+
+
+@pytest.mark.parametrize("command", [["info", "--device", "cpu"],
+                                     ["explain", "--device", "cpu", "--shape", "64x32x300"]], ids=lambda c: c[0])
+def test_commands_into_a_closed_pipe_stop_quietly(command: list[str]) -> None:
+    """`python -m flce info | head -1`: the reader gone before the report is written ends the command with
+    status 141 (as a shell reports a command a closed pipe stopped) and no BrokenPipeError traceback."""
+    import subprocess
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(flce.__file__).parents[1])}
+    shown = subprocess.Popen([sys.executable, "-m", "flce", *command], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+    shown.stdout.close()  # before any line is read: every write meets a pipe without a reader
+    err = shown.stderr.read().decode()
+    assert shown.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
 @pytest.mark.parametrize("device", ["garbage", "cuda:x"])

@@ -41,6 +41,61 @@ def test_accurate_is_closer_to_float64_than_fast(reduction: str, budget_rows: in
     assert accurate[1] < fast[1] / 2 and accurate[2] < fast[2] / 2, (accurate, fast)
 
 
+def _ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` at each of the float64 ``values`` (its smallest normal one below that range)."""
+    tiny = torch.finfo(dtype).tiny
+    mantissa = {torch.bfloat16: 7, torch.float16: 10}[dtype]
+    return torch.pow(2.0, torch.floor(torch.log2(values.abs().clamp_min(tiny))) - mantissa)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("budget_rows", [None, 32], ids=["one-chunk", "chunks"])
+# The CUDA backend on the GPU (its fp32 sums are cuBLAS's fp32-output GEMMs; on CPU tensors under the interpreter
+# its accumulate_fp32_ rounds each block's product to 16 bits first).
+@pytest.mark.parametrize("backend", ["reference", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_accurate_gradients_are_fp32_sums_rounded_once(dtype: torch.dtype, reduction: str, budget_rows: int | None,
+                                                       backend: str, generator: torch.Generator) -> None:
+    """precision="accurate" takes the fp32 logit gradient G into both products (two 16-bit parts, fp32 sums) and
+    rounds each gradient once: per element within one ULP of float64 plus 2**-15 of the products' absolute terms
+    (|G| @ |W|, |G|.T @ |x|: the parts carry 16 bits of G; fp16's smallest subnormal per element of G besides).
+    A single 16-bit rounding of G (2**-9 of those terms for bf16) and a weight gradient summed across chunks in
+    the weight's dtype missed this bound by up to 1e4 ULP."""
+    n, h, v = 192, 32, 256
+    x = torch.randn(n, h, generator=generator, dtype=torch.float64).to(dtype)
+    w = (torch.randn(v, h, generator=generator, dtype=torch.float64) / h ** 0.5).to(dtype)
+    t = torch.randint(0, v, (n,), generator=generator)
+    budget = None if budget_rows is None else budget_rows * v * 6
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    logits = (xd @ wd.T).detach().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(logits, t, reduction=reduction)
+    (g,) = torch.autograd.grad(loss, logits)
+    want = (g @ wd.detach(), g.T @ xd.detach())
+    device = "cuda" if backend == "cuda" else "cpu"
+    xs, ws = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+    got = torch.autograd.grad(flce.linear_cross_entropy(xs, ws, t.to(device), reduction=reduction,
+                                                        precision="accurate", memory_budget=budget, backend=backend),
+                              (xs, ws))
+    got = tuple(grad.cpu() for grad in got)
+    g_error = 2.0 ** -15 * g.abs() + torch.finfo(dtype).smallest_normal * 2.0 ** -10
+    bounds = (g_error @ wd.detach().abs(), g_error.T @ xd.detach().abs())
+    for name, mine, exact, bound in zip(("grad_hidden", "grad_weight"), got, want, bounds, strict=True):
+        excess = (mine.double() - exact).abs() - _ulp(exact, dtype) - bound
+        assert float(excess.max()) <= 0, (name, float(((mine.double() - exact).abs() / _ulp(exact, dtype)).max()))
+
+
+def test_16_bit_inputs_give_an_fp32_loss(generator: torch.Generator) -> None:
+    """The documented choice (docs/precision.md): a bf16/fp16 call returns its loss and per-token outputs in fp32,
+    as torch's cross_entropy does under autocast, where torch's linear_cross_entropy outside autocast returns the
+    input dtype. fp32 and fp64 inputs keep their dtype."""
+    for dtype, want in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                        (torch.float32, torch.float32), (torch.float64, torch.float64)):
+        x, w, t = large_logits_inputs(generator, 8, 16, 50, 2.0, dtype)
+        for precision in ("fast", "accurate"):
+            out = flce.linear_cross_entropy(x, w, t, precision=precision, reduction="none", return_logprobs=True)
+            assert out.loss.dtype == out.logprobs.dtype == want, (dtype, precision, out.loss.dtype)
+
+
 def test_single_token_loss(generator: torch.Generator) -> None:
     """One bf16 token with large logits; fast rounds its logits to bf16."""
     x, w, t = large_logits_inputs(generator, 1, 64, 1000, 30.0, torch.bfloat16)

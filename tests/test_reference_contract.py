@@ -470,6 +470,28 @@ def test_oracle_agrees_with_torch_cross_entropy(reduction: str, smoothing: float
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
 
 
+def test_oracle_accepts_every_option_of_flce_and_refuses_what_flce_refuses(generator: torch.Generator) -> None:
+    """flce.testing.reference_loss takes any of flce's options (those that do not change the math are
+    ignored: the result is the defaults'), and a value flce refuses it refuses with flce's message, rather
+    than return NaN (temperature=0)."""
+    hidden, weight, target, _ = make_inputs((9,), HIDDEN, VOCAB, dtype=torch.float64, generator=generator)
+    plain = reference_loss(hidden, weight, target).loss
+    ignored = {"precision": "accurate", "batch_invariant": True, "return_logit_stats": True, "accum_dtype": None,
+               "memory_budget": 1 << 20, "detach_extras": True, "return_logprobs": True, "return_entropy": True,
+               "return_z_loss": True, "return_token_accuracy": True, "return_predicted_tokens": True}
+    assert set(ignored) | {"process_group"} >= set(LCEConfig.__dataclass_fields__) - set(_MATH_OPTION_NAMES)
+    torch.testing.assert_close(reference_loss(hidden, weight, target, **ignored).loss, plain, rtol=0, atol=0)
+    for options, message in (({"temperature": 0.0}, "temperature=0.0: expected a value > 0"),
+                             ({"softcap": -1.0}, "softcap=-1.0: expected None or a value > 0"),
+                             ({"label_smoothing": 1.5}, r"label_smoothing=1.5: expected a value in \[0, 1\]")):
+        with pytest.raises(ValueError, match=message):
+            reference_loss(hidden, weight, target, **options)
+
+
+_MATH_OPTION_NAMES = ("ignore_index", "reduction", "label_smoothing", "lse_square_scale", "softcap",
+                      "class_weight", "temperature", "token_scaling", "entropy_weight")
+
+
 @pytest.mark.parametrize("block_rows", [1, 5])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("case", ["defaults", "everything", "returns"])

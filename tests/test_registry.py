@@ -6,6 +6,8 @@ restores the registry afterwards.
 
 from __future__ import annotations
 
+import sys
+import types
 import warnings
 from collections.abc import Callable
 
@@ -278,8 +280,36 @@ def test_resolve_device_forms() -> None:
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device(torch.device("cuda", 1)) == torch.device("cuda", 1), "no hardware needed to name one"
     assert resolve_device(torch.zeros(1)) == torch.device("cpu")
-    expected = torch.accelerator.current_accelerator() or torch.device("cpu")
+    expected = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     assert resolve_device(None) == expected
+
+
+@pytest.mark.parametrize("usable", [False, True], ids=["no GPU", "a GPU"])
+def test_a_cuda_build_without_a_gpu_is_a_cpu_machine(usable: bool, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The default torch wheel on a laptop or CI runner: built for CUDA, no GPU at run time. Every place that
+    picks the device of a call naming none (get_impl, python -m flce info, flce-autotune tune and its info
+    lines) picks the CPU and says why; with a usable GPU, the GPU."""
+    from flce.__main__ import main
+    from flce.autotune import cli
+    from flce.autotune.info import info_lines
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: (
+        torch.device("cuda") if usable or not check_available else None))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: usable)
+    want = "cuda" if usable else "cpu"
+    assert resolve_device(None).type == want
+    assert flce.get_impl().device_type == want
+    assert cli._device(None).type == want
+    err = capsys.readouterr().err
+    assert ("built for cuda, but no cuda device is usable" in err) != usable, err
+    if usable:
+        return
+    assert info_lines()[0] == "autotune cache, in lookup order:"  # the CPU's entries, no CUDA device to name
+    monkeypatch.setitem(sys.modules, "flce.autotune", types.SimpleNamespace())
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "device: cpu (" in out and "built for cuda, but no cuda device is usable in this process" in out, out
 
 
 def test_get_impl_binds_device_backend_and_variant() -> None:

@@ -176,6 +176,26 @@ def test_batch_invariant_is_bitwise_across_batches(generator: torch.Generator) -
     check_batch_invariance(generator, torch.device("cpu"), torch.float32, hidden_size=64, vocab=500)
 
 
+@pytest.mark.parametrize("token_shape", [(0,), (3, 0)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_batch_invariant_on_an_empty_batch_returns_what_the_plain_call_does(token_shape: tuple[int, ...],
+                                                                             reduction: str) -> None:
+    """No tokens, with selected_ids (K = 2 and K = 0): empty outputs of the right shapes, as without
+    batch_invariant (its padding to whole tiles inferred K from the ids' elements, of which there are none)."""
+    hidden, weight = torch.randn(*token_shape, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
+    target = torch.zeros(token_shape, dtype=torch.long)
+    for k in (2, 0):
+        selected = torch.zeros(*token_shape, k, dtype=torch.long)
+        want, got = (flce.linear_cross_entropy(hidden, weight, target, reduction=reduction, selected_ids=selected,
+                                               return_logprobs=True, batch_invariant=invariant)
+                     for invariant in (False, True))
+        for name in ("loss", "logprobs", "selected_logprobs"):
+            assert getattr(got, name).shape == getattr(want, name).shape, name
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
+        grads = torch.autograd.grad(got.loss.sum() + got.selected_logprobs.sum(), (hidden, weight))
+        assert grads[0].shape == hidden.shape and not grads[1].any()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_invariant_is_bitwise_on_cuda(generator: torch.Generator, dtype: torch.dtype) -> None:

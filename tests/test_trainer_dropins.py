@@ -433,6 +433,14 @@ def test_trl_outputs_and_errors(trl_chunked: types.ModuleType, generator: torch.
         flce_trl.chunked_logprobs(*args, None, 1.0, ("entropie",))
     with pytest.raises(ValueError, match="chunk_size"):
         flce_trl.chunked_logprobs(hidden, weight, None, targets, 1.0, 0)
+    # A logit_scale the folding into flce's options cannot carry is named, not the temperature it would make.
+    for scale, error, message in ((float("inf"), TypeError, "logit_scale=inf: expected a finite real number"),
+                                  (float("nan"), TypeError, "logit_scale=nan"),
+                                  (1e-310, ValueError, "logit_scale=1e-310 with temperature=1.0")):
+        with pytest.raises(error, match=message):
+            flce_trl.chunked_logprobs(*args, None, scale)
+    with pytest.raises(ValueError, match=r"^temperature=0.0: expected a value > 0"):
+        flce_trl.chunked_logprobs(hidden, weight, None, targets, 0.0, 16)
     softcapped = flce_trl.chunked_logprobs(*args, 3.0, 0.7, ("mean_logits",))
     assert_close(softcapped[3], trl_chunked.ChunkedLogProbFunction.apply(*args, 3.0, 0.7, ("mean_logits",))[3],
                  "mean_logits, soft-capped", **FP32_TOL)

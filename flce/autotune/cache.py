@@ -13,6 +13,7 @@ and a reader never sees half a file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import tempfile
@@ -279,7 +280,7 @@ def update_file(path: str | os.PathLike, new_entries: list[Entry]) -> UpdateResu
     or holds invalid entries is moved to ``<name>.corrupt-<timestamp>`` first (its valid entries,
     if any, are carried over). Raises NotACacheError, touching nothing, when the file is not an flce
     cache at all, and OSError when the location cannot be written."""
-    path = Path(path).expanduser().absolute()
+    path = _write_path(path)
     _refuse_foreign(path, read_file(path))  # before the lock: no <name>.lock beside someone else's file
     with locked(path):
         current = read_file(path)
@@ -322,6 +323,12 @@ def _move_aside(path: Path) -> Path:
     return target
 
 
+def _write_path(path: str | os.PathLike) -> Path:
+    """The file a write to ``path`` goes to: through a symbolic link to its target (a link to a shared cache
+    stays a link, and the shared file gets the entries), absolute."""
+    return Path(path).expanduser().resolve()
+
+
 def _without_source(entry: Entry) -> Entry:
     return entry if entry.source is None else replace(entry, source=None)
 
@@ -329,7 +336,7 @@ def _without_source(entry: Entry) -> Entry:
 def check_writable(path: Path) -> None:
     """Raise, before anything is measured, what a save to ``path`` would raise: OSError when its
     folder cannot be written, NotACacheError when the file there is someone else's."""
-    path = Path(path).expanduser().absolute()
+    path = _write_path(path)
     _refuse_foreign(path, read_file(path))  # before the lock: no <name>.lock beside someone else's file
     with locked(path):
         fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
@@ -360,11 +367,16 @@ def _first_writable(cache: str | os.PathLike | None, log: Callable[[str], None],
 
 def save_target(cache: str | os.PathLike | None = None, log: Callable[[str], None] = print) -> Path:
     """Where a tune will write, checked before it measures: ``cache`` itself when given (an explicit
-    path is honoured or the tune fails), else the first writable of ``FLCE_AUTOTUNE_CACHE`` and the
-    user cache. Raises OSError when nothing can be written, NotACacheError for a foreign file."""
+    path is honoured or the tune fails; its folder must exist, a mistyped one is not created), else the
+    first writable of ``FLCE_AUTOTUNE_CACHE`` and the user cache. Raises OSError when nothing can be
+    written, NotACacheError for a foreign file."""
     def writable(path: Path) -> Path:
+        path = _write_path(path)
+        if cache is not None and not path.parent.is_dir():
+            raise FileNotFoundError(errno.ENOENT, f"no folder {path.parent} (flce creates the folders of "
+                                    f"${locations.CACHE_ENV} and of the user cache, not of a path given)")
         check_writable(path)
-        return path.expanduser().absolute()
+        return path
 
     return _first_writable(cache, log, writable)
 

@@ -21,21 +21,29 @@ from flce.autotune import locations
 from flce.autotune.devices import device_name, dtype_name, torch_dtype
 from flce.autotune.progress import Progress
 from flce.autotune.schema import CROSS_ENTROPY_VARIANTS, VARIANT_NAMES, Entry
+from flce.devices import cpu_fallback_reason, default_device
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at the interpreter's exit
+        return code
     except _UsageError as exc:
         parser.error(str(exc))  # exits with status 2
     except BrokenPipeError:
-        # The reader went away (`flce-autotune show | head`): stop quietly, as cat does. stdout is
-        # pointed at devnull so that the interpreter's own flush at exit does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141  # 128 + SIGPIPE, what a shell reports for a command a closed pipe stopped
+        return closed_pipe_exit()
     return 2
+
+
+def closed_pipe_exit() -> int:
+    """The exit status of a command whose reader went away (`flce-autotune show | head`, `python -m flce info |
+    head -1`): stop quietly, as cat does. stdout is pointed at devnull so that the interpreter's own flush at
+    exit does not raise again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, what a shell reports for a command a closed pipe stopped
 
 
 class _UsageError(ValueError):
@@ -306,8 +314,10 @@ def _dtype(text: str) -> torch.dtype:
 
 def _device(text: str | None) -> torch.device:
     if text is None:
-        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        return accelerator if accelerator is not None else torch.device("cpu")
+        reason = cpu_fallback_reason()
+        if reason is not None:
+            print(f"flce-autotune: {reason}: tuning the CPU", file=sys.stderr)
+        return default_device()
     try:
         device = torch.device(text)
     except RuntimeError as exc:

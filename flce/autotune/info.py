@@ -9,6 +9,7 @@ from flce.autotune import locations
 from flce.autotune.devices import device_name, dtype_name
 from flce.autotune.lookup import _find
 from flce.autotune.schema import VARIANT_NAMES, Entry
+from flce.devices import default_device
 
 
 def info_lines(
@@ -53,8 +54,7 @@ def info_lines(
 
 def _resolve(device: str | torch.device | None) -> torch.device:
     if device is None:
-        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        return accelerator if accelerator is not None else torch.device("cpu")
+        return default_device()
     return torch.device(device) if isinstance(device, str) else device
 
 

@@ -142,14 +142,12 @@ class Tuner:
     def _tune_shape(self, shape: TuneShape, candidates: list[Params]) -> ShapeResult:
         result = ShapeResult(shape=shape, backend=self.space.backend)
         label = f"{dtype_name(shape.dtype)} H={shape.hidden} V={shape.vocab} T={shape.tokens} {shape.variant}"
-        inputs = make_inputs(shape, self.request.seed)
-
-        self.progress.step(f"{label}: floor")
-        result.floor_ms = self.floors.of(shape, inputs)
-
-        self.progress.step(f"{label}: heuristic")
         after_heuristic = len(candidates) + (2 if self.space.tunes_limit_of(shape) else 0)
         try:
+            inputs = make_inputs(shape, self.request.seed)  # Skip: the shape's inputs do not fit in memory
+            self.progress.step(f"{label}: floor")
+            result.floor_ms = self.floors.of(shape, inputs)
+            self.progress.step(f"{label}: heuristic")
             baseline = self._run(shape, inputs, None, deferred=False, budget=None)
         except Skip as skip:
             result.skipped[f"heuristic {skip.reason}"] += 1

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flce.autotune.measurement import Skip
 from flce.autotune.schema import DISTILLATION_VARIANT
 from flce.autotune.spaces import TuneShape
 from flce.engine.memory import total_memory_bytes
@@ -49,13 +50,20 @@ class WorkloadInputs:
 
 
 def make_inputs(shape: TuneShape, seed: int) -> WorkloadInputs:
-    """The benchmark tools' inputs for the shape (logits O(1), every 17th target ignored), on the device."""
-    hidden, weight, target, _ = measure.shape_inputs(shape.tokens, shape.hidden, shape.vocab, shape.device,
-                                                     shape.dtype, seed=seed)
-    if shape.variant != DISTILLATION_VARIANT:
-        return WorkloadInputs(hidden, weight, target)
-    teacher_hidden, teacher_weight, _, _ = measure.shape_inputs(shape.tokens, shape.hidden, shape.vocab, shape.device,
-                                                                shape.dtype, seed=seed + 1, requires_grad=False)
+    """The benchmark tools' inputs for the shape (logits O(1), every 17th target ignored), on the device;
+    raises Skip where they cannot be allocated (a shape larger than the device's memory, or than any)."""
+    try:
+        hidden, weight, target, _ = measure.shape_inputs(shape.tokens, shape.hidden, shape.vocab, shape.device,
+                                                         shape.dtype, seed=seed)
+        if shape.variant != DISTILLATION_VARIANT:
+            return WorkloadInputs(hidden, weight, target)
+        teacher_hidden, teacher_weight, _, _ = measure.shape_inputs(shape.tokens, shape.hidden, shape.vocab,
+                                                                    shape.device, shape.dtype, seed=seed + 1,
+                                                                    requires_grad=False)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError, the CPU allocator's, a size overflow
+        release_memory(shape.device)
+        first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raise Skip("inputs not allocated", f"{type(exc).__name__}: {first_line}") from None
     return WorkloadInputs(hidden, weight, target, teacher_hidden, teacher_weight)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from flce.config import LCEConfig, option_names
 from flce.distributed import collectives
+from flce.errors import InputError
 from flce.inputs import FlatInputs
 
 DISTRIBUTED_CHECKS_ENV = "FLCE_DISTRIBUTED_CHECKS"
@@ -33,7 +34,7 @@ def check_target_range(target: torch.Tensor, global_vocab: int, ignore_index: in
     if target.device.type == "cpu":
         if bool(bad.any()):
             value = int(target[bad][0])
-            raise ValueError(
+            raise InputError(
                 f"target contains {value}, outside the global vocabulary [0, {global_vocab}) and not "
                 f"ignore_index={ignore_index}"
             )
@@ -47,7 +48,7 @@ def check_target_range(target: torch.Tensor, global_vocab: int, ignore_index: in
 
 def check_class_weight(cfg: LCEConfig, global_vocab: int) -> None:
     if cfg.class_weight is not None and cfg.class_weight.shape[0] != global_vocab:
-        raise ValueError(
+        raise InputError(
             f"class_weight: expected the global weight vector of shape [V={global_vocab}] (the same full "
             f"vector on every rank; each rank uses its own slice), got shape {tuple(cfg.class_weight.shape)}"
         )
@@ -79,7 +80,7 @@ def check_ranks_agree(flat: FlatInputs, cfg: LCEConfig, needs_grad_hidden: bool,
         values = gathered[:, column].tolist()
         if len(set(values)) != 1:
             listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            raise ValueError(
+            raise InputError(
                 f"{DISTRIBUTED_CHECKS_ENV}: {name} differs across the ranks of process_group ({listing}); "
                 "expected every rank to call with the same tokens, targets and options"
             )

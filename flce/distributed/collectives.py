@@ -16,7 +16,7 @@ depends on the vocabulary size.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -77,6 +77,15 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group: Any) -> torch.Te
     _record(f"all_reduce({_op_name(op)})", tensor)
     dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+def start_all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp, group: Any) -> Callable[[], None]:
+    """all_reduce_ started asynchronously (recorded as all_reduce_); returns the wait that completes it. On NCCL
+    the wait makes the current stream wait for the collective's, without blocking the host: work issued between
+    the start and the wait runs beside the collective."""
+    _record(f"all_reduce({_op_name(op)})", tensor)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return work.wait
 
 
 def all_gather_small(tensor: torch.Tensor, group: Any) -> torch.Tensor:

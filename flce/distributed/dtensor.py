@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from flce.config import LCEConfig
 from flce.distributed.fsdp2 import Fsdp2Layout, fsdp2_layout, gather_over_data_parallel
+from flce.errors import InputError, InputTypeError
 
 # (hidden, weight, target, bias, config) of one call.
 CallInputs = tuple[Any, Any, Any, Any, LCEConfig]
@@ -56,13 +57,13 @@ def localize_inputs(hidden: Any, weight: Any, target: Any, bias: Any, cfg: LCECo
     if not isinstance(weight, DTensor):
         names = [n for n, t in (("hidden", hidden), ("bias", bias)) if isinstance(t, DTensor)]
         if names:
-            raise TypeError(
+            raise InputTypeError(
                 f"{names[0]} is a DTensor (placements {_placements(hidden if names[0] == 'hidden' else bias)}) "
                 "but weight is a plain tensor; expected both as DTensors on one mesh, or both plain"
             )
         return hidden, weight, _plain_target(target), bias, cfg
     if cfg.process_group is not None:
-        raise ValueError(
+        raise InputError(
             f"process_group={cfg.process_group!r}: weight is a DTensor (placements {_placements(weight)}), whose "
             "device mesh already names the group; pass process_group=None"
         )
@@ -82,20 +83,20 @@ def check_not_partitioned(name: str, tensor: Any, expected_dim: int) -> None:
     if getattr(tensor, "ds_id", None) is not None and ds_shape is not None and tuple(tensor.shape) != tuple(ds_shape):
         status = getattr(tensor, "ds_status", None)
         status = getattr(status, "name", status)
-        raise ValueError(
+        raise InputError(
             f"{name}: a DeepSpeed ZeRO-3 partitioned parameter that is not gathered (ds_status={status}, "
             f"local shape {tuple(tensor.shape)}, ds_shape={tuple(ds_shape)}); call flce inside the forward of "
             "the module that owns it, where ZeRO-3 gathers it (from another module's forward, first "
             "deepspeed.zero.register_external_parameter(module, param))"
         )
     if getattr(tensor, "_is_flat_param", False):
-        raise ValueError(
+        raise InputError(
             f"{name}: an FSDP1 FlatParameter (shape {tuple(tensor.shape)}, the module's parameters flattened "
             "together); pass the original parameter (use_orig_params=True), inside the forward of the "
             "FullyShardedDataParallel module that owns it, where FSDP gathers it"
         )
     if getattr(tensor, "_fsdp_flattened", False) and (tensor.dim() != expected_dim or tensor.numel() == 0):
-        raise ValueError(
+        raise InputError(
             f"{name}: a parameter managed by FSDP1 (FullyShardedDataParallel) in its sharded state (shape "
             f"{tuple(tensor.shape)}); call flce inside the forward of the FSDP module that owns it, where FSDP "
             "gathers it and reduces its gradient"
@@ -111,7 +112,7 @@ def _fsdp2_call(hidden: Any, weight: Any, target: Any, bias: Any, cfg: LCEConfig
     model_parallel = [d for d in range(mesh.ndim) if d not in layout.data_parallel_dims]
     sharded = [d for d in model_parallel if not weight.placements[d].is_replicate()]
     if len(sharded) > 1 or (sharded and not weight.placements[sharded[0]].is_shard(0)):
-        raise ValueError(
+        raise InputError(
             f"weight: an FSDP2 parameter with placements {_placements(weight)} on a {mesh.ndim}-D mesh; expected "
             "FSDP2 over a tensor-parallel weight that is Shard(0) (vocabulary-parallel) or Replicate() on one "
             "mesh dimension"
@@ -122,14 +123,14 @@ def _fsdp2_call(hidden: Any, weight: Any, target: Any, bias: Any, cfg: LCEConfig
         if bias_layout is not None:
             bias = gather_over_data_parallel(bias, bias_layout)
         elif group is not None:
-            raise ValueError(
+            raise InputError(
                 f"bias: not an FSDP2 parameter; expected the bias of the weight's fully_shard unit, sharded like "
                 f"the weight ({_placements(weight)})"
             )
     weight = gather_over_data_parallel(weight, layout)
     if group is None:
         if _is_dtensor(hidden):
-            raise TypeError(
+            raise InputTypeError(
                 f"hidden is a DTensor (placements {_placements(hidden)}) but weight is an FSDP2-sharded parameter "
                 "without tensor parallelism; expected hidden as a plain tensor of this rank's tokens"
             )
@@ -154,14 +155,14 @@ def _tensor_parallel_call(hidden: Any, weight: Any, target: Any, bias: Any, cfg:
     mesh = weight.device_mesh
     placement = weight.placements[0] if mesh.ndim == 1 else None
     if placement is None or not (placement.is_replicate() or placement.is_shard(0)):
-        raise ValueError(
+        raise InputError(
             f"weight: a DTensor with placements {_placements(weight)} on a {mesh.ndim}-D mesh; expected Shard(0) "
             "(vocabulary-parallel) or Replicate() on a 1-D mesh"
         )
     if bias is not None:
         if not isinstance(bias, DTensor) or bias.device_mesh != mesh or tuple(bias.placements) != (placement,):
             got = f"placements {_placements(bias)}" if isinstance(bias, DTensor) else "a plain tensor"
-            raise ValueError(f"bias: {got}; expected a DTensor on the weight's mesh with placements ({placement},)")
+            raise InputError(f"bias: {got}; expected a DTensor on the weight's mesh with placements ({placement},)")
         bias = bias.to_local()
     group = mesh.get_group() if placement.is_shard() else None
     hidden = _replicated_hidden(hidden, mesh.get_group())
@@ -181,14 +182,14 @@ def _replicated_hidden(hidden: Any, group: Any) -> Any:
     mesh = hidden.device_mesh
     expected = dist.get_process_group_ranks(group)
     if mesh.ndim != 1 or mesh.mesh.flatten().tolist() != expected:
-        raise ValueError(
+        raise InputError(
             f"hidden: a DTensor on mesh {mesh} but the weight's tensor-parallel ranks are {expected}; expected "
             "hidden on the weight's (tensor-parallel) mesh"
         )
     placement = hidden.placements[0]
     token_dims = hidden.dim() - 1
     if not (placement.is_replicate() or (placement.is_shard() and placement.dim < token_dims)):
-        raise ValueError(
+        raise InputError(
             f"hidden: a DTensor with placements {_placements(hidden)}; expected Replicate() or Shard(d) over a "
             f"token dimension d < {token_dims} (sequence parallelism)"
         )

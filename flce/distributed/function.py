@@ -1,12 +1,13 @@
 """Vocab-parallel calls: the shared engine's schedules and autograd paths with a Sharding that
-all-reduces row statistics, and one all-reduce of grad_hidden in backward.
+all-reduces row statistics, and one all-reduce of grad_hidden, beside the last weight-gradient product.
 
 Every rank holds the full ``hidden`` and ``target`` and its own contiguous vocabulary shard of
 ``weight``/``bias``. Each rank scans only its shard; the combine step makes the row statistics
 global before any loss term or gradient coefficient is formed, so loss, extras and the per-row
 gradient coefficients are identical on every rank. Each rank's grad-logits then only touch its
 shard: grad_weight/grad_bias are local, and grad_hidden is a partial sum over the shard that one
-all-reduce completes.
+all-reduce completes, started as soon as the last rows of grad_hidden exist and waited for where the schedule
+returns it (with gradients formed in forward, in forward).
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ def sharded_call(flat: FlatInputs, cfg: LCEConfig, backend: Backend, training: b
         vocab_offset=shard.offset,
         global_vocab=shard.global_vocab,
         combine=functools.partial(collectives.combine_row_stats, group=group),
-        # Each rank's grad_hidden covers its shard; their sum is the full gradient. This is the
-        # call's only backward collective.
-        reduce_grad_hidden=functools.partial(collectives.all_reduce_, op=dist.ReduceOp.SUM, group=group),
+        # Each rank's grad_hidden covers its shard; their sum is the full gradient: the call's one gradient
+        # collective, started beside the last weight-gradient product (engine.call.Sharding).
+        start_grad_hidden_reduce=functools.partial(collectives.start_all_reduce_, op=dist.ReduceOp.SUM, group=group),
     ))
 
 

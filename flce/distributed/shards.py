@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from flce.distributed import collectives
+from flce.errors import InputError, InputTypeError
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ _cache: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], VocabShard]] = weak
 def group_size(group: Any) -> int:
     """World size of ``group``, with an error that names the option when it is not a usable group."""
     if dist.is_available() and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
+        raise InputTypeError(
             f"process_group={group!r}: expected a torch.distributed ProcessGroup (e.g. from "
             f"torch.distributed.new_group) or None, got {type(group).__name__}"
         )
@@ -59,7 +60,7 @@ def group_size(group: Any) -> int:
     try:
         return dist.get_world_size(group=group)
     except (RuntimeError, ValueError, TypeError) as exc:
-        raise ValueError(f"process_group={group!r}: not a usable torch.distributed group ({exc})") from None
+        raise InputError(f"process_group={group!r}: not a usable torch.distributed group ({exc})") from None
 
 
 def vocab_shard(group: Any, weight: torch.Tensor) -> VocabShard:
@@ -90,13 +91,13 @@ def _exchange_layout(group: Any, local_vocab: int, hidden_size: int, device: tor
     hidden_sizes = [int(v) for v in gathered[:, 1].tolist()]
     if len(set(hidden_sizes)) != 1:
         listing = ", ".join(f"rank {r}: H={h}" for r, h in enumerate(hidden_sizes))
-        raise ValueError(
+        raise InputError(
             f"weight: hidden sizes differ across the ranks of process_group ({listing}); expected every "
             "rank's weight shard to be [V_shard, H] with the same H"
         )
     empty = [r for r, size in enumerate(sizes) if size == 0]
     if empty:
-        raise ValueError(
+        raise InputError(
             f"weight: ranks {empty} of process_group hold an empty vocabulary shard (sizes {list(sizes)}); "
             "expected every rank to hold at least one vocabulary row"
         )

@@ -19,13 +19,16 @@ StatsCombiner = Callable[[PartialRowStats], PartialRowStats]
 @dataclass(frozen=True)
 class Sharding:
     """Vocabulary sharding of a tensor-parallel call: this rank's slice, the combine step, and
-    the reduction that completes grad_hidden (each rank's covers its shard only), which the
-    autograd paths apply once, in backward."""
+    the reduction that completes grad_hidden (each rank's covers its shard only). The schedules start
+    that reduction once grad_hidden's last rows are written, so that it runs beside the last weight-gradient
+    product, and wait for it before they return grad_hidden (rows.GradAccumulator); ``start_grad_hidden_reduce``
+    returns the wait. Gradients formed in forward are reduced there, before backward scales them by grad_output:
+    the same grad_output on every rank, as each rank holds the same loss."""
 
     vocab_offset: int
     global_vocab: int
     combine: StatsCombiner
-    reduce_grad_hidden: Callable[[torch.Tensor], None]
+    start_grad_hidden_reduce: Callable[[torch.Tensor], Callable[[], None]]
 
 
 @dataclass(frozen=True)

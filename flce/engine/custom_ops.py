@@ -37,15 +37,13 @@ from flce.engine.objective import needs_statistics_first
 from flce.engine.outputs import as_result, flat_outputs, shape_outputs
 from flce.engine.plans import PlanRequest, recomputing
 from flce.engine.schedule import planned_call, run_backward, run_forward
+from flce.errors import InputError
 from flce.inputs import FlatInputs, _check_target_range
 from flce.outputs import LCEOutput
 from flce.policy.options import POLICY_SCHEMA_KEYWORDS, options_from_primitives, policy_primitives
 from flce.policy.tokens import TENSOR_FIELDS, PolicyTokens
 from flce.registry import Backend, registered_backends
 from flce.semantics import RowStats, denominators, needs_sum_exp_dz, statistics_dtype
-
-# torch's functional collectives (all_reduce, wait_tensor): ops that name their group by string.
-_c10d = torch.ops._c10d_functional
 
 # (flat, cfg with the process group, backend, training, needs grad_hidden) -> the sharded EngineCall.
 ShardedCallFn = Callable[[FlatInputs, LCEConfig, Backend, bool, bool], EngineCall]
@@ -83,7 +81,7 @@ def _backend(name: str) -> Backend:
     by_name = {b.name: b for b in registered_backends()}
     if name not in by_name or by_name[name].plan_call is None:
         engine_backends = sorted(n for n, b in by_name.items() if b.plan_call is not None)
-        raise ValueError(f"backend={name!r}: expected a registered engine backend, one of {engine_backends}")
+        raise InputError(f"backend={name!r}: expected a registered engine backend, one of {engine_backends}")
     return by_name[name]
 
 
@@ -211,8 +209,7 @@ def _chunked_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targe
     grads = run_backward(call, flat, state, wanted, grad_loss,
                          grad_logprobs if call.cfg.return_logprobs else None,
                          grad_entropy if call.cfg.return_entropy else None)
-    if call.sharding is not None and grads[0] is not None and grads[0].numel():
-        call.sharding.reduce_grad_hidden(grads[0])
+    # A sharded call's schedule reduced grad_hidden across the ranks already (engine.call.Sharding).
     return tuple(hidden.new_empty(0) if g is None else g for g in grads)
 
 
@@ -285,13 +282,9 @@ def _op_gradients(ctx, grad_loss, grad_logprobs, grad_entropy):
         if grad_loss is None:
             grad_loss = torch.zeros((), device=saved[0].device)
         scale = grad_loss.reshape(())
+        # A sharded call's forward reduced grad_hidden across the ranks already (engine.call.Sharding).
         grads = tuple((g.to(scale.dtype) * scale).to(g.dtype) if a else None
                       for g, a in zip(saved, asked, strict=True))
-        group_name = ctx.kw["group_name"]
-        if group_name is not None and grads[0] is not None:
-            # Each rank's grad_hidden covers its vocabulary shard: their sum is the gradient. A
-            # functional collective, so that the compiled backward graph holds it.
-            grads = (_c10d.wait_tensor(_c10d.all_reduce(grads[0], "sum", group_name)), *grads[1:])
     else:
         hidden, weight, bias, target, class_weight, token_weight, lse, target_z, lse_minus_mean_z = ctx.saved_tensors
         results = torch.ops.flce.chunked_backward(
@@ -310,7 +303,7 @@ def apply_op(backend: str, flat: FlatInputs, cfg: LCEConfig, variant: str) -> Te
     A process group travels by name, as torch's functional collectives carry theirs."""
     if cfg.return_logit_stats:
         # The op's outputs are the six user outputs and the gradients: no slot for the statistics yet.
-        raise ValueError("return_logit_stats=True is not supported under torch.compile (the custom op does not "
+        raise InputError("return_logit_stats=True is not supported under torch.compile (the custom op does not "
                          "return the logit statistics); call flce outside the compiled region for them")
     grad_mode = torch.is_grad_enabled()
     policy = flat.policy

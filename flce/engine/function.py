@@ -103,8 +103,7 @@ def _gradients(ctx, grad_loss, grad_logprobs, grad_entropy):
             call, flat, state, ctx.wanted, grad_loss, grad_logprobs if call.cfg.return_logprobs else None,
             grad_entropy if call.cfg.return_entropy else None,
         )
-    if call.sharding is not None and grad_hidden is not None and grad_hidden.numel():
-        call.sharding.reduce_grad_hidden(grad_hidden)
+    # A sharded call's schedule reduced grad_hidden across the ranks already (engine.call.Sharding).
     return grad_hidden, grad_weight, grad_bias
 
 

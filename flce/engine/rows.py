@@ -3,6 +3,8 @@ and the forward state built from all rows' statistics."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 
 from flce.config import LCEConfig
@@ -97,11 +99,19 @@ def torch_count_tokens(target: torch.Tensor, ignore_index: int, dtype: torch.dty
 class GradAccumulator:
     """Turns each chunk's grad-logits into grad_hidden rows and grad_weight / grad_bias sums."""
 
-    def __init__(self, kernels: object, flat: FlatInputs, cfg: LCEConfig, wanted: GradTargets):
+    def __init__(self, kernels: object, flat: FlatInputs, cfg: LCEConfig, wanted: GradTargets,
+                 start_hidden_reduce: Callable[[torch.Tensor], Callable[[], None]] | None = None):
         x, w = flat.hidden, flat.weight
         self.kernels, self.flat, self.wanted = kernels, flat, wanted
         self.grad_hidden = torch.empty_like(x) if wanted.hidden else None
-        fp32_acc = cfg.accum_dtype == torch.float32 and w.dtype != torch.float32
+        # A sharded call's grad_hidden reduction across the ranks (engine.call.Sharding): started once its last
+        # rows exist, beside the weight-gradient product that follows them, and waited for in result().
+        self.start_hidden_reduce = start_hidden_reduce if wanted.hidden else None
+        self.hidden_reduced: Callable[[], None] | None = None
+        # precision="accurate" with 16-bit inputs: the fp32 logit gradient enters the products whole (as two
+        # 16-bit parts, _add_exact) and both gradients are fp32 sums rounded once, as torch's accurate policy.
+        self.exact = logits_dtype(w.dtype, cfg) != w.dtype
+        fp32_acc = (cfg.accum_dtype == torch.float32 or self.exact) and w.dtype != torch.float32
         self.weight_acc = None
         self.weight_written = False
         if wanted.weight:
@@ -117,16 +127,33 @@ class GradAccumulator:
         x_rows = self.flat.hidden[rows]
         if self.bias_acc is not None:
             self.kernels.add_column_sums_(self.bias_acc, grad_logits)
-        # fp32 gradients of precision="accurate" enter the GEMMs as 16-bit operands.
-        grad_logits = grad_logits.to(self.flat.weight.dtype)
+        if self.exact:
+            self._add_exact(grad_logits, x_rows, rows)
+            return
         if self.grad_hidden is not None:
             self.kernels.matmul_(grad_logits, self.flat.weight, self.grad_hidden[rows], False)
+            self._hidden_rows_written(rows)
         if self.weight_acc is not None:
             if self.weight_acc.dtype != grad_logits.dtype:
                 self.kernels.accumulate_fp32_(self.weight_acc, grad_logits.t(), x_rows)
             else:
                 self.kernels.matmul_(grad_logits.t(), x_rows, self.weight_acc, self.weight_written)
                 self.weight_written = True
+
+    def _add_exact(self, grad_logits: torch.Tensor, x_rows: torch.Tensor, rows: slice) -> None:
+        """add() of precision="accurate"'s fp32 gradient: both products in fp32 over its two 16-bit parts
+        (fp32_parts), grad_hidden's rows rounded once, grad_weight kept in fp32 across chunks."""
+        sums = None
+        if self.grad_hidden is not None:
+            sums = torch.zeros(grad_logits.shape[0], x_rows.shape[1], dtype=torch.float32, device=x_rows.device)
+        for second, part in enumerate(fp32_parts(grad_logits, self.flat.weight.dtype)):
+            if sums is not None:
+                self.kernels.accumulate_fp32_(sums, part, self.flat.weight)
+                if second:
+                    self.grad_hidden[rows] = sums
+                    self._hidden_rows_written(rows)
+            if self.weight_acc is not None:
+                self.kernels.accumulate_fp32_(self.weight_acc, part.t(), x_rows)
 
     def add_row_scaled(self, exp: torch.Tensor, row_scale: torch.Tensor, rows: slice) -> None:
         """add() for the gradient row_scale[:, None] * exp (KeptExponentials.gemm_exp_grad; no bias): grad_weight
@@ -147,7 +174,18 @@ class GradAccumulator:
             self.kernels.matmul_(exp, self.flat.weight, grad_rows, False)
             self.kernels.scale_rows(grad_rows, row_scale, grad_rows)
 
+    def _hidden_rows_written(self, rows: slice) -> None:
+        """Start grad_hidden's reduction once its last rows are written (chunks come in order)."""
+        if self.start_hidden_reduce is not None and rows.stop >= self.flat.hidden.shape[0]:
+            self.hidden_reduced = self.start_hidden_reduce(self.grad_hidden)
+            self.start_hidden_reduce = None
+
     def result(self) -> Grads:
+        if self.start_hidden_reduce is not None and self.grad_hidden.numel():  # no rows written: start it now
+            self.hidden_reduced = self.start_hidden_reduce(self.grad_hidden)
+        if self.hidden_reduced is not None:
+            self.hidden_reduced()
+            self.hidden_reduced = None
         w = self.flat.weight
         if self.weight_acc is not None and self.weight_acc.dtype == w.dtype and not self.weight_written:
             self.weight_acc.zero_()  # no rows at all
@@ -157,6 +195,18 @@ class GradAccumulator:
             assert self.flat.bias is not None
             grad_bias = self.bias_acc.to(self.flat.bias.dtype)
         return self.grad_hidden, grad_weight, grad_bias
+
+
+def fp32_parts(grad: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """precision="accurate"'s fp32 gradient G as two parts in the 16-bit ``dtype``: G's rounding, then the
+    rounding of the rest, together 16 of fp32's 24 mantissa bits for bf16 (22 for fp16) where one 16-bit
+    rounding keeps 8 (11). 16-bit GEMMs keep their speed, and their fp32 sums over both parts carry the fp32
+    gradient, as torch's accurate policy does with fp32 GEMMs. The second part is written over the first (use
+    each before asking for the next) and G, a scratch chunk, holds the rest afterwards: one 16-bit copy of G."""
+    part = grad.to(dtype)
+    yield part
+    part.copy_(grad.sub_(part))
+    yield part
 
 
 def forward_state(call: EngineCall, flat: FlatInputs, stats: RowStats, denoms: Denominators, terms: RowTerms, *,

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from flce.config import LCEConfig
+from flce.errors import InputError, InputTypeError
 from flce.inputs import FlatInputs
 from flce.semantics import statistics_dtype
 
@@ -39,20 +40,20 @@ def check_selected_ids(ids: Any, token_shape: torch.Size, vocab: int, device: to
     (reading values would break the graph), by a device-side assertion when the call runs (a host check there
     would wait for the device)."""
     if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"selected_ids: expected an integer tensor [..., K], got {type(ids).__name__}")
+        raise InputTypeError(f"selected_ids: expected an integer tensor [..., K], got {type(ids).__name__}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise TypeError(f"selected_ids: expected an integer tensor of token ids, got dtype {ids.dtype}")
+        raise InputTypeError(f"selected_ids: expected an integer tensor of token ids, got dtype {ids.dtype}")
     if ids.dim() != len(token_shape) + 1 or ids.shape[:-1] != token_shape:
-        raise ValueError(f"selected_ids: shape {tuple(ids.shape)}; expected [*target.shape, K] = "
+        raise InputError(f"selected_ids: shape {tuple(ids.shape)}; expected [*target.shape, K] = "
                          f"{(*token_shape, 'K')}")
     if ids.device != device:
-        raise ValueError(f"selected_ids: on {ids.device}, expected the inputs' device {device}")
+        raise InputError(f"selected_ids: on {ids.device}, expected the inputs' device {device}")
     if ids.numel() and (ids.device.type != "cpu" or torch.compiler.is_compiling()):
         torch._assert_async(((ids >= 0) & (ids < vocab)).all(), f"selected_ids: expected ids in [0, V={vocab})")
     elif ids.numel():
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab:
-            raise ValueError(f"selected_ids: ids span [{low}, {high}]; expected ids in [0, V={vocab})")
+            raise InputError(f"selected_ids: ids span [{low}, {high}]; expected ids in [0, V={vocab})")
     return ids.long()
 
 

@@ -65,12 +65,16 @@ def row_kernel_steps(call: CallDescription, plan: TokenChunks, names: RowKernelN
             steps.append(Step(f"{when_grads}: each recomputed chunk's gradient", (gemm, grad), why_variant,
                               launch("plain_grad" if call.plain else "full_grad")))
     updates = (keep > 0) + -(-(call.n_rows - keep) // max(1, plan.tokens_per_chunk))
-    fp32_weight = cfg.accum_dtype == torch.float32 and call.dtype != torch.float32
+    exact = logits_dtype(call.dtype, cfg) != call.dtype  # precision="accurate": both products in fp32
+    fp32_weight = (cfg.accum_dtype == torch.float32 or exact) and call.dtype != torch.float32
     weight = (names.fp32_product,) if fp32_weight else ("torch.mm", "torch.Tensor.addmm_") if updates > 1 else (
         "torch.mm",)
+    hidden = (names.fp32_product,) if exact else ("torch.mm",)
     when = " (in forward)" if in_forward else " (in backward)"
-    steps.append(Step(f"gradient products G @ W and G.T @ x{when}", tuple(dict.fromkeys(("torch.mm", *weight))),
-                      "torch GEMMs" + ("; grad_weight accumulated in fp32 (accum_dtype)" if fp32_weight else "")))
+    why = ("; the fp32 gradient as two 16-bit parts, both products summed in fp32 (precision='accurate')" if exact
+           else "; grad_weight accumulated in fp32 (accum_dtype)" if fp32_weight else "")
+    steps.append(Step(f"gradient products G @ W and G.T @ x{when}", tuple(dict.fromkeys((*hidden, *weight))),
+                      "torch GEMMs" + why))
     if call.bias:
         steps.append(Step(f"grad_bias: column sums of the gradient{when}, if bias requires grad", (names.bias_sums,),
                           "the backend's column sums"))

@@ -27,6 +27,8 @@ onehot): their row scales at a unit upstream scale, times the objective's once k
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flce.engine import all_rows
@@ -47,13 +49,18 @@ from flce.inputs import FlatInputs
 from flce.semantics import Denominators, RowStats, RowTerms, extras, reduce_terms
 
 
+def _hidden_reduce(call: EngineCall) -> Callable[[torch.Tensor], Callable[[], None]] | None:
+    """A sharded call's grad_hidden reduction, which the accumulator starts beside the last weight product."""
+    return None if call.sharding is None else call.sharding.start_grad_hidden_reduce
+
+
 def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denominators, objective: Objective, *,
             grads_in_forward: GradTargets | None, backward_follows: bool) -> ForwardState:
     """Loss and extras; with grads_in_forward, the unscaled gradients too (each chunk's from its own statistics:
     a token-level objective). backward_follows=False (inference) keeps nothing for a backward."""
     cfg, kernels, target = call.cfg, call.kernels, flat.target
     n_rows = target.shape[0]
-    acc = GradAccumulator(kernels, flat, cfg, grads_in_forward) if grads_in_forward else None
+    acc = GradAccumulator(kernels, flat, cfg, grads_in_forward, _hidden_reduce(call)) if grads_in_forward else None
     deferred = backward_follows and acc is None
     keep = kept_rows(plan, n_rows) if deferred else 0
     if acc is None and keep == 0 and plan.stats_first is not None:
@@ -145,7 +152,7 @@ def backward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, state: Forwa
     upstream gradients, or, in forward, a sequence-level loss once every row's statistics are known)."""
     cfg, kernels, target = call.cfg, call.kernels, flat.target
     assert state.stats is not None
-    acc = GradAccumulator(kernels, flat, cfg, wanted)
+    acc = GradAccumulator(kernels, flat, cfg, wanted, _hidden_reduce(call))
     saved = state.saved_logits
     # The saved logits are overwritten by the grad kernels: a second backward must recompute.
     state.saved_logits = None

@@ -7,7 +7,8 @@ each chunk would read-modify-write the whole V x H weight gradient. Here every G
 2. for each block of ``grad_vocab_block`` columns, its logits recomputed and turned into
    d loss / d u (``backward_grad``: the fused gradient GEMM, whose logits never reach memory, or a
    plain GEMM and the row kernel in place); that block's rows of grad_weight (and grad_bias) are
-   written once, and grad_hidden accumulates over the blocks (in fp32 when accum_dtype asks).
+   written once, and grad_hidden accumulates over the blocks (in fp32 when accum_dtype or precision="accurate"
+   asks).
 
 With a scalar loss as the only differentiable output both passes run in forward (backward scales the
 gradients by grad_output); otherwise forward does step 1 and backward step 2 with the real upstream
@@ -22,7 +23,7 @@ from flce.engine import all_rows
 from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
 from flce.engine.objective import Objective
 from flce.engine.plans import FUSED, VocabBlocks
-from flce.engine.rows import WorkBuffer, block_logits, forward_state, logits_dtype
+from flce.engine.rows import WorkBuffer, block_logits, forward_state, fp32_parts, logits_dtype
 from flce.gradients import GradCoefficients
 from flce.inputs import FlatInputs
 from flce.semantics import Denominators, RowStats, statistics_dtype
@@ -54,7 +55,8 @@ def block_gradients(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, stats
     """Step 2 of the module docstring."""
     cfg, kernels = call.cfg, call.kernels
     x, w, target = flat.hidden, flat.weight, flat.target
-    fp32_acc = cfg.accum_dtype == torch.float32 and w.dtype != torch.float32
+    exact = logits_dtype(w.dtype, cfg) != w.dtype  # precision="accurate": fp32 gradients, fp32 products
+    fp32_acc = (cfg.accum_dtype == torch.float32 or exact) and w.dtype != torch.float32
     grad_hidden = None
     if wanted.hidden:
         grad_hidden = torch.zeros(x.shape, dtype=torch.float32 if fp32_acc else x.dtype, device=x.device)
@@ -80,7 +82,13 @@ def block_gradients(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, stats
             sums = torch.zeros(grad.shape[1], dtype=statistics_dtype(grad.dtype), device=grad.device)
             kernels.add_column_sums_(sums, grad)
             grad_bias[cols] = sums
-        grad = grad.to(w.dtype)  # precision="accurate": fp32 gradients enter the GEMMs as 16-bit operands
+        if exact:
+            for part in fp32_parts(grad, w.dtype):
+                if grad_hidden is not None:
+                    kernels.accumulate_fp32_(grad_hidden, part, w[cols])
+                if grad_weight is not None:
+                    kernels.accumulate_fp32_(grad_weight[cols], part.t(), x)
+            continue
         if grad_hidden is not None:
             if fp32_acc:
                 kernels.accumulate_fp32_(grad_hidden, grad, w[cols])
@@ -92,5 +100,9 @@ def block_gradients(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, stats
             else:
                 torch.mm(grad.t(), x, out=grad_weight[cols])
         del grad
-    return (None if grad_hidden is None else grad_hidden.to(x.dtype),
-            None if grad_weight is None else grad_weight.to(w.dtype), grad_bias)
+    if grad_hidden is not None:
+        grad_hidden = grad_hidden.to(x.dtype)
+        if call.sharding is not None and grad_hidden.numel():
+            # Complete only after the last block (whose weight product precedes): reduced here, not beside it.
+            call.sharding.start_grad_hidden_reduce(grad_hidden)()
+    return grad_hidden, None if grad_weight is None else grad_weight.to(w.dtype), grad_bias

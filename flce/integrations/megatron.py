@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 import flce
 from flce.config import LCEConfig
+from flce.errors import InputError, InputTypeError
 
 _PATCHED = "_flce_megatron_head"
 # Options fixed by the adapter: Megatron's GPTModel returns an unreduced per-token loss, nothing else.
@@ -60,7 +61,7 @@ def apply(model: torch.nn.Module, *, backend: str | None = None, variant: str = 
         return model
     fixed = sorted(set(options) & set(_FIXED_OPTIONS))
     if fixed:
-        raise ValueError(f"options {fixed}: set by the Megatron adapter (per-token loss, the head's "
+        raise InputError(f"options {fixed}: set by the Megatron adapter (per-token loss, the head's "
                          "tensor-parallel group); remove them")
     LCEConfig(reduction="none", **options)  # validate the option values now, not at the first step
     original = _check_supported(gpt)
@@ -151,7 +152,7 @@ def output_processor(*, backend: str | None = None, variant: str = "auto", **opt
     handled as in :func:`apply`; MuP logit scaling is refused.
     """
     if "reduction" in options or "process_group" in options:
-        raise ValueError("options reduction / process_group: set by the Megatron adapter (per-token results, "
+        raise InputError("options reduction / process_group: set by the Megatron adapter (per-token results, "
                          "the head's tensor-parallel group); remove them")
     options = dict(options, reduction="none")
     LCEConfig(**options)  # validate the option values now, not at the first step
@@ -160,7 +161,7 @@ def output_processor(*, backend: str | None = None, variant: str = "auto", **opt
     def process(*, hidden_states: torch.Tensor, output_layer: torch.nn.Module, output_weight: torch.Tensor | None,
                 labels: torch.Tensor | None, config: Any = None, **_context: Any) -> Any:
         if labels is None:
-            raise ValueError("labels=None: flce's output_processor computes per-token results of the labels; "
+            raise InputError("labels=None: flce's output_processor computes per-token results of the labels; "
                              "call the model without output_processor for logits")
         if getattr(config, "use_mup", False):
             raise NotImplementedError("use_mup=True: Megatron scales the logits (MuP); flce does not apply it")
@@ -210,7 +211,7 @@ def _find_gpt_model(model: torch.nn.Module) -> torch.nn.Module:
     while not isinstance(inner, GPTModel):
         seen.append(type(inner).__name__)
         if not isinstance(getattr(inner, "module", None), torch.nn.Module):
-            raise TypeError(
+            raise InputTypeError(
                 f"model: expected a megatron.core GPTModel or a wrapper of one (.module), got "
                 f"{' -> '.join(seen)}"
             )

@@ -34,6 +34,7 @@ import torch
 
 import flce
 from flce.config import LCEConfig
+from flce.errors import InputError, InputTypeError
 
 _PATCHED = "_flce_transformers_patch"
 # Options the adapter sets from the model and its loss; the rest (accum_dtype, memory_budget, ...)
@@ -52,7 +53,7 @@ def apply(model: torch.nn.Module, *, backend: str | None = None, variant: str = 
     """
     fixed = sorted(set(options) & set(_FIXED_OPTIONS))
     if fixed:
-        raise ValueError(f"options {fixed}: set by the transformers adapter from the model and its loss; remove them")
+        raise InputError(f"options {fixed}: set by the transformers adapter from the model and its loss; remove them")
     LCEConfig(**options)  # validate the option values now, not at the first training step
     _check_supported(model)
     remove(model)
@@ -98,7 +99,7 @@ def causal_lm_loss(
     """
     if shift_labels is None:
         if labels is None:
-            raise ValueError("labels and shift_labels are both None; expected one of them")
+            raise InputError("labels and shift_labels are both None; expected one of them")
         # As transformers does: pad on the right with ignore_index, then drop the first position.
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(hidden_states.device)
@@ -201,16 +202,16 @@ def _check_supported(model: torch.nn.Module) -> None:
     """Fail at apply time, naming what is missing, for models without the causal-LM shape."""
     name = type(model).__name__
     if not hasattr(model, "config") or not hasattr(model, "get_output_embeddings"):
-        raise TypeError(f"model: expected a transformers PreTrainedModel, got {name}")
+        raise InputTypeError(f"model: expected a transformers PreTrainedModel, got {name}")
     if getattr(model, "base_model", model) is model:
-        raise TypeError(f"model: {name} is a backbone without an LM head; pass the *ForCausalLM model")
+        raise InputTypeError(f"model: {name} is a backbone without an LM head; pass the *ForCausalLM model")
     head = model.get_output_embeddings()
     if head is None or getattr(head, "weight", None) is None or head.weight.dim() != 2:
-        raise TypeError(f"model: {name} has no linear output head (get_output_embeddings() is {head!r})")
+        raise InputTypeError(f"model: {name} has no linear output head (get_output_embeddings() is {head!r})")
     parameters = inspect.signature(type(model).forward).parameters
     missing = [p for p in ("labels", "logits_to_keep") if p not in parameters]
     if missing:
-        raise TypeError(f"model: {name}.forward has no {missing} argument(s); expected a causal-LM forward")
+        raise InputTypeError(f"model: {name}.forward has no {missing} argument(s); expected a causal-LM forward")
     loss_type = getattr(model, "loss_type", None)
     if loss_type is not None and loss_type != "ForCausalLM":
-        raise TypeError(f"model: {name} uses loss_type={loss_type!r}; the adapter reproduces 'ForCausalLM' only")
+        raise InputTypeError(f"model: {name} uses loss_type={loss_type!r}; the adapter reproduces 'ForCausalLM' only")

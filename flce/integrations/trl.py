@@ -36,12 +36,15 @@ cuBLAS and folds them into online-softmax statistics. :class:`ChunkedLogProbFunc
 from __future__ import annotations
 
 import functools
+import math
 import types
 from collections.abc import Callable, Iterable
 
 import torch
 
 import flce
+from flce.config import LCEConfig
+from flce.errors import InputError, InputTypeError
 from flce.policy.loss_types import trl_options
 from flce.policy.semantics import SequenceLayout, clip_flags, sequence_shares
 from flce.policy.tokens import PolicyTokens
@@ -66,9 +69,9 @@ def chunked_logprobs(
     outputs = tuple(outputs)
     unknown = sorted(set(outputs) - set(_KNOWN_OUTPUTS))
     if unknown:
-        raise ValueError(f"outputs={outputs!r}: unknown names {unknown}; expected names among {_KNOWN_OUTPUTS}")
+        raise InputError(f"outputs={outputs!r}: unknown names {unknown}; expected names among {_KNOWN_OUTPUTS}")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size!r}: expected a positive int")
+        raise InputError(f"chunk_size={chunk_size!r}: expected a positive int")
     hidden, bias, scaled = _fold_logit_scale(hidden, bias, temperature, final_logit_softcapping, logit_scale)
     low_precision = weight.dtype in (torch.float16, torch.bfloat16)
     out = flce.linear_cross_entropy(
@@ -101,11 +104,21 @@ def _fold_logit_scale(
     """flce's (hidden, bias, temperature, softcap) for TRL's ``softcap(s * u) / T``.
 
     For s > 0 the scale folds into the options exactly: ``c tanh(s u / c) / T = (c/s) tanh(u /
-    (c/s)) / (T/s)``. Otherwise (TRL keeps a configured 0 as is) hidden and bias are scaled.
+    (c/s)) / (T/s)``. Otherwise (TRL keeps a configured 0 as is) hidden and bias are scaled. A value the
+    folding cannot carry is refused naming TRL's argument, not the option it would have become.
     """
+    LCEConfig(temperature=temperature, softcap=softcap)  # as given: flce's checks and messages
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not math.isfinite(logit_scale):
+        raise InputTypeError(f"logit_scale={logit_scale!r}: expected a finite real number")
     if logit_scale > 0:
-        return hidden, bias, {"temperature": temperature / logit_scale,
-                              "softcap": None if softcap is None else softcap / logit_scale}
+        folded = {"temperature": temperature / logit_scale,
+                  "softcap": None if softcap is None else softcap / logit_scale}
+        for name, value in folded.items():
+            if value is not None and not 0.0 < value < math.inf:
+                given = temperature if name == "temperature" else softcap
+                raise InputError(f"logit_scale={logit_scale!r} with {name}={given!r}: {name} / logit_scale = "
+                                 f"{value!r}; expected a finite value > 0")
+        return hidden, bias, folded
     scaled_bias = None if bias is None else bias * logit_scale
     return hidden * logit_scale, scaled_bias, {"temperature": temperature, "softcap": softcap}
 

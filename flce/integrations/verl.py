@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 import flce
+from flce.errors import InputError
 from flce.policy.api import PolicyCall, PolicyInputs, TokenWeights, policy_config, policy_loss_of_tokens
 from flce.policy.checks import FlatPolicyTensors
 from flce.policy.options import PolicyOptions
@@ -61,7 +62,7 @@ def linear_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's ``linear_cross_entropy``: ``(logprobs, entropy)`` of ``hidden @ weight.T / temperature``."""
     if not isinstance(reduction, str) or reduction.lower() not in _REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r}: expected one of {_REDUCTIONS} (any case)")
+        raise InputError(f"reduction={reduction!r}: expected one of {_REDUCTIONS} (any case)")
     world_size = 1 if dist_process_group is None else dist.get_world_size(dist_process_group)
     if world_size > 1:
         hidden = _ShareGrad.apply(hidden, world_size)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from flce.config import VARIANTS, LCEConfig
+from flce.errors import InputError
 from flce.inputs import FlatInputs
 from flce.outputs import LCEOutput
 from flce.registry.probes import HardwareProbe
@@ -59,7 +60,7 @@ class Backend:
 
     def __post_init__(self) -> None:
         if self.plan_call is None and self.run is None:
-            raise ValueError(f"backend {self.name!r}: give plan_call (the shared engine runs it) or run")
+            raise InputError(f"backend {self.name!r}: give plan_call (the shared engine runs it) or run")
 
     def serves(self, device_type: str) -> bool:
         """True for its own device types (every type for "any")."""

@@ -20,6 +20,7 @@ import os
 import torch
 
 from flce.config import Primitive, config_from_primitives, resolve_variant
+from flce.errors import InputError
 from flce.inputs import FlatInputs
 from flce.registry.backend import Backend
 from flce.registry.probes import PROBE_ENV, HardwareProbe
@@ -101,7 +102,7 @@ def engine_candidates(candidates: Candidates) -> Candidates:
     skipped = tuple((b.name, "does not plan for the shared engine, so it cannot scan a vocabulary shard")
                     for b in candidates.backends if b.plan_call is None)
     if candidates.explicit and skipped:
-        raise ValueError(f"backend {skipped[0][0]!r} cannot serve process_group: it does not plan for the shared "
+        raise InputError(f"backend {skipped[0][0]!r} cannot serve process_group: it does not plan for the shared "
                          "engine (no plan_call)")
     return Candidates(usable, candidates.explicit, candidates.passed_over + skipped)
 

@@ -14,6 +14,8 @@ from functools import lru_cache
 
 import torch
 
+from flce.errors import InputError
+
 PROBE_ENV = "FLCE_PROBE_OVERRIDE"
 PROBE_NAMES = ("cuda", "npu", "triton", "triton_interpret")
 
@@ -32,7 +34,7 @@ class HardwareProbe:
         """A probe reporting exactly what is given (missing names: absent)."""
         unknown = set(present) - set(PROBE_NAMES)
         if unknown:
-            raise ValueError(f"unknown probe names {sorted(unknown)}; expected some of {PROBE_NAMES}")
+            raise InputError(f"unknown probe names {sorted(unknown)}; expected some of {PROBE_NAMES}")
         return HardwareProbe(**{n: (present.get(n, False), "faked" if present.get(n) else f"{n} faked absent")
                                 for n in PROBE_NAMES})
 
@@ -50,7 +52,7 @@ def system_probe() -> HardwareProbe:
         name, _, flag = item.partition("=")
         name = name.strip()
         if name not in PROBE_NAMES or flag.strip() not in ("0", "1"):
-            raise ValueError(f"{PROBE_ENV}={override!r}: expected comma-separated name=0|1 with names {PROBE_NAMES}")
+            raise InputError(f"{PROBE_ENV}={override!r}: expected comma-separated name=0|1 with names {PROBE_NAMES}")
         present = flag.strip() == "1"
         values[name] = (present, f"{name} forced {'present' if present else 'absent'} by {PROBE_ENV}")
     return HardwareProbe(**values)

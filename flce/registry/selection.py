@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from flce.config import LCEConfig
+from flce.devices import default_device
+from flce.errors import InputError, InputTypeError
 from flce.registry.backend import Backend
 from flce.registry.probes import HardwareProbe, system_probe
 
@@ -32,7 +34,7 @@ _warned: set[str] = set()
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
     """Add a backend (third parties too). Re-registering a name needs replace=True."""
     if backend.name in _registry and not replace:
-        raise ValueError(f"backend {backend.name!r} is already registered; pass replace=True to override it")
+        raise InputError(f"backend {backend.name!r} is already registered; pass replace=True to override it")
     _registry[backend.name] = backend
 
 
@@ -65,7 +67,7 @@ def _load_builtins() -> None:
 
 def resolve_device(device: str | torch.device | torch.Tensor | None) -> torch.device:
     """A str, torch.device or tensor names the device; None means the current accelerator
-    (CUDA, NPU, ...) if there is one, else the CPU."""
+    (CUDA, NPU, ...) if this process can use one, else the CPU."""
     if isinstance(device, torch.Tensor):
         return device.device
     if isinstance(device, torch.device):
@@ -74,11 +76,10 @@ def resolve_device(device: str | torch.device | torch.Tensor | None) -> torch.de
         try:
             return torch.device(device)
         except RuntimeError as exc:
-            raise ValueError(f"device={device!r}: not a device torch knows ({exc})") from None
+            raise InputError(f"device={device!r}: not a device torch knows ({exc})") from None
     if device is None:
-        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        return accelerator if accelerator is not None else torch.device("cpu")
-    raise TypeError(f"device={device!r}: expected a str, torch.device, tensor or None")
+        return default_device()  # a CUDA build of torch without a GPU is a CPU machine
+    raise InputTypeError(f"device={device!r}: expected a str, torch.device, tensor or None")
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def candidates_for(device_type: str, backend: str | None = None, probe: Hardware
     if name:
         source = "backend=" if backend else f"{BACKEND_ENV}="
         if name not in _registry:
-            raise ValueError(f"{source}{name!r}: unknown backend; registered: {sorted(_registry)}")
+            raise InputError(f"{source}{name!r}: unknown backend; registered: {sorted(_registry)}")
         chosen = _registry[name]
         ok, reason = availability(chosen)
         if not ok:
@@ -142,7 +143,7 @@ def choose_for_call(cands: Candidates, cfg: LCEConfig, dtype: torch.dtype, hidde
                 _warn_once(b.name, reasons)
             return b
         if cands.explicit:
-            raise ValueError(f"backend {b.name!r} does not support this call: {reason}")
+            raise InputError(f"backend {b.name!r} does not support this call: {reason}")
         reasons.append((b.name, reason))
     raise RuntimeError(f"no backend supports this call: {reasons}")
 

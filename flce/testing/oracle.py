@@ -19,15 +19,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flce.config import LCEConfig, option_names
+from flce.errors import InputError, InputTypeError
 from flce.outputs import LCEOutput
 
-# Options that change the math; the rest (memory_budget, accum_dtype, return_*, ...) only
-# change how or what is computed, so the oracle accepts and ignores them.
+# Options that change the math; flce's other options (memory_budget, precision, batch_invariant, return_*, ...)
+# only change how or what is computed, so the oracle accepts and ignores them.
 _MATH_OPTIONS = ("ignore_index", "reduction", "label_smoothing", "lse_square_scale", "softcap",
                  "class_weight", "temperature", "token_scaling", "entropy_weight", "token_weights")
-_IGNORED_OPTIONS = ("accum_dtype", "memory_budget", "process_group", "return_z_loss",
-                    "return_token_accuracy", "return_predicted_tokens", "return_logprobs",
-                    "return_entropy", "detach_extras")
+_IGNORED_OPTIONS = tuple(name for name in option_names() if name not in _MATH_OPTIONS)
 
 
 def reference_loss(
@@ -44,11 +44,14 @@ def reference_loss(
     predicted_tokens, logprobs and entropy (per token, target's shape). loss, logprobs and
     entropy are differentiable with respect to the inputs (which are upcast to float64
     inside, so float64 leaves give float64 gradients). ``token_weights`` (the call's keyword,
-    target's shape) multiplies each token's cross-entropy term.
+    target's shape) multiplies each token's cross-entropy term. The options are flce's, checked as flce
+    checks them; those that do not change the math are accepted and ignored.
     """
     unknown = set(options) - set(_MATH_OPTIONS) - set(_IGNORED_OPTIONS)
     if unknown:
-        raise TypeError(f"reference_loss: unknown options {sorted(unknown)}")
+        raise InputTypeError(f"reference_loss: unknown options {sorted(unknown)}")
+    # flce's own checks, with its messages: a value flce refuses (temperature=0, say) is refused here too.
+    LCEConfig(**{name: value for name, value in options.items() if name in option_names()})
     ignore_index = options.get("ignore_index", -100)
     reduction = options.get("reduction", "mean")
     label_smoothing = options.get("label_smoothing", 0.0)
@@ -106,7 +109,7 @@ def reference_loss(
         loss = (_mean(rest, ce_denominator, count) + _mean(smoothing.sum(), ce_denominator, count) + z_loss
                 + _mean(bonus.sum(), count, count))
     else:
-        raise ValueError(f"reduction={reduction!r}")
+        raise InputError(f"reduction={reduction!r}")
 
     argmax = z.argmax(dim=-1) if z.shape[0] else t.new_zeros(0)
     correct = ((argmax == t) & valid).double()

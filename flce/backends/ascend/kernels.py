@@ -18,10 +18,12 @@ Conventions shared by all kernels:
 * math is fp32 whatever the logits dtype; offsets are int32 unless ``WIDE_OFFSETS`` (the chunk
   holds 2**31 elements or more, decided on the host).
 * softcap and temperature: ``z = softcap * tanh(u / softcap) / temperature``; tanh is built from
-  ``exp(-2|x|)`` (in (0, 1], no overflow) because triton-ascend, CUDA Triton and the interpreter
-  all provide ``exp`` but not the same tanh.
+  ``exp(-2|x|)`` (in (0, 1], no overflow) and a Taylor series near 0 (flce/backends/softcap.py, shared with
+  the CUDA kernels) because triton-ascend, CUDA Triton and the interpreter all provide ``exp`` but not the same
+  tanh.
 * small steps are written inline rather than as @jit helpers: the compiler inlines either way, and
-  the interpreter (CI) pays milliseconds per helper call per block.
+  the interpreter (CI) pays milliseconds per helper call per block. The softcap's tanh is a helper: three
+  kernels share it, and only softcapped calls pay for it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import triton
 import triton.language as tl
 
 from flce.backends.online_softmax import _moved_to
+from flce.backends.softcap import _tanh
 
 # Larger than any column index: the "no candidate" value of the first-index argmax.
 _NO_INDEX = tl.constexpr(2147483647)
@@ -147,8 +150,7 @@ def _row_stats_kernel(
         target_col = tl.where(in_shard, local_target, 0).to(tl.int32)
         target_z = tl.load(row_ptr + target_col, mask=in_shard, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            target_e = tl.exp(-2.0 * tl.abs(target_z / softcap))
-            target_z = softcap * tl.where(target_z < 0.0, target_e - 1.0, 1.0 - target_e) / (1.0 + target_e)
+            target_z = softcap * _tanh(target_z / softcap)
         if HAS_TEMPERATURE:
             target_z = target_z * inv_temperature
         tl.store(target_z_ptr + row, tl.where(in_shard, target_z, 0.0))
@@ -165,8 +167,7 @@ def _row_stats_kernel(
             # they are kept out of the max and the sums explicitly.
             z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
-                tanh_e = tl.exp(-2.0 * tl.abs(z / softcap))
-                z = softcap * tl.where(z < 0.0, tanh_e - 1.0, 1.0 - tanh_e) / (1.0 + tanh_e)
+                z = softcap * _tanh(z / softcap)
             if HAS_TEMPERATURE:
                 z = z * inv_temperature
             block_max = tl.max(tl.where(mask, z, float("-inf")), 0)
@@ -241,8 +242,7 @@ def _full_grad_kernel(
             mask = cols < vocab
             z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
-                tanh_e = tl.exp(-2.0 * tl.abs(z / softcap))
-                tanh = tl.where(z < 0.0, tanh_e - 1.0, 1.0 - tanh_e) / (1.0 + tanh_e)
+                tanh = _tanh(z / softcap)
                 z = softcap * tanh
             if HAS_TEMPERATURE:
                 z = z * inv_temperature

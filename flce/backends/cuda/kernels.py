@@ -16,12 +16,7 @@ import triton
 import triton.language as tl
 
 from flce.backends.online_softmax import _moved_to
-
-
-@triton.jit
-def _tanh(x):
-    # 1 - 2 / (exp(2x) + 1): saturates to +-1 without overflow producing NaN.
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+from flce.backends.softcap import _tanh
 
 
 @triton.jit

@@ -32,14 +32,21 @@ def _stats_layout():
 
 @gluon.jit
 def _softcapped(u, softcap):
-    """softcap * tanh(u / softcap) as softcap - 2 softcap / (exp2(u * 2 log2(e) / softcap) + 1): kernels._tanh's
-    formula (saturating to +-softcap without NaN) in one exp2, one approximate reciprocal and three FMAs a
-    logit; the precise division's ~14 instructions a logit more did not hide under the wgmma (measured:
-    docs/design-notes.md). Agrees with the gradient kernels' recomputation to fp32 rounding (~1e-5 at 30)."""
-    e = gl.exp2(u * (2.8853900817779268 / softcap))  # 2 log2(e) / softcap
+    """softcap * tanh(u / softcap) by flce/backends/softcap.py's formula, within fp32 rounding of u at any
+    softcap: (1 - e) / (1 + e) with e = exp2(-2 log2(e) |u| / softcap) in (0, 1] and the sign restored, below
+    |u| / softcap = 0.25 tanh's Taylor series to x^9. The division is one approximate reciprocal (of 1 + e in
+    [1, 2], within an ulp): the precise division's ~14 instructions a logit more did not hide under the wgmma
+    (measured: docs/design-notes.md). Agrees with the gradient kernels' recomputation to fp32 rounding."""
+    a = gl.abs(u) * (1.0 / softcap)
+    e = gl.exp2(a * -2.8853900817779268)  # -2 log2(e)
     reciprocal = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [e + 1.0], dtype=gl.float32,
                                            is_pure=True, pack=1)
-    return softcap - (2.0 * softcap) * reciprocal
+    s = a * a
+    series = -0.05396825396825397 + s * 0.021869488536155203
+    series = 0.13333333333333333 + s * series
+    series = -0.3333333333333333 + s * series
+    t = gl.where(a < 0.25, a + a * s * series, (1.0 - e) * reciprocal)
+    return softcap * gl.where(u < 0.0, -t, t)
 
 
 @gluon.jit

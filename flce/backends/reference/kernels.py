@@ -209,9 +209,18 @@ class ReferenceKernels:
             acc += a[start:start + rows].sum(0, dtype=acc.dtype)
 
     def accumulate_fp32_(self, acc, a, b) -> None:
+        if acc.is_cuda and a.dtype == b.dtype:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)  # cuBLAS: 16-bit operands, fp32 sums
+            return
+        # Elsewhere each product is taken in fp32, its operands upcast a block at a time: a 16-bit product would
+        # round each block before the fp32 accumulator sees it, and the CPU's 16-bit GEMM is emulated (0.25 s in
+        # fp32 against 30 s in bf16 for 1024 x 4096 x 1024 on one core of a 2-core EPYC).
+        inner = max(1, CPU_BLOCK_BYTES // max(1, 4 * b.shape[1]))
         for start in range(0, acc.shape[0], _FP32_ACCUMULATE_ROWS):
             rows = slice(start, start + _FP32_ACCUMULATE_ROWS)
-            acc[rows] += (a[rows] @ b).float()
+            for first in range(0, b.shape[0], inner):
+                block = slice(first, first + inner)
+                acc[rows].addmm_(a[rows, block].float(), b[block].float())
 
 
 def _subtract_at_target_(grad: torch.Tensor, index: torch.Tensor, amount: torch.Tensor) -> None:
