@@ -304,11 +304,12 @@ def run(socs: tuple[str, ...], vocabs: tuple[int, ...], dtypes: tuple[str, ...],
             block = _block_of(src.constants)
             dtype_bytes = {"*bf16": 2, "*fp16": 2, "*fp32": 4}[next(iter(src.signature.values()))]
             footprint = ops.FOOTPRINTS[_footprint_name(launch.kernel, src.constants)]
+            per_element = footprint.bytes_per_element(dtype_bytes, bool(src.constants.get("HAS_SOFTCAP")))
             variants[key] = VariantResult(
                 kernel=launch.kernel, key=key, constants={k: v for k, v in src.constants.items() if isinstance(k, str)},
                 signature=src.signature, contexts=[], stages=[], stopped_at="", error="", block=block,
                 ub_bytes=ub, ub_share_bytes=int(ub * ops.UB_SAFETY_FRACTION), ir_footprint_bytes=0,
-                tiling_estimate_bytes=block * footprint.bytes_per_element(dtype_bytes), ir_live_at_peak=[])
+                tiling_estimate_bytes=block * per_element, ir_live_at_peak=[])
             firsts[key] = launch
         variant = variants[key]
         variant.contexts.append(launch.context)

@@ -147,10 +147,14 @@ class TileFootprint:
     broadcast_tiles: int  # 4-byte tiles made once before the loop: splatted scalars, column indices
     fp32_temporaries: int  # 4-byte values live at the same time inside the loop
     mask_tiles: int  # one byte per element each
+    # 4-byte tiles only a softcapped launch holds: softcap._tanh's series (its coefficients and threshold
+    # splatted, two temporaries). Counted apart so that the calls without a softcap keep their larger blocks.
+    softcap_tiles: int = 0
 
-    def bytes_per_element(self, dtype_bytes: int) -> int:
+    def bytes_per_element(self, dtype_bytes: int, softcap: bool = False) -> int:
         buffered = 2 * (self.io_tiles * dtype_bytes + self.fp32_input_tiles * 4)
-        return buffered + 4 * (self.broadcast_tiles + self.fp32_temporaries) + self.mask_tiles
+        extra = self.softcap_tiles if softcap else 0
+        return buffered + 4 * (self.broadcast_tiles + self.fp32_temporaries + extra) + self.mask_tiles
 
 
 # Counted from the IR that triton-ascend 3.2's adapter (triton-adapter-opt) makes of kernels.py, at
@@ -165,10 +169,12 @@ FOOTPRINTS = {
     "plain_grad": TileFootprint(io_tiles=2, fp32_input_tiles=0, broadcast_tiles=5, fp32_temporaries=3, mask_tiles=1),
     # load, class weights; softcap, constants, temperature, -inf, column indices, ...; five fp32
     # values of the tanh and the sums; mask, max-equality
-    "row_stats": TileFootprint(io_tiles=1, fp32_input_tiles=1, broadcast_tiles=9, fp32_temporaries=5, mask_tiles=2),
+    "row_stats": TileFootprint(io_tiles=1, fp32_input_tiles=1, broadcast_tiles=9, fp32_temporaries=5, mask_tiles=2,
+                               softcap_tiles=7),
     # load + store, class weights; lse, a, h, d, e, softcap, temperature, target, constants, column
     # indices; five fp32 values of the tanh and the gradient; onehot
-    "full_grad": TileFootprint(io_tiles=2, fp32_input_tiles=1, broadcast_tiles=12, fp32_temporaries=5, mask_tiles=1),
+    "full_grad": TileFootprint(io_tiles=2, fp32_input_tiles=1, broadcast_tiles=12, fp32_temporaries=5, mask_tiles=1,
+                               softcap_tiles=7),
     # load + store; scale; x, x * scale
     "scale": TileFootprint(io_tiles=2, fp32_input_tiles=0, broadcast_tiles=1, fp32_temporaries=2, mask_tiles=0),
     # distill_kernels.py, counted from the same IR (tools/ascend/compile_check.py records their launches too).
@@ -190,10 +196,10 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def block_size(kernel: str, dtype: torch.dtype, vocab: int, ub_bytes: int) -> int:
+def block_size(kernel: str, dtype: torch.dtype, vocab: int, ub_bytes: int, softcap: bool = False) -> int:
     """BLOCK_V for a kernel: the largest power of two whose working set stays within
     UB_SAFETY_FRACTION of the UB, no larger than the row needs and at most MAX_BLOCK_V."""
-    per_element = FOOTPRINTS[kernel].bytes_per_element(dtype.itemsize)
+    per_element = FOOTPRINTS[kernel].bytes_per_element(dtype.itemsize, softcap)
     usable = int(ub_bytes * UB_SAFETY_FRACTION)
     if MIN_BLOCK_V * per_element > usable:
         raise ValueError(
@@ -254,8 +260,8 @@ class AscendChunkKernels:
     def __init__(self, props: AscendDeviceProperties):
         self.props = props
 
-    def _block(self, kernel: str, logits: torch.Tensor) -> int:
-        return block_size(kernel, logits.dtype, logits.shape[1], self.props.ub_bytes)
+    def _block(self, kernel: str, logits: torch.Tensor, softcap: bool = False) -> int:
+        return block_size(kernel, logits.dtype, logits.shape[1], self.props.ub_bytes, softcap)
 
     def plain_loss(self, logits, target, ignore_index, grad_scale):
         logits = _unit_column_stride(logits)
@@ -305,7 +311,7 @@ class AscendChunkKernels:
             HAS_SOFTCAP=cfg.softcap is not None, HAS_TEMPERATURE=cfg.temperature != 1.0,
             HAS_CLASS_WEIGHT=weight is not None, NEED_SUM_EXP_DZ=stats.sum_exp_dz is not None,
             NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None, NEED_ARGMAX=stats.argmax is not None,
-            WIDE_OFFSETS=needs_wide_offsets(logits), BLOCK_V=self._block("row_stats", logits),
+            WIDE_OFFSETS=needs_wide_offsets(logits), BLOCK_V=self._block("row_stats", logits, cfg.softcap is not None),
         )
         return stats
 
@@ -325,7 +331,7 @@ class AscendChunkKernels:
             n, vocab, vocab_offset, float(cfg.softcap or 1.0), 1.0 / cfg.temperature,
             HAS_SOFTCAP=cfg.softcap is not None, HAS_TEMPERATURE=cfg.temperature != 1.0,
             HAS_CLASS_WEIGHT=weight is not None, HAS_H=coeffs.h is not None, HAS_E=coeffs.e is not None,
-            WIDE_OFFSETS=needs_wide_offsets(logits), BLOCK_V=self._block("full_grad", logits),
+            WIDE_OFFSETS=needs_wide_offsets(logits), BLOCK_V=self._block("full_grad", logits, cfg.softcap is not None),
         )
         return logits
 

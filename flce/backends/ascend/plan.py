@@ -96,8 +96,9 @@ def choose(device: DeviceDescription, call: CallDescription, entry: TunedEntry |
                                             * logits_bytes_per_row(call.vocab, call.dtype, call.cfg))
 
     def launch(kernel: str) -> str:
-        dtype = logits_dtype(call.dtype, call.cfg)
-        return (f"BLOCK_V {block_size(kernel, dtype, call.vocab, props.ub_bytes)} (a {props.ub_bytes >> 10} KiB "
+        block = block_size(kernel, logits_dtype(call.dtype, call.cfg), call.vocab, props.ub_bytes,
+                           call.cfg.softcap is not None)
+        return (f"BLOCK_V {block} (a {props.ub_bytes >> 10} KiB "
                 f"UB), up to {props.vector_cores} programs")
 
     steps = row_kernel_steps(call, plan, KERNEL_NAMES, launch)
