@@ -97,5 +97,10 @@ def test_large_softcaps_on_the_gpu_leave_the_loss_as_float64_does(kernels: str, 
     # Per-token losses of a few nats: fp32 rounding of the softmax statistics, a few 1e-6.
     error = float((capped - plain - want).abs().max())
     assert error <= 2e-5, error
+    # The softcap's own effect on the gradients, O(u^2 / softcap^2), is far below fp32's 1e-4. In a 16-bit gradient
+    # it still moves the elements it carries across a rounding boundary by one ulp (2^-8 relative): 1.2e-4 to
+    # 1.5e-4 by relative norm at softcap 1e4 (H200, bf16). The defect this guards against, the former tanh's
+    # softcap * 1e-7 on each logit (1e-3 at 1e4), would move about a quarter of them: ~2e-3 (estimated).
+    bound = 1e-4 if dtype == torch.float32 else 4e-4
     for g, p in zip(capped_grads, plain_grads, strict=True):
-        assert relative_error(g, p) <= 1e-4
+        assert relative_error(g, p) <= bound

@@ -61,7 +61,7 @@ def reference_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, target: to
         advantage = advantages.to(math)
         per_token["advantages"] = (advantage[:, None].expand(batch, length) if advantage.dim() == 1
                                    else advantage).reshape(-1)
-        rows = torch.arange(batch * length).reshape(batch, length)
+        rows = torch.arange(batch * length, device=target.device).reshape(batch, length)
     padded = {name: torch.where(rows >= 0, value[rows.clamp(min=0)], 0.0) for name, value in per_token.items()}
     result = _trl_loss(padded, o, per_sequence_advantages=not packed and advantages.dim() == 1)
     result["logprobs"] = torch.where(valid, token_logp, 0.0).detach().reshape(target.shape)

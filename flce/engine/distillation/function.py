@@ -8,6 +8,8 @@ refused, as cross-entropy's are (flce.engine.function.first_order_only).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -59,7 +61,11 @@ class DistillFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         *tensors, call, wanted, handoff = inputs
         ctx.call, ctx.wanted, ctx.anchors = call, wanted, handoff.anchors
-        ctx.in_forward, ctx.state = handoff.in_forward, handoff.state
+        # The state without the returned loss itself: ctx -> state -> output -> ctx would be a reference cycle,
+        # which keeps the graph (its saved gradients, the leaves' AccumulateGrad nodes on forward's stream) alive
+        # until Python's collector runs; CUDA-graph capture fails on such a node from an earlier step.
+        ctx.in_forward, ctx.state = handoff.in_forward, dataclasses.replace(handoff.state,
+                                                                            loss=handoff.state.loss.detach())
         if not ctx.in_forward and wanted.any:
             ctx.save_for_backward(*tensors)
         ctx.set_materialize_grads(False)
