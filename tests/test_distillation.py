@@ -6,6 +6,7 @@ the module form; and the statistics' merge across vocabulary tiles."""
 from __future__ import annotations
 
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -276,3 +277,24 @@ def test_backend_without_distillation_kernels_is_refused(isolated_registry: None
         flce_loss(pair, backend="ce-only")
     with pytest.raises(ValueError, match="backend='ce-only': has no linear distillation kernels"):
         flce.get_distillation_impl("cpu", backend="ce-only")
+
+
+def test_a_better_backend_without_distillation_kernels_is_passed_over_with_one_warning(
+        isolated_registry: None, generator: torch.Generator) -> None:
+    """Selection skips a higher-priority backend that has no distillation kernels, says so once (as the
+    cross-entropy's selection does), and refuses it by name with flce's input error (a ValueError and a
+    RuntimeError, as torch's own errors are caught)."""
+    from flce.backends.reference import BACKEND
+    from flce.registry import Backend, register_backend
+
+    register_backend(Backend(name="ce-first", device_types=("any",), priority=1_000, is_available=BACKEND.is_available,
+                             supports=BACKEND.supports, plan_call=BACKEND.plan_call, choose=BACKEND.choose))
+    pair = make_pair(generator)
+    with pytest.warns(RuntimeWarning, match="linear distillation using the 'reference' backend because a better one "
+                                            r"was passed over \(ce-first: no linear distillation kernels\)"):
+        flce_loss(pair)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flce_loss(pair)  # warned once
+    with pytest.raises(RuntimeError, match="backend 'ce-first' has no linear distillation kernels"):
+        flce_loss(pair, backend="ce-first")

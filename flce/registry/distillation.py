@@ -9,17 +9,16 @@ marked constant for Dynamo: a compiled step calls it once per graph, outside the
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 
 from flce.config import LCEConfig
+from flce.errors import InputError
 from flce.registry.dispatch import _SELECTION_ENV
 from flce.registry.probes import HardwareProbe
-from flce.registry.selection import candidates_for, registry_state
+from flce.registry.selection import candidates_for, registry_state, warn_passed_over
 
 _memo: dict[tuple, str] = {}
-_warned: set[str] = set()
 
 
 def resolve_distillation(device_type: str, backend: str | None, dtype: torch.dtype, hidden_size: int, vocab: int,
@@ -45,17 +44,17 @@ def _resolve(device_type: str, backend: str | None, dtype: torch.dtype, hidden_s
     for b in candidates.backends:
         if b.plan_distillation is None:
             if candidates.explicit:
-                raise ValueError(f"backend {b.name!r} has no linear distillation kernels; backends that have: "
+                raise InputError(f"backend {b.name!r} has no linear distillation kernels; backends that have: "
                                  f"{distillation_backends()}")
             passed_over.append((b.name, "no linear distillation kernels"))
             continue
         ok, reason = b.supports(plain, dtype, hidden_size, vocab)
         if ok:
             if passed_over:
-                _warn_once(b.name, passed_over)
+                warn_passed_over(b.name, passed_over, "linear distillation ", stacklevel=5)
             return b.name
         if candidates.explicit:
-            raise ValueError(f"backend {b.name!r} does not support this distillation call: {reason}")
+            raise InputError(f"backend {b.name!r} does not support this distillation call: {reason}")
         passed_over.append((b.name, reason))
     raise RuntimeError(f"no backend supports this distillation call: {passed_over}")
 
@@ -64,12 +63,3 @@ def distillation_backends() -> list[str]:
     """The registered backends with distillation kernels."""
     return sorted(name for name, b in registry_state() if b.plan_distillation is not None)
 
-
-def _warn_once(chosen: str, reasons: list[tuple[str, str]]) -> None:
-    key = f"{chosen}|{reasons}"
-    if key in _warned:
-        return
-    _warned.add(key)
-    why = "; ".join(f"{name}: {reason}" for name, reason in reasons)
-    warnings.warn(f"flce: linear distillation uses the {chosen!r} backend because a better one was passed over "
-                  f"({why})", RuntimeWarning, stacklevel=5)

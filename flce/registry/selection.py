@@ -140,7 +140,7 @@ def choose_for_call(cands: Candidates, cfg: LCEConfig, dtype: torch.dtype, hidde
         ok, reason = b.supports(cfg, dtype, hidden_size, vocab)
         if ok:
             if reasons and warn:
-                _warn_once(b.name, reasons)
+                warn_passed_over(b.name, reasons)
             return b
         if cands.explicit:
             raise InputError(f"backend {b.name!r} does not support this call: {reason}")
@@ -148,14 +148,16 @@ def choose_for_call(cands: Candidates, cfg: LCEConfig, dtype: torch.dtype, hidde
     raise RuntimeError(f"no backend supports this call: {reasons}")
 
 
-def _warn_once(chosen: str, reasons: list[tuple[str, str]]) -> None:
-    key = f"{chosen}|{reasons}"
+def warn_passed_over(chosen: str, reasons: list[tuple[str, str]], what: str = "", stacklevel: int = 4) -> None:
+    """The one-time warning that ``chosen`` serves a call (``what``: which kind, e.g. "linear distillation ")
+    because the better backends in ``reasons`` were passed over."""
+    key = f"{what}{chosen}|{reasons}"
     if key in _warned:
         return
     _warned.add(key)
     why = "; ".join(f"{name}: {reason}" for name, reason in reasons)
-    warnings.warn(f"flce: using the {chosen!r} backend because a better one was passed over ({why})",
-                  RuntimeWarning, stacklevel=4)
+    warnings.warn(f"flce: {what}using the {chosen!r} backend because a better one was passed over ({why})",
+                  RuntimeWarning, stacklevel=stacklevel)
 
 
 def available_backends(probe: HardwareProbe | None = None) -> list[dict]:
