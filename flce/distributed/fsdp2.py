@@ -31,10 +31,6 @@ class Fsdp2Layout:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
 
-    def model_parallel_placements(self, placements: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The placements of the mesh dimensions that are not data-parallel (tensor parallelism)."""
-        return tuple(p for d, p in enumerate(placements) if d not in self.data_parallel_dims)
-
 
 # id(param) -> (a weak reference to it, its layout or None when no FSDP2 module manages it). Keyed by
 # id with a callback that drops the entry: a WeakKeyDictionary would compare tensors with ==, elementwise.
