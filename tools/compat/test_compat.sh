@@ -14,10 +14,10 @@
 # (/etc/xdg/pip) is lifted for these environments only (PIP_CONSTRAINT=/dev/null).
 # Usage: tools/compat/test_compat.sh [oldest] [newest]   (PYTHON: the interpreter that builds flce's wheel)
 #
-# COMPAT_DISCARD=1 (CI, whose clone is thrown away afterwards) trades time for disk: the pairs run one after
-# the other instead of side by side, each pair's wheels are deleted once its environment is installed and
-# the environment once its tests end, so at most one pair (about 10 GB with its wheels) is on disk at a time
-# instead of both (about 20 GB).
+# COMPAT_DISCARD=1 (CI, whose clone is thrown away afterwards) keeps nothing: each pair's wheels are deleted
+# once its environment is installed and the environment once its tests end (about 10 GB a pair at its peak).
+# Where less than 30 GB is free it also runs the pairs one after the other instead of side by side, so that
+# at most one pair is on disk at a time.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -126,8 +126,17 @@ run_pair() {  # name: its build and tests, output to build/compat/<name>.out
 }
 
 # Each pair in a background process of its own (where `set -e` holds, which a `||` would switch off),
-# its output in build/compat/<pair>.out, printed when it ends. Side by side unless COMPAT_DISCARD=1: the
-# Triton compiler and interpreter keep about one core busy each, and CI has two.
+# its output in build/compat/<pair>.out, printed when it ends. Side by side (the Triton compiler and
+# interpreter keep about one core busy each, CI has two, and one pair's download overlaps the other's
+# tests), unless COMPAT_DISCARD=1 on a disk with less than SIDE_BY_SIDE_GB free: then one after the other,
+# so that at most one pair is on disk.
+SIDE_BY_SIDE_GB=30
+free_gb=$(df -BG --output=avail "$ROOT" | tail -1 | tr -dc '0-9')
+sequential=0
+if [ "$DISCARD" = 1 ] && [ "$free_gb" -lt "$SIDE_BY_SIDE_GB" ]; then
+    sequential=1
+fi
+echo "test-compat: ${free_gb} GB free: the pairs run $([ $sequential = 1 ] && echo 'one after the other' || echo 'side by side')"
 status=0
 pids=()
 report() {  # index: wait for that pair, print its output
@@ -138,9 +147,9 @@ report() {  # index: wait for that pair, print its output
 for i in "${!pairs[@]}"; do
     run_pair "${pairs[$i]}" > "$ROOT/${pairs[$i]}.out" 2>&1 &
     pids+=($!)
-    [ "$DISCARD" != 1 ] || report "$i"
+    [ "$sequential" != 1 ] || report "$i"
 done
-if [ "$DISCARD" != 1 ]; then
+if [ "$sequential" != 1 ]; then
     for i in "${!pairs[@]}"; do report "$i"; done
 fi
 exit $status
