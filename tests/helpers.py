@@ -339,6 +339,46 @@ TORCH_GEMMS = {"torch.mm", "torch.addmm", "torch.Tensor.addmm_", "torch.matmul"}
 CUBLAS_NAME = re.compile(r"gemm|nvjet|cutlass|xmma|cublas", re.IGNORECASE)
 
 
+# The torch functions of TORCH_GEMMS' names, as count_launches wraps them.
+_GEMM_FUNCTIONS = {"torch.mm": (torch, "mm"), "torch.addmm": (torch, "addmm"),
+                   "torch.Tensor.addmm_": (torch.Tensor, "addmm_"), "torch.matmul": (torch.Tensor, "__matmul__")}
+
+
+class _CountedKernel:
+    """A Triton kernel whose launches (``kernel[grid](...)``) are noted by name."""
+
+    def __init__(self, kernel: Any, name: str, sink: set[str]) -> None:
+        self.kernel, self.name, self.sink, self.fn = kernel, name, sink, kernel.fn
+
+    def __getitem__(self, grid: Any) -> Any:
+        self.sink.add(self.name)
+        return self.kernel[grid]
+
+
+def _counted_function(function: Callable, name: str, sink: set[str]) -> Callable:
+    def counted(*args, **kwargs):
+        sink.add(name)
+        return function(*args, **kwargs)
+
+    return counted
+
+
+def count_launches(monkeypatch: Any, kernel_modules: tuple[str, ...], gemms: set[str] = TORCH_GEMMS) -> set[str]:
+    """The names (as a call's record gives them) of the Triton kernels of ``flce.backends.cuda.<kernel_modules>``
+    and of the torch GEMMs ``gemms`` that run from here on: a set filled as they launch, until ``monkeypatch``
+    undoes the wrapping. Where there is no GPU, the kernels run under the interpreter."""
+    ran: set[str] = set()
+    for module_name in kernel_modules:
+        module = importlib.import_module(f"flce.backends.cuda.{module_name}")
+        for attr, value in list(vars(module).items()):
+            if attr.endswith("_kernel") and hasattr(value, "fn"):
+                monkeypatch.setattr(module, attr, _CountedKernel(value, f"{module.__name__}.{attr}", ran))
+    for label in gemms:
+        owner, attr = _GEMM_FUNCTIONS[label]
+        monkeypatch.setattr(owner, attr, _counted_function(getattr(owner, attr), label, ran))
+    return ran
+
+
 def flce_kernel_names() -> set[str]:
     """Every kernel function of the CUDA backend (Triton and Gluon), by name."""
     names = set()

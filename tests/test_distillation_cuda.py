@@ -10,11 +10,10 @@ names the kernels that ran; the tuning space's heuristic is the planner's choice
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from distillation_helpers import assert_matches_oracle, flce_loss, make_pair, oracle, relative
+from helpers import count_launches
 
 import flce
 from flce.autotune import override_params
@@ -216,19 +215,9 @@ def test_record_equals_explain_and_names_what_ran(name: str, monkeypatch: pytest
                                                   generator: torch.Generator) -> None:
     """A call's record equals explain's for the same description (the interpreter's CPU, or this GPU), and every
     Triton kernel and torch GEMM it launched (counted by name) is one the record names, and the reverse."""
-    from test_explain import _Counted, _counted_function
-
     options, knobs, training, bias = RECORD_CALLS[name]
-    ran: set[str] = set()
-    for module_name in ("distill_kernels", "kernels", "target_kernels"):
-        module = importlib.import_module(f"flce.backends.cuda.{module_name}")
-        for attr, value in list(vars(module).items()):
-            if attr.endswith("_kernel") and hasattr(value, "fn"):
-                monkeypatch.setattr(module, attr, _Counted(value, f"{module.__name__}.{attr}", ran))
-    gemms = {"torch.mm": (torch, "mm"), "torch.addmm": (torch, "addmm"),
-             "torch.Tensor.addmm_": (torch.Tensor, "addmm_")}
-    for label, (owner, attr) in gemms.items():
-        monkeypatch.setattr(owner, attr, _counted_function(getattr(owner, attr), label, ran))
+    gemms = {"torch.mm", "torch.addmm", "torch.Tensor.addmm_"}
+    ran = count_launches(monkeypatch, ("distill_kernels", "kernels", "target_kernels"), gemms)
     pair = make_pair(generator, n=16, student_size=8, teacher_size=24, vocab=48, bias=bias,
                      teacher_requires_grad=options.get("teacher_grad", False)).detached(DEVICE)
 

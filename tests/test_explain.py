@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from helpers import TORCH_GEMMS, count_launches
 
 import flce
 from flce.__main__ import main
@@ -185,6 +186,8 @@ def test_explain_equals_the_plan_on_a_described_gpu(options: dict, monkeypatch: 
 _TILES = {"gemm_block_m": 16, "gemm_block_n": 32, "gemm_block_k": 16, "gemm_group_m": 2, "gemm_warps": 4,
           "gemm_stages": 1, "gemm_splits": 2}
 _CHUNKS = {"tokens_per_chunk": 16, "grad_schedule": "token_chunks"}
+# The modules of the Triton kernels a call under the interpreter can launch (the Gluon ones need a Hopper GPU).
+INTERPRETER_KERNEL_MODULES = ("kernels", "gemm_kernels", "exp_grad_kernels", "target_kernels")
 INTERPRETER_CALLS = {  # name: (options, bias, training, autotune knobs, logits-save limit)
     "cublas-plain": ({}, False, True, _CHUNKS, None),
     "cublas-full-bias": ({"label_smoothing": 0.1}, True, True, _CHUNKS, None),
@@ -214,16 +217,7 @@ def test_interpreter_kernels_that_ran_are_the_ones_the_record_named(name: str, m
     from flce.autotune import override_params
 
     options, bias, training, knobs, limit = INTERPRETER_CALLS[name]
-    ran: set[str] = set()
-    for module_name in ("kernels", "gemm_kernels", "exp_grad_kernels", "target_kernels"):
-        module = importlib.import_module(f"flce.backends.cuda.{module_name}")
-        for attr, value in list(vars(module).items()):
-            if attr.endswith("_kernel") and hasattr(value, "fn"):
-                monkeypatch.setattr(module, attr, _Counted(value, f"{module.__name__}.{attr}", ran))
-    for owner, attr, label in ((torch, "mm", "torch.mm"), (torch, "addmm", "torch.addmm"),
-                               (torch.Tensor, "addmm_", "torch.Tensor.addmm_"),
-                               (torch.Tensor, "__matmul__", "torch.matmul")):
-        monkeypatch.setattr(owner, attr, _counted_function(getattr(owner, attr), label, ran))
+    ran = count_launches(monkeypatch, INTERPRETER_KERNEL_MODULES)
     x, w, b, t = _small_inputs(generator, training, bias)
 
     def step() -> None:
@@ -234,28 +228,8 @@ def test_interpreter_kernels_that_ran_are_the_ones_the_record_named(name: str, m
             loss.backward()
 
     record = _planned(monkeypatch, step)
-    gemms = {"torch.mm", "torch.addmm", "torch.Tensor.addmm_", "torch.matmul"}
-    named = {k for k in record.kernel_names() if k.startswith("flce.") or k in gemms}
+    named = {k for k in record.kernel_names() if k.startswith("flce.") or k in TORCH_GEMMS}
     assert ran == named, f"ran {sorted(ran)}\n{record}"
-
-
-class _Counted:
-    """A Triton kernel whose launches (``kernel[grid](...)``) are noted by name."""
-
-    def __init__(self, kernel: object, name: str, sink: set[str]) -> None:
-        self.kernel, self.name, self.sink, self.fn = kernel, name, sink, kernel.fn
-
-    def __getitem__(self, grid: object) -> object:
-        self.sink.add(self.name)
-        return self.kernel[grid]
-
-
-def _counted_function(function, name: str, sink: set[str]):
-    def counted(*args, **kwargs):
-        sink.add(name)
-        return function(*args, **kwargs)
-
-    return counted
 
 
 # ------------------------------------------------------------------ explain refuses what a call refuses

@@ -11,12 +11,11 @@ kept-exponential schedules' numbers match the float64 oracle.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
+from helpers import TORCH_GEMMS, count_launches
 from policy_cases import check_against_oracle, full_options, policy_case
-from test_explain import _TILES, DEVICES, _Counted, _counted_function, _planned, resolve
+from test_explain import _TILES, DEVICES, INTERPRETER_KERNEL_MODULES, _planned, resolve
 
 import flce
 from flce.__main__ import main
@@ -133,21 +132,11 @@ def test_interpreter_policy_kernels_that_ran_are_the_ones_the_record_named(name:
     monkeypatch.setattr("flce.backends.cuda.plan.MAX_BLOCK_V", 16)
     level, entropy, knobs, limit = INTERPRETER_CALLS[name]
     case, fresh = (policy_case(generator, vocab=40, length=8).to(torch.float32) for _ in range(2))
-    ran: set[str] = set()
-    for module_name in ("kernels", "gemm_kernels", "exp_grad_kernels", "target_kernels"):
-        module = importlib.import_module(f"flce.backends.cuda.{module_name}")
-        for attr, value in list(vars(module).items()):
-            if attr.endswith("_kernel") and hasattr(value, "fn"):
-                monkeypatch.setattr(module, attr, _Counted(value, f"{module.__name__}.{attr}", ran))
-    for owner, attr, label in ((torch, "mm", "torch.mm"), (torch, "addmm", "torch.addmm"),
-                               (torch.Tensor, "addmm_", "torch.Tensor.addmm_"),
-                               (torch.Tensor, "__matmul__", "torch.matmul")):
-        monkeypatch.setattr(owner, attr, _counted_function(getattr(owner, attr), label, ran))
+    ran = count_launches(monkeypatch, INTERPRETER_KERNEL_MODULES)
     options = full_options("dapo", level, entropy_weight=0.01 if entropy else 0.0, return_entropy=entropy)
     with override_params(knobs, limit, backend="cuda"):
         record = _planned(monkeypatch, _policy_step(case, options, "cuda"))
-    gemms = {"torch.mm", "torch.addmm", "torch.Tensor.addmm_", "torch.matmul"}
-    named = {k for k in record.kernel_names() if k.startswith("flce.") or k in gemms}
+    named = {k for k in record.kernel_names() if k.startswith("flce.") or k in TORCH_GEMMS}
     assert ran == named, f"ran {sorted(ran)}\n{record}"
     monkeypatch.undo()  # the oracle's own GEMMs uncounted
     monkeypatch.setattr("flce.backends.cuda.plan.MAX_BLOCK_V", 16)
