@@ -388,6 +388,20 @@ def flce_kernel_names() -> set[str]:
     return names
 
 
+def launches_against_record(names: list[str], record: Any) -> tuple[set[str], set[str], bool]:
+    """From the CUDA kernels a step launched (:func:`launched`) and that call's record: the backend's kernels that
+    ran, the backend's kernels the record names, and whether a kernel that is not the backend's (cuBLAS) ran."""
+    flce_names = flce_kernel_names()
+
+    def flce_kernels_in(launched_name: str) -> set[str]:
+        return {k for k in flce_names if re.match(rf"{re.escape(k)}\b", launched_name)}
+
+    ran = set().union(*map(flce_kernels_in, names))
+    named = {k.rsplit(".", 1)[1] for k in record.kernel_names() if k.startswith("flce.backends.cuda.")}
+    cublas_ran = any(CUBLAS_NAME.search(n) and not flce_kernels_in(n) for n in names)
+    return ran, named, cublas_ran
+
+
 def launched(step: Callable[[], None]) -> list[str]:
     """The CUDA kernels ``step`` launched, by name."""
     from torch.profiler import ProfilerActivity, profile

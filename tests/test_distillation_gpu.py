@@ -7,13 +7,12 @@ names, and that record is explain's for this GPU. GPU only (marker ``cuda``)."""
 
 from __future__ import annotations
 
-import re
 import zlib
 
 import pytest
 import torch
 from distillation_helpers import assert_matches_oracle, flce_loss, make_pair, oracle, relative
-from helpers import CUBLAS_NAME, TORCH_GEMMS, flce_kernel_names, launched
+from helpers import TORCH_GEMMS, flce_kernel_names, launched, launches_against_record
 
 import flce
 from flce.autotune import override_params
@@ -159,13 +158,10 @@ def test_kernels_that_ran_are_the_ones_the_record_named(name: str, monkeypatch: 
     names = launched(step)
     record = records[-1]
     assert record.backend == "cuda"
+    ran, named, cublas_ran = launches_against_record(names, record)
     flce_names = flce_kernel_names()
-    ran = {k for k in flce_names for launched_name in names if re.match(rf"{re.escape(k)}\b", launched_name)}
-    named = {k.rsplit(".", 1)[1] for k in record.kernel_names() if k.startswith("flce.backends.cuda.")}
     assert named <= flce_names, f"the record names kernels that are not the backend's: {named - flce_names}"
     assert ran == named, f"{name}: ran {sorted(ran)}, the record named {sorted(named)}\n{record}"
-    cublas_ran = any(CUBLAS_NAME.search(launched_name) and not any(
-        re.match(rf"{re.escape(k)}\b", launched_name) for k in flce_names) for launched_name in names)
     assert cublas_ran == bool(record.kernel_names() & TORCH_GEMMS), f"{name}: cuBLAS ran: {cublas_ran}\n{record}"
     if knobs is None:
         props = torch.cuda.get_device_properties(0)

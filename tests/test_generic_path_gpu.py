@@ -7,12 +7,11 @@ is the warp-specialised GEMM (nor, planned as an sm_80 or sm_89 GPU, a TMA varia
 from __future__ import annotations
 
 import contextlib
-import re
 import zlib
 
 import pytest
 import torch
-from helpers import flce_kernel_names, launched, relative_error
+from helpers import launched, launches_against_record, relative_error
 
 import flce
 from flce.autotune import override_params
@@ -75,9 +74,7 @@ def test_generic_path_against_float64(gpu: str, call: str, monkeypatch: pytest.M
     names = launched(call_flce)
     record = records[-1]
     assert f"planned as this GPU, running on an {torch.cuda.get_device_name()}" in record.device, record.device
-    flce_names = flce_kernel_names()
-    ran = {k for k in flce_names for name in names if re.match(rf"{re.escape(k)}\b", name)}
-    named = {k.rsplit(".", 1)[1] for k in record.kernel_names() if k.startswith("flce.backends.cuda.")}
+    ran, named, _ = launches_against_record(names, record)
     assert ran == named, f"{gpu} {call}: ran {sorted(ran)}, the record named {sorted(named)}\n{record}"
     assert "_ws_gemm_kernel" not in ran
     if gpu != "NVIDIA B200":

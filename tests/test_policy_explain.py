@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TORCH_GEMMS, count_launches
+from helpers import TORCH_GEMMS, count_launches, launched, launches_against_record
 from policy_cases import check_against_oracle, full_options, policy_case
 from test_explain import _TILES, DEVICES, INTERPRETER_KERNEL_MODULES, _planned, resolve
 
@@ -159,10 +159,6 @@ def test_gpu_policy_kernels_that_ran_are_the_ones_explain_named(name: str, monke
                                                                generator: torch.Generator) -> None:
     """tests/test_explain_gpu.py's check for policy calls: flce's kernels that ran (torch.profiler's names) are the
     ones the record names, both ways, and cuBLAS ran where the record names a torch GEMM."""
-    import re
-
-    from helpers import CUBLAS_NAME, TORCH_GEMMS, flce_kernel_names, launched
-
     level, entropy, budget = GPU_CALLS[name]
     case = policy_case(generator, batch=8, length=1024, hidden_size=2048, vocab=32000).to(torch.bfloat16, "cuda")
     options = full_options("dapo", level, entropy_weight=0.01 if entropy else 0.0, return_entropy=entropy,
@@ -174,10 +170,6 @@ def test_gpu_policy_kernels_that_ran_are_the_ones_explain_named(name: str, monke
     step()  # compiles the kernels
     names = launched(step)
     record = records[-1]
-    flce_names = flce_kernel_names()
-    ran = {k for k in flce_names for launched_name in names if re.match(rf"{re.escape(k)}\b", launched_name)}
-    named = {k.rsplit(".", 1)[1] for k in record.kernel_names() if k.startswith("flce.backends.cuda.")}
+    ran, named, cublas_ran = launches_against_record(names, record)
     assert ran == named, f"{name}: ran {sorted(ran)}, the record named {sorted(named)}\n{record}"
-    cublas_ran = any(CUBLAS_NAME.search(launched_name) and not any(
-        re.match(rf"{re.escape(k)}\b", launched_name) for k in flce_names) for launched_name in names)
     assert cublas_ran == bool(record.kernel_names() & TORCH_GEMMS), f"{name}: cuBLAS ran: {cublas_ran}\n{record}"
