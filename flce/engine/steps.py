@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flce.engine.call import grads_in_forward_allowed
+from flce.engine.call import grads_in_forward_allowed, logits_kept_for_gradients
 from flce.engine.choice import CallDescription, Step
 from flce.engine.plans import TokenChunks, kept_rows
 from flce.engine.rows import logits_dtype
@@ -54,8 +54,9 @@ def row_kernel_steps(call: CallDescription, plan: TokenChunks, names: RowKernelN
                               launch("full_grad")))
     if not call.request.training:
         return tuple(steps)
-    keep = kept_rows(plan, call.n_rows) if second_pass or not in_forward else 0
-    if second_pass or not in_forward:
+    kept = logits_kept_for_gradients(cfg, call.request)
+    keep = kept_rows(plan, call.n_rows) if kept else 0
+    if kept:
         when_grads = "forward, after every row's statistics" if second_pass else "backward"
         if keep:
             steps.append(Step(f"{when_grads}: gradient of the {keep} kept rows' logits", (grad,),

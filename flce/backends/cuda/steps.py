@@ -15,7 +15,7 @@ from flce.backends.cuda.families import family as role
 from flce.backends.cuda.families.cublas import FULL_GRAD, ROW_STATS, cublas_logits_function
 from flce.backends.cuda.families.family import KernelFamily
 from flce.backends.cuda.row_ops import GRAD_BLOCKS_PER_PROGRAM, PLAIN_FORWARD, PLAIN_GRAD, SCALE
-from flce.engine.call import grads_in_forward_allowed
+from flce.engine.call import grads_in_forward_allowed, logits_kept_for_gradients
 from flce.engine.choice import CallDescription, DeviceDescription, Step
 from flce.engine.distillation.call import DistillChunks, DistillDescription
 from flce.engine.distillation.steps import PairKernelNames, distillation_steps
@@ -134,30 +134,33 @@ def _plan_steps(device: DeviceDescription, call: CallDescription, plan: Plan, ke
     # A statistics-first objective (a sequence-level policy loss): a deferred plan's forward and backward, both
     # in forward (flce.engine.schedule).
     two_pass = in_forward and call.request.statistics_first
-    deferred = call.request.training and (not in_forward or two_pass)
+    deferred = logits_kept_for_gradients(cfg, call.request)
     keep = kept_rows(plan, n_rows) if deferred else 0
     later = "after every row's statistics" if two_pass else "backward"
     kept_exponentials = two_pass and plan.chunk_grad == EXPONENTIALS and keep > 0
+
+    def exponentials_step(name: str) -> Step:
+        making = family_step(name, role.EXPONENTIALS)
+        return Step(making.name, (EXP_OFFSETS, *making.kernels, EXP_FINISH, EXP_REDO), making.reason,
+                    making.launch, making.fallback)
+
+    def chunk_logits_step(name: str) -> Step:
+        if plan.forward_logits == FUSED:
+            return family_step(name, role.CHUNK_LOGITS)
+        return Step(name, (cublas_logits, ROW_STATS), reasons[role.CHUNK_LOGITS], row_launch)
+
     out: list[Step] = []
     if kept_exponentials:
-        making = family_step(f"each of the first {keep} rows' chunks: exponentials and statistics (the gradient up "
-                             "to a row scale)", role.EXPONENTIALS)
-        out.append(Step(making.name, (EXP_OFFSETS, *making.kernels, EXP_FINISH, EXP_REDO), making.reason,
-                        making.launch, making.fallback))
+        out.append(exponentials_step(f"each of the first {keep} rows' chunks: exponentials and statistics (the "
+                                     "gradient up to a row scale)"))
         if keep < n_rows:
-            out.append(family_step("each other chunk: logits and statistics", role.CHUNK_LOGITS)
-                       if plan.forward_logits == FUSED else
-                       Step("each other chunk: logits and statistics", (cublas_logits, ROW_STATS),
-                            reasons[role.CHUNK_LOGITS], row_launch))
+            out.append(chunk_logits_step("each other chunk: logits and statistics"))
     elif deferred and keep == 0 and plan.stats_first is not None:
         out.append(all_rows(plan.stats_first, " (in forward)"))
     elif in_forward and not two_pass and plan.chunk_grad == EXPONENTIALS:
-        making = family_step("each chunk: exponentials and statistics (the gradient up to a row scale)",
-                             role.EXPONENTIALS)
-        out.append(Step(making.name, (EXP_OFFSETS, *making.kernels, EXP_FINISH, EXP_REDO), making.reason,
-                        making.launch, making.fallback))
+        out.append(exponentials_step("each chunk: exponentials and statistics (the gradient up to a row scale)"))
     elif plan.forward_logits == FUSED:
-        out.append(family_step("each chunk: logits and statistics", role.CHUNK_LOGITS))
+        out.append(chunk_logits_step("each chunk: logits and statistics"))
         if in_forward and not two_pass:
             out.append(Step("each chunk: gradient over its logits", (full_or_plain_grad,),
                             "the row kernel over the logits the statistics GEMM wrote", row_launch))
@@ -165,8 +168,7 @@ def _plan_steps(device: DeviceDescription, call: CallDescription, plan: Plan, ke
         out.append(Step("each chunk: logits, loss" + (" and gradient" if in_forward else ""),
                         (cublas_logits, PLAIN_FORWARD), reasons[role.CHUNK_LOGITS], row_launch))
     else:
-        out.append(Step("each chunk: logits and statistics", (cublas_logits, ROW_STATS), reasons[role.CHUNK_LOGITS],
-                        row_launch))
+        out.append(chunk_logits_step("each chunk: logits and statistics"))
         if in_forward and not two_pass:
             out.append(Step("each chunk: gradient over its logits", (FULL_GRAD,), "the full variant's row kernel",
                             row_launch))
