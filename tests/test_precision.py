@@ -9,6 +9,7 @@ import torch
 from helpers import TEMPERATURE, assert_entropy_near_eager, entropy_errors, large_logits_inputs, reference_loss
 
 import flce
+from flce.testing.measure import ulp_spacing
 
 
 def _errors(x, w, t, **options) -> tuple[float, float, float]:
@@ -39,13 +40,6 @@ def test_accurate_is_closer_to_float64_than_fast(reduction: str, budget_rows: in
     assert accurate[0] < min(1e-6, fast[0] / 10), (accurate, fast)
     # The gradients still pass through bf16 GEMM operands: closer, not exact.
     assert accurate[1] < fast[1] / 2 and accurate[2] < fast[2] / 2, (accurate, fast)
-
-
-def _ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The spacing of ``dtype`` at each of the float64 ``values`` (its smallest normal one below that range)."""
-    tiny = torch.finfo(dtype).tiny
-    mantissa = {torch.bfloat16: 7, torch.float16: 10}[dtype]
-    return torch.pow(2.0, torch.floor(torch.log2(values.abs().clamp_min(tiny))) - mantissa)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -80,8 +74,9 @@ def test_accurate_gradients_are_fp32_sums_rounded_once(dtype: torch.dtype, reduc
     g_error = 2.0 ** -15 * g.abs() + torch.finfo(dtype).smallest_normal * 2.0 ** -10
     bounds = (g_error @ wd.detach().abs(), g_error.T @ xd.detach().abs())
     for name, mine, exact, bound in zip(("grad_hidden", "grad_weight"), got, want, bounds, strict=True):
-        excess = (mine.double() - exact).abs() - _ulp(exact, dtype) - bound
-        assert float(excess.max()) <= 0, (name, float(((mine.double() - exact).abs() / _ulp(exact, dtype)).max()))
+        error, ulp = (mine.double() - exact).abs(), ulp_spacing(exact, dtype)
+        excess = error - ulp - bound
+        assert float(excess.max()) <= 0, (name, float((error / ulp).max()))
 
 
 def test_16_bit_inputs_give_an_fp32_loss(generator: torch.Generator) -> None:

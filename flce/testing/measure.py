@@ -195,6 +195,14 @@ def cublas_products_ms(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[floa
     return median_ms(lambda: x @ w.T), median_ms(lambda: g @ w), median_ms(lambda: g.T @ x)
 
 
+def ulp_spacing(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of the 16-bit ``dtype`` (bfloat16, float16) at each of the float64 ``values`` (its smallest
+    normal one below that range): the unit a 16-bit result's error is counted in."""
+    tiny = torch.finfo(dtype).tiny
+    mantissa = {torch.bfloat16: 7, torch.float16: 10}[dtype]
+    return torch.pow(2.0, torch.floor(torch.log2(values.abs().clamp_min(tiny))) - mantissa)
+
+
 def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``||actual - expected|| / ||expected||`` in float64: how far one implementation's output is
     from another's (or from an oracle's); the plain ``||actual - expected||`` where expected is all 0."""

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from flce.config import LCEConfig, option_names
-from flce.errors import InputError, InputTypeError
+from flce.errors import InputTypeError
 from flce.outputs import LCEOutput
 
 # Options that change the math; flce's other options (memory_budget, precision, batch_invariant, return_*, ...)
@@ -51,7 +51,8 @@ def reference_loss(
     if unknown:
         raise InputTypeError(f"reference_loss: unknown options {sorted(unknown)}")
     # flce's own checks, with its messages: a value flce refuses (temperature=0, say) is refused here too.
-    LCEConfig(**{name: value for name, value in options.items() if name in option_names()})
+    config_names = option_names()
+    LCEConfig(**{name: value for name, value in options.items() if name in config_names})
     ignore_index = options.get("ignore_index", -100)
     reduction = options.get("reduction", "mean")
     label_smoothing = options.get("label_smoothing", 0.0)
@@ -103,13 +104,11 @@ def reference_loss(
         loss, z_loss = ce + zl + bonus, zl
     elif reduction == "sum":
         loss, z_loss = ce.sum() + zl.sum() + bonus.sum(), zl.sum()
-    elif reduction == "mean":
+    else:  # "mean": LCEConfig above refused any other reduction
         z_loss = _mean(zl.sum(), count, count)
         rest = ce.sum() - smoothing.sum()
         loss = (_mean(rest, ce_denominator, count) + _mean(smoothing.sum(), ce_denominator, count) + z_loss
                 + _mean(bonus.sum(), count, count))
-    else:
-        raise InputError(f"reduction={reduction!r}")
 
     argmax = z.argmax(dim=-1) if z.shape[0] else t.new_zeros(0)
     correct = ((argmax == t) & valid).double()

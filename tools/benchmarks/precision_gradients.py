@@ -17,15 +17,14 @@ import torch
 import torch.nn.functional as F
 
 import flce
+from flce.testing import measure
 
 # (tokens, hidden, vocab, flce memory_budget in bytes or None)
 SHAPES = [(96, 32, 64, None), (512, 64, 256, 64 * 256 * 4), (2048, 64, 512, 64 * 512 * 4)]
 
 
 def ulps(got: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    mantissa = {torch.bfloat16: 7, torch.float16: 10}[dtype]
-    spacing = torch.pow(2.0, torch.floor(torch.log2(exact.abs().clamp_min(torch.finfo(dtype).tiny))) - mantissa)
-    return (got.double() - exact).abs() / spacing
+    return (got.double() - exact).abs() / measure.ulp_spacing(exact, dtype)
 
 
 def methods(target: torch.Tensor, reduction: str, budget: int | None) -> dict:
@@ -58,7 +57,7 @@ def rows(dtype: torch.dtype, device: torch.device, seeds: int) -> list[str]:
                 xs, ws = x.to(device).requires_grad_(), w.to(device).requires_grad_()
                 grads = [gr.cpu() for gr in torch.autograd.grad(fn(xs, ws), (xs, ws))]
                 errors = [float(ulps(gr, ex, dtype).max()) for gr, ex in zip(grads, exact, strict=True)]
-                errors += [float((gr.double() - ex).norm() / ex.norm()) for gr, ex in zip(grads, exact, strict=True)]
+                errors += [measure.relative_difference(gr, ex) for gr, ex in zip(grads, exact, strict=True)]
                 worst[name] = [max(a, b) for a, b in zip(worst.get(name, errors), errors, strict=True)]
         for name, (uh, uw, fh, fw) in worst.items():
             chunks = "one chunk" if budget is None else "chunks"
@@ -78,11 +77,7 @@ def main() -> int:
              "rel. norm grad_hidden | rel. norm grad_weight |", "|---|---|---|---|---|---|---|"]
     for dtype in (torch.bfloat16, torch.float16):
         lines += rows(dtype, torch.device(args.device), args.seeds)
-    text = "\n".join(lines)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    measure.publish("\n".join(lines), args.markdown)
     return 0
 
 
