@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# One device call: install carried peer wheels, run the cuda-marked, compile and CUDA-graph tests, then the benchmark.
-#   bash tools/gpu_checks.sh [bench args...]      (results under $OUT when set)
+# One device call: install carried peer wheels, run the cuda-marked, compile and CUDA-graph tests in lanes side by
+# side, then (only when arguments are given) the peers benchmark with those arguments.
+#   bash tools/gpu_checks.sh                      the tests (about 6 minutes on one H200)
+#   bash tools/gpu_checks.sh --quick              the tests, then tools/benchmarks/peers.py --quick
+# Results under $OUT when set. LANE_TIMEOUT (seconds, default 540) bounds each lane, so a slow lane still leaves
+# every lane's log.
 set -uo pipefail
 OUT=${OUT:-/tmp/flce-out}
+LANE_TIMEOUT=${LANE_TIMEOUT:-540}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -12,29 +17,44 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-# Three pytest processes side by side on the one GPU (the whole suite in one process takes over 330 s, and
-# pytest-xdist is not on every GPU image): tests/test_ws_gemm.py alone in its own (its float64 oracles at V = 130k-
-# 150k hold up to ~30 GB each; xdist workers beside it ran out of an H100's memory, 2026-11-25/26), the other
-# cuda-marked tests in a second, the compile and CUDA-graph tests in a third. tests/conftest.py hands cached memory
-# back after each test. Each lane's log is written outside $OUT and joined into $OUT/tests.log, their tails into
-# $OUT/tests.txt: the device returns at most 8 files from $OUT.
+# Pytest processes side by side on the one GPU (the whole suite in one process takes over 330 s, and pytest-xdist
+# is not on every GPU image), each lane a few test files of similar length. tests/test_ws_gemm.py runs alone in its
+# lane: its float64 oracles at V = 130k-150k hold up to ~30 GB each (xdist workers beside it ran out of an H100's
+# memory). tests/conftest.py hands cached memory back after each test. Each lane's log is written outside $OUT and
+# joined into $OUT/tests.log, their tails into $OUT/tests.txt: the device returns at most 8 files from $OUT.
 LANES=$(mktemp -d)
+declare -A LANE_FILES=(
+  [ws-gemm]="tests/test_ws_gemm.py"
+  [softcap-precision]="tests/test_softcap.py tests/test_precision.py"
+  [cuda-backend]="tests/test_cuda_backend.py tests/test_detach_extras.py tests/test_targets.py tests/test_measure.py"
+  [generic-path]="tests/test_generic_path_gpu.py"
+  [losses]="tests/test_distillation_gpu.py tests/test_distillation_compile.py tests/test_policy_loss.py tests/test_policy_explain.py tests/test_policy_compile.py tests/test_rl_objective.py tests/test_rl_options.py"
+  [explain-forward]="tests/test_explain_gpu.py tests/test_cuda_fused_forward.py"
+)
+ALL_NAMED=" ${LANE_FILES[*]} "
 run_lane() {  # name, pytest arguments...
   local name=$1
   shift
-  python3 -m pytest -p no:cacheprovider -q "$@" > "$LANES/$name.log" 2>&1
+  timeout "$LANE_TIMEOUT" python3 -m pytest -p no:cacheprovider -q -rfE "$@" > "$LANES/$name.log" 2>&1
   echo "exit $?" >> "$LANES/$name.log"
 }
-run_lane ws-gemm tests/test_ws_gemm.py -m cuda &
-run_lane cuda tests -m cuda --ignore=tests/test_ws_gemm.py --ignore=tests/test_compile.py --ignore=tests/test_cuda_graphs.py &
+for lane in "${!LANE_FILES[@]}"; do
+  # shellcheck disable=SC2086
+  run_lane "$lane" ${LANE_FILES[$lane]} -m cuda &
+done
+# Every other cuda-marked test (a file added later and not yet in a lane), then the compile and graph tests.
+run_lane others tests -m cuda $(printf -- '--ignore=%s ' ${ALL_NAMED}) --ignore=tests/test_compile.py --ignore=tests/test_cuda_graphs.py &
 run_lane compile tests/test_compile.py tests/test_cuda_graphs.py &
 wait
-for lane in ws-gemm cuda compile; do
+NAMES=("${!LANE_FILES[@]}" others compile)
+for lane in "${NAMES[@]}"; do
   echo "=== $lane"
   cat "$LANES/$lane.log"
 done > "$OUT/tests.log"
-for lane in ws-gemm cuda compile; do
+for lane in "${NAMES[@]}"; do
   echo "=== $lane"
-  tail -25 "$LANES/$lane.log"
+  tail -15 "$LANES/$lane.log"
 done | tee "$OUT/tests.txt"
-python3 tools/benchmarks/peers.py --json "$OUT/bench.json" --markdown "$OUT/bench.md" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
+if (($#)); then
+  python3 tools/benchmarks/peers.py --json "$OUT/bench.json" --markdown "$OUT/bench.md" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
