@@ -429,7 +429,7 @@ def test_tuner_skips_failures_oom_wrong_results_and_over_budget(
         "flaky", candidates=lambda shape, quick: [{"mode": m} for m in modes],
         working_bytes=lambda shape, params: 1 << 50 if params.get("mode") == "huge" else 1024,
         tunes_logits_save_limit=False)
-    monkeypatch.setitem(spaces._spaces, "flaky", space)
+    monkeypatch.setitem(spaces._spaces, ("flaky", spaces.CROSS_ENTROPY), space)
 
     seen = []
     request = TuneRequest(device=torch.device("cpu"), dtypes=[torch.float32], hiddens=[8], vocabs=[32],
@@ -457,7 +457,7 @@ def test_winning_heuristic_is_stored_as_the_knobs_it_chose(
     # Candidates that cannot win whatever the timings: the heuristic is kept.
     space = spaces.TuningSpace("flaky", candidates=lambda shape, quick: [{"mode": "fail"}, {"mode": "wrong"}],
                                tunes_logits_save_limit=False, heuristic=lambda shape: {"mode": f"h{shape.tokens}"})
-    monkeypatch.setitem(spaces._spaces, "flaky", space)
+    monkeypatch.setitem(spaces._spaces, ("flaky", spaces.CROSS_ENTROPY), space)
     request = TuneRequest(device=torch.device("cpu"), dtypes=[torch.float32], hiddens=[8], vocabs=[32],
                           tokens=[16], variants=["plain"], backend="flaky", quick=True)
     (result,) = Tuner(request).run()
@@ -495,7 +495,7 @@ def _flaky_space(monkeypatch: pytest.MonkeyPatch, candidates: list[dict], logits
     register_backend(Backend(name="flaky", device_types=("cpu",), priority=-10,
                              is_available=lambda probe: (True, "test backend"),
                              supports=lambda cfg, dtype, h, v: (True, "everything"), run=_flaky_run))
-    monkeypatch.setitem(spaces._spaces, "flaky", spaces.TuningSpace(
+    monkeypatch.setitem(spaces._spaces, ("flaky", spaces.CROSS_ENTROPY), spaces.TuningSpace(
         "flaky", candidates=lambda shape, quick: candidates, tunes_logits_save_limit=logits))
 
 
@@ -581,7 +581,7 @@ def test_tuner_times_forward_only_overlays_and_stores_the_fastest(
                              supports=lambda cfg, dtype, h, v: (True, "everything"), run=_flaky_run))
     space = spaces.TuningSpace("flaky", candidates=lambda shape, quick: [], tunes_logits_save_limit=False,
                                inference_overlays=({"mode": "slow"}, {"mode": "fail"}, {"mode": "same"}))
-    monkeypatch.setitem(spaces._spaces, "flaky", space)
+    monkeypatch.setitem(spaces._spaces, ("flaky", spaces.CROSS_ENTROPY), space)
     request = TuneRequest(device=torch.device("cpu"), dtypes=[torch.float32], hiddens=[8], vocabs=[32],
                           tokens=[16], variants=["plain"], backend="flaky", quick=True)
     (result,) = Tuner(request).run()
@@ -604,7 +604,7 @@ def test_a_forward_only_overlay_must_win_twice(cache_env: Path, isolated_registr
                              supports=lambda cfg, dtype, h, v: (True, "everything"), run=_flaky_run))
     space = spaces.TuningSpace("flaky", candidates=lambda shape, quick: [], tunes_logits_save_limit=False,
                                inference_overlays=({}, {"mode": "fast"}))
-    monkeypatch.setitem(spaces._spaces, "flaky", space)
+    monkeypatch.setitem(spaces._spaces, ("flaky", spaces.CROSS_ENTROPY), space)
 
     def script(params: dict, limit: int | None, seen: int) -> float | None:
         if params.get("mode") != "fast":

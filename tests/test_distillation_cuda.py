@@ -284,9 +284,9 @@ def test_vocabulary_shard_plans_one_kernel_a_pass() -> None:
 
 
 def test_tuning_space_heuristic_is_the_planners_choice() -> None:
-    from flce.autotune.spaces import TuneShape, tuning_space
+    from flce.autotune.spaces import DISTILLATION, TuneShape, tuning_space
 
-    space = tuning_space("cuda")
+    space = tuning_space("cuda", DISTILLATION)
     shape = TuneShape(torch.device("cpu"), torch.float32, 16, 64, 2048, "distillation")
     heuristic = space.heuristic(shape)
     record = flce.explain_distillation("cpu", backend="cuda", shape=(2048, 16, 16, 64), dtype="float32")

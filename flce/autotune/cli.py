@@ -130,7 +130,7 @@ def _tune(args: argparse.Namespace) -> int:
         tuner = Tuner(request, progress, on_result=saver)
     except (ValueError, RuntimeError) as exc:
         raise _UsageError(str(exc)) from None
-    print(f"flce-autotune: tuning backend {tuner.space.backend!r} on {device_name(device)!r} ({device}); "
+    print(f"flce-autotune: tuning backend {tuner.backend!r} on {device_name(device)!r} ({device}); "
           f"{_shapes_text(request)}; writing to {target}", file=sys.stderr)
     interrupted, save_error = False, None
     try:

@@ -1,9 +1,14 @@
-"""What the tuner may try for each backend: its candidate knobs, registered by the backend.
+"""What the tuner may try for each backend and loss: its candidate knobs, registered by the backend.
 
-A backend makes itself tunable with one call at import time (its ``__init__.py``)::
+A backend makes itself tunable with one call per loss it tunes, at import time (its ``__init__.py``)::
 
     from flce.autotune import TuningSpace, register_tuning_space
     register_tuning_space(TuningSpace("cuda", candidates=my_candidates, working_bytes=my_working_bytes))
+    register_tuning_space(TuningSpace("cuda", kind="distillation", candidates=my_distillation_candidates))
+
+A space serves one loss kind (:data:`LOSS_KINDS`): the cross-entropy's variants (plain, full) share one, linear
+distillation's entries (variant "distillation") have their own, since their knobs, planners and memory differ.
+The tuner looks the space up once per shape, by (backend, :func:`loss_kind` of the shape's variant).
 
 ``candidates(shape, quick)`` lists params mappings (the knobs its planner reads back through
 :func:`flce.autotune.tuned_params`), and ``budget_candidates(shape, budget)`` those sized to an
@@ -13,20 +18,33 @@ them and CPU runs can report a peak; ``heuristic(shape)`` says which knob values
 with nothing cached, so an entry where the heuristic measured best still states the configuration
 that ran (and keeps it when a later flce changes the heuristic).
 
-Nothing here imports a backend: each backend's package registers its own space.
+Nothing here imports a backend: each backend's package registers its own spaces.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-from flce.autotune.schema import DISTILLATION_VARIANT, Scalar
+from flce.autotune.schema import CROSS_ENTROPY_VARIANTS, DISTILLATION_VARIANT, VARIANT_NAMES, Scalar
 from flce.inputs import FlatInputs
 
 Params = dict[str, Scalar]
+
+# The losses a backend tunes apart, each in its own space, and the kind of each cache variant.
+CROSS_ENTROPY = "cross_entropy"
+DISTILLATION = "distillation"
+LOSS_KINDS = (CROSS_ENTROPY, DISTILLATION)
+_KIND_OF_VARIANT = {**dict.fromkeys(CROSS_ENTROPY_VARIANTS, CROSS_ENTROPY), DISTILLATION_VARIANT: DISTILLATION}
+
+
+def loss_kind(variant: str) -> str:
+    """The loss a cache variant tunes: cross-entropy for plain and full, distillation for distillation."""
+    if variant not in _KIND_OF_VARIANT:
+        raise ValueError(f"variant={variant!r}: expected one of {VARIANT_NAMES}")
+    return _KIND_OF_VARIANT[variant]
 
 
 @dataclass(frozen=True)
@@ -39,6 +57,11 @@ class TuneShape:
     vocab: int
     tokens: int
     variant: str
+
+    @property
+    def kind(self) -> str:
+        """The loss the shape's variant tunes (:func:`loss_kind`)."""
+        return loss_kind(self.variant)
 
     def stand_in_inputs(self) -> FlatInputs:
         """Inputs of this shape, device and dtype that allocate nothing (broadcast views of one
@@ -55,8 +78,10 @@ class TuneShape:
 class TuningSpace:
     backend: str
     candidates: Callable[[TuneShape, bool], list[Params]]
+    # The loss the space tunes (LOSS_KINDS): the shapes of its variants, and no others, reach its callbacks.
+    kind: str = field(default=CROSS_ENTROPY, kw_only=True)
     working_bytes: Callable[[TuneShape, Mapping[str, Scalar]], int] | None = None
-    # False for a backend whose planner ignores logits_save_limit_bytes: the tuner skips measuring it.
+    # False for a planner that ignores logits_save_limit_bytes: the tuner skips measuring it.
     tunes_logits_save_limit: bool = True
     # Knob overlays that only forward-only calls (no gradient: evaluation, RL log-probs) exercise,
     # each timed on such a call with the chosen params; the fastest is stored. The first is the
@@ -69,32 +94,49 @@ class TuningSpace:
     # makes worth timing, e.g. the largest blocks or chunks that fit it. Called only with a budget.
     budget_candidates: Callable[[TuneShape, int], list[Params]] | None = None
 
-    def tunes_limit_of(self, shape: TuneShape) -> bool:
-        """Whether the tuner measures the shape's logits-save limit: distillation's planners keep no logits."""
-        return self.tunes_logits_save_limit and shape.variant != DISTILLATION_VARIANT
+    def __post_init__(self) -> None:
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"kind={self.kind!r}: expected one of {LOSS_KINDS}")
+        # Distillation's planners keep no logits and its calls have no forward-only path to choose: a space that
+        # asked for either would time knobs no distillation call reads.
+        if self.kind == DISTILLATION and (self.tunes_logits_save_limit or self.inference_overlays):
+            raise ValueError(f"backend={self.backend!r}: a distillation tuning space takes "
+                             "tunes_logits_save_limit=False and no inference_overlays (its planners keep no logits)")
 
-    def overlays_of(self, shape: TuneShape) -> tuple[Params, ...]:
-        """The shape's forward-only overlays: the cross-entropy's (its statistics GEMMs), none for distillation."""
-        return () if shape.variant == DISTILLATION_VARIANT else self.inference_overlays
 
-
-_spaces: dict[str, TuningSpace] = {}
+_spaces: dict[tuple[str, str], TuningSpace] = {}
 
 
 def register_tuning_space(space: TuningSpace, *, replace: bool = False) -> None:
-    """Make a backend tunable; re-registering a backend's space needs replace=True."""
-    if space.backend in _spaces and not replace:
-        raise ValueError(f"a tuning space for backend {space.backend!r} is already registered; "
+    """Make a backend tunable for the space's loss; re-registering a (backend, kind)'s space needs replace=True."""
+    if (space.backend, space.kind) in _spaces and not replace:
+        raise ValueError(f"a {space.kind} tuning space for backend {space.backend!r} is already registered; "
                          "pass replace=True to override it")
-    _spaces[space.backend] = space
+    _spaces[space.backend, space.kind] = space
 
 
-def tuning_space(backend: str) -> TuningSpace | None:
-    return _spaces.get(backend)
+def tuning_space(backend: str, kind: str = CROSS_ENTROPY) -> TuningSpace | None:
+    """The backend's space for the loss ``kind`` (LOSS_KINDS), or None where it registered none."""
+    return _spaces.get((backend, kind))
+
+
+def tuning_spaces(backend: str, variants: Iterable[str]) -> dict[str, TuningSpace]:
+    """The backend's space for each loss the variants tune, keyed by kind; a ValueError naming the variant
+    whose loss the backend registered no space for."""
+    spaces: dict[str, TuningSpace] = {}
+    for variant in variants:
+        kind = loss_kind(variant)
+        space = tuning_space(backend, kind)
+        if space is None:
+            tuned = sorted(k for b, k in _spaces if b == backend)
+            raise ValueError(f"variant={variant!r}: backend {backend!r} has no {kind} tuning space registered "
+                             f"(it tunes: {tuned})")
+        spaces[kind] = space
+    return spaces
 
 
 def tunable_backends() -> list[str]:
-    return sorted(_spaces)
+    return sorted({backend for backend, _ in _spaces})
 
 
 def chunk_candidates(tokens: int, quick: bool, smallest: int = 64) -> list[int]:

@@ -4,7 +4,7 @@ For every (dtype, H, V, tokens, variant) it measures, with fresh random inputs:
 
 * the floor: the three GEMMs of a forward+backward (``x @ W.T``, ``G @ W``, ``G.T @ x``);
 * the heuristic: the backend's planner with nothing cached (the baseline);
-* every candidate the backend's :class:`~flce.autotune.spaces.TuningSpace` lists (with
+* every candidate the backend's :class:`~flce.autotune.spaces.TuningSpace` for the shape's loss lists (with
   ``--memory-budget``, also those it sizes to the budget), skipping (and
   counting) those over the memory budget, those that fail or run out of memory, and those whose
   loss or hidden gradient disagree with the heuristic's;
@@ -52,7 +52,7 @@ from flce.autotune.measurement import (
 from flce.autotune.progress import Progress
 from flce.autotune.requests import Params, ShapeResult, TuneRequest
 from flce.autotune.schema import Entry, Scalar
-from flce.autotune.spaces import TuneShape, TuningSpace, tunable_backends, tuning_space
+from flce.autotune.spaces import TuneShape, tunable_backends, tuning_spaces
 from flce.autotune.workload import (
     MAX_REPEAT_SPREAD,
     MEASURE_ATTEMPTS,
@@ -73,8 +73,8 @@ NOISE_MARGIN = 0.02
 MIN_FLOOR_RATIO = 0.5
 
 
-def resolve_backend(device: torch.device, backend: str | None) -> TuningSpace:
-    """The tuning space of ``backend``, or of the backend dispatch picks for the device."""
+def resolve_backend(device: torch.device, backend: str | None) -> str:
+    """``backend``, or the backend dispatch picks for the device, once it is known to have a tuning space."""
     from flce.registry import candidates_for
 
     if backend is None:
@@ -84,11 +84,10 @@ def resolve_backend(device: torch.device, backend: str | None) -> TuningSpace:
         backend = candidates.backends[0].name
     else:
         candidates_for(device.type, backend)  # raises with the reason when it cannot run here
-    space = tuning_space(backend)
-    if space is None:
+    if backend not in tunable_backends():
         raise ValueError(f"backend={backend!r} has no tuning space registered (tunable: {tunable_backends()}); "
                          "register one with flce.autotune.register_tuning_space or pass --backend")
-    return space
+    return backend
 
 
 class Tuner:
@@ -98,7 +97,8 @@ class Tuner:
     def __init__(self, request: TuneRequest, progress: Progress | None = None,
                  on_result: Callable[[ShapeResult], None] | None = None):
         self.request = request
-        self.space = resolve_backend(request.device, request.backend)
+        self.backend = resolve_backend(request.device, request.backend)
+        self.spaces = tuning_spaces(self.backend, request.variants)  # by loss kind; each shape reads its own
         self.progress = progress or Progress(enabled=False)
         self.on_result = on_result
         self.warmup, self.repeats = request.timing()
@@ -114,9 +114,9 @@ class Tuner:
 
     def run(self) -> list[ShapeResult]:
         plans = [(shape, self._candidates(shape)) for shape in self.shapes()]
-        # floor, heuristic, keep/recompute, forward-only overlays
-        space = self.space
-        self.progress.start(sum(len(c) + 2 + 2 * space.tunes_limit_of(s) + len(space.overlays_of(s)) for s, c in plans))
+        # per loss kind: floor, heuristic, keep/recompute, forward-only overlays
+        steps = {k: 2 + 2 * s.tunes_logits_save_limit + len(s.inference_overlays) for k, s in self.spaces.items()}
+        self.progress.start(sum(len(c) + steps[shape.kind] for shape, c in plans))
         self.results = []
         try:
             for shape, candidates in plans:
@@ -131,18 +131,20 @@ class Tuner:
     def _candidates(self, shape: TuneShape) -> list[Params]:
         """The space's candidates, and with --memory-budget those it sizes to the budget (in order,
         without repeats)."""
-        candidates = list(self.space.candidates(shape, self.request.quick))
+        space = self.spaces[shape.kind]
+        candidates = list(space.candidates(shape, self.request.quick))
         budget = self.request.memory_budget
-        if budget is not None and self.space.budget_candidates is not None:
-            candidates += [p for p in self.space.budget_candidates(shape, budget) if p not in candidates]
+        if budget is not None and space.budget_candidates is not None:
+            candidates += [p for p in space.budget_candidates(shape, budget) if p not in candidates]
         return candidates
 
     # One shape -------------------------------------------------------------------------------
 
     def _tune_shape(self, shape: TuneShape, candidates: list[Params]) -> ShapeResult:
-        result = ShapeResult(shape=shape, backend=self.space.backend)
+        result = ShapeResult(shape=shape, backend=self.backend)
         label = f"{dtype_name(shape.dtype)} H={shape.hidden} V={shape.vocab} T={shape.tokens} {shape.variant}"
-        after_heuristic = len(candidates) + (2 if self.space.tunes_limit_of(shape) else 0)
+        space = self.spaces[shape.kind]
+        after_heuristic = len(candidates) + (2 if space.tunes_logits_save_limit else 0)
         try:
             inputs = make_inputs(shape, self.request.seed)  # Skip: the shape's inputs do not fit in memory
             self.progress.step(f"{label}: floor")
@@ -179,7 +181,7 @@ class Tuner:
             result.first_error = result.first_error or (
                 f"neither the heuristic ({size_text(baseline.working_bytes)}) nor any candidate fits the memory "
                 f"budget of {size_text(budget)}")
-            self.progress.advance(2 if self.space.tunes_limit_of(shape) else 0)
+            self.progress.advance(2 if space.tunes_logits_save_limit else 0)
             return result
         if best_params is not None and heuristic_fits:
             best, baseline = self._confirm_winner(shape, inputs, best_params, baseline, budget, result)
@@ -190,7 +192,7 @@ class Tuner:
         result.peak_kind = best.peak_kind
 
         limit, save_ms, recompute_ms = None, None, None
-        if self.space.tunes_limit_of(shape):
+        if space.tunes_logits_save_limit:
             limit, save_ms, recompute_ms = self._logits_save_limit(shape, inputs, best_params, best, budget, label,
                                                                    result)
         overlay, inference_ms = self._inference_overlay(shape, inputs, best_params, label, result)
@@ -208,7 +210,7 @@ class Tuner:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         }
         result.entry = Entry(
-            device=self._device_name, backend=self.space.backend, variant=shape.variant,
+            device=self._device_name, backend=self.backend, variant=shape.variant,
             dtype=dtype_name(shape.dtype), hidden=shape.hidden, vocab=shape.vocab, tokens=shape.tokens,
             # A winning heuristic is stored as the knobs it chose, so the entry states what ran.
             params={**(best_params or result.heuristic_params or {}), **overlay}, logits_save_limit_bytes=limit,
@@ -287,7 +289,7 @@ class Tuner:
         this round and again in a second round that times the two in turn. Returns the overlay and the
         times to store (the confirmation round's under "confirm ...")."""
         timed: list[tuple[Params, float]] = []
-        for overlay in self.space.overlays_of(shape):
+        for overlay in self.spaces[shape.kind].inference_overlays:
             self.progress.step(f"{label}: forward only {params_text(overlay)}")
             ms = self._forward_only_ms(shape, inputs, params, overlay, result)
             if ms is not None:
@@ -319,8 +321,8 @@ class Tuner:
         """A forward-only call's time with ``overlay`` on top of ``params``; None (counted, the first error
         kept) where the path fails here, as a failing candidate is skipped."""
         try:
-            workload = Workload(shape, inputs, self.space.backend, deferred=True)
-            with override_params({**(params or {}), **overlay}, backend=self.space.backend), torch.no_grad():
+            workload = Workload(shape, inputs, self.backend, deferred=True)
+            with override_params({**(params or {}), **overlay}, backend=self.backend), torch.no_grad():
                 ms, _, _ = time_call(workload.forward, shape.device, self.warmup, self.repeats)
         except Exception as exc:  # a path that fails to compile here is skipped, as candidates are
             release_memory(shape.device)
@@ -335,14 +337,13 @@ class Tuner:
              budget: int | None, limit: int | None = None, reference: Run | None = None) -> Run:
         """Time one configuration; raises Skip (with the reason) instead of failing. ``budget``
         skips it when its estimated or measured working memory is larger."""
-        estimate = None
-        if self.space.working_bytes is not None:
-            estimate = self.space.working_bytes(shape, params or self._heuristic_params(shape) or {})
-            if budget is not None and estimate > budget:
-                raise Skip("over budget")
+        bytes_of = self.spaces[shape.kind].working_bytes  # the space's estimate of a configuration's memory
+        estimate = None if bytes_of is None else bytes_of(shape, params or self._heuristic_params(shape) or {})
+        if budget is not None and estimate is not None and estimate > budget:
+            raise Skip("over budget")
         try:
-            workload = Workload(shape, inputs, self.space.backend, deferred)
-            with override_params(params, limit, backend=self.space.backend):
+            workload = Workload(shape, inputs, self.backend, deferred)
+            with override_params(params, limit, backend=self.backend):
                 loss, grad_hidden = workload.values()  # also the first (compiling) call
                 ms, peak = self._checked_time(workload, shape, inputs)
         except torch.OutOfMemoryError:
@@ -391,7 +392,8 @@ class Tuner:
 
     def _heuristic_params(self, shape: TuneShape) -> Params | None:
         """The knobs the backend's planner picks without the cache, when its space says."""
-        if self.space.heuristic is None:
+        heuristic = self.spaces[shape.kind].heuristic
+        if heuristic is None:
             return None
-        with override_params(None, backend=self.space.backend):
-            return dict(self.space.heuristic(shape))
+        with override_params(None, backend=self.backend):
+            return dict(heuristic(shape))

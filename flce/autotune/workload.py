@@ -1,6 +1,6 @@
 """What the tuner runs and how it times it: the benchmark tools' inputs for the shape, one
-forward+backward of a backend with a variant's representative options, and flce.testing.measure's
-timer and peak memory."""
+forward+backward of a backend with a variant's representative options (each loss kind's call and inputs in
+LOSS_WORKLOADS), and flce.testing.measure's timer and peak memory."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from flce.autotune.measurement import Skip
-from flce.autotune.schema import DISTILLATION_VARIANT
-from flce.autotune.spaces import TuneShape
+from flce.autotune.spaces import CROSS_ENTROPY, DISTILLATION, TuneShape
 from flce.engine.memory import total_memory_bytes
 from flce.testing import measure
 
@@ -49,24 +48,6 @@ class WorkloadInputs:
                           token_shape=self.target.shape)
 
 
-def make_inputs(shape: TuneShape, seed: int) -> WorkloadInputs:
-    """The benchmark tools' inputs for the shape (logits O(1), every 17th target ignored), on the device;
-    raises Skip where they cannot be allocated (a shape larger than the device's memory, or than any)."""
-    try:
-        hidden, weight, target, _ = measure.shape_inputs(shape.tokens, shape.hidden, shape.vocab, shape.device,
-                                                         shape.dtype, seed=seed)
-        if shape.variant != DISTILLATION_VARIANT:
-            return WorkloadInputs(hidden, weight, target)
-        teacher_hidden, teacher_weight, _, _ = measure.shape_inputs(shape.tokens, shape.hidden, shape.vocab,
-                                                                    shape.device, shape.dtype, seed=seed + 1,
-                                                                    requires_grad=False)
-    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError, the CPU allocator's, a size overflow
-        release_memory(shape.device)
-        first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
-        raise Skip("inputs not allocated", f"{type(exc).__name__}: {first_line}") from None
-    return WorkloadInputs(hidden, weight, target, teacher_hidden, teacher_weight)
-
-
 def workload_options(variant: str, *, deferred: bool) -> dict:
     """Representative options per variant. In-forward: the plain loss; for the full variant,
     label smoothing and z-loss. Deferred (where the logits-save limit matters): per-token losses
@@ -79,21 +60,63 @@ def workload_options(variant: str, *, deferred: bool) -> dict:
     return cfg
 
 
+# A loss's call on the workload's inputs: (hidden, weight, target) -> its output (a loss, or an LCEOutput).
+LossCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+
+
+def _cross_entropy_call(shape: TuneShape, inputs: WorkloadInputs, backend: str, deferred: bool) -> LossCall:
+    import flce
+
+    return flce.get_impl(shape.device, backend=backend, variant=shape.variant)(
+        **workload_options(shape.variant, deferred=deferred))
+
+
+def _distillation_call(shape: TuneShape, inputs: WorkloadInputs, backend: str, deferred: bool) -> LossCall:
+    """flce.linear_distillation_loss's JSD: a scalar loss, or per-token losses where deferred."""
+    import flce
+
+    module = flce.get_distillation_impl(shape.device, backend=backend)(
+        loss="jsd", reduction="none" if deferred else "mean")
+    return lambda x, w, t: module(x, w, inputs.teacher_hidden, inputs.teacher_weight, t)
+
+
+@dataclass(frozen=True)
+class LossWorkload:
+    """What the tuner runs for one loss kind: whether its inputs carry a teacher, and its call."""
+
+    teacher: bool
+    call: Callable[[TuneShape, WorkloadInputs, str, bool], LossCall]
+
+
+LOSS_WORKLOADS = {CROSS_ENTROPY: LossWorkload(teacher=False, call=_cross_entropy_call),
+                  DISTILLATION: LossWorkload(teacher=True, call=_distillation_call)}
+
+
+def make_inputs(shape: TuneShape, seed: int) -> WorkloadInputs:
+    """The benchmark tools' inputs for the shape (logits O(1), every 17th target ignored), on the device, with a
+    teacher where its loss has one; raises Skip where they cannot be allocated (a shape larger than the device's
+    memory, or than any)."""
+    try:
+        hidden, weight, target, _ = measure.shape_inputs(shape.tokens, shape.hidden, shape.vocab, shape.device,
+                                                         shape.dtype, seed=seed)
+        if not LOSS_WORKLOADS[shape.kind].teacher:
+            return WorkloadInputs(hidden, weight, target)
+        teacher_hidden, teacher_weight, _, _ = measure.shape_inputs(shape.tokens, shape.hidden, shape.vocab,
+                                                                    shape.device, shape.dtype, seed=seed + 1,
+                                                                    requires_grad=False)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError, the CPU allocator's, a size overflow
+        release_memory(shape.device)
+        first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raise Skip("inputs not allocated", f"{type(exc).__name__}: {first_line}") from None
+    return WorkloadInputs(hidden, weight, target, teacher_hidden, teacher_weight)
+
+
 class Workload:
-    """One forward+backward of the backend on the shape's inputs, with the variant's options (distillation:
-    flce.linear_distillation_loss's JSD, a scalar loss, or per-token losses where deferred)."""
+    """One forward+backward of the backend on the shape's inputs: its loss kind's call (LOSS_WORKLOADS)."""
 
     def __init__(self, shape: TuneShape, inputs: WorkloadInputs, backend: str, deferred: bool):
-        import flce
-
         self.inputs = inputs
-        if shape.variant == DISTILLATION_VARIANT:
-            module = flce.get_distillation_impl(shape.device, backend=backend)(
-                loss="jsd", reduction="none" if deferred else "mean")
-            self.module = lambda x, w, t: module(x, w, inputs.teacher_hidden, inputs.teacher_weight, t)
-            return
-        options = workload_options(shape.variant, deferred=deferred)
-        self.module = flce.get_impl(shape.device, backend=backend, variant=shape.variant)(**options)
+        self.module = LOSS_WORKLOADS[shape.kind].call(shape, inputs, backend, deferred)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.inputs.clear_grads()
@@ -145,14 +168,14 @@ def spread(timing: measure.Timing) -> float:
 class Floors:
     """The floor of each (dtype, H, V, tokens), measured once and shared by the variants of that shape,
     which run the same three GEMMs (measured per variant, one shape's floor once read 143.1 ms for one
-    and 83.9 ms for the other); distillation's, four GEMMs, apart."""
+    and 83.9 ms for the other): one per loss kind (distillation's has four GEMMs)."""
 
     def __init__(self, warmup: int, repeats: int):
         self.warmup, self.repeats = warmup, repeats
         self._ms: dict[tuple, float | None] = {}
 
     def of(self, shape: TuneShape, inputs: WorkloadInputs) -> float | None:
-        key = (shape.dtype, shape.hidden, shape.vocab, shape.tokens, shape.variant == DISTILLATION_VARIANT)
+        key = self._key(shape)
         if key not in self._ms:
             self._ms[key] = floor_ms(shape, inputs, self.warmup, self.repeats)
         return self._ms[key]
@@ -162,8 +185,12 @@ class Floors:
         floor = self.of(shape, inputs)
         again = floor_ms(shape, inputs, self.warmup, self.repeats)
         lower = again if floor is None or (again is not None and again < floor) else floor
-        self._ms[(shape.dtype, shape.hidden, shape.vocab, shape.tokens, shape.variant == DISTILLATION_VARIANT)] = lower
+        self._ms[self._key(shape)] = lower
         return lower
+
+    @staticmethod
+    def _key(shape: TuneShape) -> tuple:
+        return shape.dtype, shape.hidden, shape.vocab, shape.tokens, shape.kind
 
 
 def release_memory(device: torch.device) -> None:
