@@ -11,13 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 from distillation_helpers import make_pair
+from planning import reference_plan
 
 import flce
 import flce.autotune as autotune
 from flce.autotune import cache as cache_files
-from flce.autotune import locations
+from flce.autotune import locations, spaces
 from flce.autotune.cli import main
 from flce.autotune.lookup import override_params
+from flce.autotune.schema import HEADER
+from flce.autotune.tuner import Tuner, TuneRequest
 from flce.backends.reference.distillation import plan_distillation
 from flce.distillation.config import DistillationConfig
 from flce.distillation.inputs import prepare_pair
@@ -72,6 +75,95 @@ def test_unknown_variant_is_refused(cache_env: Path, capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         main(["tune", *TINY, "--tokens", "64", "--variant", "distill", "--quick", "--no-progress"])
     assert "distillation" in capsys.readouterr().err
+
+
+def test_one_cache_file_answers_cross_entropy_and_distillation_apart(cache_env: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      generator: torch.Generator) -> None:
+    """A file as flce-autotune writes it, holding a plain and a distillation entry of one (device, backend, dtype, H,
+    V, tokens): each loss's planner reads its own entry's knobs, never the other's."""
+    path = cache_env / "both.yaml"
+    device = autotune.device_name(torch.device("cpu"))
+    path.write_text(HEADER + "\nschema: 1\nentries:\n" + "".join(
+        f"- {{device: '{device}', backend: reference, variant: {variant}, dtype: float32, hidden: 16, vocab: 64, "
+        f"tokens: 128, params: {{tokens_per_chunk: {chunk}}}, logits_save_limit_bytes: null}}\n"
+        for variant, chunk in (("plain", 7), ("distillation", 5))))
+    monkeypatch.setenv(locations.CACHE_ENV, str(path))
+    autotune.reload()
+    shape = spaces.TuneShape(torch.device("cpu"), torch.float32, hidden=16, vocab=64, tokens=128, variant="plain")
+    assert reference_plan(shape.stand_in_inputs()).tokens_per_chunk == 7
+    assert _planned_chunk(generator) == 5
+    assert autotune.lookup("cpu", torch.float32, hidden=16, vocab=64, tokens=128,
+                           variant="distillation").params == {"tokens_per_chunk": 5}
+
+
+def test_one_tune_of_both_losses_takes_each_its_own_space(cache_env: Path, capsys: pytest.CaptureFixture) -> None:
+    """--variant plain,distillation in one run: the plain entry measures the logits-save limit (the reference
+    planner keeps logits), the distillation entry does not (its planner keeps none), and each holds its own
+    space's knobs."""
+    path = cache_env / "autotune.yaml"
+    code = main(["tune", *TINY, "--tokens", "128", "--variant", "plain,distillation", "--quick", "--cache", str(path),
+                 "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    entries = {entry.variant: entry for entry in cache_files.read_file(path).entries}
+    assert set(entries) == {"plain", "distillation"}
+    assert "recompute_logits_ms" in entries["plain"].measured
+    assert "recompute_logits_ms" not in entries["distillation"].measured
+    assert entries["distillation"].logits_save_limit_bytes is None
+    assert all(set(entry.params) == {"tokens_per_chunk"} for entry in entries.values())
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda", "ascend"])
+def test_every_backend_registers_a_space_per_loss(backend: str) -> None:
+    """Each backend with distillation kernels tunes distillation in a space of its own, which measures no
+    logits-save limit and no forward-only overlay; its cross-entropy space is another."""
+    cross_entropy = spaces.tuning_space(backend)
+    distillation = spaces.tuning_space(backend, spaces.DISTILLATION)
+    assert cross_entropy is spaces.tuning_space(backend, spaces.CROSS_ENTROPY) is not None
+    assert distillation is not None and distillation is not cross_entropy
+    assert (cross_entropy.kind, distillation.kind) == (spaces.CROSS_ENTROPY, spaces.DISTILLATION)
+    assert not distillation.tunes_logits_save_limit and distillation.inference_overlays == ()
+    assert distillation.heuristic is not None and distillation.working_bytes is not None
+
+
+def test_reference_distillation_space_is_the_distillation_planners() -> None:
+    """The reference backend's distillation space reports the distillation planner's chunk and memory per row,
+    not the cross-entropy's."""
+    from flce.backends.reference import distillation
+    from flce.engine.choice import describe_device
+    from flce.engine.distillation.call import DistillDescription
+
+    shape = spaces.TuneShape(torch.device("cpu"), torch.float32, hidden=64, vocab=1 << 20, tokens=4096,
+                             variant="distillation")
+    space = spaces.tuning_space("reference", spaces.DISTILLATION)
+    with override_params(None):
+        planned = distillation.choose_distillation(
+            describe_device(shape.device), DistillDescription.tuned(4096, 64, 1 << 20, torch.float32))
+        assert space.heuristic(shape) == {"tokens_per_chunk": planned.plan.tokens_per_chunk}
+    assert 1 < planned.plan.tokens_per_chunk < shape.tokens, "a shape whose heuristic splits the tokens"
+    per_row = distillation.working_bytes_per_row(shape.vocab, shape.dtype)
+    assert space.working_bytes(shape, {"tokens_per_chunk": 256}) == 256 * per_row
+    plain = spaces.TuneShape(shape.device, shape.dtype, shape.hidden, shape.vocab, shape.tokens, "plain")
+    assert spaces.tuning_space("reference").working_bytes(plain, {"tokens_per_chunk": 256}) != 256 * per_row
+
+
+def test_a_loss_the_backend_tunes_no_space_for_is_refused_before_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(spaces._spaces, ("reference", spaces.DISTILLATION))
+    request = TuneRequest(device=torch.device("cpu"), dtypes=[torch.float32], hiddens=[16], vocabs=[64],
+                          tokens=[128], variants=["plain", "distillation"], backend="reference", quick=True)
+    with pytest.raises(ValueError, match=r"variant='distillation': backend 'reference' has no distillation tuning "
+                                         r"space registered \(it tunes: \['cross_entropy'\]\)"):
+        Tuner(request)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"kind": "kl"}, "kind='kl': expected one of"),
+    ({"kind": "distillation"}, "tunes_logits_save_limit=False and no inference_overlays"),
+    ({"kind": "distillation", "tunes_logits_save_limit": False, "inference_overlays": ({"forward_stats": "fused"},)},
+     "tunes_logits_save_limit=False and no inference_overlays"),
+])
+def test_a_space_states_a_loss_it_can_tune(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        spaces.TuningSpace("custom", candidates=lambda shape, quick: [], **options)
 
 
 @pytest.mark.parametrize("device", ["cpu", "npu"])
