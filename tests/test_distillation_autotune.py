@@ -157,9 +157,9 @@ def test_a_loss_the_backend_tunes_no_space_for_is_refused_before_measuring(monke
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"kind": "kl"}, "kind='kl': expected one of"),
-    ({"kind": "distillation"}, "tunes_logits_save_limit=False and no inference_overlays"),
+    ({"kind": "distillation"}, r"tunes_logits_save_limit=True and inference_overlays=\(\): expected False and \(\)"),
     ({"kind": "distillation", "tunes_logits_save_limit": False, "inference_overlays": ({"forward_stats": "fused"},)},
-     "tunes_logits_save_limit=False and no inference_overlays"),
+     r"tunes_logits_save_limit=False and inference_overlays=\(\{'forward_stats': 'fused'\},\): expected False"),
 ])
 def test_a_space_states_a_loss_it_can_tune(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

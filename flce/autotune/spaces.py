@@ -76,6 +76,8 @@ class TuneShape:
 
 @dataclass(frozen=True)
 class TuningSpace:
+    """What the tuner may try for one backend and one loss kind, and what it knows of the planner's choice."""
+
     backend: str
     candidates: Callable[[TuneShape, bool], list[Params]]
     # The loss the space tunes (LOSS_KINDS): the shapes of its variants, and no others, reach its callbacks.
@@ -100,8 +102,9 @@ class TuningSpace:
         # Distillation's planners keep no logits and its calls have no forward-only path to choose: a space that
         # asked for either would time knobs no distillation call reads.
         if self.kind == DISTILLATION and (self.tunes_logits_save_limit or self.inference_overlays):
-            raise ValueError(f"backend={self.backend!r}: a distillation tuning space takes "
-                             "tunes_logits_save_limit=False and no inference_overlays (its planners keep no logits)")
+            raise ValueError(f"backend={self.backend!r}, kind={self.kind!r}: tunes_logits_save_limit="
+                             f"{self.tunes_logits_save_limit!r} and inference_overlays={self.inference_overlays!r}: "
+                             "expected False and () (distillation's planners keep no logits)")
 
 
 _spaces: dict[tuple[str, str], TuningSpace] = {}
