@@ -151,7 +151,7 @@ def ppo_loss(
                            ref_log_prob if options.beta else None, rollout_is_weights, sequence_ids)
     call = policy_loss_of_tokens(hidden, weight, labels, bias, tensors, cfg, options, weights,
                                  device_type=hidden.device.type)
-    metrics = _metrics(mode, options, call, old_log_prob, agg_mode, batch, entropy_coeff, ref_log_prob)
+    metrics = _metrics(mode, call, entropy_coeff)
     return call.output.loss, metrics
 
 
@@ -227,11 +227,10 @@ def _aggregation(mode: str, flat: FlatPolicyTensors, batch: dict[str, Any]) -> t
 
 
 @torch.no_grad()
-def _metrics(mode: str, options: PolicyOptions, call: PolicyCall, old_log_prob: torch.Tensor, agg_mode: str,
-             batch: dict[str, Any], entropy_coeff: float,
-             ref_log_prob: torch.Tensor | None) -> dict[str, torch.Tensor | float]:
-    """verl's metrics of the loss, from the call's detached log-probs and entropies."""
+def _metrics(mode: str, call: PolicyCall, entropy_coeff: float) -> dict[str, torch.Tensor | float]:
+    """verl's metrics of the loss, from the call's detached log-probs and entropies and its per-token tensors."""
     tokens, flat = call.tokens, call.inputs
+    options = tokens.options
     logprob = call.output.logprobs.reshape(-1)
     mask = flat.mask
 
@@ -242,8 +241,7 @@ def _metrics(mode: str, options: PolicyOptions, call: PolicyCall, old_log_prob: 
     policy_only = replace(tokens, options=replace(options, beta=0.0), entropy_weight=None)
     metrics["actor/pg_loss"] = policy_rows(logprob, None, policy_only).loss.sum()
     if mode != "gpg":
-        old = old_log_prob.reshape(-1).to(logprob.dtype)
-        own = torch.where(mask != 0, logprob - old, 0.0)
+        own = torch.where(mask != 0, logprob - tokens.old, 0.0)
         advantage = flat.advantage
         zero = torch.zeros((), dtype=logprob.dtype, device=logprob.device)
         if mode == "gspo":
@@ -267,11 +265,12 @@ def _metrics(mode: str, options: PolicyOptions, call: PolicyCall, old_log_prob: 
             metrics["actor/pg_clipfrac_lower"] = zero
         else:
             metrics["actor/pg_clipfrac"] = metrics["actor/pg_clipfrac_lower"] = zero
-    aggregated = _aggregation(agg_mode, flat, batch)
+    # loss_agg_mode's weights: the KL's in ppo_loss's weights() (the policy term's differ for sapo).
+    aggregated = tokens.kl_weight
     if call.output.entropy is not None and entropy_coeff:
         metrics["actor/entropy_loss"] = (aggregated * call.output.entropy.reshape(-1)).sum()
     if options.beta:
-        kl = kl_term(logprob, ref_log_prob.reshape(-1).to(logprob.dtype), options)[0]
+        kl = kl_term(logprob, tokens.ref, options)[0]
         metrics["kl_loss"] = torch.where(mask != 0, aggregated * kl, 0.0).sum()
         metrics["kl_coef"] = options.beta
     return metrics
