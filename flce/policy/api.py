@@ -80,8 +80,8 @@ def linear_policy_loss(
         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
         return_entropy=return_entropy, ignore_index=ignore_index, memory_budget=memory_budget,
         process_group=process_group, accum_dtype=accum_dtype, precision=precision))
-    return settings.loss(hidden, weight, target, advantages, mask, old_logprobs, ref_logprobs, rollout_is_ratio,
-                         sequence_ids, bias, num_items_in_batch, hidden.device.type, backend, None)
+    return settings.call(hidden, weight, target, advantages, mask, old_logprobs, ref_logprobs, rollout_is_ratio,
+                         sequence_ids, bias, num_items_in_batch, hidden.device.type, backend, None).output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +114,12 @@ class TrlSettings:
                             entropy=o["return_entropy"] or o["entropy_weight"] != 0)
         return TrlSettings(o["loss_type"], policy, cfg, o["max_completion_length"], float(o["entropy_weight"]))
 
-    def loss(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+    def call(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
              mask: torch.Tensor, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
              rollout_is_ratio: torch.Tensor | None, sequence_ids: torch.Tensor | None, bias: torch.Tensor | None,
              num_items_in_batch: Number | None, device_type: str, backend: str | None,
-             probe: HardwareProbe | None) -> PolicyLossOutput:
+             probe: HardwareProbe | None) -> PolicyCall:
+        """The loss with the per-token tensors it was computed from (its ``output`` is linear_policy_loss's)."""
         def weights(flat: FlatPolicyTensors) -> TokenWeights:
             return TokenWeights(trl_weights(self.loss_type, flat.mask, flat.layout,
                                             num_items_in_batch=num_items_in_batch,
@@ -127,7 +128,7 @@ class TrlSettings:
 
         tensors = PolicyInputs(advantages, mask, old_logprobs, ref_logprobs, rollout_is_ratio, sequence_ids)
         return policy_loss_of_tokens(hidden, weight, target, bias, tensors, self.cfg, self.options, weights,
-                                     device_type=device_type, backend=backend, probe=probe).output
+                                     device_type=device_type, backend=backend, probe=probe)
 
 
 _TRL_DEFAULTS: dict[str, Any] = dict(
@@ -232,9 +233,9 @@ class LinearPolicyLoss(torch.nn.Module):
                 ref_logprobs: torch.Tensor | None = None, rollout_is_ratio: torch.Tensor | None = None,
                 sequence_ids: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                 num_items_in_batch: Number | None = None) -> PolicyLossOutput:
-        return self.settings.loss(hidden, weight, target, advantages, mask, old_logprobs, ref_logprobs,
+        return self.settings.call(hidden, weight, target, advantages, mask, old_logprobs, ref_logprobs,
                                   rollout_is_ratio, sequence_ids, bias, num_items_in_batch, self.device_type,
-                                  self.backend_name, self.probe)
+                                  self.backend_name, self.probe).output
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         """get_policy_impl's classes are made at run time: rebuilt from what they were made of (as get_impl's)."""
