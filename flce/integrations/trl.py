@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterable
 import torch
 
 import flce
-from flce.config import LCEConfig
-from flce.errors import InputError, InputTypeError
+from flce.config import LCEConfig, check_finite_real
+from flce.errors import InputError
 from flce.policy.api import PolicyCall, TrlSettings
 from flce.policy.semantics import clip_flags
 
@@ -107,8 +107,7 @@ def _fold_logit_scale(
     folding cannot carry is refused naming TRL's argument, not the option it would have become.
     """
     LCEConfig(temperature=temperature, softcap=softcap)  # as given: flce's checks and messages
-    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not math.isfinite(logit_scale):
-        raise InputTypeError(f"logit_scale={logit_scale!r}: expected a finite real number")
+    check_finite_real("logit_scale", logit_scale)
     if logit_scale > 0:
         folded = {"temperature": temperature / logit_scale,
                   "softcap": None if softcap is None else softcap / logit_scale}

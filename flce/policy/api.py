@@ -17,12 +17,12 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from flce.config import LCEConfig
+from flce.config import LCEConfig, check_finite_real
 from flce.distributed.dtensor import localize_inputs
 from flce.inputs import prepare_inputs
 from flce.module import run_prepared
 from flce.policy.checks import FlatPolicyTensors, flatten_policy_tensors
-from flce.policy.loss_types import check_entropy_weight, trl_entropy_weights, trl_options, trl_weights
+from flce.policy.loss_types import trl_entropy_weights, trl_options, trl_weights
 from flce.policy.options import PolicyOptions
 from flce.policy.semantics import Number, policy_metrics, sequence_shares
 from flce.policy.tokens import PolicyTokens
@@ -107,7 +107,7 @@ class TrlSettings:
                              sapo_temperature_neg=o["sapo_temperature_neg"])
         if not isinstance(o["return_entropy"], bool):
             raise TypeError(f"return_entropy={o['return_entropy']!r}: expected a bool")
-        check_entropy_weight(o["entropy_weight"])
+        check_finite_real("entropy_weight", o["entropy_weight"])
         cfg = policy_config(temperature=o["temperature"], softcap=o["softcap"], ignore_index=o["ignore_index"],
                             memory_budget=o["memory_budget"], process_group=o["process_group"],
                             accum_dtype=o["accum_dtype"], precision=o["precision"],
