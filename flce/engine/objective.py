@@ -91,7 +91,7 @@ class PolicyObjective:
 
     @property
     def statistics_first(self) -> bool:
-        return self.tokens.options.level != "token"
+        return self.tokens.options.ratio_per_sequence
 
     def with_statistics(self, stats: RowStats, rows: slice = slice(None)) -> PolicyObjective:
         """The objective knowing ``rows`` (``stats`` are theirs): their terms and scales made."""
@@ -154,4 +154,4 @@ def backward_objective(call_cfg: LCEConfig, vocab: int, flat: FlatInputs, denoms
 def needs_statistics_first(flat: FlatInputs) -> bool:
     """Whether the call's gradients need every row's statistics before any (a policy loss at a sequence level):
     what a planner's PlanRequest says (``statistics_first``)."""
-    return flat.policy is not None and flat.policy.options.level != "token"
+    return flat.policy is not None and flat.policy.options.ratio_per_sequence

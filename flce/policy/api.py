@@ -197,7 +197,7 @@ def policy_loss_of_tokens(
     token_weights = weights(flat_tensors)
     if token_weights.entropy is not None and not cfg.return_entropy:
         cfg = cfg.replace(return_entropy=True)
-    sequences = options.level != "token"
+    sequences = options.ratio_per_sequence
     layout = flat_tensors.layout
     tokens = PolicyTokens(
         options=options, advantage=flat_tensors.advantage, weight=token_weights.policy, old=flat_tensors.old,
