@@ -68,8 +68,8 @@ def prepare_pair(student_hidden: torch.Tensor, student_weight: torch.Tensor, tea
     if teacher_vocab != vocab:
         raise ValueError(f"teacher_weight: has vocabulary {teacher_vocab} but student_weight has {vocab}; expected "
                          "equal vocabularies (the same tokenizer; pad the smaller head's rows if one is padded)")
-    if vocab == 0 and cfg.process_group is None:
-        raise ValueError("student_weight: has no classes; expected [V, H] with V >= 1")
+    if cfg.process_group is None:  # a vocabulary shard: every rank's size is checked at once (distributed)
+        check_vocabulary(vocab)
     for name, hidden, size in (("student_hidden", student_hidden, student_size),
                                ("teacher_hidden", teacher_hidden, teacher_size)):
         if hidden.shape[-1] != size:
@@ -110,6 +110,12 @@ def prepare_pair(student_hidden: torch.Tensor, student_weight: torch.Tensor, tea
                     teacher_hidden=floats["teacher_hidden"].reshape(tokens, teacher_size),
                     teacher_weight=floats["teacher_weight"], teacher_bias=floats.get("teacher_bias"),
                     target=flat_target, token_shape=student_hidden.shape[:-1])
+
+
+def check_vocabulary(vocab: int) -> None:
+    """Both heads' softmaxes need a class: an empty vocabulary is refused before compute."""
+    if vocab == 0:
+        raise ValueError("student_weight: has no classes; expected [V, H] with V >= 1")
 
 
 def _common_dtype(named: list[tuple[str, torch.Tensor]], device_type: str) -> dict[str, torch.Tensor]:

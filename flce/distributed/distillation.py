@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from flce.distillation.config import DistillationConfig
-from flce.distillation.inputs import FlatPair
+from flce.distillation.inputs import FlatPair, check_vocabulary
 from flce.distillation.semantics import PartialPairStats, merge_pair_stats
 from flce.distributed import checks, collectives
 from flce.distributed.shards import group_size, vocab_shard
@@ -35,7 +35,8 @@ def vocab_parallel_distillation(pair: FlatPair, cfg: DistillationConfig, backend
     """The loss of a call whose ``cfg.process_group`` shards both heads' vocabulary alike (module docstring)."""
     group = cfg.process_group
     if group_size(group) == 1:
-        # One rank holds the whole vocabulary: exactly the unsharded call.
+        # One rank holds the whole vocabulary: exactly the unsharded call, with its checks.
+        check_vocabulary(pair.student_weight.shape[0])
         if pair.target is not None:
             checks.check_target_range(pair.target, pair.student_weight.shape[0], cfg.ignore_index)
         return run_distillation(backend, pair, cfg.replace(process_group=None))
