@@ -69,7 +69,7 @@ def sharded_distillation(pair: FlatPair, cfg: DistillationConfig, backend: Backe
                            teacher_bias=None)
         plan = backend.plan_distillation(stand_in, cfg, request).plan
     return replace(own, plan=plan, sharding=PairSharding(
-        vocab_offset=shard.offset, global_vocab=shard.global_vocab,
+        vocab_offset=shard.offset,
         combine=functools.partial(combine_pair_stats, cfg=cfg, group=group),
         sum_rows=functools.partial(collectives.all_reduce_, op=dist.ReduceOp.SUM, group=group),
         reduce_grad_hidden=functools.partial(collectives.all_reduce_, op=dist.ReduceOp.SUM, group=group)))

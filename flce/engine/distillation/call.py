@@ -145,7 +145,6 @@ class PairSharding:
     grad_hidden (each rank's covers its shard)."""
 
     vocab_offset: int
-    global_vocab: int
     combine: Callable[[PartialPairStats], PartialPairStats]
     sum_rows: Callable[[torch.Tensor], torch.Tensor]
     reduce_grad_hidden: Callable[[torch.Tensor], None]
@@ -172,6 +171,15 @@ class DistillCall:
 
     def summed(self, rows: torch.Tensor) -> torch.Tensor:
         return self.sharding.sum_rows(rows) if self.sharding else rows
+
+    def complete_grad_hidden_(self, *grad_hiddens: torch.Tensor | None) -> None:
+        """A shard's grad_hidden covers its vocabulary only: each one given (the student's, the teacher's) summed
+        over the ranks in place; nothing without sharding."""
+        if self.sharding is None:
+            return
+        for grad_hidden in grad_hiddens:
+            if grad_hidden is not None and grad_hidden.numel():
+                self.sharding.reduce_grad_hidden(grad_hidden)
 
 
 @dataclass(frozen=True)

@@ -122,10 +122,7 @@ def _distill_backward(student_hidden: Tensor, student_weight: Tensor, student_bi
     call = _call(pair, kw, True)
     state = schedule.DistillState(loss=count, count=count, stats=stats)
     student, teacher = schedule.backward(call, pair, state, wanted, grad_loss)
-    if call.sharding is not None:
-        for grad_hidden in (student[0], teacher[0]):
-            if grad_hidden is not None and grad_hidden.numel():
-                call.sharding.reduce_grad_hidden(grad_hidden)
+    call.complete_grad_hidden_(student[0], teacher[0])
     return tuple(student_hidden.new_empty(0) if g is None else g for g in (*student, *teacher))
 
 
