@@ -28,6 +28,7 @@ from flce.engine.distillation.custom_ops import apply_op, register_sharded_disti
 from flce.engine.distillation.function import apply_eager, wanted_gradients
 from flce.engine.distillation.run import run_distillation
 from flce.engine.plans import PlanRequest
+from flce.errors import InputError
 from flce.registry import Backend
 
 
@@ -53,7 +54,7 @@ def sharded_distillation(pair: FlatPair, cfg: DistillationConfig, backend: Backe
     shard = vocab_shard(group, pair.student_weight)
     teacher_shard = vocab_shard(group, pair.teacher_weight)  # checks the teacher's hidden size across ranks
     if teacher_shard.sizes != shard.sizes:
-        raise ValueError(f"teacher_weight: its vocabulary shards {list(teacher_shard.sizes)} differ from the student's "
+        raise InputError(f"teacher_weight: its vocabulary shards {list(teacher_shard.sizes)} differ from the student's "
                          f"{list(shard.sizes)}; expected both heads sharded alike")
     if pair.target is not None:
         checks.check_target_range(pair.target, shard.global_vocab, cfg.ignore_index)
