@@ -10,7 +10,7 @@ import difflib
 from dataclasses import dataclass, fields
 from typing import Any
 
-from flce.config import Primitive, _check_bool, _check_int, _check_memory_budget, _check_real, _check_reduction
+from flce.config import Primitive, _check_bool, _check_int, _check_memory_budget, _check_reduction, check_finite_real
 from flce.errors import InputError, InputTypeError
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd")
@@ -70,20 +70,20 @@ def _check_loss(value: Any) -> None:
 
 
 def _check_beta(value: Any) -> None:
-    _check_real("beta", value)
+    check_finite_real("beta", value)
     if not 0.0 < value < 1.0:
         raise InputError(f"beta={value}: expected a value in the open interval (0, 1) (beta -> 0 and 1 are "
                          "the KL divergences: pass loss='forward_kl' or 'reverse_kl')")
 
 
 def _check_temperature(value: Any) -> None:
-    _check_real("temperature", value)
+    check_finite_real("temperature", value)
     if not value > 0.0:
         raise InputError(f"temperature={value}: expected a value > 0")
 
 
 def _check_hard_label_weight(value: Any) -> None:
-    _check_real("hard_label_weight", value)
+    check_finite_real("hard_label_weight", value)
     if not 0.0 <= value <= 1.0:
         raise InputError(f"hard_label_weight={value}: expected a value in [0, 1]")
 
