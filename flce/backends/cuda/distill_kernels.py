@@ -167,19 +167,12 @@ def _target_column(target_ptr, row, V, vocab_offset, ignore_index):
 
 
 @triton.jit
-def _pair_stats_kernel(
-    teacher_ptr, stride_teacher, student_ptr, stride_student, target_ptr,
-    teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr,
-    target_logit_ptr,
-    V, vocab_offset, ignore_index, inv_temperature,
-    CROSS: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """Both softmaxes' partial statistics of each row in one pass (semantics.PartialPairStats; [n] fp32 outputs,
-    cross_ptr read where CROSS, hard_* where HARD_OWN_LSE, target_logit_ptr where HARD: u_s at the target, 0 off
-    this shard)."""
-    row = tl.program_id(0).to(tl.int64)
-    teacher_row = teacher_ptr + row * stride_teacher
-    student_row = student_ptr + row * stride_student
+def _row_statistics(teacher_row, student_row, target_ptr, row, teacher_max_ptr, teacher_sum_ptr, student_max_ptr,
+                    student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, V, vocab_offset,
+                    ignore_index, inv_temperature, CROSS: tl.constexpr, HARD: tl.constexpr,
+                    HARD_OWN_LSE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row's statistics sweep with its outputs stored (_pair_stats_kernel's docstring); returns them and the
+    row's target column (-1: none here) for a kernel that goes on with the row."""
     t_max, t_sum, s_max, s_sum, cross, h_max, h_sum = _stats_sweep(teacher_row, student_row, V, inv_temperature,
                                                                    CROSS, HARD_OWN_LSE, BLOCK_V)
     tl.store(teacher_max_ptr + row, t_max)
@@ -191,10 +184,30 @@ def _pair_stats_kernel(
     if HARD_OWN_LSE:
         tl.store(hard_max_ptr + row, h_max)
         tl.store(hard_sum_ptr + row, h_sum)
+    target_col = -1
     if HARD:
-        col = _target_column(target_ptr, row, V, vocab_offset, ignore_index)
-        picked = tl.load(student_row + tl.maximum(col, 0)).to(tl.float32)
-        tl.store(target_logit_ptr + row, tl.where(col >= 0, picked, 0.0))
+        target_col = _target_column(target_ptr, row, V, vocab_offset, ignore_index)
+        picked = tl.load(student_row + tl.maximum(target_col, 0)).to(tl.float32)
+        tl.store(target_logit_ptr + row, tl.where(target_col >= 0, picked, 0.0))
+    return t_max, t_sum, s_max, s_sum, cross, h_max, h_sum, target_col
+
+
+@triton.jit
+def _pair_stats_kernel(
+    teacher_ptr, stride_teacher, student_ptr, stride_student, target_ptr,
+    teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr,
+    target_logit_ptr,
+    V, vocab_offset, ignore_index, inv_temperature,
+    CROSS: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Both softmaxes' partial statistics of each row in one pass (semantics.PartialPairStats; [n] fp32 outputs,
+    cross_ptr read where CROSS, hard_* where HARD_OWN_LSE, target_logit_ptr where HARD: u_s at the target, 0 off
+    this shard)."""
+    row = tl.program_id(0).to(tl.int64)
+    _row_statistics(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student, target_ptr, row,
+                    teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr,
+                    hard_sum_ptr, target_logit_ptr, V, vocab_offset, ignore_index, inv_temperature, CROSS, HARD,
+                    HARD_OWN_LSE, BLOCK_V)
 
 
 @triton.jit
@@ -274,22 +287,10 @@ def _pair_passes_kernel(
         row = tl.cast(row_index, tl.int64)
         teacher_row = teacher_ptr + row * stride_teacher
         student_row = student_ptr + row * stride_student
-        t_max, t_sum, s_max, s_sum, cross, h_max, h_sum = _stats_sweep(teacher_row, student_row, V, inv_temperature,
-                                                                       CROSS, HARD_OWN_LSE, BLOCK_V)
-        tl.store(teacher_max_ptr + row, t_max)
-        tl.store(teacher_sum_ptr + row, t_sum)
-        tl.store(student_max_ptr + row, s_max)
-        tl.store(student_sum_ptr + row, s_sum)
-        if CROSS != 0:
-            tl.store(cross_ptr + row, cross)
-        if HARD_OWN_LSE:
-            tl.store(hard_max_ptr + row, h_max)
-            tl.store(hard_sum_ptr + row, h_sum)
-        target_col = -1
-        if HARD:
-            target_col = _target_column(target_ptr, row, V, 0, ignore_index)
-            picked = tl.load(student_row + tl.maximum(target_col, 0)).to(tl.float32)
-            tl.store(target_logit_ptr + row, tl.where(target_col >= 0, picked, 0.0))
+        t_max, t_sum, s_max, s_sum, cross, h_max, h_sum, target_col = _row_statistics(
+            teacher_row, student_row, target_ptr, row, teacher_max_ptr, teacher_sum_ptr, student_max_ptr,
+            student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, V, 0, ignore_index,
+            inv_temperature, CROSS, HARD, HARD_OWN_LSE, BLOCK_V)
         teacher_lse = t_max + tl.log(t_sum)
         student_lse = s_max + tl.log(s_sum)
         teacher_kl = 0.0
