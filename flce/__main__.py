@@ -101,9 +101,9 @@ def autotune_lines(device: torch.device) -> list[str]:
         return [f"autotune: could not report ({type(exc).__name__}: {exc})"]
 
 
-def info(device: str | torch.device | None) -> int:
-    fallback = cpu_fallback_reason() if device is None else None
-    device = resolve_device(device)
+def info(device: torch.device, fallback: str | None = None) -> int:
+    """The report on ``device``; ``fallback``: why the CPU stands in for the accelerator torch was built for
+    (:func:`flce.devices.cpu_fallback_reason`), where no device was named."""
     print(f"flce {flce.__version__} · torch {torch.__version__} · python {platform.python_version()}")
     print(f"device: {device_description(device)}")
     if fallback is not None:
@@ -156,10 +156,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"{args.command}: {exc}")
     if args.command == "info":
         try:
-            resolve_device(args.device)
+            device = resolve_device(args.device)
         except (TypeError, ValueError) as exc:
             parser.error(f"--device: {exc}")  # exits with status 2, the message and no traceback
-        return info(args.device)
+        named = args.device is not None
+        return info(device, None if named or device.type != "cpu" else cpu_fallback_reason())
     parser.error(f"unknown command {args.command!r}")
     return 2
 

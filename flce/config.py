@@ -160,26 +160,26 @@ def _check_reduction(value: Any) -> None:
 
 
 def _check_label_smoothing(value: Any) -> None:
-    _check_real("label_smoothing", value)
+    check_finite_real("label_smoothing", value)
     if not 0.0 <= value <= 1.0:
         raise InputError(f"label_smoothing={value}: expected a value in [0, 1]")
 
 
 def _check_lse_square_scale(value: Any) -> None:
-    _check_real("lse_square_scale", value)
+    check_finite_real("lse_square_scale", value)
     if value < 0.0:
         raise InputError(f"lse_square_scale={value}: expected a value >= 0")
 
 
 def _check_softcap(value: Any) -> None:
     if value is not None:
-        _check_real("softcap", value)
+        check_finite_real("softcap", value)
         if not value > 0.0:
             raise InputError(f"softcap={value}: expected None or a value > 0")
 
 
 def _check_temperature(value: Any) -> None:
-    _check_real("temperature", value)
+    check_finite_real("temperature", value)
     if not value > 0.0:
         raise InputError(f"temperature={value}: expected a value > 0")
 
@@ -230,7 +230,7 @@ _CHECKS: dict[str, Any] = {
     "lse_square_scale": _check_lse_square_scale,
     "softcap": _check_softcap,
     "temperature": _check_temperature,
-    "entropy_weight": lambda value: _check_real("entropy_weight", value),
+    "entropy_weight": lambda value: check_finite_real("entropy_weight", value),
     "class_weight": _check_class_weight,
     "precision": _check_precision,
     "accum_dtype": _check_accum_dtype,
@@ -262,7 +262,9 @@ def _check_int(name: str, value: Any) -> None:
         raise InputError(f"{name}={value}: expected a value that fits in int64, [-2**63, 2**63 - 1]")
 
 
-def _check_real(name: str, value: Any) -> None:
+def check_finite_real(name: str, value: Any) -> None:
+    """``value`` of the option or argument ``name`` is a finite real number (an int or float, not a bool): else
+    InputTypeError naming it, its value and what was expected."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise InputTypeError(f"{name}={value!r}: expected a finite real number")
 

@@ -177,8 +177,9 @@ def test_bad_options_fail_before_compute(options: dict, error: type, match: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     pair = make_pair(generator)
     _no_kernel_may_run(monkeypatch)
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as raised:
         flce_loss(pair, backend="reference", **options)
+    assert isinstance(raised.value, RuntimeError), "flce's input errors are RuntimeErrors too (docs/usage.md)"
 
 
 def _no_kernel_may_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -227,8 +228,9 @@ def test_bad_inputs_fail_before_compute(change: str, error: type, match: str, ge
     elif change == "bias":
         pair.teacher_bias = torch.randn(39)
     _no_kernel_may_run(monkeypatch)
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as raised:
         flce_loss(pair, backend="reference", **options)
+    assert isinstance(raised.value, RuntimeError), "flce's input errors are RuntimeErrors too (docs/usage.md)"
 
 
 def test_module_form_and_pickle(generator: torch.Generator) -> None:

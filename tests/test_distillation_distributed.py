@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from distillation_helpers import NAMES, Pair, gradients, make_pair, oracle, relative
+from distillation_helpers import NAMES, Pair, flce_loss, gradients, make_pair, oracle, relative
 from test_distributed import Checker, assert_section, run_ranks, seed_of, shard_rows
 
 import flce
@@ -85,6 +85,27 @@ def _section(checker: Checker, rank: int, world_size: int) -> None:
             _check_case(checker, name, layout, rank, group)
 
 
+def _single_rank_group(checker: Checker, rank: int, world_size: int) -> None:
+    """A group of one rank is the unsharded call: the same loss and gradients bitwise, and an empty vocabulary
+    refused before compute as it is without a group."""
+    groups = [torch.distributed.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    options = {"loss": "jsd", "hard_label_weight": 0.3, "temperature": 1.4, "backend": "reference"}
+    pair = make_pair(seed_of("single-rank group"), n=7, vocab=24, bias=True)
+    alone = pair.detached()
+    with checker.case("single-rank group: the unsharded call"):
+        got = flce_loss(pair, process_group=groups[rank], **options)
+        want = flce_loss(alone, **options)
+        got.backward()
+        want.backward()
+        assert torch.equal(got, want)
+        for name in NAMES[:3]:
+            assert torch.equal(getattr(pair, name).grad, getattr(alone, name).grad), name
+    empty = make_pair(seed_of("single-rank group, no classes"), vocab=0, target=False)
+    with checker.case("single-rank group: an empty vocabulary refused"):
+        with pytest.raises(ValueError, match="student_weight: has no classes"):
+            flce_loss(empty, process_group=groups[rank], backend="reference")
+
+
 def _cuda_interpreted(checker: Checker, rank: int, world_size: int) -> None:
     """The CUDA backend's pair kernels (their vocab_offset, one kernel a pass) in the Triton interpreter."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "test setup: the ranks must start with TRITON_INTERPRET=1"
@@ -122,7 +143,8 @@ def _compiled(checker: Checker, rank: int, world_size: int) -> None:
         assert relative(mine.student_weight.grad, pair.student_weight.grad[shard_rows(sizes, rank)]) <= 1e-4
 
 
-SECTIONS = {"2": {"cases": _section, "compiled": _compiled}, "2-interpreted": {"cuda_interpreted": _cuda_interpreted}}
+SECTIONS = {"2": {"cases": _section, "compiled": _compiled, "single_rank_group": _single_rank_group},
+            "2-interpreted": {"cuda_interpreted": _cuda_interpreted}}
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ flce's functional form and module; the OpInfo database itself runs where it impo
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 import flce
 from flce.distributed import token_sharded_mean
+from flce.integrations.trl import chunked_logprobs
 
 TORCH_HAS_LCE = hasattr(F, "linear_cross_entropy")
 
@@ -144,3 +146,20 @@ def test_the_messages_are_flces() -> None:
         flce.get_impl("cpu")(label_smoothing=2.0)
     with pytest.raises(TypeError, match="target: expected an integer tensor of class ids, got dtype torch.float32"):
         flce.linear_cross_entropy(_randn(2, 3), _randn(4, 3), _randn(2))
+
+
+# The one finite-number check (flce.config.check_finite_real) as the front ends that take a real number ask it:
+# the options, the policy loss's options, TRL's drop-in.
+REAL_NUMBER_ARGUMENTS: dict[str, Callable[[Any], object]] = {
+    "temperature": lambda value: flce.get_impl("cpu")(temperature=value),
+    "entropy_weight": lambda value: flce.get_policy_impl("cpu")(entropy_weight=value),
+    "logit_scale": lambda value: chunked_logprobs(_randn(2, 3), _randn(4, 3), None, torch.zeros(2).long(), 1.0, 4,
+                                                  logit_scale=value),
+}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf"), "0.5", True], ids=["nan", "-inf", "str", "bool"])
+@pytest.mark.parametrize("name", sorted(REAL_NUMBER_ARGUMENTS))
+def test_every_front_end_refuses_a_non_finite_number_alike(name: str, value: Any) -> None:
+    with pytest.raises(flce.InputTypeError, match=re.escape(f"{name}={value!r}: expected a finite real number")):
+        REAL_NUMBER_ARGUMENTS[name](value)

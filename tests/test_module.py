@@ -255,6 +255,29 @@ def test_info_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     assert out.rstrip().endswith("autotune for cpu: 3 entries"), "the autotune helper's lines close the report"
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["--device cpu", "no --device"])
+def test_info_command_resolves_the_device_once(named: bool, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The device is resolved once and handed on; why the CPU stands in is asked only where no device was named."""
+    import flce.__main__ as cli
+
+    calls = {"resolve": 0, "fallback": 0}
+
+    def counted(name: str, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+        return wrapper
+
+    monkeypatch.setattr(cli, "resolve_device", counted("resolve", cli.resolve_device))
+    monkeypatch.setattr(cli, "cpu_fallback_reason", counted("fallback", cli.cpu_fallback_reason))
+    monkeypatch.setitem(sys.modules, "flce.autotune", types.SimpleNamespace())
+    assert cli.main(["info", "--device", "cpu"] if named else ["info"]) == 0
+    capsys.readouterr()
+    assert calls["resolve"] == 1
+    assert calls["fallback"] == (0 if named or torch.accelerator.is_available() else 1)
+
+
 @pytest.mark.parametrize("command", [["info", "--device", "cpu"],
                                      ["explain", "--device", "cpu", "--shape", "64x32x300"]], ids=lambda c: c[0])
 def test_commands_into_a_closed_pipe_stop_quietly(command: list[str]) -> None:

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

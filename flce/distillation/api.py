@@ -11,6 +11,7 @@ import torch
 from flce.distillation.config import DistillationConfig, config_from_keywords
 from flce.distillation.inputs import prepare_pair
 from flce.engine.distillation.run import run_distillation
+from flce.errors import InputError, InputTypeError
 from flce.registry import HardwareProbe, candidates_for, resolve_device
 from flce.registry.distillation import resolve_distillation
 from flce.registry.selection import backend_named
@@ -79,7 +80,7 @@ def get_distillation_impl(device: str | torch.device | torch.Tensor | None = Non
     device_type = resolve_device(device).type
     candidates_for(device_type, backend, probe)  # an unavailable or unknown backend fails here, not at the call
     if backend is not None and backend_named(backend).plan_distillation is None:
-        raise ValueError(f"backend={backend!r}: has no linear distillation kernels")
+        raise InputError(f"backend={backend!r}: has no linear distillation kernels")
     return _impl_class(device_type, backend, probe)
 
 
@@ -121,7 +122,7 @@ def linear_distillation_loss(
     cross-entropy with ``target`` (whose ``ignore_index`` rows count nowhere). The teacher takes gradients
     only with ``teacher_grad=True`` (and then those of its tensors that require grad)."""
     if not isinstance(student_hidden, torch.Tensor):
-        raise TypeError(f"student_hidden: expected a torch.Tensor, got {type(student_hidden).__name__}")
+        raise InputTypeError(f"student_hidden: expected a torch.Tensor, got {type(student_hidden).__name__}")
     cfg = DistillationConfig(loss=loss, beta=beta, temperature=temperature, hard_label_weight=hard_label_weight,
                              ignore_index=ignore_index, reduction=reduction, memory_budget=memory_budget,
                              process_group=process_group, teacher_grad=teacher_grad)

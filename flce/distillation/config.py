@@ -7,11 +7,11 @@ user's table of the same options.
 from __future__ import annotations
 
 import difflib
-import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from flce.config import REDUCTIONS, Primitive
+from flce.config import Primitive, _check_bool, _check_int, _check_memory_budget, _check_reduction, check_finite_real
+from flce.errors import InputError, InputTypeError
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -66,55 +66,29 @@ def _check_loss(value: Any) -> None:
     if value not in LOSSES:
         close = difflib.get_close_matches(str(value), LOSSES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"loss={value!r}: expected one of {LOSSES}{hint}")
-
-
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"{name}={value!r}: expected a finite real number")
-    return float(value)
+        raise InputError(f"loss={value!r}: expected one of {LOSSES}{hint}")
 
 
 def _check_beta(value: Any) -> None:
-    if not 0.0 < _real("beta", value) < 1.0:
-        raise ValueError(f"beta={value}: expected a value in the open interval (0, 1) (beta -> 0 and 1 are "
+    check_finite_real("beta", value)
+    if not 0.0 < value < 1.0:
+        raise InputError(f"beta={value}: expected a value in the open interval (0, 1) (beta -> 0 and 1 are "
                          "the KL divergences: pass loss='forward_kl' or 'reverse_kl')")
 
 
 def _check_temperature(value: Any) -> None:
-    if not _real("temperature", value) > 0.0:
-        raise ValueError(f"temperature={value}: expected a value > 0")
+    check_finite_real("temperature", value)
+    if not value > 0.0:
+        raise InputError(f"temperature={value}: expected a value > 0")
 
 
 def _check_hard_label_weight(value: Any) -> None:
-    if not 0.0 <= _real("hard_label_weight", value) <= 1.0:
-        raise ValueError(f"hard_label_weight={value}: expected a value in [0, 1]")
+    check_finite_real("hard_label_weight", value)
+    if not 0.0 <= value <= 1.0:
+        raise InputError(f"hard_label_weight={value}: expected a value in [0, 1]")
 
 
-def _check_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r}: expected an int")
-    if not -(2**63) <= value < 2**63:
-        raise ValueError(f"{name}={value}: expected a value that fits in int64")
-
-
-def _check_reduction(value: Any) -> None:
-    if value not in REDUCTIONS:
-        raise ValueError(f"reduction={value!r}: expected one of {REDUCTIONS}")
-
-
-def _check_memory_budget(value: Any) -> None:
-    if value is not None:
-        _check_int("memory_budget", value)
-        if value <= 0:
-            raise ValueError(f"memory_budget={value}: expected a positive byte count")
-
-
-def _check_teacher_grad(value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"teacher_grad={value!r}: expected a bool")
-
-
+# The options cross-entropy has too are checked by its checks (flce.config), with its errors.
 _CHECKS = {
     "loss": _check_loss,
     "beta": _check_beta,
@@ -123,7 +97,7 @@ _CHECKS = {
     "ignore_index": lambda value: _check_int("ignore_index", value),
     "reduction": _check_reduction,
     "memory_budget": _check_memory_budget,
-    "teacher_grad": _check_teacher_grad,
+    "teacher_grad": _check_bool("teacher_grad"),
 }
 OPTION_NAMES = tuple(f.name for f in fields(DistillationConfig))
 
@@ -138,7 +112,7 @@ def config_from_keywords(caller: str, options: dict[str, Any]) -> DistillationCo
         if name not in OPTION_NAMES:
             close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"{caller}() got an unexpected option {name!r}{hint} Valid options: "
+            raise InputTypeError(f"{caller}() got an unexpected option {name!r}{hint} Valid options: "
                             f"{', '.join(OPTION_NAMES)}")
     return DistillationConfig(**options)
 

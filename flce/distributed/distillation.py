@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from flce.distillation.config import DistillationConfig
-from flce.distillation.inputs import FlatPair
+from flce.distillation.inputs import FlatPair, check_vocabulary
 from flce.distillation.semantics import PartialPairStats, merge_pair_stats
 from flce.distributed import checks, collectives
 from flce.distributed.shards import group_size, vocab_shard
@@ -28,6 +28,7 @@ from flce.engine.distillation.custom_ops import apply_op, register_sharded_disti
 from flce.engine.distillation.function import apply_eager, wanted_gradients
 from flce.engine.distillation.run import run_distillation
 from flce.engine.plans import PlanRequest
+from flce.errors import InputError
 from flce.registry import Backend
 
 
@@ -35,7 +36,8 @@ def vocab_parallel_distillation(pair: FlatPair, cfg: DistillationConfig, backend
     """The loss of a call whose ``cfg.process_group`` shards both heads' vocabulary alike (module docstring)."""
     group = cfg.process_group
     if group_size(group) == 1:
-        # One rank holds the whole vocabulary: exactly the unsharded call.
+        # One rank holds the whole vocabulary: exactly the unsharded call, with its checks.
+        check_vocabulary(pair.student_weight.shape[0])
         if pair.target is not None:
             checks.check_target_range(pair.target, pair.student_weight.shape[0], cfg.ignore_index)
         return run_distillation(backend, pair, cfg.replace(process_group=None))
@@ -52,7 +54,7 @@ def sharded_distillation(pair: FlatPair, cfg: DistillationConfig, backend: Backe
     shard = vocab_shard(group, pair.student_weight)
     teacher_shard = vocab_shard(group, pair.teacher_weight)  # checks the teacher's hidden size across ranks
     if teacher_shard.sizes != shard.sizes:
-        raise ValueError(f"teacher_weight: its vocabulary shards {list(teacher_shard.sizes)} differ from the student's "
+        raise InputError(f"teacher_weight: its vocabulary shards {list(teacher_shard.sizes)} differ from the student's "
                          f"{list(shard.sizes)}; expected both heads sharded alike")
     if pair.target is not None:
         checks.check_target_range(pair.target, shard.global_vocab, cfg.ignore_index)
@@ -68,7 +70,7 @@ def sharded_distillation(pair: FlatPair, cfg: DistillationConfig, backend: Backe
                            teacher_bias=None)
         plan = backend.plan_distillation(stand_in, cfg, request).plan
     return replace(own, plan=plan, sharding=PairSharding(
-        vocab_offset=shard.offset, global_vocab=shard.global_vocab,
+        vocab_offset=shard.offset,
         combine=functools.partial(combine_pair_stats, cfg=cfg, group=group),
         sum_rows=functools.partial(collectives.all_reduce_, op=dist.ReduceOp.SUM, group=group),
         reduce_grad_hidden=functools.partial(collectives.all_reduce_, op=dist.ReduceOp.SUM, group=group)))

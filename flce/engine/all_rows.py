@@ -36,7 +36,9 @@ def forward(call: EngineCall, flat: FlatInputs, plan: AllRows, denoms: Denominat
             keep_stats: bool) -> ForwardState:
     """Loss and extras; keep_stats: the gradients follow and need the statistics."""
     stats = statistics(call, flat, plan)
-    return forward_state(call, flat, stats, denoms, objective.terms(stats, flat.target), keep_stats=keep_stats)
+    objective = objective.with_statistics(stats)
+    return forward_state(call, flat, stats, denoms, objective.terms(stats, flat.target), objective,
+                         keep_stats=keep_stats)
 
 
 def scan_vocab_blocks(

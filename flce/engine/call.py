@@ -10,6 +10,7 @@ import torch
 
 from flce.config import LCEConfig
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription, MemoryPlan, Step
+from flce.engine.objective import Objective
 from flce.engine.plans import Plan, PlanRequest
 from flce.semantics import Denominators, PartialRowStats, RowStats
 
@@ -94,6 +95,9 @@ class ForwardState:
     # chunk_grad "exponentials"): their gradient at a unit upstream scale is saved_row_scale[:, None] * them.
     saved_row_scale: torch.Tensor | None = None
     grads: Grads | None = None
+    # Forward's objective knowing every row's statistics, kept with them: a statistics-first objective's gradients
+    # in forward take their scales from it (flce.engine.schedule); a deferred backward makes its own.
+    objective: Objective | None = None
 
     def for_backward(self) -> ForwardState:
         """What backward reads, without the outputs forward returned. An autograd Function's output

@@ -9,12 +9,17 @@ gradient kernel; the kernels consume them and never know which loss they serve. 
   computes them once for all rows, as before (the plain path's cost is unchanged);
 * :class:`PolicyObjective`: a policy loss (flce.policy.semantics), whose scales are functions of each row's
   log-prob and entropy: of the row's own at token level, of its sequence's at a sequence level
-  (``statistics_first``: the schedule takes every row's statistics before any gradient).
+  (``statistics_first``: the schedule takes every row's statistics before any gradient). Its terms and scales
+  come from one pass of the formula over the rows, :meth:`PolicyObjective.with_statistics`.
+
+A schedule hands an objective a row range's statistics (``with_statistics``) before it asks for the range's
+scales, coefficients or terms; the cross-entropy's needs none of it and stays as it is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -44,7 +49,7 @@ class CrossEntropyObjective:
     statistics_first = False
     scales_need_statistics = False
 
-    def with_statistics(self, stats: RowStats) -> CrossEntropyObjective:
+    def with_statistics(self, stats: RowStats, rows: slice = slice(None)) -> CrossEntropyObjective:
         return self
 
     def scales(self, stats: RowStats | None, rows: slice, n_rows: int) -> UpstreamScales:
@@ -62,52 +67,65 @@ class CrossEntropyObjective:
         return row_terms(stats, target, self.cfg, self.vocab, self.token_weight)
 
 
+class KnownRows(NamedTuple):
+    """A policy loss's terms and gradient scales of a row range, made together from the range's statistics."""
+
+    rows: slice  # the call's rows they are: slice(None) for every row, else one token chunk's
+    loss: torch.Tensor
+    scales: UpstreamScales
+
+
 @dataclass(frozen=True)
 class PolicyObjective:
     """A policy loss over the rows' log-probs and entropies (flce.policy.semantics.policy_rows), grad_output 1.
-    At a sequence level ``all_rows`` holds every row's gradient scales, made by :meth:`with_statistics` once all
-    statistics are known."""
+    ``known``: the rows whose terms and scales :meth:`with_statistics` made, in one pass of the formula: every
+    row once all statistics are known (a sequence level's gradients need them all), or, in forward at token
+    level, one chunk's."""
 
     cfg: LCEConfig
     vocab: int
     tokens: PolicyTokens
-    all_rows: UpstreamScales | None = None
+    known: KnownRows | None = None
 
     scales_need_statistics = True
 
     @property
     def statistics_first(self) -> bool:
-        return self.tokens.options.level != "token"
+        return self.tokens.options.ratio_per_sequence
 
-    def with_statistics(self, stats: RowStats) -> PolicyObjective:
-        if not self.statistics_first:
-            return self
-        return replace(self, all_rows=self._scales(stats, self.tokens, slice(None)))
+    def with_statistics(self, stats: RowStats, rows: slice = slice(None)) -> PolicyObjective:
+        """The objective knowing ``rows`` (``stats`` are theirs): their terms and scales made."""
+        every_row = rows == slice(None)
+        assert every_row or not self.statistics_first, "a sequence level's rows need every row's statistics"
+        tokens = self.tokens if every_row else self.tokens.rows(rows)
+        valid = tokens.weight != 0
+        logprobs = torch.where(valid, stats.target_z - stats.lse, 0.0)
+        made = policy_rows(logprobs, stats.entropy, tokens)
+        # The loss's d / d logp is the scale of -logp (the cross-entropy term) negated; nothing reads the z-loss's.
+        ce = -made.grad_logprob
+        return replace(self, known=KnownRows(rows, made.loss, UpstreamScales(ce, ce, made.grad_entropy)))
 
     def scales(self, stats: RowStats | None, rows: slice, n_rows: int) -> UpstreamScales:
-        if self.all_rows is not None:
-            return self.all_rows.rows(rows)
-        assert not self.statistics_first, "a sequence level's scales need every row's statistics first"
-        return self._scales(stats, self.tokens.rows(rows), rows)
+        known = self._known()
+        if rows == known.rows:
+            return known.scales
+        assert known.rows == slice(None), f"the scales of rows {rows}, but the objective knows {known.rows} only"
+        return known.scales.rows(rows)
 
     def coefficients(self, stats: RowStats, target: torch.Tensor, rows: slice) -> GradCoefficients:
         return grad_coefficients(stats, target, self.cfg, self.vocab, self.scales(stats, rows, target.shape[0]),
                                  None, None)
 
     def terms(self, stats: RowStats, target: torch.Tensor) -> RowTerms:
-        rows = policy_rows(self._logprobs(stats, target), stats.entropy, self.tokens)
-        return RowTerms(rows.loss, None, target != self.cfg.ignore_index)
+        """The known rows' terms (``target``: those rows')."""
+        loss = self._known().loss
+        assert loss.shape == target.shape, f"terms of {tuple(target.shape)} rows; known: {tuple(loss.shape)}"
+        return RowTerms(loss, None, target != self.cfg.ignore_index)
 
-    def _logprobs(self, stats: RowStats, target: torch.Tensor) -> torch.Tensor:
-        return torch.where(target != self.cfg.ignore_index, stats.target_z - stats.lse, 0.0)
-
-    def _scales(self, stats: RowStats, tokens: PolicyTokens, rows: slice) -> UpstreamScales:
-        valid = tokens.weight != 0
-        logprobs = torch.where(valid, stats.target_z - stats.lse, 0.0)
-        grads = policy_rows(logprobs, stats.entropy, tokens)
-        # The loss's d / d logp is the scale of -logp (the cross-entropy term) negated; nothing reads the z-loss's.
-        ce = -grads.grad_logprob
-        return UpstreamScales(ce, ce, grads.grad_entropy)
+    def _known(self) -> KnownRows:
+        assert self.known is not None, ("a policy objective's terms and scales follow its rows' statistics: "
+                                        "with_statistics first")
+        return self.known
 
 
 Objective = CrossEntropyObjective | PolicyObjective
@@ -136,4 +154,4 @@ def backward_objective(call_cfg: LCEConfig, vocab: int, flat: FlatInputs, denoms
 def needs_statistics_first(flat: FlatInputs) -> bool:
     """Whether the call's gradients need every row's statistics before any (a policy loss at a sequence level):
     what a planner's PlanRequest says (``statistics_first``)."""
-    return flat.policy is not None and flat.policy.options.level != "token"
+    return flat.policy is not None and flat.policy.options.ratio_per_sequence

@@ -9,6 +9,7 @@ import torch
 
 from flce.config import LCEConfig
 from flce.engine.call import EngineCall, ForwardState, Grads, GradTargets
+from flce.engine.objective import Objective
 from flce.inputs import FlatInputs, assert_targets_in_range
 from flce.semantics import (
     Denominators,
@@ -209,14 +210,14 @@ def fp32_parts(grad: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]
     yield part
 
 
-def forward_state(call: EngineCall, flat: FlatInputs, stats: RowStats, denoms: Denominators, terms: RowTerms, *,
-                  keep_stats: bool) -> ForwardState:
-    """Loss, extras and (keep_stats: the gradients follow from them) the statistics, from all rows' and their loss
-    terms (the objective's, flce.engine.objective)."""
+def forward_state(call: EngineCall, flat: FlatInputs, stats: RowStats, denoms: Denominators, terms: RowTerms,
+                  objective: Objective, *, keep_stats: bool) -> ForwardState:
+    """Loss, extras and (keep_stats: the gradients follow from them) the statistics and ``objective``, from all
+    rows' and their loss terms (the objective's, flce.engine.objective, knowing every row's statistics)."""
     loss, z_loss = reduce_terms(terms, call.cfg, denoms)
     extra = extras(stats, terms, flat.target, call.cfg, denoms, call.vocab(flat.weight.shape[0]))
-    return ForwardState(loss=loss, z_loss=z_loss, extras=extra,
-                        denoms=denoms, stats=stats if keep_stats else None)
+    return ForwardState(loss=loss, z_loss=z_loss, extras=extra, denoms=denoms, stats=stats if keep_stats else None,
+                        objective=objective if keep_stats else None)
 
 
 def slice_stats(stats: RowStats, rows: slice) -> RowStats:

@@ -60,8 +60,9 @@ def _statistics_then_gradients(call: EngineCall, flat: FlatInputs, plan: TokenCh
     policy loss): forward as a deferred call does (the statistics, keeping the plan's saved rows of logits),
     then the gradients as its backward makes them, the kept rows from their logits and the others recomputed."""
     state = token_chunks.forward(call, flat, plan, denoms, objective, grads_in_forward=None, backward_follows=True)
-    state.grads = token_chunks.backward(call, flat, plan, state, wanted, objective.with_statistics(state.stats))
-    state.stats = None
+    assert state.objective is not None
+    state.grads = token_chunks.backward(call, flat, plan, state, wanted, state.objective)
+    state.stats = state.objective = None
     return state
 
 

@@ -72,8 +72,9 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
     # Chunks that are not kept all write into one buffer (rows.WorkBuffer says why).
     buffer = WorkBuffer(flat.hidden, min(plan.tokens_per_chunk, n_rows), vocab_here, dtype) if keep < n_rows else None
     stats_per_chunk: list[RowStats] = []
-    # Only the plain row kernel's chunks give their terms; the others' come from all rows' statistics at the
-    # end (the objective's terms are row by row: one set of small launches a call instead of one a chunk).
+    # The plain row kernel's chunks give their terms, and an objective whose scales need the statistics gives
+    # them with its scales (one pass of its formula); the others' come from all rows' statistics at the end (the
+    # objective's terms are row by row: one set of small launches a call instead of one a chunk).
     terms_per_chunk: list[RowTerms] = []
     # A statistics-first objective's kept chunks (chunk_grad "exponentials"): exponentials at a unit scale, whose row
     # scales the objective's multiply once every row's statistics are known (flce.engine.schedule).
@@ -99,7 +100,9 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
             if objective.scales_need_statistics:
                 stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg,
                                                          torch.ones_like(t, dtype=torch.float32), out)
-                row_scale = row_scale * objective.scales(stats, rows, n).cross_entropy
+                known = objective.with_statistics(stats, rows)
+                row_scale = row_scale * known.scales(stats, rows, n).cross_entropy
+                terms_per_chunk.append(known.terms(stats, t))
             else:
                 stats, row_scale = kernels.gemm_exp_grad(flat.hidden[rows], flat.weight, t, cfg,
                                                          objective.scales(None, rows, n).cross_entropy, out)
@@ -126,7 +129,10 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
             logits = chunk_logits(flat, rows, out=out)
             stats = RowStats.from_partial(call.combined(kernels.row_stats(logits, t, cfg, call.vocab_offset)))
         if acc and not call.plain:
-            coeffs = objective.coefficients(stats, t, rows)
+            known = objective.with_statistics(stats, rows)
+            coeffs = known.coefficients(stats, t, rows)
+            if objective.scales_need_statistics:  # its terms come with its scales (flce.engine.objective)
+                terms_per_chunk.append(known.terms(stats, t))
             grad = kernels.full_grad_(logits, t, cfg, call.vocab_offset, stats.lse, coeffs)
         if acc:
             acc.add(grad, rows)
@@ -134,9 +140,13 @@ def forward(call: EngineCall, flat: FlatInputs, plan: TokenChunks, denoms: Denom
         del logits, grad, kept, out
 
     all_stats = concat_stats(stats_per_chunk, target)
-    terms = concat_terms(terms_per_chunk, target) if terms_per_chunk else objective.terms(all_stats, target)
+    if terms_per_chunk:
+        terms = concat_terms(terms_per_chunk, target)
+    else:
+        objective = objective.with_statistics(all_stats)
+        terms = objective.terms(all_stats, target)
     if acc is None:
-        state = forward_state(call, flat, all_stats, denoms, terms, keep_stats=deferred)
+        state = forward_state(call, flat, all_stats, denoms, terms, objective, keep_stats=deferred)
         state.saved_logits = saved
         state.saved_row_scale = torch.cat(kept_row_scales) if kept_row_scales else None
         return state

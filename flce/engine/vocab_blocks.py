@@ -34,10 +34,11 @@ def forward(call: EngineCall, flat: FlatInputs, plan: VocabBlocks, denoms: Denom
     """Statistics of all rows; with grads_in_forward, the unscaled gradients of a scalar loss too (every row's
     statistics come first here, so a sequence-level objective is served as it is)."""
     stats = all_rows.statistics(call, flat, plan.stats)
-    state = forward_state(call, flat, stats, denoms, objective.terms(stats, flat.target),
+    objective = objective.with_statistics(stats)
+    state = forward_state(call, flat, stats, denoms, objective.terms(stats, flat.target), objective,
                           keep_stats=grads_in_forward is None)
     if grads_in_forward is not None:
-        coeffs = objective.with_statistics(stats).coefficients(stats, flat.target, slice(None))
+        coeffs = objective.coefficients(stats, flat.target, slice(None))
         state.grads = block_gradients(call, flat, plan, stats, coeffs, grads_in_forward)
     return state
 

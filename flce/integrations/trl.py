@@ -43,11 +43,10 @@ from collections.abc import Callable, Iterable
 import torch
 
 import flce
-from flce.config import LCEConfig
-from flce.errors import InputError, InputTypeError
-from flce.policy.loss_types import trl_options
-from flce.policy.semantics import SequenceLayout, clip_flags, sequence_shares
-from flce.policy.tokens import PolicyTokens
+from flce.config import LCEConfig, check_finite_real
+from flce.errors import InputError
+from flce.policy.api import PolicyCall, TrlSettings
+from flce.policy.semantics import clip_flags
 
 # TRL's optional per-token outputs, in the order of its return tuple after the log-probs.
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -108,8 +107,7 @@ def _fold_logit_scale(
     folding cannot carry is refused naming TRL's argument, not the option it would have become.
     """
     LCEConfig(temperature=temperature, softcap=softcap)  # as given: flce's checks and messages
-    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not math.isfinite(logit_scale):
-        raise InputTypeError(f"logit_scale={logit_scale!r}: expected a finite real number")
+    check_finite_real("logit_scale", logit_scale)
     if logit_scale > 0:
         folded = {"temperature": temperature / logit_scale,
                   "softcap": None if softcap is None else softcap / logit_scale}
@@ -204,17 +202,17 @@ class GRPOPolicyLossMixin:
         old = inputs.get("old_per_token_logps")
         ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
 
-        def head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 scaling: dict) -> flce.PolicyLossOutput:
-            return flce.linear_policy_loss(
-                hidden[:, -keep - 1:-1], weight, completion_ids, inputs["advantages"], mask=mask, old_logprobs=old,
-                ref_logprobs=ref, num_items_in_batch=items, rollout_is_ratio=rollout, bias=bias, **options,
-                **_logit_options(self.temperature, scaling["softcap"], scaling["logit_scale"]))
+        def head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scaling: dict) -> PolicyCall:
+            # flce.linear_policy_loss, keeping the per-token tensors the metrics read
+            settings = TrlSettings.of(dict(
+                options, **_logit_options(self.temperature, scaling["softcap"], scaling["logit_scale"])))
+            return settings.call(hidden[:, -keep - 1:-1], weight, completion_ids, inputs["advantages"], mask, old, ref,
+                                 rollout, None, bias, items, hidden.device.type, None, None)
 
         with self.accelerator.autocast():
-            out = model(input_ids=input_ids, attention_mask=attention_mask, flce_policy=head)
-        self._log_flce_metrics(out, inputs, mask, mode, scale, entropy_weight, options)
-        return out.loss * scale
+            call = model(input_ids=input_ids, attention_mask=attention_mask, flce_policy=head)
+        self._log_flce_metrics(call, inputs, mask, mode, scale, entropy_weight)
+        return call.output.loss * scale
 
     def _check_flce_supports(self, inputs: dict) -> None:
         unsupported = [name for name, on in (
@@ -229,10 +227,10 @@ class GRPOPolicyLossMixin:
             raise ValueError(f"GRPOPolicyLossMixin: flce's policy loss does not state {', '.join(unsupported)}; "
                              "train without the mixin (TRL's own _compute_loss) for them")
 
-    def _log_flce_metrics(self, out: flce.PolicyLossOutput, inputs: dict, mask: torch.Tensor, mode: str,
-                          scale: float, entropy_weight: float, options: dict) -> None:
+    def _log_flce_metrics(self, call: PolicyCall, inputs: dict, mask: torch.Tensor, mode: str, scale: float,
+                          entropy_weight: float) -> None:
         """TRL's logged metrics from the call's (with their host synchronisations, as TRL's logging makes)."""
-        metrics, accelerator = self._metrics[mode], self.accelerator
+        metrics, accelerator, out = self._metrics[mode], self.accelerator, call.output
         by_sequence = self.importance_sampling_level == "sequence" and inputs["advantages"].dim() == 1
 
         def global_mean(local_mean: torch.Tensor, per_sequence: bool = False) -> float:
@@ -253,7 +251,7 @@ class GRPOPolicyLossMixin:
             metrics["clip_ratio/low_mean"].append(global_mean(out.clip_ratio_low, by_sequence))
             metrics["clip_ratio/high_mean"].append(global_mean(out.clip_ratio_high, by_sequence))
             metrics["clip_ratio/region_mean"].append(global_mean(out.clip_ratio, by_sequence))
-            low, high = _per_sequence_clip_fractions(out.logprobs, inputs, mask, options)
+            low, high = _per_sequence_clip_fractions(call, by_sequence)
             metrics["clip_ratio/low_min"].append(_nan_extreme(accelerator.gather(low), torch.min))
             metrics["clip_ratio/high_max"].append(_nan_extreme(accelerator.gather(high), torch.max))
         elif self.loss_type == "cispo":
@@ -268,28 +266,17 @@ def _logit_options(temperature: float, softcap: float | None, logit_scale: float
 
 
 @torch.no_grad()
-def _per_sequence_clip_fractions(logprobs: torch.Tensor, inputs: dict, mask: torch.Tensor,
-                                 options: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_sequence_clip_fractions(call: PolicyCall, by_sequence: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's fraction of clipped tokens below and above (TRL's clip_ratio/low_min and high_max read
-    them; NaN for a sequence without tokens), from the policy's clip flags (flce.policy.semantics)."""
-    batch, length = mask.shape
-    policy = trl_options(options["loss_type"], options["importance_sampling_level"],
-                         epsilon_low=options["epsilon_low"], epsilon_high=options["epsilon_high"],
-                         delta=options["delta"], beta=0.0, sapo_temperature_pos=options["sapo_temperature_pos"],
-                         sapo_temperature_neg=options["sapo_temperature_neg"])
-    weights = mask.reshape(-1).to(logprobs.dtype)
-    layout = SequenceLayout(None, length)
-    advantages = inputs["advantages"]
-    advantages = advantages[:, None].expand(batch, length) if advantages.dim() == 1 else advantages
-    old = inputs.get("old_per_token_logps")
-    tokens = PolicyTokens(options=policy, advantage=advantages.reshape(-1).to(logprobs.dtype), weight=weights,
-                          old=None if old is None else old.reshape(-1).to(logprobs.dtype),
-                          sequence_share=sequence_shares(weights, layout), sequence_length=length)
-    low, high = clip_flags(logprobs.reshape(-1), tokens, weights != 0)
-    if policy.level == "sequence" and inputs["advantages"].dim() == 1:  # one value per sequence, as TRL's (B, 1)
+    them; NaN for a sequence without tokens), from the policy's clip flags (flce.policy.semantics) on the call's
+    tokens; ``by_sequence``: one ratio and advantage per sequence, its flags its first token's."""
+    batch, length = call.output.logprobs.shape
+    mask = call.inputs.mask
+    low, high = clip_flags(call.output.logprobs.reshape(-1), call.tokens, mask != 0)
+    if by_sequence:  # one value per sequence, as TRL's (B, 1)
         return low.reshape(batch, length)[:, 0].float(), high.reshape(batch, length)[:, 0].float()
-    counts = weights.reshape(batch, length).sum(-1)
-    return tuple((flags.reshape(batch, length).float() * weights.reshape(batch, length)).sum(-1) / counts
+    counts = mask.reshape(batch, length).sum(-1)
+    return tuple((flags.reshape(batch, length).float() * mask.reshape(batch, length)).sum(-1) / counts
                  for flags in (low, high))
 
 

@@ -47,7 +47,7 @@ from flce.errors import InputError
 from flce.policy.api import PolicyCall, PolicyInputs, TokenWeights, policy_config, policy_loss_of_tokens
 from flce.policy.checks import FlatPolicyTensors
 from flce.policy.options import PolicyOptions
-from flce.policy.semantics import kl_term, log_ratio, policy_rows
+from flce.policy.semantics import aggregation_weights, kl_term, log_ratio, policy_rows
 
 _REDUCTIONS = ("none", "sum", "mean")
 
@@ -151,7 +151,7 @@ def ppo_loss(
                            ref_log_prob if options.beta else None, rollout_is_weights, sequence_ids)
     call = policy_loss_of_tokens(hidden, weight, labels, bias, tensors, cfg, options, weights,
                                  device_type=hidden.device.type)
-    metrics = _metrics(mode, options, call, old_log_prob, agg_mode, batch, entropy_coeff, ref_log_prob)
+    metrics = _metrics(mode, call, entropy_coeff)
     return call.output.loss, metrics
 
 
@@ -201,40 +201,36 @@ def _policy_options(config: Any, mode: str) -> PolicyOptions:
 
 
 def _aggregation(mode: str, flat: FlatPolicyTensors, batch: dict[str, Any]) -> torch.Tensor:
-    """Each token's weight in verl's ``agg_loss(loss_mat, loss_mask, mode, **global_batch_info)``."""
+    """Each token's weight in verl's ``agg_loss(loss_mat, loss_mask, mode, **global_batch_info)``: flce's
+    aggregation of the same name (flce.policy.semantics) over verl's counts, times ``dp_size``."""
     mask, layout, dp_size = flat.mask, flat.layout, batch["dp_size"]
     needed = "batch_num_tokens" if mode == "token-mean" else None if mode == "token-sum" else "global_batch_size"
     if dp_size > 1 and needed and batch.get(needed) is None:
         raise ValueError(f"config.global_batch_info: {mode} with dp_size={dp_size} needs {needed} (verl's "
                          "agg_loss)")
-    if mode == "token-mean":
-        tokens = batch.get("batch_num_tokens")
-        # verl divides by the mask's sum as it is (0 / 0 for an empty batch); flce by at least 1.
-        return mask / (mask.sum().clamp(min=1.0) if tokens is None else tokens) * dp_size
-    if mode == "token-sum":
-        return mask * dp_size
-    sequences = batch.get("global_batch_size")
-    if sequences is None:  # the sequences with a token in the mask
-        sequences = layout.count(mask, nonempty=mask)
-    weights = mask / sequences * dp_size
-    if mode == "seq-mean-token-mean":
-        # verl divides by the sequence's token count + 1e-8, which its float32 sum of a bool mask rounds away.
-        return weights / layout.sums(mask).clamp(min=1.0)
+    sequences = horizon = None
+    if mode.startswith("seq-mean"):
+        # verl counts the sequences with a token in the mask, where global_batch_size does not say.
+        sequences = batch.get("global_batch_size")
+        if sequences is None:
+            sequences = layout.count(mask, nonempty=mask)
     if mode == "seq-mean-token-sum-norm":
         horizon = batch.get("loss_scale_factor") or layout.length
         if horizon is None:
             raise ValueError("seq-mean-token-sum-norm in the packed form: set config.loss_scale_factor (verl's "
                              "horizon is the padded response length)")
-        return weights / horizon
-    return weights
+    # Where flce divides by at least 1 verl does not: its token-mean divides an empty batch's 0 by 0, its
+    # seq-mean-token-mean each sequence's token count + 1e-8 (which its float32 sum of a bool mask rounds away).
+    weights = aggregation_weights(mask, layout, mode.replace("-", "_"), token_divisor=batch.get("batch_num_tokens"),
+                                  sequence_divisor=sequences, horizon=horizon)
+    return weights * dp_size
 
 
 @torch.no_grad()
-def _metrics(mode: str, options: PolicyOptions, call: PolicyCall, old_log_prob: torch.Tensor, agg_mode: str,
-             batch: dict[str, Any], entropy_coeff: float,
-             ref_log_prob: torch.Tensor | None) -> dict[str, torch.Tensor | float]:
-    """verl's metrics of the loss, from the call's detached log-probs and entropies."""
+def _metrics(mode: str, call: PolicyCall, entropy_coeff: float) -> dict[str, torch.Tensor | float]:
+    """verl's metrics of the loss, from the call's detached log-probs and entropies and its per-token tensors."""
     tokens, flat = call.tokens, call.inputs
+    options = tokens.options
     logprob = call.output.logprobs.reshape(-1)
     mask = flat.mask
 
@@ -245,8 +241,7 @@ def _metrics(mode: str, options: PolicyOptions, call: PolicyCall, old_log_prob: 
     policy_only = replace(tokens, options=replace(options, beta=0.0), entropy_weight=None)
     metrics["actor/pg_loss"] = policy_rows(logprob, None, policy_only).loss.sum()
     if mode != "gpg":
-        old = old_log_prob.reshape(-1).to(logprob.dtype)
-        own = torch.where(mask != 0, logprob - old, 0.0)
+        own = torch.where(mask != 0, logprob - tokens.old, 0.0)
         advantage = flat.advantage
         zero = torch.zeros((), dtype=logprob.dtype, device=logprob.device)
         if mode == "gspo":
@@ -270,11 +265,12 @@ def _metrics(mode: str, options: PolicyOptions, call: PolicyCall, old_log_prob: 
             metrics["actor/pg_clipfrac_lower"] = zero
         else:
             metrics["actor/pg_clipfrac"] = metrics["actor/pg_clipfrac_lower"] = zero
-    aggregated = _aggregation(agg_mode, flat, batch)
+    # loss_agg_mode's weights: the KL's in ppo_loss's weights() (the policy term's differ for sapo).
+    aggregated = tokens.kl_weight
     if call.output.entropy is not None and entropy_coeff:
         metrics["actor/entropy_loss"] = (aggregated * call.output.entropy.reshape(-1)).sum()
     if options.beta:
-        kl = kl_term(logprob, ref_log_prob.reshape(-1).to(logprob.dtype), options)[0]
+        kl = kl_term(logprob, tokens.ref, options)[0]
         metrics["kl_loss"] = torch.where(mask != 0, aggregated * kl, 0.0).sum()
         metrics["kl_coef"] = options.beta
     return metrics

@@ -17,12 +17,12 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from flce.config import LCEConfig
+from flce.config import LCEConfig, check_finite_real
 from flce.distributed.dtensor import localize_inputs
 from flce.inputs import prepare_inputs
 from flce.module import run_prepared
 from flce.policy.checks import FlatPolicyTensors, flatten_policy_tensors
-from flce.policy.loss_types import check_entropy_weight, trl_entropy_weights, trl_options, trl_weights
+from flce.policy.loss_types import trl_entropy_weights, trl_options, trl_weights
 from flce.policy.options import PolicyOptions
 from flce.policy.semantics import Number, policy_metrics, sequence_shares
 from flce.policy.tokens import PolicyTokens
@@ -80,8 +80,8 @@ def linear_policy_loss(
         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
         return_entropy=return_entropy, ignore_index=ignore_index, memory_budget=memory_budget,
         process_group=process_group, accum_dtype=accum_dtype, precision=precision))
-    return settings.loss(hidden, weight, target, advantages, mask, old_logprobs, ref_logprobs, rollout_is_ratio,
-                         sequence_ids, bias, num_items_in_batch, hidden.device.type, backend, None)
+    return settings.call(hidden, weight, target, advantages, mask, old_logprobs, ref_logprobs, rollout_is_ratio,
+                         sequence_ids, bias, num_items_in_batch, hidden.device.type, backend, None).output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,18 +107,19 @@ class TrlSettings:
                              sapo_temperature_neg=o["sapo_temperature_neg"])
         if not isinstance(o["return_entropy"], bool):
             raise TypeError(f"return_entropy={o['return_entropy']!r}: expected a bool")
-        check_entropy_weight(o["entropy_weight"])
+        check_finite_real("entropy_weight", o["entropy_weight"])
         cfg = policy_config(temperature=o["temperature"], softcap=o["softcap"], ignore_index=o["ignore_index"],
                             memory_budget=o["memory_budget"], process_group=o["process_group"],
                             accum_dtype=o["accum_dtype"], precision=o["precision"],
                             entropy=o["return_entropy"] or o["entropy_weight"] != 0)
         return TrlSettings(o["loss_type"], policy, cfg, o["max_completion_length"], float(o["entropy_weight"]))
 
-    def loss(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+    def call(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
              mask: torch.Tensor, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
              rollout_is_ratio: torch.Tensor | None, sequence_ids: torch.Tensor | None, bias: torch.Tensor | None,
              num_items_in_batch: Number | None, device_type: str, backend: str | None,
-             probe: HardwareProbe | None) -> PolicyLossOutput:
+             probe: HardwareProbe | None) -> PolicyCall:
+        """The loss with the per-token tensors it was computed from (its ``output`` is linear_policy_loss's)."""
         def weights(flat: FlatPolicyTensors) -> TokenWeights:
             return TokenWeights(trl_weights(self.loss_type, flat.mask, flat.layout,
                                             num_items_in_batch=num_items_in_batch,
@@ -127,7 +128,7 @@ class TrlSettings:
 
         tensors = PolicyInputs(advantages, mask, old_logprobs, ref_logprobs, rollout_is_ratio, sequence_ids)
         return policy_loss_of_tokens(hidden, weight, target, bias, tensors, self.cfg, self.options, weights,
-                                     device_type=device_type, backend=backend, probe=probe).output
+                                     device_type=device_type, backend=backend, probe=probe)
 
 
 _TRL_DEFAULTS: dict[str, Any] = dict(
@@ -196,7 +197,7 @@ def policy_loss_of_tokens(
     token_weights = weights(flat_tensors)
     if token_weights.entropy is not None and not cfg.return_entropy:
         cfg = cfg.replace(return_entropy=True)
-    sequences = options.level != "token"
+    sequences = options.ratio_per_sequence
     layout = flat_tensors.layout
     tokens = PolicyTokens(
         options=options, advantage=flat_tensors.advantage, weight=token_weights.policy, old=flat_tensors.old,
@@ -232,9 +233,9 @@ class LinearPolicyLoss(torch.nn.Module):
                 ref_logprobs: torch.Tensor | None = None, rollout_is_ratio: torch.Tensor | None = None,
                 sequence_ids: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                 num_items_in_batch: Number | None = None) -> PolicyLossOutput:
-        return self.settings.loss(hidden, weight, target, advantages, mask, old_logprobs, ref_logprobs,
+        return self.settings.call(hidden, weight, target, advantages, mask, old_logprobs, ref_logprobs,
                                   rollout_is_ratio, sequence_ids, bias, num_items_in_batch, self.device_type,
-                                  self.backend_name, self.probe)
+                                  self.backend_name, self.probe).output
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         """get_policy_impl's classes are made at run time: rebuilt from what they were made of (as get_impl's)."""

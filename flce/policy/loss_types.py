@@ -21,8 +21,6 @@ sum of the clamped log ratios, the rollout ratio inside it) is not implemented: 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from flce.policy.options import PolicyOptions
@@ -85,12 +83,6 @@ def trl_weights(loss_type: str, mask: torch.Tensor, layout: SequenceLayout, *, n
     if loss_type in ("dapo", "cispo") and num_items_in_batch is not None:
         divisor = _divisor("num_items_in_batch", num_items_in_batch, mask)
     return aggregation_weights(mask, layout, aggregation, token_divisor=divisor, horizon=max_completion_length)
-
-
-def check_entropy_weight(entropy_weight: object) -> None:
-    if isinstance(entropy_weight, bool) or not isinstance(entropy_weight, (int, float)) or not math.isfinite(
-            entropy_weight):
-        raise TypeError(f"entropy_weight={entropy_weight!r}: expected a finite real number")
 
 
 def trl_entropy_weights(mask: torch.Tensor, entropy_weight: float) -> torch.Tensor | None:

@@ -69,6 +69,12 @@ class PolicyOptions:
         if self.beta < 0:
             raise ValueError(f"beta={self.beta}: expected a value >= 0")
 
+    @property
+    def ratio_per_sequence(self) -> bool:
+        """Whether the importance ratio is each sequence's (the sequence levels): a token's loss and gradient then
+        need every log-prob of its sequence."""
+        return self.level != "token"
+
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:

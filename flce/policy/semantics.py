@@ -171,7 +171,7 @@ def log_ratio(logprob: torch.Tensor, tokens: PolicyTokens, live: torch.Tensor) -
     """The ratio's log at options.py's ``level`` (sequence levels: each row its sequence's), clamped."""
     options = tokens.options
     own = torch.zeros_like(logprob) if tokens.old is None else torch.where(live, logprob - tokens.old, 0.0)
-    if options.level != "token":
+    if options.ratio_per_sequence:
         own = SequenceLayout.of(tokens).sums(own * tokens.sequence_share)
     low, high = options.log_ratio_min, options.log_ratio_max
     if low is None and high is None:

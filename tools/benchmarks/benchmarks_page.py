@@ -100,13 +100,14 @@ def newest_first(runs: list[Run]) -> list[Run]:
     return sorted(runs, key=lambda r: (r.data["date"], r.data.get("flce_committed", ""), r.name), reverse=True)
 
 
-def side_by_side(runs: list[Run], gpu: str) -> SideBySide:
-    """The newest complete run of each shape any run on ``gpu`` measured."""
+def side_by_side(runs: list[Run], gpu: str, needs: tuple[str, ...] = COMPLETE) -> SideBySide:
+    """The newest run on ``gpu`` of each shape whose rows there hold every implementation of ``needs`` (the
+    side-by-side's COMPLETE; the generic path's table: GENERIC)."""
     mine = newest_first([run for run in runs if run.data["gpu"] == gpu])
     if not mine:
         raise ValueError(f"no run in docs/data on {gpu!r}; the GPUs there: {sorted({r.data['gpu'] for r in runs})}")
     shapes = {row["shape"] for run in mine for row in run.data["rows"]}
-    sources = {shape: next((run for run in mine if set(COMPLETE) <= run.rows_at(shape).keys()), None)
+    sources = {shape: next((run for run in mine if set(needs) <= run.rows_at(shape).keys()), None)
                for shape in shapes}
     return SideBySide(gpu, {shape: source for shape, source in sources.items() if source is not None})
 
@@ -211,16 +212,12 @@ def side_by_side_block(table_: SideBySide, shapes: list[str], methods: list[str]
 
 def generic_block(runs: list[Run], gpu: str) -> list[str]:
     """Per shape the newest run on ``gpu`` with the generic path, every implementation it timed."""
-    mine = newest_first([run for run in runs if run.data["gpu"] == gpu])
-    shapes = sorted({row["shape"] for run in mine for row in run.data["rows"] if row["method"] == GENERIC},
-                    key=plot.shape_order)
-    if not shapes:
+    generic = side_by_side(runs, gpu, needs=(GENERIC,))
+    if not generic.sources:
         raise ValueError(f"template: no run on {gpu!r} in docs/data times the generic path ({GENERIC})")
-    sources = {shape: next(run for run in mine if GENERIC in run.rows_at(shape)) for shape in shapes}
-    methods = sorted({m for shape, run in sources.items() for m in run.rows_at(shape)} - {plot.FLOOR},
-                     key=plot.method_order)
-    rows = [[shape, *(fwd_bwd_cell(sources[shape].rows_at(shape).get(m)) for m in methods),
-             f"{sources[shape].link()}, {sources[shape].revision}"] for shape in shapes]
+    shapes, methods = columns([generic])
+    rows = [[shape, *(fwd_bwd_cell(generic.row(m, shape)) for m in methods),
+             f"{generic.sources[shape].link()}, {generic.sources[shape].revision}"] for shape in shapes]
     return table(["shape (fwd+bwd)", *(plot.LABELS.get(m, m) for m in methods), "run: file, flce"], rows)
 
 

@@ -12,15 +12,15 @@ memory above the gradients it returns (the student's hidden and weight gradients
 
 Methods: ``flce``, the CUDA backend (by name: a row saying "fails: ..." where it cannot run) as a call plans it
 with nothing cached (the default memory budget, forward's passes over a chunk's logits in one kernel, one program
-a row); ``flce_512MiB`` (memory_budget=512 MiB, the issue's bound); the pair kernels' other launches, as
+a row); ``flce_512MiB`` (memory_budget=512 MiB, the default's bound named); the pair kernels' other launches, as
 flce-autotune would time them (docs/distillation.md): ``flce_separate`` (one kernel a pass, pair_passes=separate),
 ``flce_in_flight`` (rows_in_flight = the SM count: the rows a sweep re-reads from L2 fit it) and ``flce_2GiB``
-(memory_budget=2 GiB: 4 chunks, fewer read-modify-writes of the weight gradient); ``liger_jsd``, Liger-Kernel's
-``LigerFusedLinearJSDLoss`` (weight_hard_loss=0, weight_soft_loss=1, beta 0.5; its chunked torch.compile loop,
-which computes the unweighted cross-entropy too), where liger-kernel imports (a row saying "fails: ..."
-otherwise); ``torch_compile``, torch.compile of the formula on materialised logits (the teacher's under no_grad).
-Inputs are flce.testing.measure's draw (logits of std 1, every 17th target ignored); the teacher takes no
-gradient. Only the JSD with beta 0.5 is timed (the issue's comparison).
+(memory_budget=2 GiB: 2 chunks at 8192 tokens, fewer read-modify-writes of the weight gradient); ``liger_jsd``,
+Liger-Kernel's ``LigerFusedLinearJSDLoss`` (weight_hard_loss=0, weight_soft_loss=1, beta 0.5; its chunked
+torch.compile loop, which computes the unweighted cross-entropy too), where liger-kernel imports (a row saying
+"fails: ..." otherwise); ``torch_compile``, torch.compile of the formula on materialised logits (the teacher's
+under no_grad). Inputs are flce.testing.measure's draw (logits of std 1, every 17th target ignored); the teacher
+takes no gradient. Only the JSD with beta 0.5 is timed.
 """
 
 from __future__ import annotations

@@ -23,10 +23,9 @@ from flce.backends.ascend.plan import DEFAULT_CHUNK_BUDGET, properties_of
 from flce.distillation.config import DistillationConfig
 from flce.distillation.inputs import FlatPair
 from flce.distillation.semantics import PairCoefficients, PairStats, PartialPairStats
-from flce.engine.choice import CallChoice, DeviceDescription, MemoryPlan
-from flce.engine.distillation.call import DistillCall, DistillChunks, DistillDescription, pair_logits_bytes_per_row
+from flce.engine.choice import CallChoice, DeviceDescription
+from flce.engine.distillation.call import DistillCall, DistillDescription, logits_bound_chunks
 from flce.engine.distillation.steps import PairKernelNames, distillation_steps, gradient_timing
-from flce.engine.memory import call_budget, tuned_chunk_rows
 from flce.engine.plans import PlanRequest
 
 VARIANT = "distillation"
@@ -121,22 +120,13 @@ class AscendPairKernels(AscendChunkKernels):
         return student_logits, teacher_logits if teacher else None
 
 
-def plan_chunks(desc: DistillDescription, entry: TunedEntry) -> tuple[DistillChunks, MemoryPlan]:
-    """Rows per chunk: the autotune cache's, else as many as the budget holds of two logits buffers (the
-    kernels have no [n, V] temporaries); an explicit memory_budget bounds either."""
-    cfg = desc.cfg
-    per_row = pair_logits_bytes_per_row(desc.vocab, desc.dtype)
-    budget, budget_from = call_budget(cfg.memory_budget, DEFAULT_CHUNK_BUDGET, "DEFAULT_CHUNK_BUDGET")
-    rows = tuned_chunk_rows(desc.n_rows, per_row, (entry.params or {}).get("tokens_per_chunk"), budget)
-    return DistillChunks(rows), MemoryPlan(budget, budget_from, min(rows, desc.n_rows) * per_row)
-
-
 def choose_distillation(device: DeviceDescription, desc: DistillDescription, entry: TunedEntry | None = None,
                         props: AscendDeviceProperties | None = None) -> CallChoice:
     if entry is None:
         entry = tuned_entry(device.name, "ascend", VARIANT, desc.dtype, desc.student_hidden, desc.vocab, desc.n_rows)
     props = props or properties_of(device)
-    plan, memory = plan_chunks(desc, entry)
+    # the kernels have no [n, V] temporaries: a chunk's two logits buffers are all its memory
+    plan, memory = logits_bound_chunks(desc, (entry.params or {}).get("tokens_per_chunk"), DEFAULT_CHUNK_BUDGET)
 
     def launch(kernel: str) -> str:
         return (f"BLOCK_V {block_size(kernel, desc.dtype, desc.vocab, props.ub_bytes)} (a {props.ub_bytes >> 10} KiB "

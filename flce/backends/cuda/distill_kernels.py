@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flce.backends.online_softmax import _moved_to
+from flce.backends.online_softmax import LN2, LOG2E, _moved_to
 
 
 @triton.jit
@@ -30,8 +30,10 @@ def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constex
                  BLOCK_V: tl.constexpr):
     """One row's partial statistics over columns [0, V) (semantics.PartialPairStats): (max t, sum exp(t - max t),
     max s, sum exp(s - max s), the CROSS sum relative to its own softmax's max, max u_s, sum exp(u_s - max u_s)),
-    every running sum moved to its running max as that grows."""
+    every running sum moved to its running max as that grows. The softmaxes run in base 2 (y = t log2 e: exp2
+    without a multiply; the sums are the same numbers) and return natural maxima."""
     cols = tl.arange(0, BLOCK_V)
+    to_base2 = inv_temperature * LOG2E
     t_max = tl.full((), float("-inf"), tl.float32)
     s_max = tl.full((), float("-inf"), tl.float32)
     h_max = tl.full((), float("-inf"), tl.float32)
@@ -41,46 +43,49 @@ def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constex
     cross = tl.zeros((), tl.float32)
     for start in range(0, V, BLOCK_V):
         mask = start + cols < V
-        # Masked lanes read 0: finite, and kept out of every max and sum below.
-        u_t = tl.load(teacher_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        u_s = tl.load(student_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        t = u_t * inv_temperature
-        s = u_s * inv_temperature
-        new_t_max = tl.maximum(t_max, tl.max(tl.where(mask, t, float("-inf")), 0))
-        new_s_max = tl.maximum(s_max, tl.max(tl.where(mask, s, float("-inf")), 0))
-        e_t = tl.where(mask, tl.exp(t - new_t_max), 0.0)
-        e_s = tl.where(mask, tl.exp(s - new_s_max), 0.0)
+        # Masked lanes read -inf: out of every max, exp2 makes them 0 in every sum (the CROSS sum masks its
+        # difference, -inf - -inf).
+        u_s = tl.load(student_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        y_t = tl.load(teacher_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32) * to_base2
+        y_s = u_s * to_base2
+        new_t_max = tl.maximum(t_max, tl.max(y_t, 0))
+        new_s_max = tl.maximum(s_max, tl.max(y_s, 0))
+        e_t = tl.exp2(y_t - new_t_max)
+        e_s = tl.exp2(y_s - new_s_max)
         if CROSS == 1:
-            cross = _moved_to(t_max, cross, cross, new_t_max, False, False)[0] + tl.sum(e_t * (t - s), 0)
+            cross = _moved_to(t_max, cross, cross, new_t_max, False, True)[0] + tl.sum(
+                tl.where(mask, e_t * (y_t - y_s), 0.0), 0) * LN2
         if CROSS == 2:
-            cross = _moved_to(s_max, cross, cross, new_s_max, False, False)[0] + tl.sum(e_s * (s - t), 0)
-        t_sum = _moved_to(t_max, t_sum, t_sum, new_t_max, False, False)[0] + tl.sum(e_t, 0)
-        s_sum = _moved_to(s_max, s_sum, s_sum, new_s_max, False, False)[0] + tl.sum(e_s, 0)
+            cross = _moved_to(s_max, cross, cross, new_s_max, False, True)[0] + tl.sum(
+                tl.where(mask, e_s * (y_s - y_t), 0.0), 0) * LN2
+        t_sum = _moved_to(t_max, t_sum, t_sum, new_t_max, False, True)[0] + tl.sum(e_t, 0)
+        s_sum = _moved_to(s_max, s_sum, s_sum, new_s_max, False, True)[0] + tl.sum(e_s, 0)
         if HARD_OWN_LSE:
-            new_h_max = tl.maximum(h_max, tl.max(tl.where(mask, u_s, float("-inf")), 0))
-            h_sum = _moved_to(h_max, h_sum, h_sum, new_h_max, False, False)[0] + tl.sum(
-                tl.where(mask, tl.exp(u_s - new_h_max), 0.0), 0)
+            new_h_max = tl.maximum(h_max, tl.max(u_s, 0))
+            h_sum = _moved_to(h_max, h_sum, h_sum, new_h_max, False, False)[0] + tl.sum(tl.exp(u_s - new_h_max), 0)
             h_max = new_h_max
         t_max = new_t_max
         s_max = new_s_max
-    return t_max, t_sum, s_max, s_sum, cross, h_max, h_sum
+    return t_max * LN2, t_sum, s_max * LN2, s_sum, cross, h_max, h_sum
 
 
 @triton.jit
-def _log_mixture(log_p, log_q, log_beta, log_one_minus_beta):
-    """log(beta p + (1 - beta) q) as the larger term plus log(1 + exp(-|difference|)): no overflow, no log of 0."""
-    a = log_p + log_beta
-    b = log_q + log_one_minus_beta
-    larger = tl.maximum(a, b)
-    return larger + tl.log(1.0 + tl.exp(tl.minimum(a, b) - larger))
+def _log2_mixture(p, q, beta):
+    """log2 m, m = beta p + (1 - beta) q, from the probabilities themselves (one log2 where the log-space form
+    takes an exp2 and a log2 more). Where both underflow to 0 it is -inf: callers keep out the columns whose p
+    (q) is 0, whose terms p (log p - log m) are 0."""
+    return tl.log2(beta * p + (1.0 - beta) * q)
 
 
 @triton.jit
-def _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_lse, student_lse, log_beta,
-                   log_one_minus_beta, REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
+def _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_lse, student_lse, beta,
+                   REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
     """JSD's second pass over one row: (sum p (log p - log m), sum q (log q - log m)) given both rows' lse over the
     whole vocabulary; REVERSE walks the blocks from the last (the ones an earlier sweep read last, still in L2)."""
     cols = tl.arange(0, BLOCK_V)
+    to_base2 = inv_temperature * LOG2E
+    teacher_lse2 = teacher_lse * LOG2E
+    student_lse2 = student_lse * LOG2E
     n_blocks = tl.cdiv(V, BLOCK_V)
     teacher_kl = tl.zeros((), tl.float32)
     student_kl = tl.zeros((), tl.float32)
@@ -90,23 +95,29 @@ def _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_lse, st
             block = n_blocks - 1 - i
         start = block * BLOCK_V
         mask = start + cols < V
-        log_p = tl.load(teacher_row + start + cols, mask=mask, other=0.0).to(tl.float32) * inv_temperature - teacher_lse
-        log_q = tl.load(student_row + start + cols, mask=mask, other=0.0).to(tl.float32) * inv_temperature - student_lse
-        log_m = _log_mixture(log_p, log_q, log_beta, log_one_minus_beta)
-        teacher_kl += tl.sum(tl.where(mask, tl.exp(log_p) * (log_p - log_m), 0.0), 0)
-        student_kl += tl.sum(tl.where(mask, tl.exp(log_q) * (log_q - log_m), 0.0), 0)
-    return teacher_kl, student_kl
+        log2_p = tl.load(teacher_row + start + cols, mask=mask, other=0.0).to(tl.float32) * to_base2 - teacher_lse2
+        log2_q = tl.load(student_row + start + cols, mask=mask, other=0.0).to(tl.float32) * to_base2 - student_lse2
+        p = tl.exp2(log2_p)
+        q = tl.exp2(log2_q)
+        log2_m = _log2_mixture(p, q, beta)
+        teacher_kl += tl.sum(tl.where(mask & (p > 0.0), p * (log2_p - log2_m), 0.0), 0)
+        student_kl += tl.sum(tl.where(mask & (q > 0.0), q * (log2_q - log2_m), 0.0), 0)
+    return teacher_kl * LN2, student_kl * LN2
 
 
 @triton.jit
 def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperature, teacher_lse, student_lse,
-                soft_scale, student_center, teacher_center, teacher_scale, hard_lse, hard_scale, beta, log_beta,
-                log_one_minus_beta, LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr,
-                TEACHER: tl.constexpr, REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
+                soft_scale, student_center, teacher_center, teacher_scale, hard_lse, hard_scale, beta,
+                LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, TEACHER: tl.constexpr,
+                REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
     """Overwrite columns [first, stop) of one row's student logits with d loss / d u_s and, with TEACHER, its
     teacher logits with d loss / d u_t (semantics module docstring: soft_scale f_s plus the hard term's
-    hard_scale (softmax(u_s) - onehot), teacher_scale f_t); both are formed before either is written."""
+    hard_scale (softmax(u_s) - onehot), teacher_scale f_t); both are formed before either is written. Logs and
+    differences in base 2 (y = t log2 e), times ln 2 where the formula takes natural ones."""
     cols = tl.arange(0, BLOCK_V)
+    to_base2 = inv_temperature * LOG2E
+    teacher_lse2 = teacher_lse * LOG2E
+    student_lse2 = student_lse * LOG2E
     n_blocks = tl.cdiv(stop - first, BLOCK_V)
     for i in range(0, n_blocks):
         block = i
@@ -114,30 +125,29 @@ def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperatu
             block = n_blocks - 1 - i
         start = first + block * BLOCK_V
         mask = start + cols < stop
-        u_t = tl.load(teacher_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         u_s = tl.load(student_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        t = u_t * inv_temperature
-        s = u_s * inv_temperature
-        log_p = t - teacher_lse
-        log_q = s - student_lse
+        y_t = tl.load(teacher_row + start + cols, mask=mask, other=0.0).to(tl.float32) * to_base2
+        y_s = u_s * to_base2
+        log2_p = y_t - teacher_lse2
+        log2_q = y_s - student_lse2
         g_s = tl.zeros([BLOCK_V], dtype=tl.float32)
         g_t = tl.zeros([BLOCK_V], dtype=tl.float32)
         if SOFT:
-            p = tl.exp(log_p)
-            q = tl.exp(log_q)
+            p = tl.exp2(log2_p)
+            q = tl.exp2(log2_q)
             if LOSS == 0:
                 g_s = q - p
                 if TEACHER:
-                    g_t = p * ((t - s) - teacher_center)
+                    g_t = p * ((y_t - y_s) * LN2 - teacher_center)
             if LOSS == 1:
-                g_s = q * ((s - t) - student_center)
+                g_s = q * ((y_s - y_t) * LN2 - student_center)
                 if TEACHER:
                     g_t = p - q
             if LOSS == 2:
-                log_m = _log_mixture(log_p, log_q, log_beta, log_one_minus_beta)
-                g_s = (1.0 - beta) * q * (log_q - log_m - student_center)
+                log2_m = _log2_mixture(p, q, beta)
+                g_s = tl.where(q > 0.0, (1.0 - beta) * q * ((log2_q - log2_m) * LN2 - student_center), 0.0)
                 if TEACHER:
-                    g_t = beta * p * (log_p - log_m - teacher_center)
+                    g_t = tl.where(p > 0.0, beta * p * ((log2_p - log2_m) * LN2 - teacher_center), 0.0)
             g_s = g_s * soft_scale
         if HARD:
             hard_p = tl.exp(u_s - hard_lse)
@@ -157,19 +167,12 @@ def _target_column(target_ptr, row, V, vocab_offset, ignore_index):
 
 
 @triton.jit
-def _pair_stats_kernel(
-    teacher_ptr, stride_teacher, student_ptr, stride_student, target_ptr,
-    teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr,
-    target_logit_ptr,
-    V, vocab_offset, ignore_index, inv_temperature,
-    CROSS: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """Both softmaxes' partial statistics of each row in one pass (semantics.PartialPairStats; [n] fp32 outputs,
-    cross_ptr read where CROSS, hard_* where HARD_OWN_LSE, target_logit_ptr where HARD: u_s at the target, 0 off
-    this shard)."""
-    row = tl.program_id(0).to(tl.int64)
-    teacher_row = teacher_ptr + row * stride_teacher
-    student_row = student_ptr + row * stride_student
+def _row_statistics(teacher_row, student_row, target_ptr, row, teacher_max_ptr, teacher_sum_ptr, student_max_ptr,
+                    student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, V, vocab_offset,
+                    ignore_index, inv_temperature, CROSS: tl.constexpr, HARD: tl.constexpr,
+                    HARD_OWN_LSE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row's statistics sweep with its outputs stored (_pair_stats_kernel's docstring); returns them and the
+    row's target column (-1: none here) for a kernel that goes on with the row."""
     t_max, t_sum, s_max, s_sum, cross, h_max, h_sum = _stats_sweep(teacher_row, student_row, V, inv_temperature,
                                                                    CROSS, HARD_OWN_LSE, BLOCK_V)
     tl.store(teacher_max_ptr + row, t_max)
@@ -181,17 +184,37 @@ def _pair_stats_kernel(
     if HARD_OWN_LSE:
         tl.store(hard_max_ptr + row, h_max)
         tl.store(hard_sum_ptr + row, h_sum)
+    target_col = -1
     if HARD:
-        col = _target_column(target_ptr, row, V, vocab_offset, ignore_index)
-        picked = tl.load(student_row + tl.maximum(col, 0)).to(tl.float32)
-        tl.store(target_logit_ptr + row, tl.where(col >= 0, picked, 0.0))
+        target_col = _target_column(target_ptr, row, V, vocab_offset, ignore_index)
+        picked = tl.load(student_row + tl.maximum(target_col, 0)).to(tl.float32)
+        tl.store(target_logit_ptr + row, tl.where(target_col >= 0, picked, 0.0))
+    return t_max, t_sum, s_max, s_sum, cross, h_max, h_sum, target_col
+
+
+@triton.jit
+def _pair_stats_kernel(
+    teacher_ptr, stride_teacher, student_ptr, stride_student, target_ptr,
+    teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr,
+    target_logit_ptr,
+    V, vocab_offset, ignore_index, inv_temperature,
+    CROSS: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Both softmaxes' partial statistics of each row in one pass (semantics.PartialPairStats; [n] fp32 outputs,
+    cross_ptr read where CROSS, hard_* where HARD_OWN_LSE, target_logit_ptr where HARD: u_s at the target, 0 off
+    this shard)."""
+    row = tl.program_id(0).to(tl.int64)
+    _row_statistics(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student, target_ptr, row,
+                    teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr,
+                    hard_sum_ptr, target_logit_ptr, V, vocab_offset, ignore_index, inv_temperature, CROSS, HARD,
+                    HARD_OWN_LSE, BLOCK_V)
 
 
 @triton.jit
 def _mixture_sums_kernel(
     teacher_ptr, stride_teacher, student_ptr, stride_student, teacher_lse_ptr, student_lse_ptr,
     teacher_kl_ptr, student_kl_ptr,
-    V, inv_temperature, log_beta, log_one_minus_beta,
+    V, inv_temperature, beta,
     BLOCK_V: tl.constexpr,
 ):
     """JSD's second pass, a separate kernel (vocabulary shards, whose lse are global only after an exchange):
@@ -199,8 +222,7 @@ def _mixture_sums_kernel(
     row = tl.program_id(0).to(tl.int64)
     teacher_kl, student_kl = _mixture_sweep(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student,
                                             V, inv_temperature, tl.load(teacher_lse_ptr + row),
-                                            tl.load(student_lse_ptr + row), log_beta, log_one_minus_beta, False,
-                                            BLOCK_V)
+                                            tl.load(student_lse_ptr + row), beta, False, BLOCK_V)
     tl.store(teacher_kl_ptr + row, teacher_kl)
     tl.store(student_kl_ptr + row, student_kl)
 
@@ -210,7 +232,7 @@ def _pair_grad_kernel(
     teacher_ptr, stride_teacher, student_ptr, stride_student, target_ptr,
     teacher_lse_ptr, student_lse_ptr, soft_scale_ptr, student_center_ptr, teacher_center_ptr, teacher_scale_ptr,
     hard_lse_ptr, hard_scale_ptr,
-    V, vocab_offset, ignore_index, inv_temperature, beta, log_beta, log_one_minus_beta,
+    V, vocab_offset, ignore_index, inv_temperature, beta,
     LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, TEACHER: tl.constexpr, SPAN: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -239,8 +261,7 @@ def _pair_grad_kernel(
     _grad_sweep(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student, first,
                 tl.minimum(first + SPAN, V), target_col, inv_temperature, tl.load(teacher_lse_ptr + row),
                 tl.load(student_lse_ptr + row), tl.load(soft_scale_ptr + row), student_center, teacher_center,
-                teacher_scale, hard_lse, hard_scale, beta, log_beta, log_one_minus_beta, LOSS, SOFT, HARD, TEACHER,
-                False, BLOCK_V)
+                teacher_scale, hard_lse, hard_scale, beta, LOSS, SOFT, HARD, TEACHER, False, BLOCK_V)
 
 
 @triton.jit
@@ -248,7 +269,7 @@ def _pair_passes_kernel(
     teacher_ptr, stride_teacher, student_ptr, stride_student, target_ptr, scale_ptr, stride_scale,
     teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr,
     target_logit_ptr, teacher_kl_ptr, student_kl_ptr,
-    n_rows, V, ignore_index, inv_temperature, soft_factor, hard_factor, beta, log_beta, log_one_minus_beta,
+    n_rows, V, ignore_index, inv_temperature, soft_factor, hard_factor, beta,
     CROSS: tl.constexpr, LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr,
     MIXTURE: tl.constexpr, WRITE_GRAD: tl.constexpr, TEACHER: tl.constexpr, GRAD_REVERSE: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -266,29 +287,17 @@ def _pair_passes_kernel(
         row = tl.cast(row_index, tl.int64)
         teacher_row = teacher_ptr + row * stride_teacher
         student_row = student_ptr + row * stride_student
-        t_max, t_sum, s_max, s_sum, cross, h_max, h_sum = _stats_sweep(teacher_row, student_row, V, inv_temperature,
-                                                                       CROSS, HARD_OWN_LSE, BLOCK_V)
-        tl.store(teacher_max_ptr + row, t_max)
-        tl.store(teacher_sum_ptr + row, t_sum)
-        tl.store(student_max_ptr + row, s_max)
-        tl.store(student_sum_ptr + row, s_sum)
-        if CROSS != 0:
-            tl.store(cross_ptr + row, cross)
-        if HARD_OWN_LSE:
-            tl.store(hard_max_ptr + row, h_max)
-            tl.store(hard_sum_ptr + row, h_sum)
-        target_col = -1
-        if HARD:
-            target_col = _target_column(target_ptr, row, V, 0, ignore_index)
-            picked = tl.load(student_row + tl.maximum(target_col, 0)).to(tl.float32)
-            tl.store(target_logit_ptr + row, tl.where(target_col >= 0, picked, 0.0))
+        t_max, t_sum, s_max, s_sum, cross, h_max, h_sum, target_col = _row_statistics(
+            teacher_row, student_row, target_ptr, row, teacher_max_ptr, teacher_sum_ptr, student_max_ptr,
+            student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, V, 0, ignore_index,
+            inv_temperature, CROSS, HARD, HARD_OWN_LSE, BLOCK_V)
         teacher_lse = t_max + tl.log(t_sum)
         student_lse = s_max + tl.log(s_sum)
         teacher_kl = 0.0
         student_kl = 0.0
         if MIXTURE:
             teacher_kl, student_kl = _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_lse,
-                                                    student_lse, log_beta, log_one_minus_beta, True, BLOCK_V)
+                                                    student_lse, beta, True, BLOCK_V)
             tl.store(teacher_kl_ptr + row, teacher_kl)
             tl.store(student_kl_ptr + row, student_kl)
         if WRITE_GRAD:
@@ -307,4 +316,4 @@ def _pair_passes_kernel(
                 hard_lse = h_max + tl.log(h_sum)
             _grad_sweep(teacher_row, student_row, 0, V, target_col, inv_temperature, teacher_lse, student_lse,
                         r * soft_factor, student_center, teacher_center, r * soft_factor, hard_lse, r * hard_factor,
-                        beta, log_beta, log_one_minus_beta, LOSS, SOFT, HARD, TEACHER, GRAD_REVERSE, BLOCK_V)
+                        beta, LOSS, SOFT, HARD, TEACHER, GRAD_REVERSE, BLOCK_V)

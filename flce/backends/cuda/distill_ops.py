@@ -7,8 +7,6 @@ compute dtype with fp32 arithmetic and write the gradients over them, so a chunk
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 
@@ -34,10 +32,6 @@ _LOSS = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 def _readable(t: torch.Tensor) -> torch.Tensor:
     """Logits as the kernels read them: unit column stride (the schedule's buffers have it already)."""
     return t if t.stride(1) == 1 else t.contiguous()
-
-
-def _mixture_constants(cfg: DistillationConfig) -> tuple[float, float, float]:
-    return cfg.beta, math.log(cfg.beta), math.log1p(-cfg.beta)
 
 
 def _jsd(cfg: DistillationConfig) -> bool:
@@ -74,11 +68,10 @@ def mixture_sums(teacher_logits: torch.Tensor, student_logits: torch.Tensor, sta
     student_kl = torch.empty_like(teacher_kl)
     if n:
         block_v, num_warps = row_launch(vocab, launch)
-        _, log_beta, log_one_minus_beta = _mixture_constants(cfg)
         k._mixture_sums_kernel[(n,)](
             teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
             _rows(stats.teacher_lse), _rows(stats.student_lse), teacher_kl, student_kl,
-            vocab, 1.0 / cfg.temperature, log_beta, log_one_minus_beta, BLOCK_V=block_v, num_warps=num_warps,
+            vocab, 1.0 / cfg.temperature, cfg.beta, BLOCK_V=block_v, num_warps=num_warps,
         )
     return teacher_kl, student_kl
 
@@ -107,7 +100,7 @@ def pair_grad_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, targe
     k._pair_grad_kernel[(n, triton.cdiv(vocab, span))](
         teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
         target if cfg.hard else lse, lse, *present,
-        vocab, vocab_offset, cfg.ignore_index, 1.0 / cfg.temperature, *_mixture_constants(cfg),
+        vocab, vocab_offset, cfg.ignore_index, 1.0 / cfg.temperature, cfg.beta,
         LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard, TEACHER=teacher, SPAN=span, BLOCK_V=block_v,
         num_warps=num_warps,
     )
@@ -137,7 +130,7 @@ def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tar
                                                    partial.target_logit)),
             teacher_kl, student_kl,
             n, vocab, cfg.ignore_index, 1.0 / cfg.temperature, (1.0 - cfg.hard_label_weight) / cfg.temperature,
-            cfg.hard_label_weight, *_mixture_constants(cfg),
+            cfg.hard_label_weight, cfg.beta,
             CROSS=_CROSS[cfg.loss] if needs_cross(cfg) else 0, LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard,
             HARD_OWN_LSE=cfg.hard_needs_own_lse, MIXTURE=jsd, WRITE_GRAD=write, TEACHER=write and teacher,
             GRAD_REVERSE=not jsd, BLOCK_V=block_v, num_warps=num_warps,

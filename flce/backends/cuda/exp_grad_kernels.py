@@ -17,9 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flce.backends.online_softmax import _moved_to
+from flce.backends.online_softmax import LOG2E, _moved_to
 
-LOG2E = tl.constexpr(1.4426950408889634)
 # c = the target's base-2 logit + this: E of the target is 2^-58, the largest E of a row stays below 2^64
 # (the GEMM's cap) while the row's loss is under (58 + 64) ln 2 = 84.6 nats, and E of logits more than
 # (133 - 58) ln 2 = 52 nats below the target's flushes to 0 in bf16 (p below 2^-75 of the target's).

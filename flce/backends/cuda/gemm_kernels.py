@@ -44,9 +44,7 @@ import triton.language as tl
 
 from flce.backends.cuda.exp_grad_kernels import CAP as EXP_CAP  # the cap the redo kernels test rows against
 from flce.backends.cuda.kernels import _capped_scaled
-from flce.backends.online_softmax import LN2, _moved_to
-
-LOG2E = tl.constexpr(1.4426950408889634)
+from flce.backends.online_softmax import LN2, LOG2E, _moved_to
 
 
 @triton.jit

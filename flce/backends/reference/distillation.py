@@ -14,10 +14,14 @@ from flce.distillation.config import DistillationConfig
 from flce.distillation.inputs import FlatPair
 from flce.distillation.semantics import PairCoefficients, PairStats, PartialPairStats
 from flce.distillation.tiles import tile_gradients, tile_mixture_sums, tile_statistics
-from flce.engine.choice import CallChoice, DeviceDescription, MemoryPlan, describe_device
-from flce.engine.distillation.call import DistillCall, DistillChunks, DistillDescription, pair_logits_bytes_per_row
+from flce.engine.choice import CallChoice, DeviceDescription, describe_device
+from flce.engine.distillation.call import (
+    DistillCall,
+    DistillDescription,
+    logits_bound_chunks,
+    pair_logits_bytes_per_row,
+)
 from flce.engine.distillation.steps import PairKernelNames, distillation_steps, gradient_timing
-from flce.engine.memory import call_budget, tuned_chunk_rows
 from flce.engine.plans import PlanRequest
 
 # Bytes of one [rows, V] math-dtype temporary of the torch formulas per row block: the CPU's cache-sized block,
@@ -105,21 +109,10 @@ def working_bytes_per_row(vocab: int, dtype: torch.dtype) -> int:
     return pair_logits_bytes_per_row(vocab, dtype)
 
 
-def plan_chunks(device: DeviceDescription, desc: DistillDescription,
-                entry: TunedEntry) -> tuple[DistillChunks, MemoryPlan]:
-    """Rows per chunk: the autotune cache's tokens_per_chunk, else as many as the budget holds; an explicit
-    memory_budget bounds either (flce.engine.memory.tuned_chunk_rows)."""
-    cfg = desc.cfg
-    per_row = working_bytes_per_row(desc.vocab, desc.dtype)
-    budget, budget_from = call_budget(cfg.memory_budget, DEFAULT_CHUNK_BUDGET, "DEFAULT_CHUNK_BUDGET")
-    rows = tuned_chunk_rows(desc.n_rows, per_row, (entry.params or {}).get("tokens_per_chunk"), budget)
-    return DistillChunks(rows), MemoryPlan(budget, budget_from, min(rows, desc.n_rows) * per_row)
-
-
 def choose_distillation(device: DeviceDescription, desc: DistillDescription,
                         entry: TunedEntry | None = None) -> CallChoice:
     entry = entry or entry_for(device, desc)
-    plan, memory = plan_chunks(device, desc, entry)
+    plan, memory = logits_bound_chunks(desc, (entry.params or {}).get("tokens_per_chunk"), DEFAULT_CHUNK_BUDGET)
     block = CPU_BLOCK_BYTES if device.type == "cpu" else ACCELERATOR_BLOCK_BYTES
     blocks = f"row blocks of {block >> 20} MiB per temporary"
     return CallChoice(backend="reference", device=device.text(), inputs=desc.text(), cache=entry.source, plan=plan,

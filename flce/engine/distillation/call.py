@@ -13,7 +13,8 @@ from flce.distillation.config import DistillationConfig
 from flce.distillation.inputs import FlatPair
 from flce.distillation.semantics import PairCoefficients, PairStats, PartialPairStats
 from flce.engine.call import GradTargets
-from flce.engine.choice import ROW_ALIGNMENT, CallChoice, rows_aligned
+from flce.engine.choice import ROW_ALIGNMENT, CallChoice, MemoryPlan, rows_aligned
+from flce.engine.memory import call_budget, tuned_chunk_rows
 from flce.engine.plans import PlanRequest
 
 
@@ -49,6 +50,18 @@ def pair_logits_bytes_per_row(vocab: int, dtype: torch.dtype) -> int:
     """Bytes per token row of a chunk's two logits buffers, teacher's and student's, in the compute dtype
     (their gradients are written over them)."""
     return 2 * vocab * dtype.itemsize
+
+
+def logits_bound_chunks(desc: DistillDescription, tuned_rows: object,
+                        default_budget: int) -> tuple[DistillChunks, MemoryPlan]:
+    """Rows per chunk of kernels whose only [n, V] memory is a chunk's two logits buffers (the reference's, whose
+    temporaries stay within fixed row blocks, and Ascend's): the autotune cache's tokens_per_chunk
+    (``tuned_rows``), else as many as the budget holds; an explicit memory_budget bounds either
+    (flce.engine.memory.tuned_chunk_rows). ``default_budget``: the planner's DEFAULT_CHUNK_BUDGET."""
+    per_row = pair_logits_bytes_per_row(desc.vocab, desc.dtype)
+    budget, budget_from = call_budget(desc.cfg.memory_budget, default_budget, "DEFAULT_CHUNK_BUDGET")
+    rows = tuned_chunk_rows(desc.n_rows, per_row, tuned_rows, budget)
+    return DistillChunks(rows), MemoryPlan(budget, budget_from, min(rows, desc.n_rows) * per_row)
 
 
 @dataclass(frozen=True)
@@ -145,7 +158,6 @@ class PairSharding:
     grad_hidden (each rank's covers its shard)."""
 
     vocab_offset: int
-    global_vocab: int
     combine: Callable[[PartialPairStats], PartialPairStats]
     sum_rows: Callable[[torch.Tensor], torch.Tensor]
     reduce_grad_hidden: Callable[[torch.Tensor], None]
@@ -172,6 +184,15 @@ class DistillCall:
 
     def summed(self, rows: torch.Tensor) -> torch.Tensor:
         return self.sharding.sum_rows(rows) if self.sharding else rows
+
+    def complete_grad_hidden_(self, *grad_hiddens: torch.Tensor | None) -> None:
+        """A shard's grad_hidden covers its vocabulary only: each one given (the student's, the teacher's) summed
+        over the ranks in place; nothing without sharding."""
+        if self.sharding is None:
+            return
+        for grad_hidden in grad_hiddens:
+            if grad_hidden is not None and grad_hidden.numel():
+                self.sharding.reduce_grad_hidden(grad_hidden)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from flce.distillation.semantics import stats_present
 from flce.engine.call import GradTargets
 from flce.engine.distillation import schedule
 from flce.engine.distillation.call import DistillCall, PairGradTargets
-from flce.engine.distillation.function import grads_in_forward
+from flce.engine.distillation.function import grads_in_forward, wanted_gradients
 from flce.engine.plans import PlanRequest
 from flce.registry.selection import backend_named
 from flce.semantics import statistics_dtype
@@ -122,10 +122,7 @@ def _distill_backward(student_hidden: Tensor, student_weight: Tensor, student_bi
     call = _call(pair, kw, True)
     state = schedule.DistillState(loss=count, count=count, stats=stats)
     student, teacher = schedule.backward(call, pair, state, wanted, grad_loss)
-    if call.sharding is not None:
-        for grad_hidden in (student[0], teacher[0]):
-            if grad_hidden is not None and grad_hidden.numel():
-                call.sharding.reduce_grad_hidden(grad_hidden)
+    call.complete_grad_hidden_(student[0], teacher[0])
     return tuple(student_hidden.new_empty(0) if g is None else g for g in (*student, *teacher))
 
 
@@ -189,13 +186,8 @@ distill_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def apply_op(backend: str, pair: FlatPair, cfg: DistillationConfig) -> Tensor:
     """The call through the custom ops (what torch.compile sees); the loss in the call's token shape."""
-    grad_mode = torch.is_grad_enabled()
-
-    def asks(t: Tensor | None, teacher: bool = False) -> bool:
-        return grad_mode and t is not None and t.requires_grad and (cfg.teacher_grad or not teacher)
-
-    flags = (asks(pair.student_hidden), asks(pair.student_weight), asks(pair.student_bias),
-             asks(pair.teacher_hidden, True), asks(pair.teacher_weight, True), asks(pair.teacher_bias, True))
+    wanted = wanted_gradients(pair, cfg.teacher_grad)
+    flags = (*_asked(wanted.student), *_asked(wanted.teacher))
     outputs = torch.ops.flce.distill_forward(
         pair.student_hidden, pair.student_weight, pair.student_bias, pair.teacher_hidden, pair.teacher_weight,
         pair.teacher_bias, pair.target, backend=backend,

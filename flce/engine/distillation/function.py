@@ -87,10 +87,7 @@ def _gradients(ctx, grad_loss: Tensor | None) -> tuple[Tensor | None, ...]:
     else:
         pair = _pair(ctx.saved_tensors, call)
         student, teacher = schedule.backward(call, pair, state, ctx.wanted, grad_loss)
-    if call.sharding is not None:
-        for grad_hidden in (student[0], teacher[0]):
-            if grad_hidden is not None and grad_hidden.numel():
-                call.sharding.reduce_grad_hidden(grad_hidden)
+    call.complete_grad_hidden_(student[0], teacher[0])
     return (*student, *teacher, None)
 
 
