@@ -283,6 +283,26 @@ def peak_mib_above(fn: Callable[[], object], device: torch.device | str = "cuda"
     return above / MiB
 
 
+def kernel_times(fn: Callable[[], object], calls: int = 3) -> list[tuple[str, float, int]]:
+    """(kernel name, ms per call, launches per call) of ``calls`` calls of ``fn`` by the torch profiler, after one
+    untimed call, largest first; names cut to 90 characters (cuBLAS's run on)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name[:90], [0.0, 0])
+            entry[0] += event.device_time_total / 1e3 / calls
+            entry[1] += 1
+    return sorted(((name, ms, int(count) // calls) for name, (ms, count) in totals.items()), key=lambda r: -r[1])
+
+
 # Machine and publishing ----------------------------------------------------------------------
 
 

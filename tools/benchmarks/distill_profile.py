@@ -19,11 +19,10 @@ import json
 import statistics
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import flce
 from flce.autotune import override_params
-from flce.testing.measure import MiB, floor_gradient, median_ms, peak_mib_above, publish, shape_inputs
+from flce.testing.measure import MiB, floor_gradient, kernel_times, median_ms, peak_mib_above, publish, shape_inputs
 
 SHAPES = "8192x4096x4096x128256,8192x4096x8192x128256"
 VARIANTS = {  # label: (memory budget in MiB, autotune knobs)
@@ -62,23 +61,6 @@ def floor_of(tensors: tuple):
     return lambda: (xt @ wt.t(), xs @ ws.t(), g @ ws, g.t() @ xs)
 
 
-def kernel_table(fn, calls: int = 3) -> list[tuple[str, float, float]]:
-    """(kernel name, ms per call, launches per call) of ``calls`` calls, by total time."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    total: dict[str, float] = collections.defaultdict(float)
-    count: dict[str, int] = collections.defaultdict(int)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total[event.name[:90]] += event.device_time / 1e3
-            count[event.name[:90]] += 1
-    return sorted(((name, ms / calls, count[name] / calls) for name, ms in total.items()), key=lambda r: -r[1])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=SHAPES)
@@ -108,11 +90,11 @@ def main() -> int:
         for label in steps:
             lines.append(f"| {label} | {statistics.median(ratios[label]):.3f} "
                          f"({', '.join(f'{r:.3f}' for r in ratios[label])}) | {peaks[label]:.0f} |")
-        tables = {"flce 512 MiB": kernel_table(steps["512 MiB"]), "floor": kernel_table(floor)}
+        tables = {"flce 512 MiB": kernel_times(steps["512 MiB"]), "floor": kernel_times(floor)}
         for title, rows in tables.items():
             lines += ["", f"{title}: kernels, ms per call (launches)", "", "| kernel | ms | launches |",
                       "|---|---|---|"]
-            lines += [f"| `{name}` | {ms:.3f} | {n:g} |" for name, ms, n in rows[:14]]
+            lines += [f"| `{name}` | {ms:.3f} | {n} |" for name, ms, n in rows[:14]]
             lines.append(f"| all | {sum(ms for _, ms, _ in rows):.3f} | {sum(n for _, _, n in rows):g} |")
         data[shape] = {"ratios": ratios, "peaks": peaks, "kernels": tables}
         del tensors, steps, floor

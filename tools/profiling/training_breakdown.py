@@ -11,10 +11,8 @@ three cuBLAS GEMMs of the floor timed in the same process.
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import flce
 from flce.autotune import override_params
@@ -22,29 +20,11 @@ from flce.testing.measure import (
     budget_label,
     budget_options,
     cublas_products_ms,
+    kernel_times,
     median_ms,
     parse_shape,
     shape_inputs,
 )
-
-CALLS = 3
-
-
-def kernel_table(fn) -> list[tuple[str, float, int]]:
-    """(kernel name, ms per call, launches per call) of CALLS calls of fn, largest first."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals[event.name[:90]]
-            entry[0] += event.device_time_total / 1e3 / CALLS
-            entry[1] += 1
-    return sorted(((name, ms, count // CALLS) for name, (ms, count) in totals.items()), key=lambda r: -r[1])
 
 
 def profile_shape(label: str, extra: dict, forwards: list[str], budgets: list[int]) -> None:
@@ -63,7 +43,7 @@ def profile_shape(label: str, extra: dict, forwards: list[str], budgets: list[in
                 return torch.autograd.grad(loss, (x, w))
 
         total = median_ms(step)
-        rows = kernel_table(step)
+        rows = kernel_times(step)
         print(f"\n### knobs {knobs}, budget {budget_label(budget)}: {total:.2f} ms = "
               f"{total / sum(floor):.3f}x floor; "
               f"kernels {sum(r[1] for r in rows):.2f} ms")
