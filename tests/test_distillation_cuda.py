@@ -60,6 +60,46 @@ def test_passes_one_kernel_each_and_rows_in_flight(loss: str, knobs: dict, gener
     _check(pair, generator, knobs, loss=loss, hard_label_weight=0.3, temperature=1.3, teacher_grad=True)
 
 
+# Both heads' statistics from the logits GEMMs' epilogue (the Triton statistics GEMM here; the warp-specialised one
+# on Hopper by default): the losses whose statistics each head makes alone.
+STATS_IN_GEMM = {"forward_logits": "fused", "logits_kernel": "triton"}
+
+
+@pytest.mark.parametrize(("options", "knobs"), [
+    ({"hard_label_weight": 0.0, "temperature": 0.7}, {}),
+    ({"hard_label_weight": 0.4, "temperature": 1.0, "reduction": "sum"}, {}),
+    ({"hard_label_weight": 1.0, "temperature": 1.0}, {"rows_in_flight": 3}),
+    ({"hard_label_weight": 0.4, "reduction": "none", "teacher_grad": True}, {}),
+    ({"hard_label_weight": 0.4, "temperature": 1.0}, {"pair_passes": "separate"}),
+    ({"target": False, "temperature": 1.6}, {}),
+], ids=["soft-cold", "hard-sum", "hard-only-in-flight", "none-teacher", "separate", "no-target"])
+def test_statistics_from_the_logits_gemms(options: dict, knobs: dict, generator: torch.Generator) -> None:
+    """The plan takes both heads' statistics from the logits GEMMs (no pair statistics pass), and the loss and every
+    gradient still match the float64 oracle: fused passes reading the known statistics, one kernel a pass, a
+    deferred backward."""
+    options = dict(options)
+    pair = make_pair(generator, n=17, bias=True, scale=2.0, target=options.pop("target", True))
+    knobs = {**STATS_IN_GEMM, **knobs}
+    with override_params(dict(SMALL_BLOCKS, **knobs), backend="cuda"):
+        record = flce.explain_distillation(DEVICE, backend="cuda", shape=(17, 8, 12, 40), dtype="float32",
+                                           student_bias=True, teacher_bias=True, loss="jsd", **options)
+    assert record.plan.stats_in_gemm
+    assert "flce.backends.cuda.distill_kernels._pair_stats_kernel" not in record.kernel_names()
+    _check(pair, generator, knobs, loss="jsd", memory_budget=MANY_CHUNKS, **options)
+
+
+@pytest.mark.parametrize("options", [{"loss": "forward_kl"}, {"loss": "reverse_kl"},
+                                     {"hard_label_weight": 0.3, "temperature": 2.0}])
+def test_statistics_needing_both_heads_keep_their_pass(options: dict) -> None:
+    """A KL divergence's cross sum, and the hard term's own softmax at a temperature, need both heads' logits at
+    once: asked for the GEMMs' statistics, the plan keeps the pair statistics pass and says why."""
+    with override_params(STATS_IN_GEMM, backend="cuda"):
+        record = flce.explain_distillation("cpu", backend="cuda", shape=(64, 8, 12, 40), dtype="float32", **options)
+    assert not record.plan.stats_in_gemm
+    assert "flce.backends.cuda.distill_kernels._pair_passes_kernel" in record.kernel_names()
+    assert "needs" in str(record)
+
+
 @pytest.mark.parametrize(("loss", "reduction"), [("forward_kl", "mean"), ("reverse_kl", "sum"), ("jsd", "none")])
 def test_without_target(loss: str, reduction: str, generator: torch.Generator) -> None:
     pair = make_pair(generator, target=False, token_shape=(3, 5))
@@ -207,6 +247,10 @@ RECORD_CALLS = {  # name: (options, knobs, training, bias)
     "jsd-separate-many-chunks": ({"memory_budget": MANY_CHUNKS}, {"pair_passes": "separate", "rows_in_flight": 4},
                                  True, False),
     "no-grad": ({"hard_label_weight": 0.5}, {}, False, False),
+    "jsd-stats-in-gemm": ({"hard_label_weight": 0.2}, STATS_IN_GEMM, True, True),
+    "jsd-stats-in-gemm-separate": ({"memory_budget": MANY_CHUNKS}, {**STATS_IN_GEMM, "pair_passes": "separate"},
+                                   True, False),
+    "stats-in-gemm-no-grad": ({"hard_label_weight": 0.5}, STATS_IN_GEMM, False, False),
 }
 
 
@@ -217,7 +261,7 @@ def test_record_equals_explain_and_names_what_ran(name: str, monkeypatch: pytest
     Triton kernel and torch GEMM it launched (counted by name) is one the record names, and the reverse."""
     options, knobs, training, bias = RECORD_CALLS[name]
     gemms = {"torch.mm", "torch.addmm", "torch.Tensor.addmm_"}
-    ran = count_launches(monkeypatch, ("distill_kernels", "kernels", "target_kernels"), gemms)
+    ran = count_launches(monkeypatch, ("distill_kernels", "kernels", "target_kernels", "gemm_kernels"), gemms)
     pair = make_pair(generator, n=16, student_size=8, teacher_size=24, vocab=48, bias=bias,
                      teacher_requires_grad=options.get("teacher_grad", False)).detached(DEVICE)
 
@@ -249,7 +293,7 @@ def test_record_equals_explain_and_names_what_ran(name: str, monkeypatch: pytest
 def test_record_on_a_described_gpu_equals_the_plan(gpu: str, options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner reads its device through hardware.describe_device: with a described GPU injected there, a call
     planned on stand-in tensors of the issue's shape (nothing runs) has explain's record; its chunks fit the budget,
-    and it names the pair kernels, cuBLAS logits and the gradient products' family."""
+    and it names the pair kernels, the logits' family and the gradient products'."""
     from flce.backends import cuda
     from flce.backends.cuda import hardware
     from flce.distillation.inputs import FlatPair
@@ -272,15 +316,29 @@ def test_record_on_a_described_gpu_equals_the_plan(gpu: str, options: dict, monk
     names = explained.kernel_names()
     passes = "_pair_passes_kernel" if cfg.reduction != "none" else "_pair_grad_kernel"
     assert f"flce.backends.cuda.distill_kernels.{passes}" in names and "torch.mm" in names
-    assert "ws_gemm_kernels" not in " ".join(names)  # the heuristic's products: cuBLAS (measured faster)
+    # On Hopper the warp-specialised GEMM writes both heads' logits with their softmaxes' statistics where the loss
+    # needs no cross sum (JSD, the hard term at temperature 1); the gradient products stay cuBLAS's (measured
+    # faster), and every other GPU's logits too.
+    in_gemm = gpu == H100 and cfg.loss == "jsd"
+    assert explained.plan.stats_in_gemm == in_gemm
+    assert ("flce.backends.cuda.distill_kernels._pair_stats_kernel" in names) == (not in_gemm and not
+                                                                                   explained.plan.fused_passes)
+    ws = [name for name in names if "ws_gemm_kernels" in name]
+    assert ws == (["flce.backends.cuda.ws_gemm_kernels._ws_gemm_kernel"] if in_gemm else [])
+    products = next(step for step in explained.steps if step.name.startswith("gradient products"))
+    assert "ws_gemm" not in " ".join(products.kernels)
 
 
-def test_vocabulary_shard_plans_one_kernel_a_pass() -> None:
-    record = flce.explain_distillation("cuda", gpu=H100, shape="8192x4096x4096x64128", sharded=True)
-    assert not record.plan.fused_passes
+@pytest.mark.parametrize("gpu", [H100, A100])
+def test_vocabulary_shard_plans_one_kernel_a_pass(gpu: str) -> None:
+    """A shard's passes are one kernel each (its statistics need the other shards' first); on Hopper the logits
+    GEMMs make the shard's statistics, elsewhere the pair statistics kernel does."""
+    record = flce.explain_distillation("cuda", gpu=gpu, shape="8192x4096x4096x64128", sharded=True)
+    assert not record.plan.fused_passes and record.plan.stats_in_gemm == (gpu == H100)
     names = record.kernel_names()
-    for kernel in ("_pair_stats_kernel", "_mixture_sums_kernel", "_pair_grad_kernel"):
+    for kernel in ("_mixture_sums_kernel", "_pair_grad_kernel"):
         assert f"flce.backends.cuda.distill_kernels.{kernel}" in names
+    assert ("flce.backends.cuda.distill_kernels._pair_stats_kernel" in names) == (gpu == A100)
 
 
 def test_tuning_space_heuristic_is_the_planners_choice() -> None:

@@ -51,7 +51,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from flce.config import LCEConfig
 from flce.distillation.config import DistillationConfig
+from flce.semantics import PartialRowStats
 
 
 @dataclass
@@ -96,6 +98,31 @@ class PartialPairStats:
 def needs_cross(cfg: DistillationConfig) -> bool:
     """The KL divergences' expectation comes from the first pass; JSD has its second pass instead."""
     return cfg.soft and cfg.loss != "jsd"
+
+
+def per_head_unfit(cfg: DistillationConfig) -> str | None:
+    """Why a call's statistics cannot come from each head's logits alone (a GEMM epilogue sees one head's tile at
+    a time), or None: the KL divergences' cross sum and the hard term's own softmax at T != 1 need more."""
+    if needs_cross(cfg):
+        return f"{cfg.loss}'s cross sum needs both heads' logits at once"
+    if cfg.hard_needs_own_lse:
+        return f"the hard term at temperature {cfg.temperature} needs the student's softmax at temperature 1 too"
+    return None
+
+
+def head_config(cfg: DistillationConfig) -> LCEConfig:
+    """The cross-entropy options under which one head's row statistics (flce.semantics.PartialRowStats) are this
+    call's: its temperature and ignore_index; the student's target_z is then the hard term's target logit (the
+    hard term's temperature is 1 where per_head_unfit allows it)."""
+    return LCEConfig(ignore_index=cfg.ignore_index, temperature=cfg.temperature)
+
+
+def pair_stats_of_heads(teacher: PartialRowStats, student: PartialRowStats,
+                        cfg: DistillationConfig) -> PartialPairStats:
+    """A call's partial statistics from each head's, computed under :func:`head_config` (where per_head_unfit is
+    None)."""
+    return PartialPairStats(teacher.row_max, teacher.sum_exp, student.row_max, student.sum_exp,
+                            target_logit=student.target_z if cfg.hard else None)
 
 
 def merge_pair_stats(a: PartialPairStats, b: PartialPairStats, cfg: DistillationConfig) -> PartialPairStats:

@@ -11,10 +11,11 @@ memory above the gradients it returns (the student's hidden and weight gradients
     python tools/benchmarks/distill_peers.py --json h100.json --markdown h100.md
 
 Methods: ``flce``, the CUDA backend (by name: a row saying "fails: ..." where it cannot run) as a call plans it
-with nothing cached (the default memory budget, forward's passes over a chunk's logits in one kernel, one program
-a row); ``flce_512MiB`` (memory_budget=512 MiB, the default's bound named); the pair kernels' other launches, as
-flce-autotune would time them (docs/distillation.md): ``flce_separate`` (one kernel a pass, pair_passes=separate),
-``flce_in_flight`` (rows_in_flight = the SM count: the rows a sweep re-reads from L2 fit it) and ``flce_2GiB``
+with nothing cached (the default memory budget, on Hopper both softmaxes' statistics from the logits GEMMs,
+forward's passes over a chunk's logits in one kernel, one program a row); ``flce_512MiB`` (memory_budget=512 MiB,
+the default's bound named); the other paths, as flce-autotune would time them (docs/distillation.md):
+``flce_separate`` (one kernel a pass, pair_passes=separate), ``flce_cublas_logits`` (forward_logits=cublas: the
+logits from cuBLAS, their statistics from a first sweep of the pair kernel) and ``flce_2GiB``
 (memory_budget=2 GiB: 2 chunks at 8192 tokens, fewer read-modify-writes of the weight gradient); ``liger_jsd``,
 Liger-Kernel's ``LigerFusedLinearJSDLoss`` (weight_hard_loss=0, weight_soft_loss=1, beta 0.5; its chunked
 torch.compile loop, which computes the unweighted cross-entropy too), where liger-kernel imports (a row saying
@@ -126,10 +127,6 @@ def flce_method(budget: int | None, knobs: Callable[[], dict] | None = None) -> 
     return call
 
 
-def _sm_count() -> dict:
-    return {"rows_in_flight": torch.cuda.get_device_properties(0).multi_processor_count}
-
-
 def liger_method() -> Callable[[Inputs], torch.Tensor]:
     """Liger-Kernel's LigerFusedLinearJSDLoss as the same loss (raises where liger-kernel does not load)."""
     from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
@@ -144,7 +141,8 @@ def all_methods() -> dict[str, Callable[[Inputs], torch.Tensor] | str]:
     methods: dict[str, Callable[[Inputs], torch.Tensor] | str] = {
         "flce": flce_method(None), "flce_512MiB": flce_method(512 * MiB),
         "flce_separate": flce_method(None, lambda: {"pair_passes": "separate"}),
-        "flce_in_flight": flce_method(None, _sm_count), "flce_2GiB": flce_method(2048 * MiB)}
+        "flce_cublas_logits": flce_method(None, lambda: {"forward_logits": "cublas"}),
+        "flce_2GiB": flce_method(2048 * MiB)}
     try:
         methods["liger_jsd"] = liger_method()
     except Exception as exc:

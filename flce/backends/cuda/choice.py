@@ -33,6 +33,7 @@ from flce.backends.cuda.families.family import (
     KernelFamily,
 )
 from flce.config import LCEConfig
+from flce.distillation.semantics import head_config, per_head_unfit
 from flce.engine.call import call_record
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription
 from flce.engine.distillation.call import DistillDescription
@@ -95,25 +96,53 @@ def choose_distillation(device: DeviceDescription, desc: DistillDescription, ent
         f"heuristic: up to {sizes.MAX_BLOCK_V} columns a block, 8 warps from 2048 columns")
     pick = _pick(PRODUCTS, device, call, tuned, settings, failed, {})
     if desc.request.training and desc.cfg.teacher_grad:
-        teacher_call = _products_call(desc, desc.teacher_hidden)
-        unfit = {f.name: f.unfit(device, teacher_call, PRODUCTS) for f in pick.chain}
-        kept = tuple(f for f in pick.chain if unfit[f.name] is None)
-        if kept[:1] != pick.chain[:1]:
-            pick = RolePick(kept, f"{pick.reason}; the teacher's head: {pick.chain[0].name}: "
-                                  f"{unfit[pick.chain[0].name]}; so {kept[0].name}")
-    kernels = KernelChoice(chains={PRODUCTS: pick.chain}, settings=settings)
-    plan, memory = sizes.distillation_schedule(desc, tuned)
+        pick = _teacher_fit(pick, device, _products_call(desc, desc.teacher_hidden), PRODUCTS)
+    logits = _distillation_logits(device, desc, tuned, settings, failed)
+    chains = {PRODUCTS: pick.chain}
+    stats_in_gemm = bool(logits.chain) and logits.chain[0].fused
+    if stats_in_gemm:
+        chains[CHUNK_LOGITS] = logits.chain
+    kernels = KernelChoice(chains=chains, settings=settings)
+    plan, memory = sizes.distillation_schedule(desc, tuned, stats_in_gemm)
     record = CallChoice(backend="cuda", device=device.text(), inputs=desc.text(), cache=tuned.source, plan=plan,
                         gradients=gradient_timing(desc), memory=memory,
-                        steps=steps.of_distillation(device, desc, plan, kernels, call, pick.reason),
+                        steps=steps.of_distillation(device, desc, plan, kernels, call, pick.reason,
+                                                    _head_call(desc, desc.student_hidden), logits.reason),
                         kernel_package="flce.backends.cuda", n_rows=desc.n_rows, training=desc.request.training,
                         in_forward=desc.request.training and desc.cfg.reduction != "none")
     return record, kernels
 
 
+def _teacher_fit(pick: RolePick, device: DeviceDescription, teacher_call: CallDescription, of_role: str) -> RolePick:
+    """``pick`` without the families the teacher's head does not fit (the student's head chose them)."""
+    unfit = {f.name: f.unfit(device, teacher_call, of_role) for f in pick.chain}
+    kept = tuple(f for f in pick.chain if unfit[f.name] is None)
+    if kept[:1] == pick.chain[:1]:
+        return pick
+    return RolePick(kept, f"{pick.reason}; the teacher's head: {pick.chain[0].name}: {unfit[pick.chain[0].name]}; "
+                          f"so {kept[0].name if kept else 'none'}")
+
+
+def _distillation_logits(device: DeviceDescription, desc: DistillDescription, tuned: sizes.TunedKnobs,
+                         settings: LaunchSettings, failed: Mapping[tuple[str, str], str]) -> RolePick:
+    """Who writes both heads' chunk logits: the family cross-entropy's choice gives a chunk's logits (CHUNK_LOGITS,
+    the cache's forward_logits / logits_kernel, else the heuristic) where the loss's statistics come from each
+    head alone and both heads fit it, its epilogue making each head's statistics; else cuBLAS (no chain)."""
+    why = per_head_unfit(desc.cfg)
+    if why is not None:
+        return RolePick((), f"cuBLAS and the pair kernels' statistics pass: {why}")
+    return _teacher_fit(_pick(CHUNK_LOGITS, device, _head_call(desc, desc.student_hidden), tuned, settings, failed,
+                              {}), device, _head_call(desc, desc.teacher_hidden), CHUNK_LOGITS)
+
+
 def distillation_entry_for(device: DeviceDescription, desc: DistillDescription) -> TunedEntry:
     return tuned_entry(device.name, "cuda", DISTILLATION_VARIANT, desc.dtype, desc.student_hidden, desc.vocab,
                        desc.n_rows)
+
+
+def _head_call(desc: DistillDescription, hidden: int) -> CallDescription:
+    """A head's chunk logits and softmax statistics as the families read a call (semantics.head_config's options)."""
+    return replace(_products_call(desc, hidden), cfg=head_config(desc.cfg))
 
 
 def _products_call(desc: DistillDescription, hidden: int) -> CallDescription:

@@ -272,7 +272,7 @@ def _pair_passes_kernel(
     n_rows, V, ignore_index, inv_temperature, soft_factor, hard_factor, beta,
     CROSS: tl.constexpr, LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr,
     MIXTURE: tl.constexpr, WRITE_GRAD: tl.constexpr, TEACHER: tl.constexpr, GRAD_REVERSE: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    KNOWN_STATS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Every pass of an unsharded chunk in one kernel, a row's sweeps back to back: its statistics (outputs as
     _pair_stats_kernel's), with MIXTURE JSD's sums KL(P || M), KL(Q || M) (teacher_kl_ptr, student_kl_ptr), and
@@ -281,16 +281,29 @@ def _pair_passes_kernel(
     soft_factor = (1 - w) / T, hard scale r hard_factor, hard_factor = w, the centres from this row's sums).
     Each sweep walks the blocks in the direction opposite to the one before it (GRAD_REVERSE: the gradient's
     sweep follows the statistics' alone), so it starts on the blocks still in L2; program p takes rows p, p + P,
-    ...: P, the rows in flight, bounds what L2 must hold."""
+    ...: P, the rows in flight, bounds what L2 must hold. KNOWN_STATS: the statistics pointers hold the row's
+    statistics already (the logits GEMMs'; never with CROSS or HARD_OWN_LSE), read instead of swept."""
     pid = tl.program_id(0)
     for row_index in range(pid, n_rows, tl.num_programs(0)):
         row = tl.cast(row_index, tl.int64)
         teacher_row = teacher_ptr + row * stride_teacher
         student_row = student_ptr + row * stride_student
-        t_max, t_sum, s_max, s_sum, cross, h_max, h_sum, target_col = _row_statistics(
-            teacher_row, student_row, target_ptr, row, teacher_max_ptr, teacher_sum_ptr, student_max_ptr,
-            student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, V, 0, ignore_index,
-            inv_temperature, CROSS, HARD, HARD_OWN_LSE, BLOCK_V)
+        if KNOWN_STATS:
+            t_max = tl.load(teacher_max_ptr + row)
+            t_sum = tl.load(teacher_sum_ptr + row)
+            s_max = tl.load(student_max_ptr + row)
+            s_sum = tl.load(student_sum_ptr + row)
+            cross = 0.0
+            h_max = 0.0
+            h_sum = 1.0
+            target_col = -1
+            if HARD:
+                target_col = _target_column(target_ptr, row, V, 0, ignore_index)
+        else:
+            t_max, t_sum, s_max, s_sum, cross, h_max, h_sum, target_col = _row_statistics(
+                teacher_row, student_row, target_ptr, row, teacher_max_ptr, teacher_sum_ptr, student_max_ptr,
+                student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, V, 0, ignore_index,
+                inv_temperature, CROSS, HARD, HARD_OWN_LSE, BLOCK_V)
         teacher_lse = t_max + tl.log(t_sum)
         student_lse = s_max + tl.log(s_sum)
         teacher_kl = 0.0

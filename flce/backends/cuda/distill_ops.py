@@ -109,14 +109,22 @@ def pair_grad_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, targe
 
 def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, target: torch.Tensor | None,
                  cfg: DistillationConfig, scale: torch.Tensor | None, teacher: bool, launch: LaunchParams,
-                 rows_in_flight: int | None) -> tuple[PairStats, torch.Tensor | None, torch.Tensor | None]:
-    """FusedPairPasses.pair_passes_ (an unsharded chunk): ``rows_in_flight`` programs (None: one a row)."""
+                 rows_in_flight: int | None, known: PartialPairStats | None = None
+                 ) -> tuple[PairStats, torch.Tensor | None, torch.Tensor | None]:
+    """FusedPairPasses.pair_passes_ (an unsharded chunk): ``rows_in_flight`` programs (None: one a row); with
+    ``known`` statistics (no cross sum, no hard term's own softmax) the kernel reads them instead of its first
+    sweep."""
     n, vocab = student_logits.shape
     device = student_logits.device
-    partial = PartialPairStats.allocate(n, cfg, device)
+    if known is not None and (known.cross is not None or known.hard_max is not None):
+        raise ValueError("pair_passes_: known statistics with a cross sum or the hard term's own softmax: the "
+                         "kernel takes those from its own first sweep")
+    partial = PartialPairStats.allocate(n, cfg, device) if known is None else known
     jsd = _jsd(cfg)
     teacher_kl, student_kl = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(2))
     write = scale is not None
+    if known is not None and not (jsd or write):  # the GEMMs made all there is
+        return PairStats.from_partial(known, cfg), None, None
     if n:
         assert teacher_logits.stride(1) == 1 and student_logits.stride(1) == 1  # gradients written in place
         block_v, num_warps = row_launch(vocab, launch)
@@ -133,7 +141,8 @@ def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tar
             cfg.hard_label_weight, cfg.beta,
             CROSS=_CROSS[cfg.loss] if needs_cross(cfg) else 0, LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard,
             HARD_OWN_LSE=cfg.hard_needs_own_lse, MIXTURE=jsd, WRITE_GRAD=write, TEACHER=write and teacher,
-            GRAD_REVERSE=not jsd, BLOCK_V=block_v, num_warps=num_warps,
+            GRAD_REVERSE=not jsd and known is None, KNOWN_STATS=known is not None, BLOCK_V=block_v,
+            num_warps=num_warps,
         )
     stats = PairStats.from_partial(partial, cfg)
     if jsd:
@@ -158,6 +167,6 @@ class CudaPairKernels(TritonChunkKernels):
     def pair_grad_(self, teacher_logits, student_logits, target, cfg, vocab_offset, coeffs):
         return pair_grad_(teacher_logits, student_logits, target, cfg, vocab_offset, coeffs, self.launch)
 
-    def pair_passes_(self, teacher_logits, student_logits, target, cfg, scale, teacher):
+    def pair_passes_(self, teacher_logits, student_logits, target, cfg, scale, teacher, known=None):
         return pair_passes_(teacher_logits, student_logits, target, cfg, scale, teacher, self.launch,
-                            self.rows_in_flight)
+                            self.rows_in_flight, known)

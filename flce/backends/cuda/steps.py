@@ -35,10 +35,12 @@ PAIR_PASSES = _K + "distill_kernels._pair_passes_kernel"
 
 
 def of_distillation(device: DeviceDescription, desc: DistillDescription, plan: DistillChunks, kernels: KernelChoice,
-                    products_call: CallDescription, products_reason: str) -> tuple[Step, ...]:
+                    products_call: CallDescription, products_reason: str, logits_call: CallDescription,
+                    logits_reason: str) -> tuple[Step, ...]:
     """The steps of a linear distillation plan (flce.engine.distillation.steps orders them), its row kernels
     distill_ops.py's and its gradient products (``products_call``: the student head's, as the families read a
-    call) those of the family the choice gave the role."""
+    call) those of the family the choice gave the role; with stats_in_gemm the chunk logits' too
+    (``logits_call``)."""
     settings = kernels.settings
     row = settings.launch
     blocks = f"BLOCK_V up to {row.block_v}, {row.num_warps or '4 or 8'} warps ({settings.launch_source})"
@@ -59,9 +61,18 @@ def of_distillation(device: DeviceDescription, desc: DistillDescription, plan: D
         return Step(name, gemms(family, chunks), products_reason, family.launch_text(role.PRODUCTS, settings),
                     gemms(fallbacks[0], chunks) if fallbacks else ())
 
+    logits = None
+    if plan.stats_in_gemm:
+        chunks = -(-desc.n_rows // plan.tokens_per_chunk) if desc.n_rows else 0
+        first, after = kernels.family(role.CHUNK_LOGITS), kernels.fallbacks(role.CHUNK_LOGITS)
+        logits = Step(f"each of {chunks} chunks: teacher and student logits, each head's softmax statistics in its "
+                      "GEMM's epilogue", first.kernels(role.CHUNK_LOGITS, settings, logits_call), logits_reason,
+                      first.launch_text(role.CHUNK_LOGITS, settings),
+                      after[0].kernels(role.CHUNK_LOGITS, settings, logits_call) if after else ())
     names = PairKernelNames(pair_stats=PAIR_STATS, mixture_sums=MIXTURE_SUMS, pair_grad=PAIR_GRAD, scale=SCALE,
                             bias_sums=sums, pair_passes=PAIR_PASSES, count_tokens=COUNT_TOKENS)
-    return distillation_steps(desc, plan, names, lambda kernel: launches.get(kernel, blocks), products)
+    return distillation_steps(desc, plan, names, lambda kernel: launches.get(kernel, blocks), products, logits,
+                              logits_reason)
 
 
 def of_plan(device: DeviceDescription, call: CallDescription, plan: Plan, kernels: KernelChoice,

@@ -45,7 +45,8 @@ def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
 
 def _distillation_candidates(shape: TuneShape, quick: bool) -> list[dict]:
     """Chunk rows x the pair row kernels' blocks x forward's passes in one kernel (all rows in flight, or one or two
-    a multiprocessor) or one kernel each, x the gradient products' families that fit."""
+    a multiprocessor) or one kernel each (and the chunk logits by cuBLAS once), x the gradient products' families
+    that fit."""
     device, products = _device_and_products(shape)
     sms = device.multiprocessors
     launches = [(4096, 8)] if quick else [(4096, 8), (4096, 16), (2048, 8)]
@@ -53,6 +54,9 @@ def _distillation_candidates(shape: TuneShape, quick: bool) -> list[dict]:
     passes = [{"pair_passes": "fused", **({"rows_in_flight": r} if r else {})} for r in in_flight]
     passes.append({"pair_passes": "separate"})
     forwards = [{"block_v": block_v, "num_warps": warps, **p} for block_v, warps in launches for p in passes]
+    # The chunk logits from cuBLAS and a statistics pass, beside the heuristic's family (on Hopper the
+    # warp-specialised GEMM making the statistics in its epilogue), at the first launch with every row in flight.
+    forwards.append({**forwards[0], "forward_logits": "cublas"})
     if len(products) > 1:
         forwards = [dict(knobs, grad_gemm_kernel=name) for knobs in forwards for name in products]
     rows = chunk_candidates(shape.tokens, quick, smallest=256)
@@ -137,7 +141,7 @@ def _distillation_heuristic(shape: TuneShape) -> dict:
     kernels' launch, whether forward's passes are one kernel, and the gradient products' family."""
     from flce.autotune.lookup import TunedEntry
     from flce.backends.cuda.choice import choose_distillation
-    from flce.backends.cuda.families.family import PRODUCTS
+    from flce.backends.cuda.families.family import CHUNK_LOGITS, PRODUCTS
     from flce.backends.cuda.hardware import describe_device
     from flce.backends.cuda.row_ops import row_launch
 
@@ -147,6 +151,8 @@ def _distillation_heuristic(shape: TuneShape) -> dict:
     block_v, num_warps = row_launch(shape.vocab, kernels.settings.launch)
     return {"tokens_per_chunk": record.plan.tokens_per_chunk, "block_v": block_v, "num_warps": num_warps,
             "pair_passes": "fused" if record.plan.fused_passes else "separate",
+            **({"forward_logits": "fused", "logits_kernel": kernels.family(CHUNK_LOGITS).name.removesuffix("_tma")}
+               if record.plan.stats_in_gemm else {"forward_logits": "cublas"}),
             "grad_gemm_kernel": kernels.family(PRODUCTS).name}
 
 

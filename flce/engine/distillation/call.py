@@ -23,10 +23,14 @@ class DistillChunks:
     """Token chunks of ``tokens_per_chunk`` rows against the whole vocabulary, both heads' logits of a
     chunk in two buffers at once (flce.engine.distillation.schedule). ``fused_passes``: forward's passes
     over a chunk's logits (the statistics, JSD's second pass, the in-forward gradient) are one kernel
-    (:class:`FusedPairPasses`), for an unsharded call only: a shard's statistics need the others' first."""
+    (:class:`FusedPairPasses`), for an unsharded call only: a shard's statistics need the others' first.
+    ``stats_in_gemm``: each head's logits GEMM also makes its softmax's statistics in its epilogue
+    (flce.engine.kernels.FusedStatsGemm's gemm_row_stats, once per head; semantics.per_head_unfit says which losses
+    allow it), so no pass over the logits is needed for them."""
 
     tokens_per_chunk: int
     fused_passes: bool = False
+    stats_in_gemm: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens_per_chunk < 1:
@@ -36,7 +40,7 @@ class DistillChunks:
         """What the plan runs, in words (explain's schedule line)."""
         chunks = -(-n_rows // self.tokens_per_chunk) if n_rows else 0
         words = [f"token chunks: {chunks} of up to {self.tokens_per_chunk} rows, both heads' logits of a chunk in "
-                 "two buffers; both softmaxes' statistics"]
+                 "two buffers; both softmaxes' statistics" + (" from the logits GEMMs" if self.stats_in_gemm else "")]
         if self.fused_passes:
             words.append("forward's passes over a chunk's logits in one kernel")
         if in_forward:
@@ -143,12 +147,14 @@ class FusedPairPasses(Protocol):
     """A capability of a backend's pair kernels that a DistillChunks plan with ``fused_passes`` asks for."""
 
     def pair_passes_(self, teacher_logits: torch.Tensor, student_logits: torch.Tensor, target: torch.Tensor | None,
-                     cfg: DistillationConfig, scale: torch.Tensor | None,
-                     teacher: bool) -> tuple[PairStats, torch.Tensor | None, torch.Tensor | None]:
+                     cfg: DistillationConfig, scale: torch.Tensor | None, teacher: bool,
+                     known: PartialPairStats | None = None
+                     ) -> tuple[PairStats, torch.Tensor | None, torch.Tensor | None]:
         """An unsharded chunk's statistics over the whole vocabulary (JSD's second-pass sums included) and, where
         ``scale`` (each row's d loss / d row loss, 0 on ignored rows) is given, the gradients written over the
         logits as pair_grad_ writes them (the teacher's too with ``teacher``): (stats, student's, teacher's; None
-        where not written)."""
+        where not written). ``known``: the whole vocabulary's statistics already made (the logits GEMMs'), so the
+        kernel takes them instead of its first sweep."""
 
 
 @dataclass(frozen=True)

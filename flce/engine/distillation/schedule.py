@@ -11,7 +11,8 @@ Forward, chunk by chunk:
    (flce.engine.rows.GradAccumulator). Backward then only scales them by grad_output.
 
 A plan with ``fused_passes`` (an unsharded call, kernels with FusedPairPasses) makes steps 2 and 3's passes
-one kernel, each row's sweeps back to back.
+one kernel, each row's sweeps back to back. A plan with ``stats_in_gemm`` takes step 2's first pass from the
+logits GEMMs' epilogues instead (each head's statistics as cross-entropy's; semantics.pair_stats_of_heads).
 
 Four GEMMs per chunk in all: the teacher's logits, the student's, and the student's two gradient products.
 With reduction="none" each row's upstream gradient arrives in backward: forward keeps the rows' statistics
@@ -27,7 +28,10 @@ import torch
 from flce.config import LCEConfig
 from flce.distillation.semantics import (
     PairStats,
+    PartialPairStats,
+    head_config,
     pair_coefficients,
+    pair_stats_of_heads,
     reduced,
     row_losses,
     row_scales,
@@ -65,10 +69,12 @@ def counted_rows(call: DistillCall, pair, dtype: torch.dtype) -> TokenCounts:
 
 
 def chunk_statistics(call: DistillCall, teacher_logits: torch.Tensor, student_logits: torch.Tensor,
-                     target: torch.Tensor | None) -> PairStats:
-    """Both softmaxes' statistics of a chunk over the whole vocabulary (all shards'), JSD's second pass included."""
+                     target: torch.Tensor | None, partial: PartialPairStats | None = None) -> PairStats:
+    """Both softmaxes' statistics of a chunk over the whole vocabulary (all shards'), JSD's second pass included;
+    ``partial``: this shard's first-pass statistics where the logits GEMMs made them."""
     cfg, kernels = call.cfg, call.kernels
-    partial = kernels.pair_stats(teacher_logits, student_logits, target, cfg, call.vocab_offset)
+    if partial is None:
+        partial = kernels.pair_stats(teacher_logits, student_logits, target, cfg, call.vocab_offset)
     stats = PairStats.from_partial(call.combined(partial), cfg)
     if cfg.soft and cfg.loss == "jsd":
         teacher_kl, student_kl = kernels.mixture_sums(teacher_logits, student_logits, stats, cfg)
@@ -91,6 +97,21 @@ class _PairLogits:
         teacher = gemm_logits(p.teacher_hidden[rows], p.teacher_weight, p.teacher_bias, self.teacher.view(n, v))
         student = gemm_logits(p.student_hidden[rows], p.student_weight, p.student_bias, self.student.view(n, v))
         return teacher, student
+
+    def with_stats(self, call: DistillCall, rows: slice,
+                   target: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, PartialPairStats]:
+        """The chunk's logits and this shard's statistics of both softmaxes, each head's from its GEMM's epilogue
+        (a plan with stats_in_gemm)."""
+        p, n, v, cfg = self.pair, rows.stop - rows.start, self.vocab, call.cfg
+        head_cfg = head_config(cfg)
+        if target is None:  # the GEMMs look for a target: one they never find (its target_z is not used)
+            target = torch.full((n,), cfg.ignore_index, dtype=torch.long, device=p.student_hidden.device)
+        teacher, student = self.teacher.view(n, v), self.student.view(n, v)
+        teacher_stats = call.kernels.gemm_row_stats(p.teacher_hidden[rows], p.teacher_weight, p.teacher_bias, target,
+                                                    head_cfg, call.vocab_offset, logits_out=teacher)
+        student_stats = call.kernels.gemm_row_stats(p.student_hidden[rows], p.student_weight, p.student_bias, target,
+                                                    head_cfg, call.vocab_offset, logits_out=student)
+        return teacher, student, pair_stats_of_heads(teacher_stats, student_stats, cfg)
 
 
 class _Accumulators:
@@ -132,13 +153,18 @@ def forward(call: DistillCall, pair, grads_in_forward: PairGradTargets | None, k
     fused = call.plan.fused_passes and call.sharding is None
     for rows in chunk_bounds(n_rows, call.plan.tokens_per_chunk):
         rows_target = None if target is None else target[rows]
-        teacher_logits, student_logits = logits.of(rows)
+        partial = None
+        if call.plan.stats_in_gemm:
+            teacher_logits, student_logits, partial = logits.with_stats(call, rows, rows_target)
+        else:
+            teacher_logits, student_logits = logits.of(rows)
         teacher = acc is not None and acc.teacher is not None
         if fused:  # the plan's FusedPairPasses: the statistics and the gradients in one kernel
             stats, student_grad, teacher_grad = kernels.pair_passes_(
-                teacher_logits, student_logits, rows_target, cfg, None if acc is None else scale[rows], teacher)
+                teacher_logits, student_logits, rows_target, cfg, None if acc is None else scale[rows], teacher,
+                partial)
         else:
-            stats = chunk_statistics(call, teacher_logits, student_logits, rows_target)
+            stats = chunk_statistics(call, teacher_logits, student_logits, rows_target, partial)
             if acc is not None:
                 coeffs = pair_coefficients(stats, scale[rows], cfg, teacher=teacher)
                 student_grad, teacher_grad = kernels.pair_grad_(teacher_logits, student_logits, rows_target, cfg,

@@ -27,10 +27,13 @@ class PairKernelNames:
 
 def distillation_steps(desc: DistillDescription, plan: DistillChunks, names: PairKernelNames,
                        launch: Callable[[str], str],
-                       products: Callable[[str, tuple[str, ...]], Step] | None = None) -> tuple[Step, ...]:
+                       products: Callable[[str, tuple[str, ...]], Step] | None = None,
+                       logits: Step | None = None, logits_reason: str = "") -> tuple[Step, ...]:
     """The steps of ``plan``; ``launch(role)``: how the role's kernel is launched (blocks, programs);
     ``products(name, kernels)``: the gradient products' step where the backend chooses their kernels itself
-    (``kernels``: the RowKernels GEMMs a plan of this many chunks runs)."""
+    (``kernels``: the RowKernels GEMMs a plan of this many chunks runs); ``logits``: the chunk logits' step of a
+    plan with stats_in_gemm (the backend's FusedStatsGemm kernels); ``logits_reason``: why a plan without it takes
+    its logits from cuBLAS."""
     cfg = desc.cfg
     training = desc.request.training
     in_forward = training and cfg.reduction != "none"
@@ -45,19 +48,26 @@ def distillation_steps(desc: DistillDescription, plan: DistillChunks, names: Pai
     if names.count_tokens:
         steps.append(Step("the targets, where given: the non-ignored count the mean divides by, and the range check",
                           (names.count_tokens,), "one kernel and a device-side assertion before the first GEMM"))
-    steps.append(Step(f"each of {chunks} chunks: teacher and student logits", (gemm,),
-                      f"two GEMMs into two buffers of {plan.tokens_per_chunk} rows x V"))
+    if plan.stats_in_gemm:
+        steps.append(logits)
+    else:
+        steps.append(Step(f"each of {chunks} chunks: teacher and student logits", (gemm,),
+                          f"two GEMMs into two buffers of {plan.tokens_per_chunk} rows x V"
+                          + (f" ({logits_reason})" if logits_reason else "")))
+    first_pass = [] if plan.stats_in_gemm else ["both softmaxes' statistics"]
     if plan.fused_passes:
-        passes = ["both softmaxes' statistics"] + (["JSD's second pass (KL(P||M), KL(Q||M))"] if jsd else [])
+        passes = first_pass + (["JSD's second pass (KL(P||M), KL(Q||M))"] if jsd else [])
         passes += [f"{who} gradient over the logits"] if in_forward else []
         why = (f"one pass over both logits ({what})" if len(passes) == 1 else
                f"{what}; a row's sweeps back to back, each starting on the blocks the one before read last (in L2 "
                "while the rows in flight fit it)")
-        steps.append(Step(f"each chunk: {', '.join(passes)}, in one kernel", (names.pair_passes,), why,
-                          launch("pair_passes")))
+        if passes:  # none: the GEMMs made all there is
+            steps.append(Step(f"each chunk: {', '.join(passes)}, in one kernel", (names.pair_passes,), why,
+                              launch("pair_passes")))
     else:
-        steps.append(Step("each chunk: both softmaxes' statistics", (names.pair_stats,),
-                          f"one pass over both logits ({what})", launch("pair_stats")))
+        if first_pass:
+            steps.append(Step("each chunk: both softmaxes' statistics", (names.pair_stats,),
+                              f"one pass over both logits ({what})", launch("pair_stats")))
         if jsd:
             steps.append(Step("each chunk: JSD's second pass (KL(P||M), KL(Q||M))", (names.mixture_sums,),
                               "log M needs both rows' lse first", launch("mixture_sums")))
