@@ -20,6 +20,7 @@ from distillation_helpers import NAMES, Pair, flce_loss, gradients, make_pair, o
 from test_distributed import Checker, assert_section, run_ranks, seed_of, shard_rows
 
 import flce
+from flce.autotune import override_params
 from flce.distributed import record_collectives
 
 pytestmark = pytest.mark.distributed
@@ -113,6 +114,14 @@ def _cuda_interpreted(checker: Checker, rank: int, world_size: int) -> None:
     for name, layout in (("jsd-hard-teacher-none", "uneven"), ("forward-kl-sum-hard", "even"),
                          ("reverse-kl-mean-teacher-chunks", "uneven")):
         _check_case(checker, name, layout, rank, group, backend="cuda")
+    # Each shard's statistics from its logits GEMMs' epilogue (the Triton statistics GEMM), combined as the pair
+    # kernel's are.
+    with override_params({"forward_logits": "fused", "logits_kernel": "triton"}, backend="cuda"):
+        with checker.case("jsd: a shard's statistics from its logits GEMMs"):
+            record = flce.explain_distillation("cpu", backend="cuda", shape=(11, 8, 12, 31), dtype="float32",
+                                               sharded=True, loss="jsd")
+            assert record.plan.stats_in_gemm and not record.plan.fused_passes
+        _check_case(checker, "jsd-mean", "uneven", rank, group, backend="cuda")
 
 
 def _compiled(checker: Checker, rank: int, world_size: int) -> None:
