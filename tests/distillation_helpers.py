@@ -123,3 +123,26 @@ def assert_matches_oracle(pair: Pair, generator: torch.Generator, *, rtol: float
             continue
         assert g is not None, f"{name}: no gradient"
         assert relative(g, w) <= rtol, f"{name}: relative error {relative(g, w):.3g} > {rtol}"
+
+
+def eager_loss(pair: Pair, dtype: torch.dtype, loss: str,
+               temperature: float) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The materialised formula in ``dtype`` (its log-softmax too; JSD at beta 0.5), as a user's eager PyTorch would
+    run it: the error flce must stay within; the mean over the counted rows, and its gradients of the student's
+    hidden states and weight."""
+    xs = pair.student_hidden.detach().to(dtype).requires_grad_()
+    ws = pair.student_weight.detach().to(dtype).requires_grad_()
+    xt, wt = pair.teacher_hidden.detach().to(dtype), pair.teacher_weight.detach().to(dtype)
+    log_q = torch.log_softmax(xs @ ws.T / temperature, dim=-1)
+    log_p = torch.log_softmax(xt @ wt.T / temperature, dim=-1)
+    if loss == "forward_kl":
+        rows = (log_p.exp() * (log_p - log_q)).sum(-1)
+    elif loss == "reverse_kl":
+        rows = (log_q.exp() * (log_q - log_p)).sum(-1)
+    else:
+        half = torch.tensor(0.5, dtype=dtype, device=xs.device).log()
+        log_m = torch.logaddexp(log_p + half, log_q + half)
+        rows = 0.5 * (log_p.exp() * (log_p - log_m)).sum(-1) + 0.5 * (log_q.exp() * (log_q - log_m)).sum(-1)
+    valid = pair.target != -100
+    mean = torch.where(valid, rows.float(), 0.0).sum() / valid.sum()
+    return mean, torch.autograd.grad(mean, (xs, ws))

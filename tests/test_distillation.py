@@ -154,7 +154,8 @@ def test_merge_across_vocabulary_tiles_equals_one_scan(generator: torch.Generato
             part = tile_statistics(u_t[:, start:stop], u_s[:, start:stop], cols, cfg)
             merged = part if merged is None else merge_pair_stats(merged, part, cfg)
         merged = PairStats.from_partial(merged, cfg)
-        for name in ("teacher_lse", "student_lse", "cross_mean", "hard_lse", "target_logit"):
+        for name in ("teacher_max", "teacher_log_sum", "student_max", "student_log_sum", "cross_mean", "hard_lse",
+                     "target_logit"):
             a, b = getattr(whole, name), getattr(merged, name)
             assert (a is None) == (b is None), name
             if a is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distillation_helpers import assert_matches_oracle, flce_loss, make_pair, oracle, relative
+from distillation_helpers import assert_matches_oracle, eager_loss, flce_loss, make_pair, oracle, relative
 from helpers import count_launches
 
 import flce
@@ -148,7 +148,8 @@ def test_vocab_shards_merge_to_the_whole_row(loss: str, hard_label_weight: float
         part = part.like([t.double().cpu() for t in part.present()])
         merged = part if merged is None else merge_pair_stats(merged, part, cfg)
     got = PairStats.from_partial(merged, cfg)
-    for name in ("teacher_lse", "student_lse", "cross_mean", "hard_lse", "target_logit"):
+    for name in ("teacher_max", "teacher_log_sum", "student_max", "student_log_sum", "cross_mean", "hard_lse",
+                     "target_logit"):
         a, b = getattr(want, name), getattr(got, name)
         assert (a is None) == (b is None), name
         if a is not None:
@@ -157,7 +158,8 @@ def test_vocab_shards_merge_to_the_whole_row(loss: str, hard_label_weight: float
         sums = [distill_ops.mixture_sums(u_t[:, a:b].float().to(DEVICE), u_s[:, a:b].float().to(DEVICE),
                                          _on(got, DEVICE), cfg, launch) for a, b in shards]
         teacher_kl, student_kl = (sum(s[i].double().cpu() for s in sums) for i in range(2))
-        want_kl = tile_mixture_sums(u_t, u_s, want.teacher_lse, want.student_lse, cfg)
+        want_kl = tile_mixture_sums(u_t, u_s, (want.teacher_max, want.teacher_log_sum),
+                                    (want.student_max, want.student_log_sum), cfg)
         torch.testing.assert_close(teacher_kl, want_kl[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(student_kl, want_kl[1], rtol=1e-5, atol=1e-6)
         want = with_mixture_sums(want, *want_kl)
@@ -180,27 +182,6 @@ def _on(stats: PairStats, device: str) -> PairStats:
     return PairStats(**{name: None if t is None else t.float().to(device) for name, t in vars(stats).items()})
 
 
-def _eager(pair, dtype: torch.dtype, loss: str, temperature: float) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The materialised formula in ``dtype`` (its log-softmax too), as a user's eager PyTorch would run it: the error
-    flce must stay within; mean over the counted rows."""
-    xs = pair.student_hidden.detach().to(dtype).requires_grad_()
-    ws = pair.student_weight.detach().to(dtype).requires_grad_()
-    xt, wt = pair.teacher_hidden.detach().to(dtype), pair.teacher_weight.detach().to(dtype)
-    log_q = torch.log_softmax(xs @ ws.T / temperature, dim=-1)
-    log_p = torch.log_softmax(xt @ wt.T / temperature, dim=-1)
-    if loss == "forward_kl":
-        rows = (log_p.exp() * (log_p - log_q)).sum(-1)
-    elif loss == "reverse_kl":
-        rows = (log_q.exp() * (log_q - log_p)).sum(-1)
-    else:
-        half = torch.tensor(0.5, dtype=dtype, device=xs.device).log()
-        log_m = torch.logaddexp(log_p + half, log_q + half)
-        rows = 0.5 * (log_p.exp() * (log_p - log_m)).sum(-1) + 0.5 * (log_q.exp() * (log_q - log_m)).sum(-1)
-    valid = pair.target != -100
-    mean = torch.where(valid, rows.float(), 0.0).sum() / valid.sum()
-    return mean, torch.autograd.grad(mean, (xs, ws))
-
-
 @pytest.mark.parametrize(("dtype", "loss"), [(torch.bfloat16, "forward_kl"), (torch.bfloat16, "reverse_kl"),
                                              (torch.bfloat16, "jsd"), (torch.float16, "jsd")])
 def test_16_bit_within_eager_error(dtype: torch.dtype, loss: str, generator: torch.Generator) -> None:
@@ -209,7 +190,7 @@ def test_16_bit_within_eager_error(dtype: torch.dtype, loss: str, generator: tor
     reference = pair.detached("cpu")
     expected = oracle(reference, loss=loss, temperature=1.5)
     want = torch.autograd.grad(expected, (reference.student_hidden, reference.student_weight))
-    eager, eager_grads = _eager(pair, dtype, loss, 1.5)
+    eager, eager_grads = eager_loss(pair, dtype, loss, 1.5)
     ours = type(pair)(*(None if t is None else t.detach().to(dtype).requires_grad_(t.requires_grad)
                         for t in pair.leaves), pair.target)
     with override_params({"block_v": 64, "num_warps": 4}, backend="cuda"):

@@ -13,11 +13,11 @@ nothing; "mean" divides by the counted rows (all rows without a target).
 
 **Statistics.** A scan over vocabulary tiles keeps, per row, online (a running max, and sums relative
 to it, rescaled when it grows: mergeable across tiles and across vocabulary shards in any order):
-both softmaxes' (max, sum exp); for the KL divergences the "cross" sum that makes their expectation
-in the same pass, sum exp(t - max_t) (t - s) for forward KL (its E_p[t - s]) and sum exp(s - max_s)
-(s - t) for reverse KL; for the hard term the target's raw logit and, where T != 1, the raw student
-logits' own (max, sum exp). JSD needs log m = log(beta p + (1 - beta) q), known only once both lse
-are: a second pass over the tiles sums KL(P || M) and KL(Q || M), plain sums (additive across tiles
+both softmaxes' (max of the raw logits, sum exp((u - max) / T)); for the KL divergences the "cross" sum that
+makes their expectation in the same pass, sum exp((u_t - max u_t) / T) (t - s) for forward KL (its E_p[t - s])
+and sum exp((u_s - max u_s) / T) (s - t) for reverse KL; for the hard term the target's raw logit and, where
+T != 1, the raw student logits' own (max, sum exp). JSD needs log m = log(beta p + (1 - beta) q), known only once
+both lse are: a second pass over the tiles sums KL(P || M) and KL(Q || M), plain sums (additive across tiles
 and shards).
 
 **Gradients.** With r a row's upstream scale (0 on ignored rows), the gradient of the raw student
@@ -63,10 +63,10 @@ class PartialPairStats:
     Sums are relative to their max; ``cross`` to the teacher's max (forward KL) or the student's (reverse
     KL); ``target_logit`` is 0 where the columns do not hold the target."""
 
-    teacher_max: torch.Tensor  # [n], max t
-    teacher_sum: torch.Tensor  # [n], sum exp(t - teacher_max)
-    student_max: torch.Tensor  # [n], max s
-    student_sum: torch.Tensor  # [n], sum exp(s - student_max)
+    teacher_max: torch.Tensor  # [n], max u_t (the raw logits': see PairStats)
+    teacher_sum: torch.Tensor  # [n], sum exp((u_t - teacher_max) / T)
+    student_max: torch.Tensor  # [n], max u_s
+    student_sum: torch.Tensor  # [n], sum exp((u_s - student_max) / T)
     cross: torch.Tensor | None = None  # [n] KL divergences only (module docstring)
     hard_max: torch.Tensor | None = None  # [n] max u_s: the hard term at a temperature != 1
     hard_sum: torch.Tensor | None = None  # [n] sum exp(u_s - hard_max)
@@ -120,18 +120,21 @@ def head_config(cfg: DistillationConfig) -> LCEConfig:
 def pair_stats_of_heads(teacher: PartialRowStats, student: PartialRowStats,
                         cfg: DistillationConfig) -> PartialPairStats:
     """A call's partial statistics from each head's, computed under :func:`head_config` (where per_head_unfit is
-    None)."""
-    return PartialPairStats(teacher.row_max, teacher.sum_exp, student.row_max, student.sum_exp,
-                            target_logit=student.target_z if cfg.hard else None)
+    None). A head's row_max is of u / T: times T it is the raw max the pair statistics keep (not bitwise a logit,
+    so the top column's u - max is not exactly 0; the GEMMs that make these take 16-bit inputs, whose logits'
+    own rounding is far coarser)."""
+    return PartialPairStats(teacher.row_max * cfg.temperature, teacher.sum_exp, student.row_max * cfg.temperature,
+                            student.sum_exp, target_logit=student.target_z if cfg.hard else None)
 
 
 def merge_pair_stats(a: PartialPairStats, b: PartialPairStats, cfg: DistillationConfig) -> PartialPairStats:
     """Statistics of the union of two disjoint column ranges (or vocabulary shards)."""
-    def rescaled(max_a: torch.Tensor, max_b: torch.Tensor, *pairs: tuple[torch.Tensor, torch.Tensor]):
+    def rescaled(max_a: torch.Tensor, max_b: torch.Tensor, *pairs: tuple[torch.Tensor, torch.Tensor],
+                 inv_temperature: float = 1.0 / cfg.temperature):
         new_max = torch.maximum(max_a, max_b)
         # exp(-inf - -inf) is nan: a side without columns (max -inf) weighs 0.
-        scale_a = torch.where(max_a == -torch.inf, 0.0, torch.exp(max_a - new_max))
-        scale_b = torch.where(max_b == -torch.inf, 0.0, torch.exp(max_b - new_max))
+        scale_a = torch.where(max_a == -torch.inf, 0.0, torch.exp((max_a - new_max) * inv_temperature))
+        scale_b = torch.where(max_b == -torch.inf, 0.0, torch.exp((max_b - new_max) * inv_temperature))
         return new_max, [x * scale_a + y * scale_b for x, y in pairs]
 
     cross_of_teacher = cfg.loss == "forward_kl"
@@ -145,7 +148,8 @@ def merge_pair_stats(a: PartialPairStats, b: PartialPairStats, cfg: Distillation
     if a.cross is not None:
         merged.cross = (teacher_sums if cross_of_teacher else student_sums)[1]
     if a.hard_max is not None:
-        merged.hard_max, (merged.hard_sum,) = rescaled(a.hard_max, b.hard_max, (a.hard_sum, b.hard_sum))
+        merged.hard_max, (merged.hard_sum,) = rescaled(a.hard_max, b.hard_max, (a.hard_sum, b.hard_sum),
+                                                       inv_temperature=1.0)
     if a.target_logit is not None:
         merged.target_logit = a.target_logit + b.target_logit
     return merged
@@ -153,10 +157,18 @@ def merge_pair_stats(a: PartialPairStats, b: PartialPairStats, cfg: Distillation
 
 @dataclass
 class PairStats:
-    """A row's statistics over the whole vocabulary (all shards): what the loss and the gradient read."""
+    """A row's statistics over the whole vocabulary (all shards): what the loss and the gradient read.
 
-    teacher_lse: torch.Tensor  # [n], lse of t
-    student_lse: torch.Tensor  # [n], lse of s
+    Each softmax's normaliser is kept as two numbers, the raw logits' max and the log of the sum relative to it,
+    lse = max / T + log_sum, and its log-probabilities are formed as (u - max) / T - log_sum: at the largest
+    logit u - max is exactly 0, so a row whose softmax is nearly one-hot keeps its probabilities summing to 1 to
+    the last bit, where one rounded lse (u / T - lse) would shift them all by its rounding, which JSD's centred
+    gradient (q (log q/m - KL(Q||M))) multiplies by the cancellation in its centring."""
+
+    teacher_max: torch.Tensor  # [n], max u_t
+    teacher_log_sum: torch.Tensor  # [n], log sum exp((u_t - teacher_max) / T)
+    student_max: torch.Tensor  # [n], max u_s
+    student_log_sum: torch.Tensor  # [n], log sum exp((u_s - student_max) / T)
     cross_mean: torch.Tensor | None = None  # [n], E_p[t - s] (forward KL) or E_q[s - t] (reverse KL)
     hard_lse: torch.Tensor | None = None  # [n], lse of u_s (the student's lse at temperature 1)
     target_logit: torch.Tensor | None = None  # [n], u_s[target]
@@ -165,15 +177,23 @@ class PairStats:
 
     @staticmethod
     def from_partial(p: PartialPairStats, cfg: DistillationConfig) -> PairStats:
-        student_lse = p.student_max + torch.log(p.student_sum)
+        student_log_sum = torch.log(p.student_sum)
         cross_sum = p.teacher_sum if cfg.loss == "forward_kl" else p.student_sum
         hard_lse = None
         if cfg.hard:
             # At temperature 1 the student's softmax is the cross-entropy's.
-            hard_lse = p.hard_max + torch.log(p.hard_sum) if p.hard_max is not None else student_lse
-        return PairStats(teacher_lse=p.teacher_max + torch.log(p.teacher_sum), student_lse=student_lse,
+            own = p.hard_max is not None
+            hard_lse = p.hard_max + torch.log(p.hard_sum) if own else p.student_max + student_log_sum
+        return PairStats(teacher_max=p.teacher_max, teacher_log_sum=torch.log(p.teacher_sum),
+                         student_max=p.student_max, student_log_sum=student_log_sum,
                          cross_mean=None if p.cross is None else p.cross / cross_sum, hard_lse=hard_lse,
                          target_logit=p.target_logit)
+
+    def teacher_lse(self, cfg: DistillationConfig) -> torch.Tensor:
+        return self.teacher_max / cfg.temperature + self.teacher_log_sum
+
+    def student_lse(self, cfg: DistillationConfig) -> torch.Tensor:
+        return self.student_max / cfg.temperature + self.student_log_sum
 
     def rows(self, rows: slice) -> PairStats:
         return PairStats(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
@@ -193,7 +213,7 @@ class PairStats:
 
 def stats_present(cfg: DistillationConfig) -> tuple[str, ...]:
     """The PairStats fields a call of ``cfg`` fills, in field order."""
-    names = ["teacher_lse", "student_lse"]
+    names = ["teacher_max", "teacher_log_sum", "student_max", "student_log_sum"]
     if needs_cross(cfg):
         names.append("cross_mean")
     if cfg.hard:
@@ -212,9 +232,9 @@ def with_mixture_sums(stats: PairStats, teacher_kl: torch.Tensor, student_kl: to
 def divergence(stats: PairStats, cfg: DistillationConfig) -> torch.Tensor:
     """Each row's divergence (module docstring)."""
     if cfg.loss == "forward_kl":
-        return stats.cross_mean - stats.teacher_lse + stats.student_lse
+        return stats.cross_mean - stats.teacher_lse(cfg) + stats.student_lse(cfg)
     if cfg.loss == "reverse_kl":
-        return stats.cross_mean - stats.student_lse + stats.teacher_lse
+        return stats.cross_mean - stats.student_lse(cfg) + stats.teacher_lse(cfg)
     return cfg.beta * stats.teacher_mixture_kl + (1.0 - cfg.beta) * stats.student_mixture_kl
 
 
@@ -259,10 +279,13 @@ def row_scales(grad_loss: torch.Tensor, count: torch.Tensor, valid: torch.Tensor
 
 @dataclass
 class PairCoefficients:
-    """The per-row scalars of the module docstring's gradient formula, [n] each."""
+    """The per-row scalars of the module docstring's gradient formula, [n] each; each softmax's normaliser as
+    PairStats keeps it (max, log_sum)."""
 
-    teacher_lse: torch.Tensor
-    student_lse: torch.Tensor
+    teacher_max: torch.Tensor
+    teacher_log_sum: torch.Tensor
+    student_max: torch.Tensor
+    student_log_sum: torch.Tensor
     soft_scale: torch.Tensor  # r (1 - w) / T
     student_center: torch.Tensor | None = None  # reverse KL: E_q[s - t]; JSD: KL(Q || M)
     teacher_center: torch.Tensor | None = None  # forward KL: E_p[t - s]; JSD: KL(P || M) (teacher gradient)
@@ -276,7 +299,9 @@ def pair_coefficients(stats: PairStats, scale: torch.Tensor, cfg: DistillationCo
     """The coefficients of rows whose loss is scaled by ``scale`` (:func:`row_scales`); ``teacher``: the
     teacher's logits take a gradient too."""
     soft_scale = scale * ((1.0 - cfg.hard_label_weight) / cfg.temperature)
-    coeffs = PairCoefficients(teacher_lse=stats.teacher_lse, student_lse=stats.student_lse, soft_scale=soft_scale)
+    coeffs = PairCoefficients(teacher_max=stats.teacher_max, teacher_log_sum=stats.teacher_log_sum,
+                              student_max=stats.student_max, student_log_sum=stats.student_log_sum,
+                              soft_scale=soft_scale)
     if cfg.loss == "reverse_kl":
         coeffs.student_center = stats.cross_mean
     elif cfg.loss == "jsd":

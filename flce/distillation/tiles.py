@@ -22,9 +22,9 @@ def tile_statistics(teacher_u: torch.Tensor, student_u: torch.Tensor, target_col
     """The tile's partial statistics (semantics module docstring), sums relative to the tile's maxima."""
     inv_t = 1.0 / cfg.temperature
     t, s = teacher_u * inv_t, student_u * inv_t
-    teacher_max, student_max = t.amax(dim=1), s.amax(dim=1)
-    teacher_exp = torch.exp(t - teacher_max.unsqueeze(1))
-    student_exp = torch.exp(s - student_max.unsqueeze(1))
+    teacher_max, student_max = teacher_u.amax(dim=1), student_u.amax(dim=1)
+    teacher_exp = torch.exp((teacher_u - teacher_max.unsqueeze(1)) * inv_t)
+    student_exp = torch.exp((student_u - student_max.unsqueeze(1)) * inv_t)
     stats = PartialPairStats(teacher_max, teacher_exp.sum(1), student_max, student_exp.sum(1))
     if needs_cross(cfg):
         if cfg.loss == "forward_kl":
@@ -46,12 +46,19 @@ def log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.
     return torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
 
 
-def tile_mixture_sums(teacher_u: torch.Tensor, student_u: torch.Tensor, teacher_lse: torch.Tensor,
-                      student_lse: torch.Tensor, cfg: DistillationConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tile's shares of KL(P || M) and KL(Q || M), given both rows' lse over the whole vocabulary."""
+def log_softmax_of(u: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, inv_t: float) -> torch.Tensor:
+    """A softmax's log-probabilities from its normaliser as PairStats keeps it: (u - max) / T - log_sum."""
+    return (u - row_max.unsqueeze(1)) * inv_t - log_sum.unsqueeze(1)
+
+
+def tile_mixture_sums(teacher_u: torch.Tensor, student_u: torch.Tensor, teacher_norm: tuple[torch.Tensor, torch.Tensor],
+                      student_norm: tuple[torch.Tensor, torch.Tensor],
+                      cfg: DistillationConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tile's shares of KL(P || M) and KL(Q || M), given both rows' normalisers (max, log_sum) over the whole
+    vocabulary."""
     inv_t = 1.0 / cfg.temperature
-    log_p = teacher_u * inv_t - teacher_lse.unsqueeze(1)
-    log_q = student_u * inv_t - student_lse.unsqueeze(1)
+    log_p = log_softmax_of(teacher_u, *teacher_norm, inv_t)
+    log_q = log_softmax_of(student_u, *student_norm, inv_t)
     log_m = log_mixture(log_p, log_q, cfg.beta)
     return (torch.exp(log_p) * (log_p - log_m)).sum(1), (torch.exp(log_q) * (log_q - log_m)).sum(1)
 
@@ -79,8 +86,8 @@ def _divergence_terms(teacher_u: torch.Tensor, student_u: torch.Tensor, coeffs: 
     """(f_s, f_t) of the semantics module docstring; f_t None without a teacher gradient."""
     inv_t = 1.0 / cfg.temperature
     t, s = teacher_u * inv_t, student_u * inv_t
-    log_p = t - coeffs.teacher_lse.unsqueeze(1)
-    log_q = s - coeffs.student_lse.unsqueeze(1)
+    log_p = log_softmax_of(teacher_u, coeffs.teacher_max, coeffs.teacher_log_sum, inv_t)
+    log_q = log_softmax_of(student_u, coeffs.student_max, coeffs.student_log_sum, inv_t)
     p, q = torch.exp(log_p), torch.exp(log_q)
     if cfg.loss == "forward_kl":
         return q - p, p * ((t - s) - coeffs.teacher_center.unsqueeze(1)) if teacher else None

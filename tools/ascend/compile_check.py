@@ -173,11 +173,13 @@ def record_distillation(kernels: distill_ops.AscendPairKernels, logits, per_row,
     """The distillation launchers' launches for one chunk size: every option set of _distillation_configs."""
     for cfg in _distillation_configs():
         kernels.pair_stats(logits(rows), logits(rows), target, cfg, 0)
-        stats = PairStats(teacher_lse=per_row(rows), student_lse=per_row(rows))
+        stats = PairStats(teacher_max=per_row(rows), teacher_log_sum=per_row(rows), student_max=per_row(rows),
+                          student_log_sum=per_row(rows))
         if cfg.soft and cfg.loss == "jsd":
             kernels.mixture_sums(logits(rows), logits(rows), stats, cfg)
         coeffs = PairCoefficients(
-            teacher_lse=per_row(rows), student_lse=per_row(rows), soft_scale=per_row(rows),
+            teacher_max=per_row(rows), teacher_log_sum=per_row(rows), student_max=per_row(rows),
+            student_log_sum=per_row(rows), soft_scale=per_row(rows),
             student_center=per_row(rows) if cfg.loss != "forward_kl" else None,
             teacher_center=per_row(rows) if cfg.teacher_grad and cfg.loss != "reverse_kl" else None,
             hard_lse=per_row(rows) if cfg.hard else None, hard_scale=per_row(rows) if cfg.hard else None,

@@ -21,8 +21,8 @@ def _pair_stats_kernel(
     teacher_ptr, stride_teacher,      # [n_rows, vocab] raw teacher logits u_t of this shard
     student_ptr, stride_student,      # [n_rows, vocab] raw student logits u_s
     target_ptr,                       # [n_rows] int64 global ids (read if HARD)
-    teacher_max_ptr, teacher_sum_ptr,  # [n_rows] fp32 outputs: max t, sum exp(t - max t)
-    student_max_ptr, student_sum_ptr,  # [n_rows] fp32 outputs: max s, sum exp(s - max s)
+    teacher_max_ptr, teacher_sum_ptr,  # [n_rows] fp32 outputs: max u_t, sum exp((u_t - max u_t) / T)
+    student_max_ptr, student_sum_ptr,  # [n_rows] fp32 outputs: max u_s, sum exp((u_s - max u_s) / T)
     cross_ptr,                        # [n_rows] fp32: the KL divergences' cross sum (CROSS != 0)
     hard_max_ptr, hard_sum_ptr,       # [n_rows] fp32: max u_s, sum exp(u_s - max) (HARD_OWN_LSE)
     target_logit_ptr,                 # [n_rows] fp32: u_s[target], 0 off this shard (HARD)
@@ -64,12 +64,13 @@ def _pair_stats_kernel(
             u_s = tl.load(student_row + cols, mask=mask, other=0.0).to(tl.float32)
             t = u_t * inv_temperature
             s = u_s * inv_temperature
-            new_t_max = tl.maximum(t_max, tl.max(tl.where(mask, t, float("-inf")), 0))
-            new_s_max = tl.maximum(s_max, tl.max(tl.where(mask, s, float("-inf")), 0))
-            t_rescale = tl.exp(t_max - new_t_max)
-            s_rescale = tl.exp(s_max - new_s_max)
-            e_t = tl.where(mask, tl.exp(t - new_t_max), 0.0)
-            e_s = tl.where(mask, tl.exp(s - new_s_max), 0.0)
+            # The raw logits' maxima (semantics.PairStats says why).
+            new_t_max = tl.maximum(t_max, tl.max(tl.where(mask, u_t, float("-inf")), 0))
+            new_s_max = tl.maximum(s_max, tl.max(tl.where(mask, u_s, float("-inf")), 0))
+            t_rescale = tl.exp((t_max - new_t_max) * inv_temperature)
+            s_rescale = tl.exp((s_max - new_s_max) * inv_temperature)
+            e_t = tl.where(mask, tl.exp((u_t - new_t_max) * inv_temperature), 0.0)
+            e_s = tl.where(mask, tl.exp((u_s - new_s_max) * inv_temperature), 0.0)
             t_sum = t_sum * t_rescale + tl.sum(e_t, 0)
             s_sum = s_sum * s_rescale + tl.sum(e_s, 0)
             if CROSS == 1:
@@ -97,7 +98,8 @@ def _pair_stats_kernel(
 def _mixture_sums_kernel(
     teacher_ptr, stride_teacher,      # [n_rows, vocab] raw teacher logits u_t of this shard
     student_ptr, stride_student,      # [n_rows, vocab] raw student logits u_s
-    teacher_lse_ptr, student_lse_ptr,  # [n_rows] fp32: both rows' lse over the whole vocabulary
+    teacher_max_ptr, teacher_log_sum_ptr,  # [n_rows] fp32: both rows' normalisers over the whole vocabulary
+    student_max_ptr, student_log_sum_ptr,  # (semantics.PairStats: raw max, log_sum)
     teacher_kl_ptr, student_kl_ptr,   # [n_rows] fp32 outputs: this shard's KL(P || M), KL(Q || M) sums
     n_rows, vocab, inv_temperature, log_beta, log_one_minus_beta,
     WIDE_OFFSETS: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -113,8 +115,10 @@ def _mixture_sums_kernel(
         if WIDE_OFFSETS:
             teacher_start = tl.cast(row, tl.int64) * stride_teacher
             student_start = tl.cast(row, tl.int64) * stride_student
-        teacher_lse = tl.load(teacher_lse_ptr + row)
-        student_lse = tl.load(student_lse_ptr + row)
+        teacher_max = tl.load(teacher_max_ptr + row)
+        teacher_log_sum = tl.load(teacher_log_sum_ptr + row)
+        student_max = tl.load(student_max_ptr + row)
+        student_log_sum = tl.load(student_log_sum_ptr + row)
         teacher_kl = 0.0
         student_kl = 0.0
         for start in range(0, vocab, BLOCK_V):
@@ -122,8 +126,8 @@ def _mixture_sums_kernel(
             mask = cols < vocab
             u_t = tl.load(teacher_ptr + teacher_start + cols, mask=mask, other=0.0).to(tl.float32)
             u_s = tl.load(student_ptr + student_start + cols, mask=mask, other=0.0).to(tl.float32)
-            log_p = u_t * inv_temperature - teacher_lse
-            log_q = u_s * inv_temperature - student_lse
+            log_p = (u_t - teacher_max) * inv_temperature - teacher_log_sum
+            log_q = (u_s - student_max) * inv_temperature - student_log_sum
             a = log_p + log_beta
             b = log_q + log_one_minus_beta
             larger = tl.maximum(a, b)
@@ -139,8 +143,9 @@ def _pair_grad_kernel(
     teacher_ptr, stride_teacher,      # [n_rows, vocab] raw u_t; overwritten with d loss / d u_t if TEACHER
     student_ptr, stride_student,      # [n_rows, vocab] raw u_s; overwritten with d loss / d u_s
     target_ptr,                       # [n_rows] int64 global ids (read if HARD)
-    teacher_lse_ptr, student_lse_ptr,  # [n_rows] fp32 per-row coefficients of
-    soft_scale_ptr,                   #   flce.distillation.semantics.PairCoefficients
+    teacher_max_ptr, teacher_log_sum_ptr,  # [n_rows] fp32 per-row coefficients of
+    student_max_ptr, student_log_sum_ptr,  #   flce.distillation.semantics.PairCoefficients
+    soft_scale_ptr,
     student_center_ptr,               #   (read if LOSS != 0)
     teacher_center_ptr,               #   (read if TEACHER and LOSS != 1)
     hard_lse_ptr, hard_scale_ptr,     #   (read if HARD)
@@ -163,8 +168,10 @@ def _pair_grad_kernel(
             student_start = tl.cast(row, tl.int64) * stride_student
         teacher_row = teacher_ptr + teacher_start
         student_row = student_ptr + student_start
-        teacher_lse = tl.load(teacher_lse_ptr + row)
-        student_lse = tl.load(student_lse_ptr + row)
+        teacher_max = tl.load(teacher_max_ptr + row)
+        teacher_log_sum = tl.load(teacher_log_sum_ptr + row)
+        student_max = tl.load(student_max_ptr + row)
+        student_log_sum = tl.load(student_log_sum_ptr + row)
         soft_scale = tl.load(soft_scale_ptr + row)
         student_center = 0.0
         if LOSS != 0:
@@ -192,8 +199,8 @@ def _pair_grad_kernel(
             u_s = tl.load(student_row + cols, mask=mask, other=0.0).to(tl.float32)
             t = u_t * inv_temperature
             s = u_s * inv_temperature
-            log_p = t - teacher_lse
-            log_q = s - student_lse
+            log_p = (u_t - teacher_max) * inv_temperature - teacher_log_sum
+            log_q = (u_s - student_max) * inv_temperature - student_log_sum
             p = tl.exp(log_p)
             q = tl.exp(log_q)
             f_s = tl.zeros([BLOCK_V], dtype=tl.float32)

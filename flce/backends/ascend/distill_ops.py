@@ -90,7 +90,9 @@ class AscendPairKernels(AscendChunkKernels):
         if n:
             _kernels()._mixture_sums_kernel[grid_for(n, self.props)](
                 teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
-                _rows(stats.teacher_lse, teacher_kl), _rows(stats.student_lse, teacher_kl), teacher_kl, student_kl,
+                *(_rows(t, teacher_kl) for t in (stats.teacher_max, stats.teacher_log_sum, stats.student_max,
+                                                 stats.student_log_sum)),
+                teacher_kl, student_kl,
                 n, vocab, 1.0 / cfg.temperature, math.log(cfg.beta), math.log1p(-cfg.beta),
                 WIDE_OFFSETS=needs_wide_offsets(teacher_logits) or needs_wide_offsets(student_logits),
                 BLOCK_V=self._pair_block("mixture_sums", student_logits),
@@ -105,12 +107,13 @@ class AscendPairKernels(AscendChunkKernels):
             return student_logits, teacher_logits if teacher else None
         # Written in place: the buffers must be the ones the schedule passes on (torch.mm's outputs are contiguous).
         assert teacher_logits.stride(1) == 1 and student_logits.stride(1) == 1
-        lse = coeffs.teacher_lse.float().contiguous()
+        first = coeffs.teacher_max.float().contiguous()  # also stands in for the pointers whose flag is off
         _kernels()._pair_grad_kernel[grid_for(n, self.props)](
             teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
-            target if cfg.hard else lse, lse, _rows(coeffs.student_lse, lse), _rows(coeffs.soft_scale, lse),
-            _rows(coeffs.student_center, lse), _rows(coeffs.teacher_center, lse), _rows(coeffs.hard_lse, lse),
-            _rows(coeffs.hard_scale, lse), _rows(coeffs.teacher_scale, lse),
+            target if cfg.hard else first, first, _rows(coeffs.teacher_log_sum, first),
+            _rows(coeffs.student_max, first), _rows(coeffs.student_log_sum, first), _rows(coeffs.soft_scale, first),
+            _rows(coeffs.student_center, first), _rows(coeffs.teacher_center, first), _rows(coeffs.hard_lse, first),
+            _rows(coeffs.hard_scale, first), _rows(coeffs.teacher_scale, first),
             n, vocab, vocab_offset, cfg.ignore_index, 1.0 / cfg.temperature, cfg.beta, math.log(cfg.beta),
             math.log1p(-cfg.beta),
             LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard, TEACHER=teacher,

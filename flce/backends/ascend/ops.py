@@ -181,13 +181,14 @@ FOOTPRINTS = {
     # Two loads; the temperature, -inf, 0 and column indices splatted; t, s, both exponentials, the cross
     # product and the hard term's exponential; mask, and one more byte for the running scalars
     "pair_stats": TileFootprint(io_tiles=2, fp32_input_tiles=0, broadcast_tiles=5, fp32_temporaries=6, mask_tiles=2),
-    # two loads; both lse, the temperature, the two log-weights and constants splatted; log p, log q, the
-    # mixture's two terms and log m, a product; mask
-    "mixture_sums": TileFootprint(io_tiles=2, fp32_input_tiles=0, broadcast_tiles=9, fp32_temporaries=6,
+    # two loads; both normalisers (max, log_sum), the temperature, the two log-weights and constants splatted;
+    # log p, log q, the mixture's two terms and log m, a product; mask
+    "mixture_sums": TileFootprint(io_tiles=2, fp32_input_tiles=0, broadcast_tiles=11, fp32_temporaries=6,
                                   mask_tiles=1),
-    # two loads + two stores; every per-row coefficient, beta and its logs, the target column, constants and
-    # column indices splatted; t, s, log p, log q, p, q, the mixture's terms, both gradients; onehot
-    "pair_grad": TileFootprint(io_tiles=4, fp32_input_tiles=0, broadcast_tiles=16, fp32_temporaries=10,
+    # two loads + two stores; every per-row coefficient (both normalisers as max and log_sum), beta and its logs,
+    # the target column, constants and column indices splatted; t, s, u - max twice, log p, log q, p, q, the
+    # mixture's terms, both gradients; onehot
+    "pair_grad": TileFootprint(io_tiles=4, fp32_input_tiles=0, broadcast_tiles=18, fp32_temporaries=13,
                                mask_tiles=1),
 }
 

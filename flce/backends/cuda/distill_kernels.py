@@ -24,14 +24,17 @@ import triton.language as tl
 
 from flce.backends.online_softmax import LN2, LOG2E, _moved_to
 
+FP32_SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)
+
 
 @triton.jit
 def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constexpr, HARD_OWN_LSE: tl.constexpr,
                  BLOCK_V: tl.constexpr):
-    """One row's partial statistics over columns [0, V) (semantics.PartialPairStats): (max t, sum exp(t - max t),
-    max s, sum exp(s - max s), the CROSS sum relative to its own softmax's max, max u_s, sum exp(u_s - max u_s)),
-    every running sum moved to its running max as that grows. The softmaxes run in base 2 (y = t log2 e: exp2
-    without a multiply; the sums are the same numbers) and return natural maxima."""
+    """One row's partial statistics over columns [0, V) (semantics.PartialPairStats): (max u_t, sum exp((u_t -
+    max u_t) / T), max u_s, sum exp((u_s - max u_s) / T), the CROSS sum relative to its own softmax's max, max u_s,
+    sum exp(u_s - max u_s)), every running sum moved to its running max as that grows. The maxima are the raw
+    logits' (the later sweeps' u - max is then exactly 0 at the largest); the exponentials run in base 2
+    ((u - max) T^-1 log2 e: exp2 without a multiply more; the sums are the same numbers)."""
     cols = tl.arange(0, BLOCK_V)
     to_base2 = inv_temperature * LOG2E
     t_max = tl.full((), float("-inf"), tl.float32)
@@ -46,46 +49,47 @@ def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constex
         # Masked lanes read -inf: out of every max, exp2 makes them 0 in every sum (the CROSS sum masks its
         # difference, -inf - -inf).
         u_s = tl.load(student_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        y_t = tl.load(teacher_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32) * to_base2
-        y_s = u_s * to_base2
-        new_t_max = tl.maximum(t_max, tl.max(y_t, 0))
-        new_s_max = tl.maximum(s_max, tl.max(y_s, 0))
-        e_t = tl.exp2(y_t - new_t_max)
-        e_s = tl.exp2(y_s - new_s_max)
+        u_t = tl.load(teacher_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        new_t_max = tl.maximum(t_max, tl.max(u_t, 0))
+        new_s_max = tl.maximum(s_max, tl.max(u_s, 0))
+        e_t = tl.exp2((u_t - new_t_max) * to_base2)
+        e_s = tl.exp2((u_s - new_s_max) * to_base2)
+        t_rescale = tl.exp2((t_max - new_t_max) * to_base2)
+        s_rescale = tl.exp2((s_max - new_s_max) * to_base2)
         if CROSS == 1:
-            cross = _moved_to(t_max, cross, cross, new_t_max, False, True)[0] + tl.sum(
-                tl.where(mask, e_t * (y_t - y_s), 0.0), 0) * LN2
+            cross = cross * t_rescale + tl.sum(tl.where(mask, e_t * (u_t - u_s), 0.0), 0) * inv_temperature
         if CROSS == 2:
-            cross = _moved_to(s_max, cross, cross, new_s_max, False, True)[0] + tl.sum(
-                tl.where(mask, e_s * (y_s - y_t), 0.0), 0) * LN2
-        t_sum = _moved_to(t_max, t_sum, t_sum, new_t_max, False, True)[0] + tl.sum(e_t, 0)
-        s_sum = _moved_to(s_max, s_sum, s_sum, new_s_max, False, True)[0] + tl.sum(e_s, 0)
+            cross = cross * s_rescale + tl.sum(tl.where(mask, e_s * (u_s - u_t), 0.0), 0) * inv_temperature
+        t_sum = t_sum * t_rescale + tl.sum(e_t, 0)
+        s_sum = s_sum * s_rescale + tl.sum(e_s, 0)
         if HARD_OWN_LSE:
             new_h_max = tl.maximum(h_max, tl.max(u_s, 0))
             h_sum = _moved_to(h_max, h_sum, h_sum, new_h_max, False, False)[0] + tl.sum(tl.exp(u_s - new_h_max), 0)
             h_max = new_h_max
         t_max = new_t_max
         s_max = new_s_max
-    return t_max * LN2, t_sum, s_max * LN2, s_sum, cross, h_max, h_sum
+    return t_max, t_sum, s_max, s_sum, cross, h_max, h_sum
 
 
 @triton.jit
 def _log2_mixture(p, q, beta):
     """log2 m, m = beta p + (1 - beta) q, from the probabilities themselves (one log2 where the log-space form
-    takes an exp2 and a log2 more). Where both underflow to 0 it is -inf: callers keep out the columns whose p
-    (q) is 0, whose terms p (log p - log m) are 0."""
-    return tl.log2(beta * p + (1.0 - beta) * q)
+    takes an exp2 and a log2 more), m held at fp32's smallest normal: a p or q that is subnormal (beta p rounding
+    to 0) would otherwise meet log2 0 = -inf, and its term p (log p - log m), at most p (-log beta), is below
+    1e-36 either way. Callers keep out the columns whose p (q) is 0, whose terms are 0."""
+    return tl.log2(tl.maximum(beta * p + (1.0 - beta) * q, FP32_SMALLEST_NORMAL))
 
 
 @triton.jit
-def _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_lse, student_lse, beta,
-                   REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """JSD's second pass over one row: (sum p (log p - log m), sum q (log q - log m)) given both rows' lse over the
-    whole vocabulary; REVERSE walks the blocks from the last (the ones an earlier sweep read last, still in L2)."""
+def _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_max, teacher_log_sum, student_max,
+                   student_log_sum, beta, REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """JSD's second pass over one row: (sum p (log p - log m), sum q (log q - log m)) given both rows' normalisers
+    over the whole vocabulary (semantics.PairStats: raw max, log_sum); REVERSE walks the blocks from the last (the
+    ones an earlier sweep read last, still in L2)."""
     cols = tl.arange(0, BLOCK_V)
     to_base2 = inv_temperature * LOG2E
-    teacher_lse2 = teacher_lse * LOG2E
-    student_lse2 = student_lse * LOG2E
+    teacher_log_sum2 = teacher_log_sum * LOG2E
+    student_log_sum2 = student_log_sum * LOG2E
     n_blocks = tl.cdiv(V, BLOCK_V)
     teacher_kl = tl.zeros((), tl.float32)
     student_kl = tl.zeros((), tl.float32)
@@ -95,8 +99,10 @@ def _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_lse, st
             block = n_blocks - 1 - i
         start = block * BLOCK_V
         mask = start + cols < V
-        log2_p = tl.load(teacher_row + start + cols, mask=mask, other=0.0).to(tl.float32) * to_base2 - teacher_lse2
-        log2_q = tl.load(student_row + start + cols, mask=mask, other=0.0).to(tl.float32) * to_base2 - student_lse2
+        u_t = tl.load(teacher_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        u_s = tl.load(student_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        log2_p = (u_t - teacher_max) * to_base2 - teacher_log_sum2
+        log2_q = (u_s - student_max) * to_base2 - student_log_sum2
         p = tl.exp2(log2_p)
         q = tl.exp2(log2_q)
         log2_m = _log2_mixture(p, q, beta)
@@ -106,18 +112,20 @@ def _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_lse, st
 
 
 @triton.jit
-def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperature, teacher_lse, student_lse,
-                soft_scale, student_center, teacher_center, teacher_scale, hard_lse, hard_scale, beta,
+def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperature, teacher_max, teacher_log_sum,
+                student_max, student_log_sum, soft_scale, student_center, teacher_center, teacher_scale, hard_lse,
+                hard_scale, beta,
                 LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, TEACHER: tl.constexpr,
                 REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
     """Overwrite columns [first, stop) of one row's student logits with d loss / d u_s and, with TEACHER, its
     teacher logits with d loss / d u_t (semantics module docstring: soft_scale f_s plus the hard term's
     hard_scale (softmax(u_s) - onehot), teacher_scale f_t); both are formed before either is written. Logs and
-    differences in base 2 (y = t log2 e), times ln 2 where the formula takes natural ones."""
+    differences in base 2 (y = t log2 e), times ln 2 where the formula takes natural ones; log-probabilities from
+    the normalisers as semantics.PairStats keeps them ((u - max) / T - log_sum)."""
     cols = tl.arange(0, BLOCK_V)
     to_base2 = inv_temperature * LOG2E
-    teacher_lse2 = teacher_lse * LOG2E
-    student_lse2 = student_lse * LOG2E
+    teacher_log_sum2 = teacher_log_sum * LOG2E
+    student_log_sum2 = student_log_sum * LOG2E
     n_blocks = tl.cdiv(stop - first, BLOCK_V)
     for i in range(0, n_blocks):
         block = i
@@ -126,10 +134,11 @@ def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperatu
         start = first + block * BLOCK_V
         mask = start + cols < stop
         u_s = tl.load(student_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        y_t = tl.load(teacher_row + start + cols, mask=mask, other=0.0).to(tl.float32) * to_base2
+        u_t = tl.load(teacher_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        y_t = u_t * to_base2
         y_s = u_s * to_base2
-        log2_p = y_t - teacher_lse2
-        log2_q = y_s - student_lse2
+        log2_p = (u_t - teacher_max) * to_base2 - teacher_log_sum2
+        log2_q = (u_s - student_max) * to_base2 - student_log_sum2
         g_s = tl.zeros([BLOCK_V], dtype=tl.float32)
         g_t = tl.zeros([BLOCK_V], dtype=tl.float32)
         if SOFT:
@@ -212,17 +221,19 @@ def _pair_stats_kernel(
 
 @triton.jit
 def _mixture_sums_kernel(
-    teacher_ptr, stride_teacher, student_ptr, stride_student, teacher_lse_ptr, student_lse_ptr,
-    teacher_kl_ptr, student_kl_ptr,
+    teacher_ptr, stride_teacher, student_ptr, stride_student, teacher_max_ptr, teacher_log_sum_ptr,
+    student_max_ptr, student_log_sum_ptr, teacher_kl_ptr, student_kl_ptr,
     V, inv_temperature, beta,
     BLOCK_V: tl.constexpr,
 ):
-    """JSD's second pass, a separate kernel (vocabulary shards, whose lse are global only after an exchange):
-    this shard's sums of KL(P || M) and KL(Q || M) per row, given both rows' lse ([n] fp32 each)."""
+    """JSD's second pass, a separate kernel (vocabulary shards, whose statistics are global only after an
+    exchange): this shard's sums of KL(P || M) and KL(Q || M) per row, given both rows' normalisers (max and
+    log_sum, [n] fp32 each)."""
     row = tl.program_id(0).to(tl.int64)
     teacher_kl, student_kl = _mixture_sweep(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student,
-                                            V, inv_temperature, tl.load(teacher_lse_ptr + row),
-                                            tl.load(student_lse_ptr + row), beta, False, BLOCK_V)
+                                            V, inv_temperature, tl.load(teacher_max_ptr + row),
+                                            tl.load(teacher_log_sum_ptr + row), tl.load(student_max_ptr + row),
+                                            tl.load(student_log_sum_ptr + row), beta, False, BLOCK_V)
     tl.store(teacher_kl_ptr + row, teacher_kl)
     tl.store(student_kl_ptr + row, student_kl)
 
@@ -230,8 +241,8 @@ def _mixture_sums_kernel(
 @triton.jit
 def _pair_grad_kernel(
     teacher_ptr, stride_teacher, student_ptr, stride_student, target_ptr,
-    teacher_lse_ptr, student_lse_ptr, soft_scale_ptr, student_center_ptr, teacher_center_ptr, teacher_scale_ptr,
-    hard_lse_ptr, hard_scale_ptr,
+    teacher_max_ptr, teacher_log_sum_ptr, student_max_ptr, student_log_sum_ptr, soft_scale_ptr, student_center_ptr,
+    teacher_center_ptr, teacher_scale_ptr, hard_lse_ptr, hard_scale_ptr,
     V, vocab_offset, ignore_index, inv_temperature, beta,
     LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, TEACHER: tl.constexpr, SPAN: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -259,8 +270,9 @@ def _pair_grad_kernel(
         hard_scale = tl.load(hard_scale_ptr + row)
         target_col = _target_column(target_ptr, row, V, vocab_offset, ignore_index)
     _grad_sweep(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student, first,
-                tl.minimum(first + SPAN, V), target_col, inv_temperature, tl.load(teacher_lse_ptr + row),
-                tl.load(student_lse_ptr + row), tl.load(soft_scale_ptr + row), student_center, teacher_center,
+                tl.minimum(first + SPAN, V), target_col, inv_temperature, tl.load(teacher_max_ptr + row),
+                tl.load(teacher_log_sum_ptr + row), tl.load(student_max_ptr + row),
+                tl.load(student_log_sum_ptr + row), tl.load(soft_scale_ptr + row), student_center, teacher_center,
                 teacher_scale, hard_lse, hard_scale, beta, LOSS, SOFT, HARD, TEACHER, False, BLOCK_V)
 
 
@@ -304,13 +316,13 @@ def _pair_passes_kernel(
                 teacher_row, student_row, target_ptr, row, teacher_max_ptr, teacher_sum_ptr, student_max_ptr,
                 student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, V, 0, ignore_index,
                 inv_temperature, CROSS, HARD, HARD_OWN_LSE, BLOCK_V)
-        teacher_lse = t_max + tl.log(t_sum)
-        student_lse = s_max + tl.log(s_sum)
+        teacher_log_sum = tl.log(t_sum)
+        student_log_sum = tl.log(s_sum)
         teacher_kl = 0.0
         student_kl = 0.0
         if MIXTURE:
-            teacher_kl, student_kl = _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_lse,
-                                                    student_lse, beta, True, BLOCK_V)
+            teacher_kl, student_kl = _mixture_sweep(teacher_row, student_row, V, inv_temperature, t_max,
+                                                    teacher_log_sum, s_max, student_log_sum, beta, True, BLOCK_V)
             tl.store(teacher_kl_ptr + row, teacher_kl)
             tl.store(student_kl_ptr + row, student_kl)
         if WRITE_GRAD:
@@ -324,9 +336,9 @@ def _pair_passes_kernel(
             if LOSS == 2:
                 student_center = student_kl
                 teacher_center = teacher_kl
-            hard_lse = student_lse
+            hard_lse = s_max + student_log_sum  # temperature 1: the raw max is the softmax's
             if HARD_OWN_LSE:
                 hard_lse = h_max + tl.log(h_sum)
-            _grad_sweep(teacher_row, student_row, 0, V, target_col, inv_temperature, teacher_lse, student_lse,
-                        r * soft_factor, student_center, teacher_center, r * soft_factor, hard_lse, r * hard_factor,
-                        beta, LOSS, SOFT, HARD, TEACHER, GRAD_REVERSE, BLOCK_V)
+            _grad_sweep(teacher_row, student_row, 0, V, target_col, inv_temperature, t_max, teacher_log_sum, s_max,
+                        student_log_sum, r * soft_factor, student_center, teacher_center, r * soft_factor, hard_lse,
+                        r * hard_factor, beta, LOSS, SOFT, HARD, TEACHER, GRAD_REVERSE, BLOCK_V)

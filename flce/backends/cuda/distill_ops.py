@@ -70,7 +70,8 @@ def mixture_sums(teacher_logits: torch.Tensor, student_logits: torch.Tensor, sta
         block_v, num_warps = row_launch(vocab, launch)
         k._mixture_sums_kernel[(n,)](
             teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
-            _rows(stats.teacher_lse), _rows(stats.student_lse), teacher_kl, student_kl,
+            *(_rows(t) for t in (stats.teacher_max, stats.teacher_log_sum, stats.student_max, stats.student_log_sum)),
+            teacher_kl, student_kl,
             vocab, 1.0 / cfg.temperature, cfg.beta, BLOCK_V=block_v, num_warps=num_warps,
         )
     return teacher_kl, student_kl
@@ -93,13 +94,13 @@ def pair_grad_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, targe
     assert teacher_logits.stride(1) == 1 and student_logits.stride(1) == 1
     block_v, num_warps = row_launch(vocab, launch)
     span = block_v * GRAD_BLOCKS_PER_PROGRAM
-    lse = _rows(coeffs.teacher_lse)
-    present = [lse if t is None else _rows(t) for t in (coeffs.student_lse, coeffs.soft_scale, coeffs.student_center,
-                                                         coeffs.teacher_center, coeffs.teacher_scale, coeffs.hard_lse,
-                                                         coeffs.hard_scale)]
+    first = _rows(coeffs.teacher_max)
+    present = [first if t is None else _rows(t) for t in (
+        coeffs.teacher_log_sum, coeffs.student_max, coeffs.student_log_sum, coeffs.soft_scale, coeffs.student_center,
+        coeffs.teacher_center, coeffs.teacher_scale, coeffs.hard_lse, coeffs.hard_scale)]
     k._pair_grad_kernel[(n, triton.cdiv(vocab, span))](
         teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
-        target if cfg.hard else lse, lse, *present,
+        target if cfg.hard else first, first, *present,
         vocab, vocab_offset, cfg.ignore_index, 1.0 / cfg.temperature, cfg.beta,
         LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard, TEACHER=teacher, SPAN=span, BLOCK_V=block_v,
         num_warps=num_warps,

@@ -78,8 +78,9 @@ class ReferencePairKernels(ReferenceKernels):
         student_kl = torch.empty_like(teacher_kl)
         for rows in pair_row_blocks(student_logits):
             teacher_kl[rows], student_kl[rows] = tile_mixture_sums(
-                teacher_logits[rows].to(math), student_logits[rows].to(math), stats.teacher_lse[rows].to(math),
-                stats.student_lse[rows].to(math), cfg)
+                teacher_logits[rows].to(math), student_logits[rows].to(math),
+                (stats.teacher_max[rows].to(math), stats.teacher_log_sum[rows].to(math)),
+                (stats.student_max[rows].to(math), stats.student_log_sum[rows].to(math)), cfg)
         return teacher_kl, student_kl
 
     def pair_grad_(self, teacher_logits, student_logits, target, cfg: DistillationConfig, vocab_offset: int,
