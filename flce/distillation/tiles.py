@@ -21,12 +21,12 @@ def tile_statistics(teacher_u: torch.Tensor, student_u: torch.Tensor, target_col
                     cfg: DistillationConfig) -> PartialPairStats:
     """The tile's partial statistics (semantics module docstring), sums relative to the tile's maxima."""
     inv_t = 1.0 / cfg.temperature
-    t, s = teacher_u * inv_t, student_u * inv_t
     teacher_max, student_max = teacher_u.amax(dim=1), student_u.amax(dim=1)
     teacher_exp = torch.exp((teacher_u - teacher_max.unsqueeze(1)) * inv_t)
     student_exp = torch.exp((student_u - student_max.unsqueeze(1)) * inv_t)
     stats = PartialPairStats(teacher_max, teacher_exp.sum(1), student_max, student_exp.sum(1))
     if needs_cross(cfg):
+        t, s = teacher_u * inv_t, student_u * inv_t
         if cfg.loss == "forward_kl":
             stats.cross = (teacher_exp * (t - s)).sum(1)
         else:

@@ -120,12 +120,12 @@ def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tar
     if known is not None and (known.cross is not None or known.hard_max is not None):
         raise ValueError("pair_passes_: known statistics with a cross sum or the hard term's own softmax: the "
                          "kernel takes those from its own first sweep")
-    partial = PartialPairStats.allocate(n, cfg, device) if known is None else known
     jsd = _jsd(cfg)
-    teacher_kl, student_kl = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(2))
     write = scale is not None
     if known is not None and not (jsd or write):  # the GEMMs made all there is
         return PairStats.from_partial(known, cfg), None, None
+    partial = PartialPairStats.allocate(n, cfg, device) if known is None else known
+    teacher_kl, student_kl = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(2))
     if n:
         assert teacher_logits.stride(1) == 1 and student_logits.stride(1) == 1  # gradients written in place
         block_v, num_warps = row_launch(vocab, launch)

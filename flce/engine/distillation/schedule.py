@@ -98,20 +98,30 @@ class _PairLogits:
         student = gemm_logits(p.student_hidden[rows], p.student_weight, p.student_bias, self.student.view(n, v))
         return teacher, student
 
-    def with_stats(self, call: DistillCall, rows: slice,
+
+class _PairLogitsWithStats(_PairLogits):
+    """The same buffers, written by GEMMs whose epilogue also makes each head's softmax statistics (a plan with
+    stats_in_gemm): the call's per-head options and, without targets, the one the GEMMs look for, made once."""
+
+    def __init__(self, call: DistillCall, pair, rows: int):
+        super().__init__(pair, rows)
+        self.call, self.head_cfg = call, head_config(call.cfg)
+        # The GEMMs look for a target: without one, a column they never find (its target_z is not used).
+        self.no_target = None if pair.target is not None else torch.full(
+            (rows,), call.cfg.ignore_index, dtype=torch.long, device=pair.student_hidden.device)
+
+    def with_stats(self, rows: slice,
                    target: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, PartialPairStats]:
-        """The chunk's logits and this shard's statistics of both softmaxes, each head's from its GEMM's epilogue
-        (a plan with stats_in_gemm)."""
-        p, n, v, cfg = self.pair, rows.stop - rows.start, self.vocab, call.cfg
-        head_cfg = head_config(cfg)
-        if target is None:  # the GEMMs look for a target: one they never find (its target_z is not used)
-            target = torch.full((n,), cfg.ignore_index, dtype=torch.long, device=p.student_hidden.device)
+        """The chunk's logits and this shard's statistics of both softmaxes, each head's from its GEMM's epilogue."""
+        p, n, v, call = self.pair, rows.stop - rows.start, self.vocab, self.call
+        if target is None:
+            target = self.no_target[:n]
         teacher, student = self.teacher.view(n, v), self.student.view(n, v)
         teacher_stats = call.kernels.gemm_row_stats(p.teacher_hidden[rows], p.teacher_weight, p.teacher_bias, target,
-                                                    head_cfg, call.vocab_offset, logits_out=teacher)
+                                                    self.head_cfg, call.vocab_offset, logits_out=teacher)
         student_stats = call.kernels.gemm_row_stats(p.student_hidden[rows], p.student_weight, p.student_bias, target,
-                                                    head_cfg, call.vocab_offset, logits_out=student)
-        return teacher, student, pair_stats_of_heads(teacher_stats, student_stats, cfg)
+                                                    self.head_cfg, call.vocab_offset, logits_out=student)
+        return teacher, student, pair_stats_of_heads(teacher_stats, student_stats, call.cfg)
 
 
 class _Accumulators:
@@ -148,14 +158,16 @@ def forward(call: DistillCall, pair, grads_in_forward: PairGradTargets | None, k
     if acc is not None:
         one = torch.ones((), dtype=dtype, device=pair.student_hidden.device)
         scale = row_scales(one, counts.count, valid, n_rows, cfg)
-    logits = _PairLogits(pair, min(call.plan.tokens_per_chunk, n_rows))
+    rows_per_chunk = min(call.plan.tokens_per_chunk, n_rows)
+    logits = (_PairLogitsWithStats(call, pair, rows_per_chunk) if call.plan.stats_in_gemm
+              else _PairLogits(pair, rows_per_chunk))
     losses, kept = [], []
     fused = call.plan.fused_passes and call.sharding is None
     for rows in chunk_bounds(n_rows, call.plan.tokens_per_chunk):
         rows_target = None if target is None else target[rows]
         partial = None
         if call.plan.stats_in_gemm:
-            teacher_logits, student_logits, partial = logits.with_stats(call, rows, rows_target)
+            teacher_logits, student_logits, partial = logits.with_stats(rows, rows_target)
         else:
             teacher_logits, student_logits = logits.of(rows)
         teacher = acc is not None and acc.teacher is not None
