@@ -14,7 +14,8 @@ gradients are written over the logits they come from. Shared arguments:
 and constexpr flags: ``CROSS`` 1 forward KL's sum exp(t - max t) (t - s), 2 reverse KL's sum exp(s - max s)
 (s - t), 0 none; ``LOSS`` 0 forward KL, 1 reverse KL, 2 JSD; ``SOFT`` the divergence is part of the loss;
 ``HARD`` the hard-label cross-entropy is (its own max and sum of exp(u_s) where ``HARD_OWN_LSE``, T != 1);
-``TEACHER`` the teacher's logits take a gradient too.
+``TEACHER`` the teacher's logits take a gradient too; ``PTX`` the column exponentials and logarithms are one
+MUFU instruction each (ptx_math: an NVIDIA GPU, not the interpreter).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flce.backends.cuda import ptx_math
 from flce.backends.online_softmax import LN2, LOG2E, _moved_to
 
 FP32_SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)
@@ -29,7 +31,7 @@ FP32_SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)
 
 @triton.jit
 def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constexpr, HARD_OWN_LSE: tl.constexpr,
-                 BLOCK_V: tl.constexpr):
+                 PTX: tl.constexpr, BLOCK_V: tl.constexpr):
     """One row's partial statistics over columns [0, V) (semantics.PartialPairStats): (max u_t, sum exp((u_t -
     max u_t) / T), max u_s, sum exp((u_s - max u_s) / T), the CROSS sum relative to its own softmax's max, max u_s,
     sum exp(u_s - max u_s)), every running sum moved to its running max as that grows. The maxima are the raw
@@ -52,8 +54,8 @@ def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constex
         u_t = tl.load(teacher_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
         new_t_max = tl.maximum(t_max, tl.max(u_t, 0))
         new_s_max = tl.maximum(s_max, tl.max(u_s, 0))
-        e_t = tl.exp2((u_t - new_t_max) * to_base2)
-        e_s = tl.exp2((u_s - new_s_max) * to_base2)
+        e_t = ptx_math.exp2((u_t - new_t_max) * to_base2, PTX)
+        e_s = ptx_math.exp2((u_s - new_s_max) * to_base2, PTX)
         t_rescale = tl.exp2((t_max - new_t_max) * to_base2)
         s_rescale = tl.exp2((s_max - new_s_max) * to_base2)
         if CROSS == 1:
@@ -64,7 +66,8 @@ def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constex
         s_sum = s_sum * s_rescale + tl.sum(e_s, 0)
         if HARD_OWN_LSE:
             new_h_max = tl.maximum(h_max, tl.max(u_s, 0))
-            h_sum = _moved_to(h_max, h_sum, h_sum, new_h_max, False, False)[0] + tl.sum(tl.exp(u_s - new_h_max), 0)
+            h_terms = ptx_math.exp2((u_s - new_h_max) * LOG2E, PTX)
+            h_sum = _moved_to(h_max, h_sum, h_sum, new_h_max, False, False)[0] + tl.sum(h_terms, 0)
             h_max = new_h_max
         t_max = new_t_max
         s_max = new_s_max
@@ -72,17 +75,17 @@ def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constex
 
 
 @triton.jit
-def _log2_mixture(p, q, beta):
+def _log2_mixture(p, q, beta, PTX: tl.constexpr):
     """log2 m, m = beta p + (1 - beta) q, from the probabilities themselves (one log2 where the log-space form
     takes an exp2 and a log2 more), m held at fp32's smallest normal: a p or q that is subnormal (beta p rounding
     to 0) would otherwise meet log2 0 = -inf, and its term p (log p - log m), at most p (-log beta), is below
     1e-36 either way. Callers keep out the columns whose p (q) is 0, whose terms are 0."""
-    return tl.log2(tl.maximum(beta * p + (1.0 - beta) * q, FP32_SMALLEST_NORMAL))
+    return ptx_math.log2(tl.maximum(beta * p + (1.0 - beta) * q, FP32_SMALLEST_NORMAL), PTX)
 
 
 @triton.jit
 def _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_max, teacher_log_sum, student_max,
-                   student_log_sum, beta, REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
+                   student_log_sum, beta, REVERSE: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr):
     """JSD's second pass over one row: (sum p (log p - log m), sum q (log q - log m)) given both rows' normalisers
     over the whole vocabulary (semantics.PairStats: raw max, log_sum); REVERSE walks the blocks from the last (the
     ones an earlier sweep read last, still in L2)."""
@@ -103,9 +106,9 @@ def _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_max, te
         u_s = tl.load(student_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         log2_p = (u_t - teacher_max) * to_base2 - teacher_log_sum2
         log2_q = (u_s - student_max) * to_base2 - student_log_sum2
-        p = tl.exp2(log2_p)
-        q = tl.exp2(log2_q)
-        log2_m = _log2_mixture(p, q, beta)
+        p = ptx_math.exp2(log2_p, PTX)
+        q = ptx_math.exp2(log2_q, PTX)
+        log2_m = _log2_mixture(p, q, beta, PTX)
         teacher_kl += tl.sum(tl.where(mask & (p > 0.0), p * (log2_p - log2_m), 0.0), 0)
         student_kl += tl.sum(tl.where(mask & (q > 0.0), q * (log2_q - log2_m), 0.0), 0)
     return teacher_kl * LN2, student_kl * LN2
@@ -116,7 +119,7 @@ def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperatu
                 student_max, student_log_sum, soft_scale, student_center, teacher_center, teacher_scale, hard_lse,
                 hard_scale, beta,
                 LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, TEACHER: tl.constexpr,
-                REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
+                REVERSE: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr):
     """Overwrite columns [first, stop) of one row's student logits with d loss / d u_s and, with TEACHER, its
     teacher logits with d loss / d u_t (semantics module docstring: soft_scale f_s plus the hard term's
     hard_scale (softmax(u_s) - onehot), teacher_scale f_t); both are formed before either is written. Logs and
@@ -142,8 +145,8 @@ def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperatu
         g_s = tl.zeros([BLOCK_V], dtype=tl.float32)
         g_t = tl.zeros([BLOCK_V], dtype=tl.float32)
         if SOFT:
-            p = tl.exp2(log2_p)
-            q = tl.exp2(log2_q)
+            p = ptx_math.exp2(log2_p, PTX)
+            q = ptx_math.exp2(log2_q, PTX)
             if LOSS == 0:
                 g_s = q - p
                 if TEACHER:
@@ -153,13 +156,13 @@ def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperatu
                 if TEACHER:
                     g_t = p - q
             if LOSS == 2:
-                log2_m = _log2_mixture(p, q, beta)
+                log2_m = _log2_mixture(p, q, beta, PTX)
                 g_s = tl.where(q > 0.0, (1.0 - beta) * q * ((log2_q - log2_m) * LN2 - student_center), 0.0)
                 if TEACHER:
                     g_t = tl.where(p > 0.0, beta * p * ((log2_p - log2_m) * LN2 - teacher_center), 0.0)
             g_s = g_s * soft_scale
         if HARD:
-            hard_p = tl.exp(u_s - hard_lse)
+            hard_p = ptx_math.exp2((u_s - hard_lse) * LOG2E, PTX)
             g_s += hard_scale * tl.where(start + cols == target_col, hard_p - 1.0, hard_p)
         tl.store(student_row + start + cols, g_s.to(student_row.dtype.element_ty), mask=mask)
         if TEACHER:
@@ -179,11 +182,11 @@ def _target_column(target_ptr, row, V, vocab_offset, ignore_index):
 def _row_statistics(teacher_row, student_row, target_ptr, row, teacher_max_ptr, teacher_sum_ptr, student_max_ptr,
                     student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, V, vocab_offset,
                     ignore_index, inv_temperature, CROSS: tl.constexpr, HARD: tl.constexpr,
-                    HARD_OWN_LSE: tl.constexpr, BLOCK_V: tl.constexpr):
+                    HARD_OWN_LSE: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr):
     """One row's statistics sweep with its outputs stored (_pair_stats_kernel's docstring); returns them and the
     row's target column (-1: none here) for a kernel that goes on with the row."""
     t_max, t_sum, s_max, s_sum, cross, h_max, h_sum = _stats_sweep(teacher_row, student_row, V, inv_temperature,
-                                                                   CROSS, HARD_OWN_LSE, BLOCK_V)
+                                                                   CROSS, HARD_OWN_LSE, PTX, BLOCK_V)
     tl.store(teacher_max_ptr + row, t_max)
     tl.store(teacher_sum_ptr + row, t_sum)
     tl.store(student_max_ptr + row, s_max)
@@ -207,7 +210,7 @@ def _pair_stats_kernel(
     teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr,
     target_logit_ptr,
     V, vocab_offset, ignore_index, inv_temperature,
-    CROSS: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, BLOCK_V: tl.constexpr,
+    CROSS: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Both softmaxes' partial statistics of each row in one pass (semantics.PartialPairStats; [n] fp32 outputs,
     cross_ptr read where CROSS, hard_* where HARD_OWN_LSE, target_logit_ptr where HARD: u_s at the target, 0 off
@@ -216,7 +219,7 @@ def _pair_stats_kernel(
     _row_statistics(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student, target_ptr, row,
                     teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr,
                     hard_sum_ptr, target_logit_ptr, V, vocab_offset, ignore_index, inv_temperature, CROSS, HARD,
-                    HARD_OWN_LSE, BLOCK_V)
+                    HARD_OWN_LSE, PTX, BLOCK_V)
 
 
 @triton.jit
@@ -224,7 +227,7 @@ def _mixture_sums_kernel(
     teacher_ptr, stride_teacher, student_ptr, stride_student, teacher_max_ptr, teacher_log_sum_ptr,
     student_max_ptr, student_log_sum_ptr, teacher_kl_ptr, student_kl_ptr,
     V, inv_temperature, beta,
-    BLOCK_V: tl.constexpr,
+    PTX: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """JSD's second pass, a separate kernel (vocabulary shards, whose statistics are global only after an
     exchange): this shard's sums of KL(P || M) and KL(Q || M) per row, given both rows' normalisers (max and
@@ -233,7 +236,7 @@ def _mixture_sums_kernel(
     teacher_kl, student_kl = _mixture_sweep(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student,
                                             V, inv_temperature, tl.load(teacher_max_ptr + row),
                                             tl.load(teacher_log_sum_ptr + row), tl.load(student_max_ptr + row),
-                                            tl.load(student_log_sum_ptr + row), beta, False, BLOCK_V)
+                                            tl.load(student_log_sum_ptr + row), beta, False, PTX, BLOCK_V)
     tl.store(teacher_kl_ptr + row, teacher_kl)
     tl.store(student_kl_ptr + row, student_kl)
 
@@ -245,7 +248,7 @@ def _pair_grad_kernel(
     teacher_center_ptr, teacher_scale_ptr, hard_lse_ptr, hard_scale_ptr,
     V, vocab_offset, ignore_index, inv_temperature, beta,
     LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, TEACHER: tl.constexpr, SPAN: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    PTX: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The gradients over the logits from per-row coefficients (semantics.PairCoefficients, [n] fp32 each; a
     centre read where its loss has one, the teacher's where TEACHER, the hard term's where HARD). Program
@@ -273,7 +276,7 @@ def _pair_grad_kernel(
                 tl.minimum(first + SPAN, V), target_col, inv_temperature, tl.load(teacher_max_ptr + row),
                 tl.load(teacher_log_sum_ptr + row), tl.load(student_max_ptr + row),
                 tl.load(student_log_sum_ptr + row), tl.load(soft_scale_ptr + row), student_center, teacher_center,
-                teacher_scale, hard_lse, hard_scale, beta, LOSS, SOFT, HARD, TEACHER, False, BLOCK_V)
+                teacher_scale, hard_lse, hard_scale, beta, LOSS, SOFT, HARD, TEACHER, False, PTX, BLOCK_V)
 
 
 @triton.jit
@@ -284,7 +287,7 @@ def _pair_passes_kernel(
     n_rows, V, ignore_index, inv_temperature, soft_factor, hard_factor, beta,
     CROSS: tl.constexpr, LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr,
     MIXTURE: tl.constexpr, WRITE_GRAD: tl.constexpr, TEACHER: tl.constexpr, GRAD_REVERSE: tl.constexpr,
-    KNOWN_STATS: tl.constexpr, BLOCK_V: tl.constexpr,
+    KNOWN_STATS: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Every pass of an unsharded chunk in one kernel, a row's sweeps back to back: its statistics (outputs as
     _pair_stats_kernel's), with MIXTURE JSD's sums KL(P || M), KL(Q || M) (teacher_kl_ptr, student_kl_ptr), and
@@ -315,14 +318,15 @@ def _pair_passes_kernel(
             t_max, t_sum, s_max, s_sum, cross, h_max, h_sum, target_col = _row_statistics(
                 teacher_row, student_row, target_ptr, row, teacher_max_ptr, teacher_sum_ptr, student_max_ptr,
                 student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, V, 0, ignore_index,
-                inv_temperature, CROSS, HARD, HARD_OWN_LSE, BLOCK_V)
+                inv_temperature, CROSS, HARD, HARD_OWN_LSE, PTX, BLOCK_V)
         teacher_log_sum = tl.log(t_sum)
         student_log_sum = tl.log(s_sum)
         teacher_kl = 0.0
         student_kl = 0.0
         if MIXTURE:
             teacher_kl, student_kl = _mixture_sweep(teacher_row, student_row, V, inv_temperature, t_max,
-                                                    teacher_log_sum, s_max, student_log_sum, beta, True, BLOCK_V)
+                                                    teacher_log_sum, s_max, student_log_sum, beta, True, PTX,
+                                                    BLOCK_V)
             tl.store(teacher_kl_ptr + row, teacher_kl)
             tl.store(student_kl_ptr + row, student_kl)
         if WRITE_GRAD:
@@ -341,4 +345,4 @@ def _pair_passes_kernel(
                 hard_lse = h_max + tl.log(h_sum)
             _grad_sweep(teacher_row, student_row, 0, V, target_col, inv_temperature, t_max, teacher_log_sum, s_max,
                         student_log_sum, r * soft_factor, student_center, teacher_center, r * soft_factor, hard_lse,
-                        r * hard_factor, beta, LOSS, SOFT, HARD, TEACHER, GRAD_REVERSE, BLOCK_V)
+                        r * hard_factor, beta, LOSS, SOFT, HARD, TEACHER, GRAD_REVERSE, PTX, BLOCK_V)
