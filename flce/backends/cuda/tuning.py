@@ -45,8 +45,8 @@ def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
 
 def _distillation_candidates(shape: TuneShape, quick: bool) -> list[dict]:
     """Chunk rows x the pair row kernels' blocks x forward's passes in one kernel (all rows in flight, or one, two or
-    four a multiprocessor: fewer rows in flight keep more of a row in L2 between its sweeps) or one kernel each (and the chunk logits by cuBLAS once), x the gradient products' families
-    that fit."""
+    four a multiprocessor: fewer rows in flight keep more of a row in L2 between its sweeps) or one kernel each (and
+    the chunk logits by cuBLAS once), x the gradient products' families that fit."""
     device, products = _device_and_products(shape)
     sms = device.multiprocessors
     launches = [(4096, 8)] if quick else [(4096, 8), (4096, 16), (2048, 8)]
