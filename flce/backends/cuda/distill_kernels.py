@@ -14,8 +14,8 @@ gradients are written over the logits they come from. Shared arguments:
 and constexpr flags: ``CROSS`` 1 forward KL's sum exp(t - max t) (t - s), 2 reverse KL's sum exp(s - max s)
 (s - t), 0 none; ``LOSS`` 0 forward KL, 1 reverse KL, 2 JSD; ``SOFT`` the divergence is part of the loss;
 ``HARD`` the hard-label cross-entropy is (its own max and sum of exp(u_s) where ``HARD_OWN_LSE``, T != 1);
-``TEACHER`` the teacher's logits take a gradient too; ``PTX`` the column exponentials and logarithms are one
-MUFU instruction each (ptx_math: an NVIDIA GPU, not the interpreter).
+``TEACHER`` the teacher's logits take a gradient too; ``PTX`` the mixture's logarithm is one MUFU instruction
+(ptx_math: an NVIDIA GPU, not the interpreter).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ FP32_SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)
 
 @triton.jit
 def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constexpr, HARD_OWN_LSE: tl.constexpr,
-                 PTX: tl.constexpr, BLOCK_V: tl.constexpr):
+                 BLOCK_V: tl.constexpr):
     """One row's partial statistics over columns [0, V) (semantics.PartialPairStats): (max u_t, sum exp((u_t -
     max u_t) / T), max u_s, sum exp((u_s - max u_s) / T), the CROSS sum relative to its own softmax's max, max u_s,
     sum exp(u_s - max u_s)), every running sum moved to its running max as that grows. The maxima are the raw
@@ -54,8 +54,8 @@ def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constex
         u_t = tl.load(teacher_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
         new_t_max = tl.maximum(t_max, tl.max(u_t, 0))
         new_s_max = tl.maximum(s_max, tl.max(u_s, 0))
-        e_t = ptx_math.exp2((u_t - new_t_max) * to_base2, PTX)
-        e_s = ptx_math.exp2((u_s - new_s_max) * to_base2, PTX)
+        e_t = tl.exp2((u_t - new_t_max) * to_base2)
+        e_s = tl.exp2((u_s - new_s_max) * to_base2)
         t_rescale = tl.exp2((t_max - new_t_max) * to_base2)
         s_rescale = tl.exp2((s_max - new_s_max) * to_base2)
         if CROSS == 1:
@@ -66,8 +66,7 @@ def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constex
         s_sum = s_sum * s_rescale + tl.sum(e_s, 0)
         if HARD_OWN_LSE:
             new_h_max = tl.maximum(h_max, tl.max(u_s, 0))
-            h_terms = ptx_math.exp2((u_s - new_h_max) * LOG2E, PTX)
-            h_sum = _moved_to(h_max, h_sum, h_sum, new_h_max, False, False)[0] + tl.sum(h_terms, 0)
+            h_sum = _moved_to(h_max, h_sum, h_sum, new_h_max, False, False)[0] + tl.sum(tl.exp(u_s - new_h_max), 0)
             h_max = new_h_max
         t_max = new_t_max
         s_max = new_s_max
@@ -106,8 +105,8 @@ def _mixture_sweep(teacher_row, student_row, V, inv_temperature, teacher_max, te
         u_s = tl.load(student_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         log2_p = (u_t - teacher_max) * to_base2 - teacher_log_sum2
         log2_q = (u_s - student_max) * to_base2 - student_log_sum2
-        p = ptx_math.exp2(log2_p, PTX)
-        q = ptx_math.exp2(log2_q, PTX)
+        p = tl.exp2(log2_p)
+        q = tl.exp2(log2_q)
         log2_m = _log2_mixture(p, q, beta, PTX)
         teacher_kl += tl.sum(tl.where(mask & (p > 0.0), p * (log2_p - log2_m), 0.0), 0)
         student_kl += tl.sum(tl.where(mask & (q > 0.0), q * (log2_q - log2_m), 0.0), 0)
@@ -145,8 +144,8 @@ def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperatu
         g_s = tl.zeros([BLOCK_V], dtype=tl.float32)
         g_t = tl.zeros([BLOCK_V], dtype=tl.float32)
         if SOFT:
-            p = ptx_math.exp2(log2_p, PTX)
-            q = ptx_math.exp2(log2_q, PTX)
+            p = tl.exp2(log2_p)
+            q = tl.exp2(log2_q)
             if LOSS == 0:
                 g_s = q - p
                 if TEACHER:
@@ -162,7 +161,7 @@ def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperatu
                     g_t = tl.where(p > 0.0, beta * p * ((log2_p - log2_m) * LN2 - teacher_center), 0.0)
             g_s = g_s * soft_scale
         if HARD:
-            hard_p = ptx_math.exp2((u_s - hard_lse) * LOG2E, PTX)
+            hard_p = tl.exp(u_s - hard_lse)
             g_s += hard_scale * tl.where(start + cols == target_col, hard_p - 1.0, hard_p)
         tl.store(student_row + start + cols, g_s.to(student_row.dtype.element_ty), mask=mask)
         if TEACHER:
@@ -182,11 +181,11 @@ def _target_column(target_ptr, row, V, vocab_offset, ignore_index):
 def _row_statistics(teacher_row, student_row, target_ptr, row, teacher_max_ptr, teacher_sum_ptr, student_max_ptr,
                     student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, V, vocab_offset,
                     ignore_index, inv_temperature, CROSS: tl.constexpr, HARD: tl.constexpr,
-                    HARD_OWN_LSE: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr):
+                    HARD_OWN_LSE: tl.constexpr, BLOCK_V: tl.constexpr):
     """One row's statistics sweep with its outputs stored (_pair_stats_kernel's docstring); returns them and the
     row's target column (-1: none here) for a kernel that goes on with the row."""
     t_max, t_sum, s_max, s_sum, cross, h_max, h_sum = _stats_sweep(teacher_row, student_row, V, inv_temperature,
-                                                                   CROSS, HARD_OWN_LSE, PTX, BLOCK_V)
+                                                                   CROSS, HARD_OWN_LSE, BLOCK_V)
     tl.store(teacher_max_ptr + row, t_max)
     tl.store(teacher_sum_ptr + row, t_sum)
     tl.store(student_max_ptr + row, s_max)
@@ -210,7 +209,7 @@ def _pair_stats_kernel(
     teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr,
     target_logit_ptr,
     V, vocab_offset, ignore_index, inv_temperature,
-    CROSS: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr,
+    CROSS: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Both softmaxes' partial statistics of each row in one pass (semantics.PartialPairStats; [n] fp32 outputs,
     cross_ptr read where CROSS, hard_* where HARD_OWN_LSE, target_logit_ptr where HARD: u_s at the target, 0 off
@@ -219,7 +218,7 @@ def _pair_stats_kernel(
     _row_statistics(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student, target_ptr, row,
                     teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr,
                     hard_sum_ptr, target_logit_ptr, V, vocab_offset, ignore_index, inv_temperature, CROSS, HARD,
-                    HARD_OWN_LSE, PTX, BLOCK_V)
+                    HARD_OWN_LSE, BLOCK_V)
 
 
 @triton.jit
@@ -318,7 +317,7 @@ def _pair_passes_kernel(
             t_max, t_sum, s_max, s_sum, cross, h_max, h_sum, target_col = _row_statistics(
                 teacher_row, student_row, target_ptr, row, teacher_max_ptr, teacher_sum_ptr, student_max_ptr,
                 student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, V, 0, ignore_index,
-                inv_temperature, CROSS, HARD, HARD_OWN_LSE, PTX, BLOCK_V)
+                inv_temperature, CROSS, HARD, HARD_OWN_LSE, BLOCK_V)
         teacher_log_sum = tl.log(t_sum)
         student_log_sum = tl.log(s_sum)
         teacher_kl = 0.0

@@ -55,7 +55,7 @@ def pair_stats(teacher_logits: torch.Tensor, student_logits: torch.Tensor, targe
         *(unused if t is None else t for t in (stats.cross, stats.hard_max, stats.hard_sum, stats.target_logit)),
         vocab, vocab_offset, cfg.ignore_index, 1.0 / cfg.temperature,
         CROSS=_CROSS[cfg.loss] if needs_cross(cfg) else 0, HARD=cfg.hard, HARD_OWN_LSE=cfg.hard_needs_own_lse,
-        PTX=ptx_math(student_logits), BLOCK_V=block_v, num_warps=num_warps,
+        BLOCK_V=block_v, num_warps=num_warps,
     )
     return stats
 
