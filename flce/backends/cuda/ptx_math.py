@@ -4,9 +4,10 @@ Triton lowers an fp32 tl.exp2 to PTX's ex2.approx.ftz.f32, one MUFU instruction,
 __nv_log2f, a software logarithm of about 35 instructions. A row sweep that forms a logarithm a column from two
 16-bit loads is then bound by instruction issue, not memory: linear distillation's JSD sweeps over a 1024 x 128256
 chunk pair took 0.547 ms on an H200 (81% of issue slots busy, 37% of DRAM bandwidth) and 0.35 ms with
-lg2.approx.ftz.f32, about what the same bytes take through three elementwise passes (0.38 ms). Its error is 2^-22
-relative (2^-22.6 absolute in [0.5, 2]), below fp32 sums' rounding; it reads a subnormal argument as 0, which the
-callers rule out (the mixture is held at fp32's smallest normal).
+lg2.approx.ftz.f32, about what the same bytes take through three elementwise passes (0.38 ms). Its error (the PTX
+ISA bounds it near 2^-22) is below what the fp32 sums round to, and tests/test_distillation_precision.py holds on the
+GPU with it; it reads a subnormal argument as 0, which the callers rule out (the mixture is held at fp32's smallest
+normal).
 
 The Triton interpreter runs no PTX: a kernel takes this form only where PTX is true (``ptx_math``)."""
 
