@@ -13,14 +13,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from flce.backends.cuda.ptx_math import ptx_math
+from flce.backends.cuda.ptx_math import compiles_to_ptx
 
 
 def test_interpreter_tensors_keep_tritons_forms() -> None:
     """The interpreter runs kernels on CPU tensors and cannot run PTX; a meta tensor is what
     tools/compat/compile_for_gpus.py compiles a GPU's kernels for, so it takes the GPU's forms."""
-    assert not ptx_math(torch.empty(2))
-    assert ptx_math(torch.empty(2, device="meta")) == (torch.version.hip is None)
+    assert not compiles_to_ptx(torch.empty(2))
+    assert compiles_to_ptx(torch.empty(2, device="meta")) == (torch.version.hip is None)
 
 
 _COMPILE_MIXTURE_SUMS = """

@@ -14,7 +14,7 @@ from flce.backends.cuda import distill_kernels as k
 from flce.backends.cuda.configs import LaunchParams
 from flce.backends.cuda.families import KernelChoice
 from flce.backends.cuda.ops import TritonChunkKernels
-from flce.backends.cuda.ptx_math import ptx_math
+from flce.backends.cuda.ptx_math import compiles_to_ptx
 from flce.backends.cuda.row_ops import GRAD_BLOCKS_PER_PROGRAM, row_launch
 from flce.distillation.config import DistillationConfig
 from flce.distillation.semantics import (
@@ -73,7 +73,7 @@ def mixture_sums(teacher_logits: torch.Tensor, student_logits: torch.Tensor, sta
             teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
             *(_rows(t) for t in (stats.teacher_max, stats.teacher_log_sum, stats.student_max, stats.student_log_sum)),
             teacher_kl, student_kl,
-            vocab, 1.0 / cfg.temperature, cfg.beta, PTX=ptx_math(student_logits), BLOCK_V=block_v,
+            vocab, 1.0 / cfg.temperature, cfg.beta, PTX=compiles_to_ptx(student_logits), BLOCK_V=block_v,
             num_warps=num_warps,
         )
     return teacher_kl, student_kl
@@ -105,7 +105,7 @@ def pair_grad_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, targe
         target if cfg.hard else first, first, *present,
         vocab, vocab_offset, cfg.ignore_index, 1.0 / cfg.temperature, cfg.beta,
         LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard, TEACHER=teacher, SPAN=span,
-        PTX=ptx_math(student_logits), BLOCK_V=block_v, num_warps=num_warps,
+        PTX=compiles_to_ptx(student_logits), BLOCK_V=block_v, num_warps=num_warps,
     )
     return student_logits, teacher_logits if teacher else None
 
@@ -145,7 +145,7 @@ def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tar
             CROSS=_CROSS[cfg.loss] if needs_cross(cfg) else 0, LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard,
             HARD_OWN_LSE=cfg.hard_needs_own_lse, MIXTURE=jsd, WRITE_GRAD=write, TEACHER=write and teacher,
             GRAD_REVERSE=not jsd and known is None, KNOWN_STATS=known is not None,
-            PTX=ptx_math(student_logits), BLOCK_V=block_v, num_warps=num_warps,
+            PTX=compiles_to_ptx(student_logits), BLOCK_V=block_v, num_warps=num_warps,
         )
     stats = PairStats.from_partial(partial, cfg)
     if jsd:

@@ -9,7 +9,7 @@ ISA bounds it near 2^-22) is below what the fp32 sums round to, and tests/test_d
 GPU with it; it reads a subnormal argument as 0, which the callers rule out (the mixture is held at fp32's smallest
 normal).
 
-The Triton interpreter runs no PTX: a kernel takes this form only where PTX is true (``ptx_math``)."""
+The Triton interpreter runs no PTX: a kernel takes this form only where PTX is true (``compiles_to_ptx``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 
-def ptx_math(t: torch.Tensor) -> bool:
+def compiles_to_ptx(t: torch.Tensor) -> bool:
     """Whether kernels over ``t`` compile to PTX, not run in the interpreter: a GPU's tensor, or a meta tensor that
     tools/compat/compile_for_gpus.py compiles a GPU's kernels for (the interpreter runs on CPU tensors)."""
     return t.device.type != "cpu" and torch.version.hip is None
