@@ -322,6 +322,24 @@ def test_vocabulary_shard_plans_one_kernel_a_pass(gpu: str) -> None:
     assert ("flce.backends.cuda.distill_kernels._pair_stats_kernel" in names) == (gpu == A100)
 
 
+@pytest.mark.parametrize(("knobs", "registers"), [(None, 64), ({"pair_registers": 96}, 96),
+                                                   ({"pair_registers": 1000}, 64), ({"pair_registers": 8}, 64)])
+def test_pair_passes_register_cap(knobs: dict | None, registers: int) -> None:
+    """The one-kernel passes run with at most PAIR_REGISTERS registers a thread, or the cache's pair_registers
+    where the compiler can take it (a value out of range falls back); the record says which, and the tuner
+    measures the kernel without the cap too."""
+    from flce.autotune.spaces import DISTILLATION, TuneShape, tuning_space
+    from flce.backends.cuda.plan import PAIR_REGISTERS, PAIR_REGISTERS_RANGE
+
+    with override_params(knobs, backend="cuda"):
+        record = flce.explain_distillation("cpu", backend="cuda", shape=(2048, 16, 16, 64), dtype="float32")
+    assert f"at most {registers} registers a thread" in str(record)
+    assert PAIR_REGISTERS == 64
+    shape = TuneShape(torch.device("cpu"), torch.float32, 16, 64, 2048, "distillation")
+    candidates = tuning_space("cuda", DISTILLATION).candidates(shape, False)
+    assert {c.get("pair_registers") for c in candidates} == {None, PAIR_REGISTERS_RANGE[1]}
+
+
 def test_tuning_space_heuristic_is_the_planners_choice() -> None:
     from flce.autotune.spaces import DISTILLATION, TuneShape, tuning_space
 

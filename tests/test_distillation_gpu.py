@@ -23,10 +23,11 @@ BACKENDS = [None, "reference"]
 
 
 def _variants() -> dict[str, dict | None]:
-    """The pair kernels' launches: the heuristic, one kernel a pass, one and two rows in flight a multiprocessor."""
+    """The pair kernels' launches: the heuristic, one kernel a pass, one and two rows in flight a multiprocessor,
+    the one kernel without its register cap."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return {"heuristic": None, "separate": {"pair_passes": "separate"}, "in-flight-1": {"rows_in_flight": sms},
-            "in-flight-2": {"rows_in_flight": 2 * sms}}
+            "in-flight-2": {"rows_in_flight": 2 * sms}, "no-register-cap": {"pair_registers": 255}}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -109,6 +110,22 @@ def test_bfloat16_pair_kernel_variants(loss: str, generator: torch.Generator) ->
         for what, error, bound in zip(("loss", "grad student_hidden", "grad student_weight"), errors, bounds,
                                       strict=True):
             assert error <= 1.5 * max(bound, 1e-3 if what == "loss" else 0.0), (name, what, error, bound)
+
+
+@pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl", "jsd"])
+def test_register_cap_changes_no_bit(loss: str, generator: torch.Generator) -> None:
+    """The one-kernel passes' register cap (plan.PAIR_REGISTERS) moves the register allocation only: the loss and
+    every gradient, the teacher's and the hard term's included, are the same bits with and without it."""
+    pair = make_pair(generator, n=600, student_size=256, teacher_size=384, vocab=50304, dtype=torch.bfloat16,
+                     ignore_fraction=0.06).detached("cuda")
+    results = []
+    for knobs in (None, {"pair_registers": 255}):
+        with override_params(knobs, backend="cuda"):
+            value = flce_loss(pair, loss=loss, hard_label_weight=0.3, teacher_grad=True, memory_budget=32 << 20)
+        leaves = (pair.student_hidden, pair.student_weight, pair.teacher_hidden, pair.teacher_weight)
+        results.append((value.detach(), *torch.autograd.grad(value, leaves)))
+    for capped, uncapped in zip(*results, strict=True):
+        assert torch.equal(capped, uncapped)
 
 
 # name: (tokens, student H, teacher H, V, dtype, bias, training, options, autotune knobs)

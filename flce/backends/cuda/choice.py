@@ -91,7 +91,7 @@ def choose_distillation(device: DeviceDescription, desc: DistillDescription, ent
     settings = LaunchSettings(
         launch=tuned.launch or LaunchParams(block_v=sizes.MAX_BLOCK_V), gemm=_gemm_config(device, call, tuned),
         fallback_scan_block=sizes.fallback_scan_block(call.n_rows, call.dtype.itemsize),
-        rows_in_flight=tuned.rows_in_flight,
+        rows_in_flight=tuned.rows_in_flight, pair_registers=tuned.pair_registers or sizes.PAIR_REGISTERS,
         launch_source="cache entry: block_v, num_warps" if tuned.launch else
         f"heuristic: up to {sizes.MAX_BLOCK_V} columns a block, 8 warps from 2048 columns")
     pick = _pick(PRODUCTS, device, call, tuned, settings, failed, {})

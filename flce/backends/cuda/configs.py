@@ -110,6 +110,8 @@ class LaunchSettings:
     # Linear distillation's one-kernel passes (distill_kernels._pair_passes_kernel): its programs, each walking
     # rows p, p + P, ...; None: one program a row.
     rows_in_flight: int | None = None
+    # and the registers a thread of it may use (plan.PAIR_REGISTERS; None: the compiler's choice)
+    pair_registers: int | None = None
     # Where the row kernels' blocks and the GEMMs' tiles came from, as the record says it.
     launch_source: str = "heuristic"
     gemm_source: str = "heuristic"

@@ -112,11 +112,11 @@ def pair_grad_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, targe
 
 def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, target: torch.Tensor | None,
                  cfg: DistillationConfig, scale: torch.Tensor | None, teacher: bool, launch: LaunchParams,
-                 rows_in_flight: int | None, known: PartialPairStats | None = None
+                 rows_in_flight: int | None, known: PartialPairStats | None = None, registers: int | None = None
                  ) -> tuple[PairStats, torch.Tensor | None, torch.Tensor | None]:
-    """FusedPairPasses.pair_passes_ (an unsharded chunk): ``rows_in_flight`` programs (None: one a row); with
-    ``known`` statistics (no cross sum, no hard term's own softmax) the kernel reads them instead of its first
-    sweep."""
+    """FusedPairPasses.pair_passes_ (an unsharded chunk): ``rows_in_flight`` programs (None: one a row), at most
+    ``registers`` a thread where the kernel compiles to PTX (None: the compiler's choice); with ``known`` statistics
+    (no cross sum, no hard term's own softmax) the kernel reads them instead of its first sweep."""
     n, vocab = student_logits.shape
     device = student_logits.device
     if known is not None and (known.cross is not None or known.hard_max is not None):
@@ -133,6 +133,8 @@ def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tar
         block_v, num_warps = row_launch(vocab, launch)
         unused = partial.teacher_max
         row_scale = unused if scale is None else scale.float()
+        ptx = compiles_to_ptx(student_logits)
+        cap = {"maxnreg": registers} if ptx and registers else {}  # ptxas's .maxnreg: no interpreter, no HIP
         k._pair_passes_kernel[(min(n, rows_in_flight or n),)](
             teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
             target if cfg.hard else unused, row_scale, row_scale.stride(0),
@@ -145,7 +147,7 @@ def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tar
             CROSS=_CROSS[cfg.loss] if needs_cross(cfg) else 0, LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard,
             HARD_OWN_LSE=cfg.hard_needs_own_lse, MIXTURE=jsd, WRITE_GRAD=write, TEACHER=write and teacher,
             GRAD_REVERSE=not jsd and known is None, KNOWN_STATS=known is not None,
-            PTX=compiles_to_ptx(student_logits), BLOCK_V=block_v, num_warps=num_warps,
+            PTX=ptx, BLOCK_V=block_v, num_warps=num_warps, **cap,
         )
     stats = PairStats.from_partial(partial, cfg)
     if jsd:
@@ -160,6 +162,7 @@ class CudaPairKernels(TritonChunkKernels):
     def __init__(self, choice: KernelChoice) -> None:
         super().__init__(choice)
         self.rows_in_flight = choice.settings.rows_in_flight
+        self.pair_registers = choice.settings.pair_registers
 
     def pair_stats(self, teacher_logits, student_logits, target, cfg, vocab_offset):
         return pair_stats(teacher_logits, student_logits, target, cfg, vocab_offset, self.launch)
@@ -172,4 +175,4 @@ class CudaPairKernels(TritonChunkKernels):
 
     def pair_passes_(self, teacher_logits, student_logits, target, cfg, scale, teacher, known=None):
         return pair_passes_(teacher_logits, student_logits, target, cfg, scale, teacher, self.launch,
-                            self.rows_in_flight, known)
+                            self.rows_in_flight, known, self.pair_registers)

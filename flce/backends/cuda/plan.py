@@ -56,6 +56,12 @@ MAX_BLOCK_V = 4096
 GRAD_SCHEDULES = ("vocab_blocks", "token_chunks")
 # Linear distillation's forward passes over a chunk's logits: one kernel (each row's sweeps back to back) or one each.
 PAIR_PASSES = ("fused", "separate")
+# Registers a thread of the one-kernel passes may use. Left to itself the compiler takes 77-80, so a multiprocessor
+# holds 3 blocks of 8 warps; at 64 it holds 4, and on an H200 a JSD chunk of 1024 x 128256 bf16 took 0.366 ms
+# against 0.414 (same bits; 80: 0.379). The row sweeps wait on memory more than they compute: more warps to switch
+# to is what they lack. A cached pair_registers in PAIR_REGISTERS' range takes its place (the top: no cap).
+PAIR_REGISTERS = 64
+PAIR_REGISTERS_RANGE = (32, 255)
 # In-forward gradients: budgets that leave token chunks of fewer rows than this take the vocabulary-
 # block schedule, whose recomputed GEMM costs less than each small chunk's read-modify-write of the
 # V x H weight gradient. Measured on the H200 (docs/benchmarks.md): 256-row chunks 1.47x / 1.71x the
@@ -98,9 +104,10 @@ class TunedKnobs:
     # what a chunk's in-forward gradient is made from (engine.plans.CHUNK_GRADS)
     chunk_grad: str | None = None
     # linear distillation: forward's passes over a chunk's logits in one kernel or one each (PAIR_PASSES), and the
-    # one kernel's programs (rows in flight; None: one a row)
+    # one kernel's programs (rows in flight; None: one a row) and registers a thread (PAIR_REGISTERS)
     pair_passes: str | None = None
     rows_in_flight: int | None = None
+    pair_registers: int | None = None
     source: str = "none for this shape"
 
 
@@ -136,7 +143,15 @@ def tuned_knobs(entry: TunedEntry) -> TunedKnobs:
                       logits_kernel=family("logits_kernel", role.CHUNK_LOGITS),
                       grad_gemm_kernel=family("grad_gemm_kernel", role.PRODUCTS),
                       chunk_grad=choice("chunk_grad", CHUNK_GRADS), pair_passes=choice("pair_passes", PAIR_PASSES),
-                      rows_in_flight=positive_int(params.get("rows_in_flight")), source=entry.source)
+                      rows_in_flight=positive_int(params.get("rows_in_flight")),
+                      pair_registers=_pair_registers(params.get("pair_registers")), source=entry.source)
+
+
+def _pair_registers(value: object) -> int | None:
+    """A cached pair_registers the compiler can take (PAIR_REGISTERS_RANGE), else None."""
+    registers = positive_int(value)
+    low, high = PAIR_REGISTERS_RANGE
+    return registers if registers and low <= registers <= high else None
 
 
 def schedule(device: DeviceDescription, call: CallDescription, tuned: TunedKnobs,

@@ -45,13 +45,18 @@ def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
 
 def _distillation_candidates(shape: TuneShape, quick: bool) -> list[dict]:
     """Chunk rows x the pair row kernels' blocks x forward's passes in one kernel (all rows in flight, or one, two or
-    four a multiprocessor: fewer rows in flight keep more of a row in L2 between its sweeps) or one kernel each (and
-    the chunk logits by cuBLAS once), x the gradient products' families that fit."""
+    four a multiprocessor: fewer rows in flight keep more of a row in L2 between its sweeps; all rows without the
+    register cap too) or one kernel each (and the chunk logits by cuBLAS once), x the gradient products' families
+    that fit."""
+    from flce.backends.cuda.plan import PAIR_REGISTERS_RANGE
+
     device, products = _device_and_products(shape)
     sms = device.multiprocessors
-    launches = [(4096, 8)] if quick else [(4096, 8), (4096, 16), (2048, 8)]
+    launches = [(4096, 8)] if quick else [(4096, 8), (4096, 16), (2048, 8), (2048, 4)]
     in_flight = [None] if quick or not sms else [None, sms, 2 * sms, 4 * sms]
     passes = [{"pair_passes": "fused", **({"rows_in_flight": r} if r else {})} for r in in_flight]
+    if not quick:
+        passes.append({"pair_passes": "fused", "pair_registers": PAIR_REGISTERS_RANGE[1]})
     passes.append({"pair_passes": "separate"})
     forwards = [{"block_v": block_v, "num_warps": warps, **p} for block_v, warps in launches for p in passes]
     # The chunk logits from cuBLAS and a statistics pass, beside the heuristic's family (on Hopper the
