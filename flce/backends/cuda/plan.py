@@ -56,10 +56,10 @@ MAX_BLOCK_V = 4096
 GRAD_SCHEDULES = ("vocab_blocks", "token_chunks")
 # Linear distillation's forward passes over a chunk's logits: one kernel (each row's sweeps back to back) or one each.
 PAIR_PASSES = ("fused", "separate")
-# Registers a thread of the one-kernel passes may use. Left to itself the compiler takes 77-80, so a multiprocessor
-# holds 3 blocks of 8 warps; at 64 it holds 4, and on an H200 a JSD chunk of 1024 x 128256 bf16 took 0.366 ms
-# against 0.414 (same bits; 80: 0.379). The row sweeps wait on memory more than they compute: more warps to switch
-# to is what they lack. A cached pair_registers in PAIR_REGISTERS' range takes its place (the top: no cap).
+# Registers a thread of the one-kernel passes may use: at 64 a multiprocessor holds 4 blocks of 8 warps. Left to the
+# compiler (over 80) it holds fewer, and on an H200 a JSD chunk of 1024 x 128256 bf16 took 0.414 ms against 0.366
+# capped (80: 0.379; the same bits): the row sweeps wait on memory more than they compute, and more warps to switch
+# to is what they lack. A cached pair_registers in PAIR_REGISTERS_RANGE takes its place (the top: no cap).
 PAIR_REGISTERS = 64
 PAIR_REGISTERS_RANGE = (32, 255)
 # In-forward gradients: budgets that leave token chunks of fewer rows than this take the vocabulary-
