@@ -17,6 +17,7 @@ from helpers import count_launches
 
 import flce
 from flce.autotune import override_params
+from flce.backends.cuda.plan import PAIR_REGISTERS, PAIR_REGISTERS_RANGE
 from flce.distillation.config import DistillationConfig
 from flce.distillation.semantics import PairStats, merge_pair_stats, pair_coefficients, with_mixture_sums
 from flce.distillation.tiles import tile_gradients, tile_mixture_sums, tile_statistics
@@ -322,22 +323,43 @@ def test_vocabulary_shard_plans_one_kernel_a_pass(gpu: str) -> None:
     assert ("flce.backends.cuda.distill_kernels._pair_stats_kernel" in names) == (gpu == A100)
 
 
-@pytest.mark.parametrize(("knobs", "registers"), [(None, 64), ({"pair_registers": 96}, 96),
-                                                   ({"pair_registers": 1000}, 64), ({"pair_registers": 8}, 64)])
+@pytest.mark.parametrize(("knobs", "registers"), [(None, PAIR_REGISTERS), ({"pair_registers": 96}, 96),
+                                                   ({"pair_registers": 1000}, PAIR_REGISTERS),
+                                                   ({"pair_registers": 8}, PAIR_REGISTERS)])
 def test_pair_passes_register_cap(knobs: dict | None, registers: int) -> None:
     """The one-kernel passes run with at most PAIR_REGISTERS registers a thread, or the cache's pair_registers
     where the compiler can take it (a value out of range falls back); the record says which, and the tuner
     measures the kernel without the cap too."""
     from flce.autotune.spaces import DISTILLATION, TuneShape, tuning_space
-    from flce.backends.cuda.plan import PAIR_REGISTERS, PAIR_REGISTERS_RANGE
 
     with override_params(knobs, backend="cuda"):
         record = flce.explain_distillation("cpu", backend="cuda", shape=(2048, 16, 16, 64), dtype="float32")
     assert f"at most {registers} registers a thread" in str(record)
-    assert PAIR_REGISTERS == 64
     shape = TuneShape(torch.device("cpu"), torch.float32, 16, 64, 2048, "distillation")
     candidates = tuning_space("cuda", DISTILLATION).candidates(shape, False)
     assert {c.get("pair_registers") for c in candidates} == {None, PAIR_REGISTERS_RANGE[1]}
+
+
+def test_pair_passes_launch_carries_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernels compile to PTX the one kernel is launched with ptxas's maxnreg at the cap; the interpreter
+    (and HIP) launch it without."""
+    from flce.backends.cuda import distill_ops
+    from flce.backends.cuda.configs import LaunchParams
+
+    seen: dict = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(kwargs)
+
+    monkeypatch.setattr(distill_ops.k, "_pair_passes_kernel", Recorder())
+    logits = torch.randn(4, 40), torch.randn(4, 40)
+    for ptx, expected in ((True, PAIR_REGISTERS), (False, None)):
+        seen.clear()
+        monkeypatch.setattr(distill_ops, "compiles_to_ptx", lambda t, ptx=ptx: ptx)
+        distill_ops.pair_passes_(*logits, None, DistillationConfig(loss="jsd"), torch.ones(4), False,
+                                 LaunchParams(block_v=16), None, None, PAIR_REGISTERS)
+        assert seen["PTX"] is ptx and seen.get("maxnreg") == expected
 
 
 def test_tuning_space_heuristic_is_the_planners_choice() -> None:

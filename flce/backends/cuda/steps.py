@@ -46,10 +46,10 @@ def of_distillation(device: DeviceDescription, desc: DistillDescription, plan: D
     blocks = f"BLOCK_V up to {row.block_v}, {row.num_warps or '4 or 8'} warps ({settings.launch_source})"
     in_flight = (f"{settings.rows_in_flight} programs walking the rows (cache entry: rows_in_flight)"
                  if settings.rows_in_flight else "one program a row (heuristic)")
-    if settings.pair_registers:
-        in_flight += f"; at most {settings.pair_registers} registers a thread on a GPU"
-    launches = {"pair_passes": f"{blocks}; {in_flight}", "pair_grad": f"{blocks}; {GRAD_BLOCKS_PER_PROGRAM} blocks "
-                "of a row a program"}
+    registers = (f"; at most {settings.pair_registers} registers a thread on an NVIDIA GPU"
+                 if settings.pair_registers else "")
+    launches = {"pair_passes": f"{blocks}; {in_flight}{registers}",
+                "pair_grad": f"{blocks}; {GRAD_BLOCKS_PER_PROGRAM} blocks of a row a program"}
     sums = "torch.addmm" if device.type == "cuda" and desc.dtype != torch.float32 else "torch.Tensor.sum"
     family, fallbacks = kernels.family(role.PRODUCTS), kernels.fallbacks(role.PRODUCTS)
 
