@@ -145,31 +145,41 @@ class _Accumulators:
                 none if self.teacher is None else self.teacher.result())
 
 
+def _chunk_logits(call: DistillCall, logits: _PairLogits, rows: slice, target: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, PartialPairStats | None]:
+    """A chunk's two logits, and this shard's statistics of both softmaxes where the plan's GEMMs make them."""
+    rows_target = None if target is None else target[rows]
+    if call.plan.stats_in_gemm:
+        return logits.with_stats(rows, rows_target)
+    return (*logits.of(rows), None)
+
+
 def forward(call: DistillCall, pair, grads_in_forward: PairGradTargets | None, keep_stats: bool) -> DistillState:
     """The loss; with grads_in_forward, the unscaled gradients too; keep_stats: a deferred backward follows."""
     cfg, kernels = call.cfg, call.kernels
     n_rows = pair.n_rows
+    target = pair.target
+    rows_per_chunk = min(call.plan.tokens_per_chunk, n_rows)
+    logits = (_PairLogitsWithStats(call, pair, rows_per_chunk) if call.plan.stats_in_gemm
+              else _PairLogits(pair, rows_per_chunk))
+    bounds = chunk_bounds(n_rows, call.plan.tokens_per_chunk)
+    # The first chunk's logits GEMMs go first: the host's bookkeeping below (the token count, the row scales, the
+    # accumulators; about half a millisecond of Python) is then launched while they run, not while the GPU waits.
+    first = _chunk_logits(call, logits, bounds[0], target) if bounds else None
     dtype = statistics_dtype(pair.student_weight.dtype)
     counts = counted_rows(call, pair, dtype)
-    target = pair.target
     valid = None if target is None else target != cfg.ignore_index
     acc = _Accumulators(call, pair, grads_in_forward) if grads_in_forward is not None else None
     scale = None
     if acc is not None:
         one = torch.ones((), dtype=dtype, device=pair.student_hidden.device)
         scale = row_scales(one, counts.count, valid, n_rows, cfg)
-    rows_per_chunk = min(call.plan.tokens_per_chunk, n_rows)
-    logits = (_PairLogitsWithStats(call, pair, rows_per_chunk) if call.plan.stats_in_gemm
-              else _PairLogits(pair, rows_per_chunk))
     losses, kept = [], []
     fused = call.plan.fused_passes and call.sharding is None
-    for rows in chunk_bounds(n_rows, call.plan.tokens_per_chunk):
+    for rows in bounds:
         rows_target = None if target is None else target[rows]
-        partial = None
-        if call.plan.stats_in_gemm:
-            teacher_logits, student_logits, partial = logits.with_stats(rows, rows_target)
-        else:
-            teacher_logits, student_logits = logits.of(rows)
+        teacher_logits, student_logits, partial = first or _chunk_logits(call, logits, rows, target)
+        first = None
         teacher = acc is not None and acc.teacher is not None
         if fused:  # the plan's FusedPairPasses: the statistics and the gradients in one kernel
             stats, student_grad, teacher_grad = kernels.pair_passes_(
