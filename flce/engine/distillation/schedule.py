@@ -145,10 +145,10 @@ class _Accumulators:
                 none if self.teacher is None else self.teacher.result())
 
 
-def _chunk_logits(call: DistillCall, logits: _PairLogits, rows: slice, target: torch.Tensor | None
+def _chunk_logits(call: DistillCall, logits: _PairLogits, rows: slice, rows_target: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor, PartialPairStats | None]:
-    """A chunk's two logits, and this shard's statistics of both softmaxes where the plan's GEMMs make them."""
-    rows_target = None if target is None else target[rows]
+    """A chunk's two logits, and this shard's statistics of both softmaxes where the plan's GEMMs make them
+    (``rows_target``: the chunk's targets)."""
     if call.plan.stats_in_gemm:
         return logits.with_stats(rows, rows_target)
     return (*logits.of(rows), None)
@@ -165,7 +165,7 @@ def forward(call: DistillCall, pair, grads_in_forward: PairGradTargets | None, k
     bounds = chunk_bounds(n_rows, call.plan.tokens_per_chunk)
     # The first chunk's logits GEMMs go first: the host's bookkeeping below (the token count, the row scales, the
     # accumulators; about half a millisecond of Python) is then launched while they run, not while the GPU waits.
-    first = _chunk_logits(call, logits, bounds[0], target) if bounds else None
+    first = _chunk_logits(call, logits, bounds[0], None if target is None else target[bounds[0]]) if bounds else None
     dtype = statistics_dtype(pair.student_weight.dtype)
     counts = counted_rows(call, pair, dtype)
     valid = None if target is None else target != cfg.ignore_index
@@ -178,7 +178,7 @@ def forward(call: DistillCall, pair, grads_in_forward: PairGradTargets | None, k
     fused = call.plan.fused_passes and call.sharding is None
     for rows in bounds:
         rows_target = None if target is None else target[rows]
-        teacher_logits, student_logits, partial = first or _chunk_logits(call, logits, rows, target)
+        teacher_logits, student_logits, partial = first or _chunk_logits(call, logits, rows, rows_target)
         first = None
         teacher = acc is not None and acc.teacher is not None
         if fused:  # the plan's FusedPairPasses: the statistics and the gradients in one kernel
