@@ -9,9 +9,11 @@ student); the floor's four cuBLAS GEMMs; one chunk's parts as the call runs them
 head's logits with both softmaxes' statistics in the warp-specialised GEMM's epilogue, the fused pair passes from
 those statistics (the gradient written over the student's logits, which each launch restores first: a copy
 measured alone and subtracted), and the student's two gradient products on cuBLAS (grad_weight accumulated, or
-written by the first chunk). Every workload in every round; the rounds' medians.
+written by the first chunk). Every workload in every round; the rounds' medians. Then the call's time beyond the
+floor part by part, and what the passes would take at the restore copy's rate reading each row twice or once.
 
     python tools/benchmarks/distill_energy.py --markdown out.md [--json out.json] [--rounds 2] [--seconds 2]
+    python tools/benchmarks/distill_energy.py --from-json out.json    # a saved run's report again, no GPU
 """
 
 from __future__ import annotations
