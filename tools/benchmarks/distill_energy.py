@@ -232,6 +232,9 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--from-json", default=None, help="print the report of a saved --json run (no GPU)")
     args = parser.parse_args()
+    if args.seconds < 1.0:
+        # NVML's counter moves in coarse steps: half-second windows read a whole call at 420 W on an H200 (700 W cap).
+        parser.error("--seconds: at least 1 (NVML's energy counter is too coarse for shorter windows)")
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
