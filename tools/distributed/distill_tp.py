@@ -2,16 +2,19 @@
 
     torchrun --nproc-per-node 2 tools/distributed/distill_tp.py --out $OUT        # NCCL, bf16, JSD, ~2 min
     torchrun --nproc-per-node 2 tools/distributed/distill_tp.py --device cpu --shapes 256x32x48x1000 \
-        --iters 2 --warmup 1                                                       # gloo smoke run on a CPU
+        --rounds 1 --calls 2 --warmup 1                                            # gloo smoke run on a CPU
 
 1. Agreement (small shapes, uneven shards, fp32 and bf16, every loss, a hard-label term, the teacher's
    gradient asked once): on every rank the sharded loss, the student's grad_hidden and this rank's slice of
    grad_weight against the unsharded call on the same device, and (fp32) the loss against the float64 oracle.
 2. Time, per shape of ``--shapes`` (``TOKENSxSTUDENT_HxTEACHER_HxVOCAB``; default 8192 x 4096 x {4096, 8192}
    x 128256, bf16, JSD beta 0.5, the default memory budget): TP = 1 (each rank the whole call, side by side as
-   data-parallel replicas run) and TP = 2 (both heads' vocabulary halved), forward + backward, median of
-   --iters after --warmup, every step starting with the ranks aligned by a barrier. The target: TP = 2 at
-   most 0.53x TP = 1 (half the GEMMs, plus the per-chunk statistics all-reduce and grad_hidden's).
+   data-parallel replicas run) and TP = 2 (both heads' vocabulary halved), forward + backward, after --warmup
+   calls of each, in --rounds rounds that alternate the two. A round times each configuration two ways:
+   ``alone``, --alone steps each from a barrier to a synchronisation (host clock; each step starts from an idle
+   GPU and carries the wait for the host's first launches), and ``back to back``, --calls calls queued without a
+   synchronisation between them (CUDA events on the GPU's clock; throughput, as in a training loop). The target:
+   TP = 2 at most 0.53x TP = 1 (half the GEMMs, plus the per-chunk statistics all-reduce and grad_hidden's).
 
 Rank 0 prints the summary and writes distill_tp.json and distill_tp.md to --out (default $OUT, if set).
 """
@@ -42,13 +45,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated TOKENSxSTUDENT_HxTEACHER_HxVOCAB")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--loss", default="jsd")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls of each configuration first")
+    p.add_argument("--rounds", type=int, default=5, help="rounds alternating TP = 1 and TP = 2")
+    p.add_argument("--alone", type=int, default=2, help="steps timed alone from a barrier, a round")
+    p.add_argument("--calls", type=int, default=10, help="calls timed back to back, a round")
     p.add_argument("--backend", default=None, help="flce backend (default: the registry's choice)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for distill_tp.json / .md")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("rounds", "alone", "calls"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    return args
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
@@ -127,21 +136,42 @@ def check_agreement(device: torch.device, backend: str | None) -> list[dict]:
     return results
 
 
-def timed(fn: Callable[[], None], device: torch.device, warmup: int, iters: int) -> list[float]:
-    """Milliseconds of each call after warm-up; every call starts with all ranks aligned."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dist.barrier()
+def aligned(device: torch.device) -> None:
+    """Every rank idle and at the same point: the GPU's queue drained, then a barrier."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def time_alone(fn: Callable[[], None], device: torch.device) -> float:
+    """Milliseconds of one call from aligned ranks to its end, on the host's clock."""
+    aligned(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def time_back_to_back(fn: Callable[[], None], device: torch.device, calls: int) -> float:
+    """Milliseconds a call over ``calls`` calls queued with no synchronisation between them (the GPU's clock)."""
+    aligned(device)
+    if device.type != "cuda":
         start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / calls
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(calls):
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / calls
+
+
+def summary(samples: list[float]) -> dict:
+    return {"median_ms": statistics.median(samples), "range_ms": [min(samples), max(samples)], "samples": samples}
 
 
 def time_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, device: torch.device) -> dict:
@@ -154,19 +184,30 @@ def time_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, devic
     rows = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
     leaves = {k: v.detach().clone().requires_grad_() for k, v in data.items() if k in ("xs", "ws")}
     shard = leaves["ws"].detach()[rows].clone().requires_grad_()
+    teacher_shard = data["wt"][rows].contiguous()
 
     def step(weight: torch.Tensor, teacher_weight: torch.Tensor, group: object) -> None:
         leaves["xs"].grad = weight.grad = None
         flce.linear_distillation_loss(leaves["xs"], weight, data["xt"], teacher_weight, data["target"],
                                       process_group=group, **options).backward()
 
-    tp1 = timed(lambda: step(leaves["ws"], data["wt"], None), device, args.warmup, args.iters)
-    teacher_shard = data["wt"][rows].contiguous()
-    tp2 = timed(lambda: step(shard, teacher_shard, dist.group.WORLD), device, args.warmup, args.iters)
-    median1, median2 = statistics.median(tp1), statistics.median(tp2)
-    return {"shape": "x".join(map(str, shape)), "tp1_ms": median1, "tp2_ms": median2, "ratio": median2 / median1,
-            "tp1_range": [min(tp1), max(tp1)], "tp2_range": [min(tp2), max(tp2)],
-            "meets_target": median2 / median1 <= TARGET_RATIO}
+    configs = {"tp1": lambda: step(leaves["ws"], data["wt"], None),
+               "tp2": lambda: step(shard, teacher_shard, dist.group.WORLD)}
+    alone: dict[str, list[float]] = {name: [] for name in configs}
+    back_to_back: dict[str, list[float]] = {name: [] for name in configs}
+    for fn in configs.values():
+        for _ in range(args.warmup):
+            fn()
+    for _ in range(args.rounds):
+        for name, fn in configs.items():
+            alone[name] += [time_alone(fn, device) for _ in range(args.alone)]
+            back_to_back[name].append(time_back_to_back(fn, device, args.calls))
+    result: dict = {"shape": "x".join(map(str, shape))}
+    for mode, samples in (("alone", alone), ("back_to_back", back_to_back)):
+        tp1, tp2 = summary(samples["tp1"]), summary(samples["tp2"])
+        ratio = tp2["median_ms"] / tp1["median_ms"]
+        result[mode] = {"tp1": tp1, "tp2": tp2, "ratio": ratio, "meets_target": ratio <= TARGET_RATIO}
+    return result
 
 
 def markdown(report: dict) -> str:
@@ -176,11 +217,18 @@ def markdown(report: dict) -> str:
         lines += [f"| {c['dtype']} | {c['loss']} | {c['worst over ranks']:.2e} | {c['limit']:.0e} | "
                   f"{'ok' if c['passed'] else 'FAILED'} |" for c in report["checks"]]
         lines.append("")
-    lines += [f"| shape (tokens x student H x teacher H x V) | TP=1 ms | TP=2 ms | TP=2 / TP=1 (target <= "
-              f"{TARGET_RATIO}) |", "|---|---|---|---|"]
-    lines += [f"| {t['shape']} | {t['tp1_ms']:.2f} ({t['tp1_range'][0]:.2f}-{t['tp1_range'][1]:.2f}) | "
-              f"{t['tp2_ms']:.2f} ({t['tp2_range'][0]:.2f}-{t['tp2_range'][1]:.2f}) | {t['ratio']:.3f}"
-              f"{'' if t['meets_target'] else ' (over target)'} |" for t in report["timings"]]
+    lines += [f"| shape (tokens x student H x teacher H x V) | timing | TP=1 ms | TP=2 ms | TP=2 / TP=1 (target <= "
+              f"{TARGET_RATIO}) |", "|---|---|---|---|---|"]
+    for t in report["timings"]:
+        for mode, label in (("alone", f"alone ({report['alone']} a round)"),
+                            ("back_to_back", f"back to back ({report['calls']} a round)")):
+            m = t[mode]
+            cells = [f"{m[k]['median_ms']:.2f} ({m[k]['range_ms'][0]:.2f}-{m[k]['range_ms'][1]:.2f})"
+                     for k in ("tp1", "tp2")]
+            lines.append(f"| {t['shape']} | {label} | {cells[0]} | {cells[1]} | {m['ratio']:.3f}"
+                         f"{'' if m['meets_target'] else ' (over target)'} |")
+    lines += ["", f"Medians and ranges over {report['rounds']} rounds alternating TP = 1 and TP = 2, after "
+              f"{report['warmup']} calls of each."]
     return "\n".join(lines) + "\n"
 
 
@@ -198,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"distill_tp.py runs on 2 ranks (torchrun --nproc-per-node 2), got {dist.get_world_size()}")
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "dtype": args.dtype,
-              "loss": args.loss, "checks": [] if args.skip_checks else check_agreement(device, args.backend),
+              "loss": args.loss, "rounds": args.rounds, "alone": args.alone, "calls": args.calls,
+              "warmup": args.warmup, "checks": [] if args.skip_checks else check_agreement(device, args.backend),
               "timings": [time_shape(shape, args, device) for shape in shapes]}
     failed = [c for c in report["checks"] if not c["passed"]]
     if dist.get_rank() == 0:
