@@ -80,17 +80,32 @@ def test_liger_is_listed_whether_it_loads_or_not(peers) -> None:
         assert methods["liger_jsd"].startswith("fails: ModuleNotFoundError")
 
 
-def test_the_formula_and_flce_equal_the_oracle(peers, generator: torch.Generator) -> None:
-    """The torch.compile peer computes the same loss as flce (its formula run eagerly here), both the oracle's."""
+@pytest.mark.parametrize("loss", ["jsd", "forward_kl", "reverse_kl"])
+def test_the_formula_and_flce_equal_the_oracle(peers, loss: str, generator: torch.Generator) -> None:
+    """The torch.compile peer computes the same loss as flce (its formula run eagerly here), both the oracle's, for
+    every loss the tool times."""
     case = peers.Case(16, 8, 12, 40, torch.float32)
     inputs = peers.make_inputs(case, "cpu")
     expected = reference_distillation_loss(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
-                                           inputs.teacher_weight, inputs.target, loss="jsd", beta=peers.BETA)
-    torch.testing.assert_close(peers.materialised(inputs).double(), expected, rtol=1e-5, atol=1e-6)
+                                           inputs.teacher_weight, inputs.target, loss=loss, beta=peers.BETA)
+    torch.testing.assert_close(peers.materialised(inputs, loss).double(), expected, rtol=1e-5, atol=1e-6)
     # flce's CUDA backend (in the interpreter without a GPU), with nothing cached and with one kernel a pass
     pytest.importorskip("triton")
-    for method in (peers.flce_method(None), peers.flce_method(None, lambda: {"pair_passes": "separate"})):
+    for method in (peers.flce_method(None, loss=loss),
+                   peers.flce_method(None, lambda: {"pair_passes": "separate"}, loss)):
         torch.testing.assert_close(method(inputs).double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["jsd", "forward_kl", "reverse_kl"])
+def test_liger_at_its_beta_is_each_divergence(peers, loss: str, generator: torch.Generator) -> None:
+    """Liger's JSD class at LIGER_BETA's beta computes the loss the tool names (where liger-kernel is installed: on
+    the GPU machine's runs)."""
+    pytest.importorskip("liger_kernel")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = peers.make_inputs(peers.Case(64, 32, 48, 256, torch.float32), device)
+    expected = reference_distillation_loss(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
+                                           inputs.teacher_weight, inputs.target, loss=loss, beta=peers.BETA)
+    torch.testing.assert_close(peers.liger_method(loss)(inputs).double().cpu(), expected.cpu(), rtol=1e-4, atol=1e-6)
 
 
 def test_arguments(peers) -> None:
@@ -103,3 +118,6 @@ def test_arguments(peers) -> None:
         peers.parse_case("8192x4096x128256", torch.bfloat16)
     with pytest.raises(SystemExit):
         peers.parse_args(["--rounds", "0"])
+    assert full.loss == "jsd" and peers.parse_args(["--loss", "forward_kl"]).loss == "forward_kl"
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--loss", "kl"])

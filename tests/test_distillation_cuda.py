@@ -17,9 +17,17 @@ from helpers import count_launches
 
 import flce
 from flce.autotune import override_params
+from flce.backends.cuda.configs import LaunchParams
+from flce.backends.cuda.distill_ops import pair_passes_
 from flce.backends.cuda.plan import PAIR_REGISTERS, PAIR_REGISTERS_RANGE
 from flce.distillation.config import DistillationConfig
-from flce.distillation.semantics import PairStats, merge_pair_stats, pair_coefficients, with_mixture_sums
+from flce.distillation.semantics import (
+    PairStats,
+    PartialPairStats,
+    merge_pair_stats,
+    pair_coefficients,
+    with_mixture_sums,
+)
 from flce.distillation.tiles import tile_gradients, tile_mixture_sums, tile_statistics
 
 pytestmark = pytest.mark.triton
@@ -62,7 +70,8 @@ def test_passes_one_kernel_each_and_rows_in_flight(loss: str, knobs: dict, gener
 
 
 # Both heads' statistics from the logits GEMMs' epilogue (the Triton statistics GEMM here; the warp-specialised one
-# on Hopper by default): the losses whose statistics each head makes alone.
+# on Hopper by default): the losses whose statistics each head makes alone, and forward KL, whose cross sum the
+# fused passes make in the student's gradient sweep.
 STATS_IN_GEMM = {"forward_logits": "fused", "logits_kernel": "triton"}
 
 
@@ -73,32 +82,61 @@ STATS_IN_GEMM = {"forward_logits": "fused", "logits_kernel": "triton"}
     ({"hard_label_weight": 0.4, "reduction": "none", "teacher_grad": True}, {}),
     ({"hard_label_weight": 0.4, "temperature": 1.0}, {"pair_passes": "separate"}),
     ({"target": False, "temperature": 1.6}, {}),
-], ids=["soft-cold", "hard-sum", "hard-only-in-flight", "none-teacher", "separate", "no-target"])
+    ({"loss": "forward_kl", "hard_label_weight": 0.0, "temperature": 0.7}, {}),
+    ({"loss": "forward_kl", "hard_label_weight": 0.4, "temperature": 1.0, "reduction": "sum"}, {"rows_in_flight": 3}),
+    ({"loss": "forward_kl", "target": False, "temperature": 1.6}, {}),
+], ids=["soft-cold", "hard-sum", "hard-only-in-flight", "none-teacher", "separate", "no-target", "fkl-cold",
+        "fkl-hard-sum-in-flight", "fkl-no-target"])
 def test_statistics_from_the_logits_gemms(options: dict, knobs: dict, generator: torch.Generator) -> None:
     """The plan takes both heads' statistics from the logits GEMMs (no pair statistics pass), and the loss and every
-    gradient still match the float64 oracle: fused passes reading the known statistics, one kernel a pass, a
-    deferred backward."""
-    options = dict(options)
+    gradient still match the float64 oracle: fused passes reading the known statistics (forward KL's cross sum
+    made in its gradient's sweep), one kernel a pass, a deferred backward."""
+    options = {"loss": "jsd", **options}
     pair = make_pair(generator, n=17, bias=True, scale=2.0, target=options.pop("target", True))
     knobs = {**STATS_IN_GEMM, **knobs}
     with override_params(dict(SMALL_BLOCKS, **knobs), backend="cuda"):
         record = flce.explain_distillation(DEVICE, backend="cuda", shape=(17, 8, 12, 40), dtype="float32",
-                                           student_bias=True, teacher_bias=True, loss="jsd", **options)
+                                           student_bias=True, teacher_bias=True, **options)
     assert record.plan.stats_in_gemm
     assert "flce.backends.cuda.distill_kernels._pair_stats_kernel" not in record.kernel_names()
-    _check(pair, generator, knobs, loss="jsd", memory_budget=MANY_CHUNKS, **options)
+    if options["loss"] == "forward_kl":
+        assert "E_p[t - s]" in str(record)
+    _check(pair, generator, knobs, memory_budget=MANY_CHUNKS, **options)
 
 
-@pytest.mark.parametrize("options", [{"loss": "forward_kl"}, {"loss": "reverse_kl"},
-                                     {"hard_label_weight": 0.3, "temperature": 2.0}])
-def test_statistics_needing_both_heads_keep_their_pass(options: dict) -> None:
-    """A KL divergence's cross sum, and the hard term's own softmax at a temperature, need both heads' logits at
-    once: asked for the GEMMs' statistics, the plan keeps the pair statistics pass and says why."""
-    with override_params(STATS_IN_GEMM, backend="cuda"):
+@pytest.mark.parametrize(("options", "knobs"), [
+    ({"loss": "reverse_kl"}, {}),
+    ({"loss": "forward_kl", "teacher_grad": True}, {}),
+    ({"loss": "forward_kl", "reduction": "none"}, {}),
+    ({"loss": "forward_kl", "training": False}, {}),
+    ({"loss": "forward_kl"}, {"pair_passes": "separate"}),
+    ({"loss": "forward_kl", "sharded": True}, {}),
+    ({"hard_label_weight": 0.3, "temperature": 2.0}, {}),
+], ids=["reverse-kl", "fkl-teacher", "fkl-none", "fkl-no-grad", "fkl-separate", "fkl-shard", "hard-own-softmax"])
+def test_statistics_needing_both_heads_keep_their_pass(options: dict, knobs: dict) -> None:
+    """Reverse KL's centre, forward KL's cross sum where no fused pass writes the student's gradient alone (the
+    teacher's too, a deferred backward, no gradient, one kernel a pass, a vocabulary shard), and the hard term's own
+    softmax at a temperature need both heads' logits at once: asked for the GEMMs' statistics, the plan keeps the
+    pair statistics pass and says why."""
+    with override_params({**STATS_IN_GEMM, **knobs}, backend="cuda"):
         record = flce.explain_distillation("cpu", backend="cuda", shape=(64, 8, 12, 40), dtype="float32", **options)
     assert not record.plan.stats_in_gemm
-    assert "flce.backends.cuda.distill_kernels._pair_passes_kernel" in record.kernel_names()
-    assert "needs" in str(record)
+    fused = not knobs and not options.get("sharded")
+    kernel = "_pair_passes_kernel" if fused else "_pair_stats_kernel"
+    assert f"flce.backends.cuda.distill_kernels.{kernel}" in record.kernel_names()
+    why = "needs the student's softmax at temperature 1" if "temperature" in options else "needs both heads' logits"
+    assert why in str(record)
+
+
+def test_known_statistics_that_cannot_serve_are_refused(generator: torch.Generator) -> None:
+    """The fused passes refuse the GEMMs' statistics for a call whose cross sum they cannot make in the gradient's
+    sweep (reverse KL; forward KL without a gradient to write), before launching anything."""
+    logits = torch.randn(3, 40, generator=generator).to(DEVICE)
+    known = PartialPairStats(*(torch.zeros(3, device=DEVICE) for _ in range(4)))
+    for loss, scale in (("reverse_kl", torch.ones(3, device=DEVICE)), ("forward_kl", None)):
+        cfg = DistillationConfig(loss=loss)
+        with pytest.raises(ValueError, match="known statistics cannot serve this call: .*both heads"):
+            pair_passes_(logits, logits.clone(), None, cfg, scale, False, LaunchParams(block_v=16), None, known)
 
 
 @pytest.mark.parametrize(("loss", "reduction"), [("forward_kl", "mean"), ("reverse_kl", "sum"), ("jsd", "none")])

@@ -100,11 +100,17 @@ def needs_cross(cfg: DistillationConfig) -> bool:
     return cfg.soft and cfg.loss != "jsd"
 
 
-def per_head_unfit(cfg: DistillationConfig) -> str | None:
+def per_head_unfit(cfg: DistillationConfig, cross_in_grad_sweep: bool) -> str | None:
     """Why a call's statistics cannot come from each head's logits alone (a GEMM epilogue sees one head's tile at
-    a time), or None: the KL divergences' cross sum and the hard term's own softmax at T != 1 need more."""
-    if needs_cross(cfg):
-        return f"{cfg.loss}'s cross sum needs both heads' logits at once"
+    a time), or None. Forward KL's cross sum is the loss's alone where the teacher takes no gradient (the student's,
+    q - p, needs only the normalisers): ``cross_in_grad_sweep``, a kernel that writes the student's gradient alone
+    makes it in that sweep, one read a row. Reverse KL's centre E_q[s - t], forward KL's without that sweep and the
+    hard term's own softmax at T != 1 need more."""
+    if cfg.soft and cfg.loss == "reverse_kl":
+        return "reverse_kl's gradient centre E_q[s - t] needs both heads' logits at once"
+    if cfg.soft and cfg.loss == "forward_kl" and not cross_in_grad_sweep:
+        return ("forward_kl's cross sum needs both heads' logits at once (only the fused passes writing the "
+                "student's gradient alone in forward make it in their sweep)")
     if cfg.hard_needs_own_lse:
         return f"the hard term at temperature {cfg.temperature} needs the student's softmax at temperature 1 too"
     return None

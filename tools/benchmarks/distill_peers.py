@@ -1,4 +1,4 @@
-"""Side-by-side GPU benchmark of linear distillation (JSD): flce, Liger-Kernel's fused linear JSD, torch.compile.
+"""Side-by-side GPU benchmark of linear distillation: flce, Liger-Kernel's fused linear JSD, torch.compile.
 
 One process, one GPU, every method interleaved round by round. Per shape (tokens x student H x teacher H x V)
 and round: the cuBLAS 4-GEMM floor (the teacher's logits, the student's logits, the student's two gradient
@@ -9,6 +9,7 @@ memory above the gradients it returns (the student's hidden and weight gradients
     python tools/benchmarks/distill_peers.py                     # both shapes, 3 rounds, bf16 (~6 min on an H100)
     python tools/benchmarks/distill_peers.py --quick             # a smoke run: one small shape, one round
     python tools/benchmarks/distill_peers.py --json h100.json --markdown h100.md
+    python tools/benchmarks/distill_peers.py --loss forward_kl                 # KL(P || Q) instead of JSD
 
 Methods: ``flce``, the CUDA backend (by name: a row saying "fails: ..." where it cannot run) as a call plans it
 with nothing cached (the default memory budget, on Hopper both softmaxes' statistics from the logits GEMMs,
@@ -22,7 +23,8 @@ Liger-Kernel's ``LigerFusedLinearJSDLoss`` (weight_hard_loss=0, weight_soft_loss
 torch.compile loop, which computes the unweighted cross-entropy too), where liger-kernel imports (a row saying
 "fails: ..." otherwise); ``torch_compile``, torch.compile of the formula on materialised logits (the teacher's
 under no_grad). Inputs are flce.testing.measure's draw (logits of std 1, every 17th target ignored); the teacher
-takes no gradient. Only the JSD with beta 0.5 is timed.
+takes no gradient. The loss: ``--loss`` jsd (beta 0.5, the default), forward_kl or reverse_kl, Liger's class with
+the beta that makes it that divergence (0: KL(P || Q), 1: KL(Q || P), as its distillation_loss_fn reads them).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from flce.testing.measure import MiB, floor_gradient, median_ms, peak_mib_above,
 DEFAULT_SHAPES = ("8192x4096x4096x128256", "8192x4096x8192x128256")
 QUICK_SHAPES = ("2048x1024x2048x32000",)
 BETA = 0.5
+LIGER_BETA = {"jsd": BETA, "forward_kl": 0.0, "reverse_kl": 1.0}  # the beta of Liger's JSD class for each loss
 FLOOR = "4-GEMM floor"
 
 
@@ -89,67 +92,75 @@ def make_inputs(case: Case, device: str) -> Inputs:
     return Inputs(xs, ws, xt, wt, target)
 
 
-# Each method: Inputs -> the mean JSD (beta 0.5) over the non-ignored tokens, differentiable w.r.t. the student.
+# Each method: Inputs -> the loss's mean over the non-ignored tokens, differentiable w.r.t. the student.
 
-def jsd_formula(student_logits: torch.Tensor, teacher_logits: torch.Tensor, target: torch.Tensor,
-                beta: float = BETA) -> torch.Tensor:
-    """The generalized JSD of the logits (fp32 log-softmax), averaged over the tokens whose target counts."""
+def divergence_formula(student_logits: torch.Tensor, teacher_logits: torch.Tensor, target: torch.Tensor,
+                       loss: str = "jsd", beta: float = BETA) -> torch.Tensor:
+    """The divergence of the logits (fp32 log-softmax; JSD the generalized one), averaged over the tokens whose
+    target counts."""
     log_q = F.log_softmax(student_logits.float(), dim=-1)
     log_p = F.log_softmax(teacher_logits.float(), dim=-1)
-    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
-    rows = beta * (log_p.exp() * (log_p - log_m)).sum(-1) + (1 - beta) * (log_q.exp() * (log_q - log_m)).sum(-1)
+    if loss == "forward_kl":
+        rows = (log_p.exp() * (log_p - log_q)).sum(-1)
+    elif loss == "reverse_kl":
+        rows = (log_q.exp() * (log_q - log_p)).sum(-1)
+    else:
+        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+        rows = beta * (log_p.exp() * (log_p - log_m)).sum(-1) + (1 - beta) * (log_q.exp() * (log_q - log_m)).sum(-1)
     valid = target != -100
     return torch.where(valid, rows, 0.0).sum() / valid.sum().clamp(min=1)
 
 
-def materialised(inputs: Inputs) -> torch.Tensor:
+def materialised(inputs: Inputs, loss: str = "jsd") -> torch.Tensor:
     with torch.no_grad():
         teacher_logits = inputs.teacher_hidden @ inputs.teacher_weight.t()
-    return jsd_formula(inputs.student_hidden @ inputs.student_weight.t(), teacher_logits, inputs.target)
+    return divergence_formula(inputs.student_hidden @ inputs.student_weight.t(), teacher_logits, inputs.target, loss)
 
 
-_compiled: Callable | None = None
+def torch_compile_method(loss: str = "jsd") -> Callable[[Inputs], torch.Tensor]:
+    """torch.compile of the formula on materialised logits, compiled at its first call."""
+    compiled: list[Callable] = []
+
+    def call(inputs: Inputs) -> torch.Tensor:
+        if not compiled:
+            compiled.append(torch.compile(materialised))
+        return compiled[0](inputs, loss)
+    return call
 
 
-def torch_compile(inputs: Inputs) -> torch.Tensor:
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(materialised)
-    return _compiled(inputs)
-
-
-def flce_method(budget: int | None, knobs: Callable[[], dict] | None = None) -> Callable[[Inputs], torch.Tensor]:
+def flce_method(budget: int | None, knobs: Callable[[], dict] | None = None,
+                loss: str = "jsd") -> Callable[[Inputs], torch.Tensor]:
     """flce's CUDA backend; ``knobs()``: autotune knobs the call plans with, as a cache entry would give them."""
     def call(inputs: Inputs) -> torch.Tensor:
         with override_params(knobs() if knobs else None, backend="cuda"):
             return flce.linear_distillation_loss(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
-                                                 inputs.teacher_weight, inputs.target, loss="jsd", beta=BETA,
+                                                 inputs.teacher_weight, inputs.target, loss=loss, beta=BETA,
                                                  memory_budget=budget, backend="cuda")
     return call
 
 
-def liger_method() -> Callable[[Inputs], torch.Tensor]:
+def liger_method(loss: str = "jsd") -> Callable[[Inputs], torch.Tensor]:
     """Liger-Kernel's LigerFusedLinearJSDLoss as the same loss (raises where liger-kernel does not load)."""
     from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
-    loss = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA)
-    return lambda inputs: loss(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
-                               inputs.teacher_weight, inputs.target)
+    module = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=LIGER_BETA[loss])
+    return lambda inputs: module(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
+                                 inputs.teacher_weight, inputs.target)
 
 
-def all_methods() -> dict[str, Callable[[Inputs], torch.Tensor] | str]:
+def all_methods(loss: str = "jsd") -> dict[str, Callable[[Inputs], torch.Tensor] | str]:
     """Every method by name, in the order they run; a method that cannot load here is its "fails: ..." cell."""
     methods: dict[str, Callable[[Inputs], torch.Tensor] | str] = {
-        "flce": flce_method(None), "flce_512MiB": flce_method(512 * MiB),
-        "flce_separate": flce_method(None, lambda: {"pair_passes": "separate"}),
-        "flce_cublas_logits": flce_method(None, lambda: {"forward_logits": "cublas"}),
-        "flce_uncapped": flce_method(None, lambda: {"pair_registers": 255}),
-        "flce_2GiB": flce_method(2048 * MiB)}
+        "flce": flce_method(None, loss=loss), "flce_512MiB": flce_method(512 * MiB, loss=loss),
+        "flce_separate": flce_method(None, lambda: {"pair_passes": "separate"}, loss),
+        "flce_cublas_logits": flce_method(None, lambda: {"forward_logits": "cublas"}, loss),
+        "flce_uncapped": flce_method(None, lambda: {"pair_registers": 255}, loss),
+        "flce_2GiB": flce_method(2048 * MiB, loss=loss)}
     try:
-        methods["liger_jsd"] = liger_method()
+        methods["liger_jsd"] = liger_method(loss)
     except Exception as exc:
         methods["liger_jsd"] = failure(exc)
-    methods["torch_compile"] = torch_compile
+    methods["torch_compile"] = torch_compile_method(loss)
     return methods
 
 
@@ -248,6 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shapes", default=None, help="comma-separated TOKENSxSTUDENT_HxTEACHER_HxVOCAB")
     parser.add_argument("--methods", default=None, help="comma-separated method names, run in this order")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--loss", choices=sorted(LIGER_BETA), default="jsd", help="the divergence (default jsd)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per shape (default 3; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: one small shape, one round, short timings")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
@@ -264,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dtype = getattr(torch, args.dtype)
     cases = [parse_case(s, dtype) for s in args.shapes.split(",")]
-    methods = all_methods()
+    methods = all_methods(args.loss)
     if args.methods:
         wanted = args.methods.split(",")
         methods = {k: methods.get(k, f"fails: no method {k!r} here") for k in wanted}
@@ -279,13 +291,15 @@ def main(argv: list[str] | None = None) -> int:
         rows += [summary(case.label, name, measured_rows) for name, measured_rows in measured.items()]
     gpu = torch.cuda.get_device_name()
     command = "python tools/benchmarks/distill_peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    header = (f"### Linear distillation (JSD, beta {BETA}), {gpu}, {args.dtype}, {datetime.date.today()}, "
+    what = f"JSD, beta {BETA}" if args.loss == "jsd" else args.loss
+    header = (f"### Linear distillation ({what}), {gpu}, {args.dtype}, {datetime.date.today()}, "
               f"{args.rounds} round(s) — {', '.join(f'{k} {v}' for k, v in versions().items())}\n\n"
               f"Command: `{command.strip()}`")
     publish(markdown(rows, header).rstrip("\n"), args.markdown)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": gpu, "date": str(datetime.date.today()), "dtype": args.dtype, "versions": versions(),
+            json.dump({"gpu": gpu, "date": str(datetime.date.today()), "dtype": args.dtype, "loss": args.loss,
+                       "versions": versions(),
                        "command": command.strip(), "floor": "cuBLAS x_t @ W_t.T, x_s @ W_s.T, G @ W_s, G.T @ x_s",
                        "rows": rows}, f, indent=1)
     return 0

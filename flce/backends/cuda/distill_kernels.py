@@ -118,17 +118,20 @@ def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperatu
                 student_max, student_log_sum, soft_scale, student_center, teacher_center, teacher_scale, hard_lse,
                 hard_scale, beta,
                 LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, TEACHER: tl.constexpr,
-                REVERSE: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr):
+                REVERSE: tl.constexpr, CROSS_SUM: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr):
     """Overwrite columns [first, stop) of one row's student logits with d loss / d u_s and, with TEACHER, its
     teacher logits with d loss / d u_t (semantics module docstring: soft_scale f_s plus the hard term's
     hard_scale (softmax(u_s) - onehot), teacher_scale f_t); both are formed before either is written. Logs and
     differences in base 2 (y = t log2 e), times ln 2 where the formula takes natural ones; log-probabilities from
-    the normalisers as semantics.PairStats keeps them ((u - max) / T - log_sum)."""
+    the normalisers as semantics.PairStats keeps them ((u - max) / T - log_sum). CROSS_SUM (forward KL, whose
+    student gradient q - p needs no centre): returns sum p (t - s) over the columns, the loss's E_p[t - s], so the
+    row is read once where its normalisers came from the logits GEMMs; 0 otherwise."""
     cols = tl.arange(0, BLOCK_V)
     to_base2 = inv_temperature * LOG2E
     teacher_log_sum2 = teacher_log_sum * LOG2E
     student_log_sum2 = student_log_sum * LOG2E
     n_blocks = tl.cdiv(stop - first, BLOCK_V)
+    cross = tl.zeros((), tl.float32)
     for i in range(0, n_blocks):
         block = i
         if REVERSE:
@@ -148,6 +151,8 @@ def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperatu
             q = tl.exp2(log2_q)
             if LOSS == 0:
                 g_s = q - p
+                if CROSS_SUM:
+                    cross += tl.sum(tl.where(mask, p * (y_t - y_s), 0.0), 0)
                 if TEACHER:
                     g_t = p * ((y_t - y_s) * LN2 - teacher_center)
             if LOSS == 1:
@@ -166,6 +171,7 @@ def _grad_sweep(teacher_row, student_row, first, stop, target_col, inv_temperatu
         tl.store(student_row + start + cols, g_s.to(student_row.dtype.element_ty), mask=mask)
         if TEACHER:
             tl.store(teacher_row + start + cols, (g_t * teacher_scale).to(teacher_row.dtype.element_ty), mask=mask)
+    return cross * LN2
 
 
 @triton.jit
@@ -275,7 +281,8 @@ def _pair_grad_kernel(
                 tl.minimum(first + SPAN, V), target_col, inv_temperature, tl.load(teacher_max_ptr + row),
                 tl.load(teacher_log_sum_ptr + row), tl.load(student_max_ptr + row),
                 tl.load(student_log_sum_ptr + row), tl.load(soft_scale_ptr + row), student_center, teacher_center,
-                teacher_scale, hard_lse, hard_scale, beta, LOSS, SOFT, HARD, TEACHER, False, PTX, BLOCK_V)
+                teacher_scale, hard_lse, hard_scale, beta, LOSS, SOFT, HARD, TEACHER, False, False, PTX,
+                BLOCK_V)
 
 
 @triton.jit
@@ -296,7 +303,8 @@ def _pair_passes_kernel(
     Each sweep walks the blocks in the direction opposite to the one before it (GRAD_REVERSE: the gradient's
     sweep follows the statistics' alone), so it starts on the blocks still in L2; program p takes rows p, p + P,
     ...: P, the rows in flight, bounds what L2 must hold. KNOWN_STATS: the statistics pointers hold the row's
-    statistics already (the logits GEMMs'; never with CROSS or HARD_OWN_LSE), read instead of swept."""
+    statistics already (the logits GEMMs'; never with HARD_OWN_LSE), read instead of swept; with CROSS (forward KL
+    only, WRITE_GRAD without TEACHER) the gradient's sweep makes the cross sum and stores it: one read a row."""
     pid = tl.program_id(0)
     for row_index in range(pid, n_rows, tl.num_programs(0)):
         row = tl.cast(row_index, tl.int64)
@@ -342,6 +350,9 @@ def _pair_passes_kernel(
             hard_lse = s_max + student_log_sum  # temperature 1: the raw max is the softmax's
             if HARD_OWN_LSE:
                 hard_lse = h_max + tl.log(h_sum)
-            _grad_sweep(teacher_row, student_row, 0, V, target_col, inv_temperature, t_max, teacher_log_sum, s_max,
-                        student_log_sum, r * soft_factor, student_center, teacher_center, r * soft_factor, hard_lse,
-                        r * hard_factor, beta, LOSS, SOFT, HARD, TEACHER, GRAD_REVERSE, PTX, BLOCK_V)
+            expectation = _grad_sweep(teacher_row, student_row, 0, V, target_col, inv_temperature, t_max,
+                                      teacher_log_sum, s_max, student_log_sum, r * soft_factor, student_center,
+                                      teacher_center, r * soft_factor, hard_lse, r * hard_factor, beta, LOSS, SOFT,
+                                      HARD, TEACHER, GRAD_REVERSE, KNOWN_STATS and CROSS == 1, PTX, BLOCK_V)
+            if KNOWN_STATS and CROSS == 1:
+                tl.store(cross_ptr + row, expectation * t_sum)  # the statistics' form: relative to the max

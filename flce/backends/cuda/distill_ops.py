@@ -7,6 +7,8 @@ compute dtype with fp32 arithmetic and write the gradients over them, so a chunk
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
@@ -22,6 +24,7 @@ from flce.distillation.semantics import (
     PairStats,
     PartialPairStats,
     needs_cross,
+    per_head_unfit,
     with_mixture_sums,
 )
 
@@ -116,17 +119,22 @@ def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tar
                  ) -> tuple[PairStats, torch.Tensor | None, torch.Tensor | None]:
     """FusedPairPasses.pair_passes_ (an unsharded chunk): ``rows_in_flight`` programs (None: one a row), at most
     ``registers`` a thread where the kernel compiles to PTX (None: the compiler's choice); with ``known`` statistics
-    (no cross sum, no hard term's own softmax) the kernel reads them instead of its first sweep."""
+    the kernel reads them instead of its first sweep, forward KL's cross sum made in the gradient's sweep."""
     n, vocab = student_logits.shape
     device = student_logits.device
-    if known is not None and (known.cross is not None or known.hard_max is not None):
-        raise ValueError("pair_passes_: known statistics with a cross sum or the hard term's own softmax: the "
-                         "kernel takes those from its own first sweep")
     jsd = _jsd(cfg)
     write = scale is not None
+    if known is not None:
+        why = per_head_unfit(cfg, write and not teacher)
+        if known.cross is not None or known.hard_max is not None:
+            why = "they hold a cross sum or the hard term's own softmax, which the kernel makes itself"
+        if why is not None:
+            raise ValueError(f"pair_passes_: known statistics cannot serve this call: {why}")
     if known is not None and not (jsd or write):  # the GEMMs made all there is
         return PairStats.from_partial(known, cfg), None, None
     partial = PartialPairStats.allocate(n, cfg, device) if known is None else known
+    if known is not None and needs_cross(cfg):  # forward KL: the gradient's sweep writes it
+        partial = dataclasses.replace(known, cross=torch.empty(n, dtype=torch.float32, device=device))
     teacher_kl, student_kl = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(2))
     if n:
         assert teacher_logits.stride(1) == 1 and student_logits.stride(1) == 1  # gradients written in place

@@ -57,7 +57,9 @@ def distillation_steps(desc: DistillDescription, plan: DistillChunks, names: Pai
     first_pass = [] if plan.stats_in_gemm else ["both softmaxes' statistics"]
     if plan.fused_passes:
         passes = first_pass + (["JSD's second pass (KL(P||M), KL(Q||M))"] if jsd else [])
-        passes += [f"{who} gradient over the logits"] if in_forward else []
+        cross = plan.stats_in_gemm and cfg.soft and cfg.loss == "forward_kl"  # semantics.per_head_unfit
+        passes += [f"{who} gradient over the logits" + (" and the loss's E_p[t - s]" if cross else "")
+                   ] if in_forward else []
         why = (f"one pass over both logits ({what})" if len(passes) == 1 else
                f"{what}; a row's sweeps back to back, each starting on the blocks the one before read last (in L2 "
                "while the rows in flight fit it)")
