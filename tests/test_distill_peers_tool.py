@@ -84,16 +84,17 @@ def test_liger_is_listed_whether_it_loads_or_not(peers) -> None:
 def test_the_formula_and_flce_equal_the_oracle(peers, loss: str, generator: torch.Generator) -> None:
     """The torch.compile peer computes the same loss as flce (its formula run eagerly here), both the oracle's, for
     every loss the tool times."""
-    case = peers.Case(16, 8, 12, 40, torch.float32)
-    inputs = peers.make_inputs(case, "cpu")
+    gpu = torch.cuda.is_available()
+    inputs = peers.make_inputs(peers.Case(16, 8, 12, 40, torch.float32), "cuda" if gpu else "cpu")
     expected = reference_distillation_loss(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
                                            inputs.teacher_weight, inputs.target, loss=loss, beta=peers.BETA)
-    torch.testing.assert_close(peers.materialised(inputs, loss).double(), expected, rtol=1e-5, atol=1e-6)
+    tolerance = {"rtol": 1e-4 if gpu else 1e-5, "atol": 1e-6}  # the GPU's fp32 GEMMs: the issue's 1e-4
+    torch.testing.assert_close(peers.materialised(inputs, loss).double(), expected, **tolerance)
     # flce's CUDA backend (in the interpreter without a GPU), with nothing cached and with one kernel a pass
     pytest.importorskip("triton")
     for method in (peers.flce_method(None, loss=loss),
                    peers.flce_method(None, lambda: {"pair_passes": "separate"}, loss)):
-        torch.testing.assert_close(method(inputs).double(), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(method(inputs).double(), expected, **tolerance)
 
 
 @pytest.mark.parametrize("loss", ["jsd", "forward_kl", "reverse_kl"])
