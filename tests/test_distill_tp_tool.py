@@ -25,7 +25,7 @@ def test_distill_tp_gloo_run_reports_both_timings(tmp_path: Path) -> None:
     run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "distill_tp.json").read_text())
-    assert len(report["checks"]) == 6 and all(c["passed"] for c in report["checks"])
+    assert len(report["checks"]) == 8 and all(c["passed"] for c in report["checks"])
     assert all(c["worst over ranks"] <= c["limit"] for c in report["checks"])
     (timing,) = report["timings"]
     assert timing["shape"] == "192x32x48x1001"

@@ -18,7 +18,7 @@ from helpers import count_launches
 import flce
 from flce.autotune import override_params
 from flce.backends.cuda.configs import LaunchParams
-from flce.backends.cuda.distill_ops import pair_passes_
+from flce.backends.cuda.distill_ops import pair_grad_, pair_grad_expectation_, pair_passes_
 from flce.backends.cuda.plan import PAIR_REGISTERS, PAIR_REGISTERS_RANGE
 from flce.distillation.config import DistillationConfig
 from flce.distillation.semantics import (
@@ -85,12 +85,13 @@ STATS_IN_GEMM = {"forward_logits": "fused", "logits_kernel": "triton"}
     ({"loss": "forward_kl", "hard_label_weight": 0.0, "temperature": 0.7}, {}),
     ({"loss": "forward_kl", "hard_label_weight": 0.4, "temperature": 1.0, "reduction": "sum"}, {"rows_in_flight": 3}),
     ({"loss": "forward_kl", "target": False, "temperature": 1.6}, {}),
+    ({"loss": "forward_kl", "hard_label_weight": 0.4, "temperature": 1.0}, {"pair_passes": "separate"}),
 ], ids=["soft-cold", "hard-sum", "hard-only-in-flight", "none-teacher", "separate", "no-target", "fkl-cold",
-        "fkl-hard-sum-in-flight", "fkl-no-target"])
+        "fkl-hard-sum-in-flight", "fkl-no-target", "fkl-separate"])
 def test_statistics_from_the_logits_gemms(options: dict, knobs: dict, generator: torch.Generator) -> None:
     """The plan takes both heads' statistics from the logits GEMMs (no pair statistics pass), and the loss and every
     gradient still match the float64 oracle: fused passes reading the known statistics (forward KL's cross sum
-    made in its gradient's sweep), one kernel a pass, a deferred backward."""
+    made in its gradient's sweep, in the fused kernel's or pair_grad's), one kernel a pass, a deferred backward."""
     options = {"loss": "jsd", **options}
     pair = make_pair(generator, n=17, bias=True, scale=2.0, target=options.pop("target", True))
     knobs = {**STATS_IN_GEMM, **knobs}
@@ -109,15 +110,14 @@ def test_statistics_from_the_logits_gemms(options: dict, knobs: dict, generator:
     ({"loss": "forward_kl", "teacher_grad": True}, {}),
     ({"loss": "forward_kl", "reduction": "none"}, {}),
     ({"loss": "forward_kl", "training": False}, {}),
-    ({"loss": "forward_kl"}, {"pair_passes": "separate"}),
-    ({"loss": "forward_kl", "sharded": True}, {}),
+    ({"loss": "reverse_kl", "sharded": True}, {}),
     ({"hard_label_weight": 0.3, "temperature": 2.0}, {}),
-], ids=["reverse-kl", "fkl-teacher", "fkl-none", "fkl-no-grad", "fkl-separate", "fkl-shard", "hard-own-softmax"])
+], ids=["reverse-kl", "fkl-teacher", "fkl-none", "fkl-no-grad", "rkl-shard", "hard-own-softmax"])
 def test_statistics_needing_both_heads_keep_their_pass(options: dict, knobs: dict) -> None:
-    """Reverse KL's centre, forward KL's cross sum where no fused pass writes the student's gradient alone (the
-    teacher's too, a deferred backward, no gradient, one kernel a pass, a vocabulary shard), and the hard term's own
-    softmax at a temperature need both heads' logits at once: asked for the GEMMs' statistics, the plan keeps the
-    pair statistics pass and says why."""
+    """Reverse KL's centre, forward KL's cross sum where forward does not write the student's gradient alone (the
+    teacher's too, a deferred backward, no gradient), and the hard term's own softmax at a temperature need both
+    heads' logits at once: asked for the GEMMs' statistics, the plan keeps the pair statistics pass and says
+    why."""
     with override_params({**STATS_IN_GEMM, **knobs}, backend="cuda"):
         record = flce.explain_distillation("cpu", backend="cuda", shape=(64, 8, 12, 40), dtype="float32", **options)
     assert not record.plan.stats_in_gemm
@@ -126,6 +126,29 @@ def test_statistics_needing_both_heads_keep_their_pass(options: dict, knobs: dic
     assert f"flce.backends.cuda.distill_kernels.{kernel}" in record.kernel_names()
     why = "needs the student's softmax at temperature 1" if "temperature" in options else "needs both heads' logits"
     assert why in str(record)
+
+
+def test_expectation_sweep_is_forward_kl_for_the_student_alone(generator: torch.Generator) -> None:
+    """pair_grad's sweep that sums forward KL's p (t - s) refuses the losses and the teacher gradient that need a
+    centre before it, and on forward KL returns the gradient pair_grad writes with the row sums of p (t - s)."""
+    teacher, student = (torch.randn(3, 40, generator=generator).to(DEVICE) for _ in range(2))
+    cfg = DistillationConfig(loss="forward_kl")
+    stats = PairStats.from_partial(tile_statistics(teacher.double(), student.double(), None, cfg), cfg)
+    coeffs = pair_coefficients(stats, torch.ones(3, dtype=torch.float64, device=DEVICE), cfg, teacher=False)
+    with override_params(SMALL_BLOCKS, backend="cuda"):
+        launch = LaunchParams(block_v=16, num_warps=4)
+        grad, expectation = pair_grad_expectation_(teacher.clone(), student.clone(), None, cfg, 0, coeffs, launch)
+        alone, _ = pair_grad_(teacher.clone(), student.clone(), None, cfg, 0, coeffs, launch)
+        torch.testing.assert_close(grad, alone, rtol=0, atol=0)
+        p = torch.softmax(teacher.double(), dim=1)
+        torch.testing.assert_close(expectation.double(), (p * (teacher - student).double()).sum(1), rtol=1e-5,
+                                   atol=1e-6)
+        for loss, teacher_grad in (("reverse_kl", False), ("jsd", False), ("forward_kl", True)):
+            other = DistillationConfig(loss=loss)
+            with_teacher = pair_coefficients(stats, torch.ones(3, dtype=torch.float64, device=DEVICE), other,
+                                             teacher=teacher_grad)
+            with pytest.raises(ValueError, match="forward KL's student gradient alone"):
+                pair_grad_expectation_(teacher.clone(), student.clone(), None, other, 0, with_teacher, launch)
 
 
 def test_known_statistics_that_cannot_serve_are_refused(generator: torch.Generator) -> None:

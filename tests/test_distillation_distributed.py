@@ -31,6 +31,7 @@ CASES: dict[str, dict[str, Any]] = {
     "jsd-hard-teacher-none": {"loss": "jsd", "hard_label_weight": 0.4, "temperature": 0.8, "teacher_grad": True,
                               "reduction": "none"},
     "forward-kl-sum-hard": {"loss": "forward_kl", "reduction": "sum", "hard_label_weight": 0.25, "temperature": 1.7},
+    "forward-kl-mean-hard-t1": {"loss": "forward_kl", "hard_label_weight": 0.25},
     "reverse-kl-mean-teacher-chunks": {"loss": "reverse_kl", "teacher_grad": True, "memory_budget": 700},
     "reverse-kl-no-target": {"loss": "reverse_kl", "reduction": "none", "target": False},
 }
@@ -45,7 +46,9 @@ def _shard(pair: Pair, rows: slice) -> Pair:
                 part(pair.teacher_weight), part(pair.teacher_bias), pair.target)
 
 
-def _check_case(checker: Checker, name: str, layout: str, rank: int, group: Any, backend: str = "reference") -> None:
+def _check_case(checker: Checker, name: str, layout: str, rank: int, group: Any, backend: str = "reference",
+                forward_exchanges: int | None = None) -> None:
+    """``forward_exchanges``: the all-reduces of forward's statistics (default: one, and JSD's second pass)."""
     options = dict(CASES[name])
     with_target = options.pop("target", True)
     sizes = LAYOUTS[layout]
@@ -75,7 +78,7 @@ def _check_case(checker: Checker, name: str, layout: str, rank: int, group: Any,
             # One chunk: one all-reduce of both softmaxes' statistics (and JSD's second-pass sums), then one of
             # each grad_hidden in backward.
             summed = [r for r in records if r.kind == "all_reduce(SUM)"]
-            passes = 2 if options["loss"] == "jsd" else 1
+            passes = forward_exchanges or (2 if options["loss"] == "jsd" else 1)
             assert len(summed) == passes + 1 + bool(options.get("teacher_grad")), [(r.kind, r.numel) for r in records]
             assert all(r.kind in ("all_reduce(SUM)", "all_gather") for r in records), records
 
@@ -122,6 +125,13 @@ def _cuda_interpreted(checker: Checker, rank: int, world_size: int) -> None:
                                                sharded=True, loss="jsd")
             assert record.plan.stats_in_gemm and not record.plan.fused_passes
         _check_case(checker, "jsd-mean", "uneven", rank, group, backend="cuda")
+        # forward KL's E_p[t - s] from the gradient's sweep, each shard's part summed in a second all-reduce
+        with checker.case("forward_kl: a shard's statistics from its logits GEMMs"):
+            record = flce.explain_distillation("cpu", backend="cuda", shape=(11, 8, 12, 31), dtype="float32",
+                                               sharded=True, **CASES["forward-kl-mean-hard-t1"])
+            assert record.plan.stats_in_gemm and not record.plan.fused_passes
+            assert "E_p[t - s]" in str(record) and "_pair_stats_kernel" not in str(record)
+        _check_case(checker, "forward-kl-mean-hard-t1", "uneven", rank, group, backend="cuda", forward_exchanges=2)
 
 
 def _compiled(checker: Checker, rank: int, world_size: int) -> None:

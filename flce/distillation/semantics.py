@@ -109,8 +109,8 @@ def per_head_unfit(cfg: DistillationConfig, cross_in_grad_sweep: bool) -> str | 
     if cfg.soft and cfg.loss == "reverse_kl":
         return "reverse_kl's gradient centre E_q[s - t] needs both heads' logits at once"
     if cfg.soft and cfg.loss == "forward_kl" and not cross_in_grad_sweep:
-        return ("forward_kl's cross sum needs both heads' logits at once (only the fused passes writing the "
-                "student's gradient alone in forward make it in their sweep)")
+        return ("forward_kl's cross sum needs both heads' logits at once (made in the gradient's sweep only where "
+                "forward writes the student's gradient alone)")
     if cfg.hard_needs_own_lse:
         return f"the hard term at temperature {cfg.temperature} needs the student's softmax at temperature 1 too"
     return None

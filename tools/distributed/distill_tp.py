@@ -4,9 +4,10 @@
     torchrun --nproc-per-node 2 tools/distributed/distill_tp.py --device cpu --shapes 256x32x48x1000 \
         --rounds 1 --calls 2 --warmup 1                                            # gloo smoke run on a CPU
 
-1. Agreement (small shapes, uneven shards, fp32 and bf16, every loss, a hard-label term, the teacher's
-   gradient asked once): on every rank the sharded loss, the student's grad_hidden and this rank's slice of
-   grad_weight against the unsharded call on the same device, and (fp32) the loss against the float64 oracle.
+1. Agreement (small shapes, uneven shards, fp32 and bf16, every loss at temperature 0.9 and forward KL at 1, a
+   hard-label term, the teacher's gradient asked once): on every rank the sharded loss, the student's grad_hidden
+   and this rank's slice of grad_weight against the unsharded call on the same device, and (fp32) the loss against
+   the float64 oracle.
 2. Time, per shape of ``--shapes`` (``TOKENSxSTUDENT_HxTEACHER_HxVOCAB``; default 8192 x 4096 x {4096, 8192}
    x 128256, bf16, JSD beta 0.5, the default memory budget): TP = 1 (each rank the whole call, side by side as
    data-parallel replicas run) and TP = 2 (both heads' vocabulary halved), forward + backward, after --warmup
@@ -108,10 +109,14 @@ def check_agreement(device: torch.device, backend: str | None) -> list[dict]:
     """Section 1 of the module docstring; every rank checks, rank 0 reports."""
     rank = dist.get_rank()
     results = []
+    cases = [{"loss": loss, "hard_label_weight": 0.2, "temperature": 0.9, "teacher_grad": loss == "jsd"}
+             for loss in ("forward_kl", "reverse_kl", "jsd")]
+    # at temperature 1 forward KL may take the logits GEMMs' statistics (its E_p[t - s] from the gradient's sweep)
+    cases.append({"loss": "forward_kl", "hard_label_weight": 0.2, "temperature": 1.0, "teacher_grad": False})
     for dtype in (torch.float32, torch.bfloat16):
-        for loss in ("forward_kl", "reverse_kl", "jsd"):
-            options = {"loss": loss, "hard_label_weight": 0.2, "temperature": 0.9, "backend": backend,
-                       "teacher_grad": loss == "jsd"}
+        for case in cases:
+            options = {**case, "backend": backend}
+            loss = case["loss"]
             data = inputs(257, 64, 96, 3001, dtype, device, seed=11)
             sizes = halves(3001, uneven=True)
             rows = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
@@ -130,7 +135,8 @@ def check_agreement(device: torch.device, backend: str | None) -> list[dict]:
             worst = max(errors.values())
             worst_all = torch.tensor([worst], device=device)
             dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)
-            results.append({"dtype": str(dtype).removeprefix("torch."), "loss": loss, "errors": errors,
+            results.append({"dtype": str(dtype).removeprefix("torch."), "loss": f"{loss}, T {case['temperature']}",
+                            "errors": errors,
                             "worst over ranks": float(worst_all), "limit": limit,
                             "passed": float(worst_all) <= limit})
     return results

@@ -129,7 +129,7 @@ def _distillation_logits(device: DeviceDescription, desc: DistillDescription, tu
     the cache's forward_logits / logits_kernel, else the heuristic) where the loss's statistics come from each
     head alone and both heads fit it, its epilogue making each head's statistics; else cuBLAS (no chain)."""
     student_alone = desc.request.training and desc.cfg.reduction != "none" and not desc.cfg.teacher_grad
-    why = per_head_unfit(desc.cfg, student_alone and sizes.fused_pair_passes(desc, tuned))
+    why = per_head_unfit(desc.cfg, student_alone)
     if why is not None:
         return RolePick((), f"cuBLAS and the pair kernels' statistics pass: {why}")
     return _teacher_fit(_pick(CHUNK_LOGITS, device, _head_call(desc, desc.student_hidden), tuned, settings, failed,

@@ -250,15 +250,17 @@ def _mixture_sums_kernel(
 def _pair_grad_kernel(
     teacher_ptr, stride_teacher, student_ptr, stride_student, target_ptr,
     teacher_max_ptr, teacher_log_sum_ptr, student_max_ptr, student_log_sum_ptr, soft_scale_ptr, student_center_ptr,
-    teacher_center_ptr, teacher_scale_ptr, hard_lse_ptr, hard_scale_ptr,
+    teacher_center_ptr, teacher_scale_ptr, hard_lse_ptr, hard_scale_ptr, expectation_ptr,
     V, vocab_offset, ignore_index, inv_temperature, beta,
-    LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, TEACHER: tl.constexpr, SPAN: tl.constexpr,
-    PTX: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, TEACHER: tl.constexpr, EXPECTATION: tl.constexpr,
+    SPAN: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The gradients over the logits from per-row coefficients (semantics.PairCoefficients, [n] fp32 each; a
     centre read where its loss has one, the teacher's where TEACHER, the hard term's where HARD). Program
     (row, k) takes columns [k SPAN, (k + 1) SPAN): the columns are independent once the coefficients are known,
-    so a chunk's rows split into short programs (kernels._plain_grad_kernel says why)."""
+    so a chunk's rows split into short programs (kernels._plain_grad_kernel says why). EXPECTATION (forward KL,
+    the student's gradient alone): each program also stores its columns' sum p (t - s) at expectation_ptr
+    [n, programs a row], whose row sums are this shard's part of the loss's E_p[t - s]."""
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * SPAN
     student_center = 0.0
@@ -277,12 +279,14 @@ def _pair_grad_kernel(
         hard_lse = tl.load(hard_lse_ptr + row)
         hard_scale = tl.load(hard_scale_ptr + row)
         target_col = _target_column(target_ptr, row, V, vocab_offset, ignore_index)
-    _grad_sweep(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student, first,
-                tl.minimum(first + SPAN, V), target_col, inv_temperature, tl.load(teacher_max_ptr + row),
-                tl.load(teacher_log_sum_ptr + row), tl.load(student_max_ptr + row),
-                tl.load(student_log_sum_ptr + row), tl.load(soft_scale_ptr + row), student_center, teacher_center,
-                teacher_scale, hard_lse, hard_scale, beta, LOSS, SOFT, HARD, TEACHER, False, False, PTX,
-                BLOCK_V)
+    expectation = _grad_sweep(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student, first,
+                              tl.minimum(first + SPAN, V), target_col, inv_temperature, tl.load(teacher_max_ptr + row),
+                              tl.load(teacher_log_sum_ptr + row), tl.load(student_max_ptr + row),
+                              tl.load(student_log_sum_ptr + row), tl.load(soft_scale_ptr + row), student_center,
+                              teacher_center, teacher_scale, hard_lse, hard_scale, beta, LOSS, SOFT, HARD, TEACHER,
+                              False, EXPECTATION, PTX, BLOCK_V)
+    if EXPECTATION:
+        tl.store(expectation_ptr + row * tl.num_programs(1) + tl.program_id(1), expectation)
 
 
 @triton.jit

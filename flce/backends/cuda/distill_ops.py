@@ -91,10 +91,36 @@ def pair_grad_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, targe
                cfg: DistillationConfig, vocab_offset: int, coeffs: PairCoefficients,
                launch: LaunchParams) -> tuple[torch.Tensor, torch.Tensor | None]:
     """PairKernels.pair_grad_: program (row, k) takes GRAD_BLOCKS_PER_PROGRAM blocks of the row."""
+    teacher = coeffs.teacher_scale is not None
+    _launch_pair_grad(teacher_logits, student_logits, target, cfg, vocab_offset, coeffs, launch, None)
+    return student_logits, teacher_logits if teacher else None
+
+
+def pair_grad_expectation_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, target: torch.Tensor | None,
+                           cfg: DistillationConfig, vocab_offset: int, coeffs: PairCoefficients,
+                           launch: LaunchParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """GradSweepExpectation.pair_grad_expectation_: pair_grad_'s launch, each program also summing p (t - s) over
+    its columns; the row sums of those ([n] fp32) come back beside the student's gradient."""
+    if not (cfg.soft and cfg.loss == "forward_kl") or coeffs.teacher_scale is not None:
+        raise ValueError("pair_grad_expectation_: forward KL's student gradient alone (the teacher's needs "
+                         "E_p[t - s] before its sweep)")
+    n, vocab = student_logits.shape
+    block_v, _ = row_launch(vocab, launch)
+    programs = triton.cdiv(vocab, block_v * GRAD_BLOCKS_PER_PROGRAM) if n else 0
+    parts = torch.empty(n, programs, dtype=torch.float32, device=student_logits.device)
+    _launch_pair_grad(teacher_logits, student_logits, target, cfg, vocab_offset, coeffs, launch, parts)
+    return student_logits, parts.sum(dim=1)
+
+
+def _launch_pair_grad(teacher_logits: torch.Tensor, student_logits: torch.Tensor, target: torch.Tensor | None,
+                      cfg: DistillationConfig, vocab_offset: int, coeffs: PairCoefficients, launch: LaunchParams,
+                      expectation: torch.Tensor | None) -> None:
+    """The gradients written over the logits (and with ``expectation``, [n, programs a row], each program's sum
+    p (t - s))."""
     n, vocab = student_logits.shape
     teacher = coeffs.teacher_scale is not None
     if n == 0:
-        return student_logits, teacher_logits if teacher else None
+        return
     # Written in place: the buffers must be the ones the schedule passes on (its GEMMs' contiguous outputs).
     assert teacher_logits.stride(1) == 1 and student_logits.stride(1) == 1
     block_v, num_warps = row_launch(vocab, launch)
@@ -105,12 +131,11 @@ def pair_grad_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, targe
         coeffs.teacher_center, coeffs.teacher_scale, coeffs.hard_lse, coeffs.hard_scale)]
     k._pair_grad_kernel[(n, triton.cdiv(vocab, span))](
         teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
-        target if cfg.hard else first, first, *present,
+        target if cfg.hard else first, first, *present, first if expectation is None else expectation,
         vocab, vocab_offset, cfg.ignore_index, 1.0 / cfg.temperature, cfg.beta,
-        LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard, TEACHER=teacher, SPAN=span,
-        PTX=compiles_to_ptx(student_logits), BLOCK_V=block_v, num_warps=num_warps,
+        LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard, TEACHER=teacher, EXPECTATION=expectation is not None,
+        SPAN=span, PTX=compiles_to_ptx(student_logits), BLOCK_V=block_v, num_warps=num_warps,
     )
-    return student_logits, teacher_logits if teacher else None
 
 
 def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, target: torch.Tensor | None,
@@ -164,8 +189,9 @@ def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tar
 
 
 class CudaPairKernels(TritonChunkKernels):
-    """flce.engine.distillation.call.PairKernels and FusedPairPasses (and RowKernels: the gradient products by the
-    family the choice gave them, through its fallback chain), launched as ``choice`` says."""
+    """flce.engine.distillation.call.PairKernels, FusedPairPasses and GradSweepExpectation (and RowKernels: the
+    gradient products by the family the choice gave them, through its fallback chain), launched as ``choice``
+    says."""
 
     def __init__(self, choice: KernelChoice) -> None:
         super().__init__(choice)
@@ -180,6 +206,9 @@ class CudaPairKernels(TritonChunkKernels):
 
     def pair_grad_(self, teacher_logits, student_logits, target, cfg, vocab_offset, coeffs):
         return pair_grad_(teacher_logits, student_logits, target, cfg, vocab_offset, coeffs, self.launch)
+
+    def pair_grad_expectation_(self, teacher_logits, student_logits, target, cfg, vocab_offset, coeffs):
+        return pair_grad_expectation_(teacher_logits, student_logits, target, cfg, vocab_offset, coeffs, self.launch)
 
     def pair_passes_(self, teacher_logits, student_logits, target, cfg, scale, teacher, known=None):
         return pair_passes_(teacher_logits, student_logits, target, cfg, scale, teacher, self.launch,

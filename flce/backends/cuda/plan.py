@@ -309,20 +309,16 @@ def chunk_rows(n_rows: int, max_rows: int) -> int:
         chunks += 1
 
 
-def fused_pair_passes(desc: DistillDescription, tuned: TunedKnobs) -> bool:
-    """Forward's passes over a chunk in one kernel: unless the call is a vocabulary shard (its statistics need the
-    other shards' first) or the cache says pair_passes=separate."""
-    return not desc.request.sharded and tuned.pair_passes != "separate"
-
-
 def distillation_schedule(desc: DistillDescription, tuned: TunedKnobs,
                           stats_in_gemm: bool = False) -> tuple[DistillChunks, MemoryPlan]:
     """Linear distillation's token chunks: rows as cross-entropy's (the cache's tokens_per_chunk while it fits the
     budget, else the most that fit it, in whole ROW_MULTIPLE rows) of both heads' logits, the kernels' only [n, V]
-    memory (they write the gradients over them); forward's passes in one kernel where fused_pair_passes.
-    ``stats_in_gemm``: the logits GEMMs make both softmaxes' statistics (the choice's CHUNK_LOGITS family)."""
+    memory (they write the gradients over them); forward's passes in one kernel unless the call is a vocabulary
+    shard (its statistics need the other shards' first) or the cache says pair_passes=separate. ``stats_in_gemm``:
+    the logits GEMMs make both softmaxes' statistics (the choice's CHUNK_LOGITS family)."""
     per_row = pair_logits_bytes_per_row(desc.vocab, desc.dtype)
     budget, budget_from = call_budget(desc.cfg.memory_budget, DEFAULT_CHUNK_BUDGET, "DEFAULT_CHUNK_BUDGET")
     rows = tuned_chunk_rows(desc.n_rows, per_row, tuned.tokens_per_chunk, budget, chunk_rows)
-    return (DistillChunks(rows, fused_passes=fused_pair_passes(desc, tuned), stats_in_gemm=stats_in_gemm),
+    fused = not desc.request.sharded and tuned.pair_passes != "separate"
+    return (DistillChunks(rows, fused_passes=fused, stats_in_gemm=stats_in_gemm),
             MemoryPlan(budget, budget_from, min(rows, desc.n_rows) * per_row))

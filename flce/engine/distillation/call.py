@@ -157,6 +157,18 @@ class FusedPairPasses(Protocol):
         kernel takes them instead of its first sweep."""
 
 
+class GradSweepExpectation(Protocol):
+    """A capability of a backend's pair kernels that a plan with ``stats_in_gemm`` asks for where forward KL's
+    passes are one kernel each (a vocabulary shard, pair_passes=separate): its E_p[t - s] from the gradient's sweep."""
+
+    def pair_grad_expectation_(self, teacher_logits: torch.Tensor, student_logits: torch.Tensor,
+                               target: torch.Tensor | None, cfg: DistillationConfig, vocab_offset: int,
+                               coeffs: PairCoefficients) -> tuple[torch.Tensor, torch.Tensor]:
+        """pair_grad_ for forward KL's student gradient alone (the whole vocabulary's normalisers in ``coeffs``),
+        also returning each row's sum p (t - s) over these columns ([n] fp32): summed over the shards, the loss's
+        E_p[t - s]."""
+
+
 @dataclass(frozen=True)
 class PairSharding:
     """Vocabulary sharding of a tensor-parallel distillation call (both heads sharded alike): this rank's

@@ -12,7 +12,8 @@ Forward, chunk by chunk:
 
 A plan with ``fused_passes`` (an unsharded call, kernels with FusedPairPasses) makes steps 2 and 3's passes
 one kernel, each row's sweeps back to back. A plan with ``stats_in_gemm`` takes step 2's first pass from the
-logits GEMMs' epilogues instead (each head's statistics as cross-entropy's; semantics.pair_stats_of_heads).
+logits GEMMs' epilogues instead (each head's statistics as cross-entropy's; semantics.pair_stats_of_heads);
+forward KL's E_p[t - s] then comes from step 3's sweep (one kernel a pass: GradSweepExpectation).
 
 Four GEMMs per chunk in all: the teacher's logits, the student's, and the student's two gradient products.
 With reduction="none" each row's upstream gradient arrives in backward: forward keeps the rows' statistics
@@ -30,6 +31,7 @@ from flce.distillation.semantics import (
     PairStats,
     PartialPairStats,
     head_config,
+    needs_cross,
     pair_coefficients,
     pair_stats_of_heads,
     reduced,
@@ -189,8 +191,13 @@ def forward(call: DistillCall, pair, grads_in_forward: PairGradTargets | None, k
             stats = chunk_statistics(call, teacher_logits, student_logits, rows_target, partial)
             if acc is not None:
                 coeffs = pair_coefficients(stats, scale[rows], cfg, teacher=teacher)
-                student_grad, teacher_grad = kernels.pair_grad_(teacher_logits, student_logits, rows_target, cfg,
-                                                                call.vocab_offset, coeffs)
+                if needs_cross(cfg) and stats.cross_mean is None:  # forward KL on the GEMMs' statistics
+                    student_grad, expectation = kernels.pair_grad_expectation_(
+                        teacher_logits, student_logits, rows_target, cfg, call.vocab_offset, coeffs)
+                    teacher_grad, stats.cross_mean = None, call.summed(expectation)
+                else:
+                    student_grad, teacher_grad = kernels.pair_grad_(teacher_logits, student_logits, rows_target,
+                                                                    cfg, call.vocab_offset, coeffs)
         losses.append(row_losses(stats, None if valid is None else valid[rows], cfg))
         if acc is not None:
             acc.add(student_grad, teacher_grad, rows)

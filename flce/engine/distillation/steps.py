@@ -55,11 +55,11 @@ def distillation_steps(desc: DistillDescription, plan: DistillChunks, names: Pai
                           f"two GEMMs into two buffers of {plan.tokens_per_chunk} rows x V"
                           + (f" ({logits_reason})" if logits_reason else "")))
     first_pass = [] if plan.stats_in_gemm else ["both softmaxes' statistics"]
+    # forward KL on the GEMMs' statistics: its E_p[t - s] from the gradient's sweep (semantics.per_head_unfit)
+    expectation = " and the loss's E_p[t - s]" if plan.stats_in_gemm and cfg.soft and cfg.loss == "forward_kl" else ""
     if plan.fused_passes:
         passes = first_pass + (["JSD's second pass (KL(P||M), KL(Q||M))"] if jsd else [])
-        cross = plan.stats_in_gemm and cfg.soft and cfg.loss == "forward_kl"  # semantics.per_head_unfit
-        passes += [f"{who} gradient over the logits" + (" and the loss's E_p[t - s]" if cross else "")
-                   ] if in_forward else []
+        passes += [f"{who} gradient over the logits{expectation}"] if in_forward else []
         why = (f"one pass over both logits ({what})" if len(passes) == 1 else
                f"{what}; a row's sweeps back to back, each starting on the blocks the one before read last (in L2 "
                "while the rows in flight fit it)")
@@ -80,7 +80,7 @@ def distillation_steps(desc: DistillDescription, plan: DistillChunks, names: Pai
         steps.append(Step("backward: each chunk's teacher and student logits again", (gemm,),
                           "each row's upstream gradient arrives in backward; forward kept the rows' statistics"))
     if not (plan.fused_passes and in_forward):
-        steps.append(Step(f"each chunk: {who} gradient over the logits ({when})", (names.pair_grad,),
+        steps.append(Step(f"each chunk: {who} gradient over the logits{expectation} ({when})", (names.pair_grad,),
                           "written over the logits buffers", launch("pair_grad")))
     product_names = f"gradient products G_s @ W_s and G_s.T @ x_s{', G_t @ W_t and G_t.T @ x_t' if teacher else ''}"
     gemms = names.grad_gemms if chunks > 1 else names.grad_gemms[:1]
