@@ -118,14 +118,9 @@ def materialised(inputs: Inputs, loss: str = "jsd") -> torch.Tensor:
 
 
 def torch_compile_method(loss: str = "jsd") -> Callable[[Inputs], torch.Tensor]:
-    """torch.compile of the formula on materialised logits, compiled at its first call."""
-    compiled: list[Callable] = []
-
-    def call(inputs: Inputs) -> torch.Tensor:
-        if not compiled:
-            compiled.append(torch.compile(materialised))
-        return compiled[0](inputs, loss)
-    return call
+    """torch.compile of the formula on materialised logits (torch.compile compiles at the first call)."""
+    compiled = torch.compile(materialised)
+    return lambda inputs: compiled(inputs, loss)
 
 
 def flce_method(budget: int | None, knobs: Callable[[], dict] | None = None,

@@ -91,9 +91,8 @@ def pair_grad_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, targe
                cfg: DistillationConfig, vocab_offset: int, coeffs: PairCoefficients,
                launch: LaunchParams) -> tuple[torch.Tensor, torch.Tensor | None]:
     """PairKernels.pair_grad_: program (row, k) takes GRAD_BLOCKS_PER_PROGRAM blocks of the row."""
-    teacher = coeffs.teacher_scale is not None
-    _launch_pair_grad(teacher_logits, student_logits, target, cfg, vocab_offset, coeffs, launch, None)
-    return student_logits, teacher_logits if teacher else None
+    _launch_pair_grad(teacher_logits, student_logits, target, cfg, vocab_offset, coeffs, launch, expectation=False)
+    return student_logits, teacher_logits if coeffs.teacher_scale is not None else None
 
 
 def pair_grad_expectation_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, target: torch.Tensor | None,
@@ -104,38 +103,38 @@ def pair_grad_expectation_(teacher_logits: torch.Tensor, student_logits: torch.T
     if not (cfg.soft and cfg.loss == "forward_kl") or coeffs.teacher_scale is not None:
         raise ValueError("pair_grad_expectation_: forward KL's student gradient alone (the teacher's needs "
                          "E_p[t - s] before its sweep)")
-    n, vocab = student_logits.shape
-    block_v, _ = row_launch(vocab, launch)
-    programs = triton.cdiv(vocab, block_v * GRAD_BLOCKS_PER_PROGRAM) if n else 0
-    parts = torch.empty(n, programs, dtype=torch.float32, device=student_logits.device)
-    _launch_pair_grad(teacher_logits, student_logits, target, cfg, vocab_offset, coeffs, launch, parts)
+    parts = _launch_pair_grad(teacher_logits, student_logits, target, cfg, vocab_offset, coeffs, launch,
+                              expectation=True)
     return student_logits, parts.sum(dim=1)
 
 
 def _launch_pair_grad(teacher_logits: torch.Tensor, student_logits: torch.Tensor, target: torch.Tensor | None,
                       cfg: DistillationConfig, vocab_offset: int, coeffs: PairCoefficients, launch: LaunchParams,
-                      expectation: torch.Tensor | None) -> None:
-    """The gradients written over the logits (and with ``expectation``, [n, programs a row], each program's sum
-    p (t - s))."""
+                      expectation: bool) -> torch.Tensor | None:
+    """The gradients written over the logits; with ``expectation``, returns each program's sum p (t - s)
+    ([n, programs a row] fp32)."""
     n, vocab = student_logits.shape
-    teacher = coeffs.teacher_scale is not None
-    if n == 0:
-        return
-    # Written in place: the buffers must be the ones the schedule passes on (its GEMMs' contiguous outputs).
-    assert teacher_logits.stride(1) == 1 and student_logits.stride(1) == 1
     block_v, num_warps = row_launch(vocab, launch)
     span = block_v * GRAD_BLOCKS_PER_PROGRAM
+    programs = triton.cdiv(vocab, span)
+    parts = torch.empty(n, programs, dtype=torch.float32, device=student_logits.device) if expectation else None
+    if n == 0:
+        return parts
+    # Written in place: the buffers must be the ones the schedule passes on (its GEMMs' contiguous outputs).
+    assert teacher_logits.stride(1) == 1 and student_logits.stride(1) == 1
     first = _rows(coeffs.teacher_max)
     present = [first if t is None else _rows(t) for t in (
         coeffs.teacher_log_sum, coeffs.student_max, coeffs.student_log_sum, coeffs.soft_scale, coeffs.student_center,
         coeffs.teacher_center, coeffs.teacher_scale, coeffs.hard_lse, coeffs.hard_scale)]
-    k._pair_grad_kernel[(n, triton.cdiv(vocab, span))](
+    k._pair_grad_kernel[(n, programs)](
         teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
-        target if cfg.hard else first, first, *present, first if expectation is None else expectation,
+        target if cfg.hard else first, first, *present, first if parts is None else parts,
         vocab, vocab_offset, cfg.ignore_index, 1.0 / cfg.temperature, cfg.beta,
-        LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard, TEACHER=teacher, EXPECTATION=expectation is not None,
-        SPAN=span, PTX=compiles_to_ptx(student_logits), BLOCK_V=block_v, num_warps=num_warps,
+        LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard, TEACHER=coeffs.teacher_scale is not None,
+        EXPECTATION=expectation, SPAN=span, PTX=compiles_to_ptx(student_logits), BLOCK_V=block_v,
+        num_warps=num_warps,
     )
+    return parts
 
 
 def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, target: torch.Tensor | None,

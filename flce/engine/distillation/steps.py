@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from flce.distillation.semantics import needs_cross
 from flce.engine.choice import Step
 from flce.engine.distillation.call import DistillChunks, DistillDescription
 
@@ -55,8 +56,9 @@ def distillation_steps(desc: DistillDescription, plan: DistillChunks, names: Pai
                           f"two GEMMs into two buffers of {plan.tokens_per_chunk} rows x V"
                           + (f" ({logits_reason})" if logits_reason else "")))
     first_pass = [] if plan.stats_in_gemm else ["both softmaxes' statistics"]
-    # forward KL on the GEMMs' statistics: its E_p[t - s] from the gradient's sweep (semantics.per_head_unfit)
-    expectation = " and the loss's E_p[t - s]" if plan.stats_in_gemm and cfg.soft and cfg.loss == "forward_kl" else ""
+    # a KL divergence on the GEMMs' statistics (forward KL: semantics.per_head_unfit): E_p[t - s] from the gradient's
+    # sweep, as the schedule takes it
+    expectation = " and the loss's E_p[t - s]" if plan.stats_in_gemm and needs_cross(cfg) else ""
     if plan.fused_passes:
         passes = first_pass + (["JSD's second pass (KL(P||M), KL(Q||M))"] if jsd else [])
         passes += [f"{who} gradient over the logits{expectation}"] if in_forward else []
