@@ -373,26 +373,6 @@ def test_record_on_a_described_gpu_equals_the_plan(gpu: str, options: dict, monk
 
 
 @pytest.mark.parametrize("gpu", [H100, A100])
-@pytest.mark.parametrize("sharded", [False, True])
-def test_teacher_logits_on_a_second_stream_on_a_gpu(gpu: str, sharded: bool) -> None:
-    """On a GPU the teacher's logits GEMMs run on a second stream (explain says so in the schedule and the logits'
-    step) unless the cache says logits_streams=1; the interpreter's CPU tensors have no streams; the tuner times one
-    stream too."""
-    from flce.autotune.spaces import DISTILLATION, TuneShape, tuning_space
-
-    record = flce.explain_distillation("cuda", gpu=gpu, shape="8192x4096x4096x128256", sharded=sharded)
-    assert record.plan.teacher_beside and "the teacher's logits GEMM on a second stream" in str(record)
-    assert "the teacher's on a second stream" in record.steps[1].reason
-    with override_params({"logits_streams": 1}, backend="cuda"):
-        one = flce.explain_distillation("cuda", gpu=gpu, shape="8192x4096x4096x128256", sharded=sharded)
-    assert not one.plan.teacher_beside and "second stream" not in str(one)
-    interpreted = flce.explain_distillation("cpu", backend="cuda", shape=(2048, 16, 16, 64), dtype="float32")
-    assert not interpreted.plan.teacher_beside
-    shape = TuneShape(torch.device("cpu"), torch.float32, 16, 64, 2048, "distillation")
-    assert {c.get("logits_streams") for c in tuning_space("cuda", DISTILLATION).candidates(shape, True)} == {None, 1}
-
-
-@pytest.mark.parametrize("gpu", [H100, A100])
 def test_vocabulary_shard_plans_one_kernel_a_pass(gpu: str) -> None:
     """A shard's passes are one kernel each (its statistics need the other shards' first); on Hopper the logits
     GEMMs make the shard's statistics, elsewhere the pair statistics kernel does."""
@@ -452,7 +432,6 @@ def test_tuning_space_heuristic_is_the_planners_choice() -> None:
     record = flce.explain_distillation("cpu", backend="cuda", shape=(2048, 16, 16, 64), dtype="float32")
     assert heuristic["tokens_per_chunk"] == record.plan.tokens_per_chunk
     assert heuristic["pair_passes"] == "fused" and heuristic["grad_gemm_kernel"] == "cublas"
-    assert heuristic["logits_streams"] == (2 if record.plan.teacher_beside else 1)
     candidates = space.candidates(shape, True)
     assert {c["pair_passes"] for c in candidates} == {"fused", "separate"}
     assert space.working_bytes(shape, {"tokens_per_chunk": 256}) == 256 * 2 * 64 * 4

@@ -12,13 +12,12 @@ memory above the gradients it returns (the student's hidden and weight gradients
     python tools/benchmarks/distill_peers.py --loss forward_kl                 # KL(P || Q) instead of JSD
 
 Methods: ``flce``, the CUDA backend (by name: a row saying "fails: ..." where it cannot run) as a call plans it
-with nothing cached (the default memory budget, on Hopper both softmaxes' statistics from the logits GEMMs, the
-teacher's logits GEMMs on a second stream, forward's passes over a chunk's logits in one kernel, one program a row, at most 64 registers a thread);
+with nothing cached (the default memory budget, on Hopper both softmaxes' statistics from the logits GEMMs,
+forward's passes over a chunk's logits in one kernel, one program a row, at most 64 registers a thread);
 ``flce_512MiB`` (memory_budget=512 MiB, the default's bound named); the other paths, as flce-autotune would time
 them (docs/distillation.md): ``flce_separate`` (one kernel a pass, pair_passes=separate), ``flce_cublas_logits``
 (forward_logits=cublas: the logits from cuBLAS, their statistics from a first sweep of the pair kernel),
-``flce_uncapped`` (pair_registers=255: the passes' kernel without the register cap), ``flce_one_stream``
-(logits_streams=1: the teacher's logits GEMMs on the call's stream, not beside the rest) and ``flce_2GiB``
+``flce_uncapped`` (pair_registers=255: the passes' kernel without the register cap) and ``flce_2GiB``
 (memory_budget=2 GiB: 2 chunks at 8192 tokens, fewer read-modify-writes of the weight gradient); ``liger_jsd``,
 Liger-Kernel's ``LigerFusedLinearJSDLoss`` (weight_hard_loss=0, weight_soft_loss=1, beta 0.5; its chunked
 torch.compile loop, which computes the unweighted cross-entropy too), where liger-kernel imports (a row saying
@@ -151,7 +150,6 @@ def all_methods(loss: str = "jsd") -> dict[str, Callable[[Inputs], torch.Tensor]
         "flce_separate": flce_method(None, lambda: {"pair_passes": "separate"}, loss),
         "flce_cublas_logits": flce_method(None, lambda: {"forward_logits": "cublas"}, loss),
         "flce_uncapped": flce_method(None, lambda: {"pair_registers": 255}, loss),
-        "flce_one_stream": flce_method(None, lambda: {"logits_streams": 1}, loss),
         "flce_2GiB": flce_method(2048 * MiB, loss=loss)}
     try:
         methods["liger_jsd"] = liger_method(loss)

@@ -103,8 +103,7 @@ def choose_distillation(device: DeviceDescription, desc: DistillDescription, ent
     if stats_in_gemm:
         chains[CHUNK_LOGITS] = logits.chain
     kernels = KernelChoice(chains=chains, settings=settings)
-    plan, memory = sizes.distillation_schedule(desc, tuned, stats_in_gemm,
-                                               streams=device.type == "cuda" and not device.interpreter)
+    plan, memory = sizes.distillation_schedule(desc, tuned, stats_in_gemm)
     record = CallChoice(backend="cuda", device=device.text(), inputs=desc.text(), cache=tuned.source, plan=plan,
                         gradients=gradient_timing(desc), memory=memory,
                         steps=steps.of_distillation(device, desc, plan, kernels, call, pick.reason,

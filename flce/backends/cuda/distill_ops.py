@@ -18,7 +18,6 @@ from flce.backends.cuda.families import KernelChoice
 from flce.backends.cuda.ops import TritonChunkKernels
 from flce.backends.cuda.ptx_math import compiles_to_ptx
 from flce.backends.cuda.row_ops import GRAD_BLOCKS_PER_PROGRAM, row_launch
-from flce.backends.cuda.streams import CudaSecondStream
 from flce.distillation.config import DistillationConfig
 from flce.distillation.semantics import (
     PairCoefficients,
@@ -189,9 +188,9 @@ def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tar
 
 
 class CudaPairKernels(TritonChunkKernels):
-    """flce.engine.distillation.call.PairKernels, FusedPairPasses, GradSweepExpectation and SecondStream (and
-    RowKernels: the gradient products by the family the choice gave them, through its fallback chain), launched as
-    ``choice`` says."""
+    """flce.engine.distillation.call.PairKernels, FusedPairPasses and GradSweepExpectation (and RowKernels: the
+    gradient products by the family the choice gave them, through its fallback chain), launched as ``choice``
+    says."""
 
     def __init__(self, choice: KernelChoice) -> None:
         super().__init__(choice)
@@ -213,6 +212,3 @@ class CudaPairKernels(TritonChunkKernels):
     def pair_passes_(self, teacher_logits, student_logits, target, cfg, scale, teacher, known=None):
         return pair_passes_(teacher_logits, student_logits, target, cfg, scale, teacher, self.launch,
                             self.rows_in_flight, known, self.pair_registers)
-
-    def second_stream(self, device):
-        return CudaSecondStream(device)

@@ -62,12 +62,6 @@ PAIR_PASSES = ("fused", "separate")
 # to is what they lack. A cached pair_registers in PAIR_REGISTERS_RANGE takes its place (the top: no cap).
 PAIR_REGISTERS = 64
 PAIR_REGISTERS_RANGE = (32, 255)
-# Streams a distillation chunk's logits GEMMs run on. 2 (the default on a GPU): the teacher's on a second stream that
-# waits only for the chunk before to be done with the teacher's buffer, so its tiles fill the multiprocessors the last
-# tiles of the chunk before's gradient products and of the student's logits GEMM leave idle. On an H200, JSD at
-# 8192 x 4096 x 128256 bf16 in 512 MiB (teacher H 4096 / 8192): 1.104x / 1.077x the 4-GEMM floor against 1.127x /
-# 1.103x on one stream (the same bits; docs/distillation.md).
-LOGITS_STREAMS = (1, 2)
 # In-forward gradients: budgets that leave token chunks of fewer rows than this take the vocabulary-
 # block schedule, whose recomputed GEMM costs less than each small chunk's read-modify-write of the
 # V x H weight gradient. Measured on the H200 (docs/benchmarks.md): 256-row chunks 1.47x / 1.71x the
@@ -114,7 +108,6 @@ class TunedKnobs:
     pair_passes: str | None = None
     rows_in_flight: int | None = None
     pair_registers: int | None = None
-    logits_streams: int | None = None  # a chunk's two logits GEMMs on one stream or two (LOGITS_STREAMS)
     source: str = "none for this shape"
 
 
@@ -151,8 +144,7 @@ def tuned_knobs(entry: TunedEntry) -> TunedKnobs:
                       grad_gemm_kernel=family("grad_gemm_kernel", role.PRODUCTS),
                       chunk_grad=choice("chunk_grad", CHUNK_GRADS), pair_passes=choice("pair_passes", PAIR_PASSES),
                       rows_in_flight=positive_int(params.get("rows_in_flight")),
-                      pair_registers=_pair_registers(params.get("pair_registers")),
-                      logits_streams=choice("logits_streams", LOGITS_STREAMS), source=entry.source)
+                      pair_registers=_pair_registers(params.get("pair_registers")), source=entry.source)
 
 
 def _pair_registers(value: object) -> int | None:
@@ -317,18 +309,16 @@ def chunk_rows(n_rows: int, max_rows: int) -> int:
         chunks += 1
 
 
-def distillation_schedule(desc: DistillDescription, tuned: TunedKnobs, stats_in_gemm: bool = False,
-                          streams: bool = False) -> tuple[DistillChunks, MemoryPlan]:
+def distillation_schedule(desc: DistillDescription, tuned: TunedKnobs,
+                          stats_in_gemm: bool = False) -> tuple[DistillChunks, MemoryPlan]:
     """Linear distillation's token chunks: rows as cross-entropy's (the cache's tokens_per_chunk while it fits the
     budget, else the most that fit it, in whole ROW_MULTIPLE rows) of both heads' logits, the kernels' only [n, V]
     memory (they write the gradients over them); forward's passes in one kernel unless the call is a vocabulary
     shard (its statistics need the other shards' first) or the cache says pair_passes=separate. ``stats_in_gemm``:
-    the logits GEMMs make both softmaxes' statistics (the choice's CHUNK_LOGITS family). ``streams``: the device
-    has streams (a GPU), where the teacher's GEMMs run on a second one unless the cache says logits_streams=1."""
+    the logits GEMMs make both softmaxes' statistics (the choice's CHUNK_LOGITS family)."""
     per_row = pair_logits_bytes_per_row(desc.vocab, desc.dtype)
     budget, budget_from = call_budget(desc.cfg.memory_budget, DEFAULT_CHUNK_BUDGET, "DEFAULT_CHUNK_BUDGET")
     rows = tuned_chunk_rows(desc.n_rows, per_row, tuned.tokens_per_chunk, budget, chunk_rows)
     fused = not desc.request.sharded and tuned.pair_passes != "separate"
-    beside = streams and tuned.logits_streams != 1
-    return (DistillChunks(rows, fused_passes=fused, stats_in_gemm=stats_in_gemm, teacher_beside=beside),
+    return (DistillChunks(rows, fused_passes=fused, stats_in_gemm=stats_in_gemm),
             MemoryPlan(budget, budget_from, min(rows, desc.n_rows) * per_row))

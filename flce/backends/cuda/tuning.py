@@ -46,8 +46,8 @@ def _tuning_candidates(shape: TuneShape, quick: bool) -> list[dict]:
 def _distillation_candidates(shape: TuneShape, quick: bool) -> list[dict]:
     """Chunk rows x the pair row kernels' blocks x forward's passes in one kernel (all rows in flight, or one, two or
     four a multiprocessor: fewer rows in flight keep more of a row in L2 between its sweeps; all rows without the
-    register cap too) or one kernel each (and once the chunk logits by cuBLAS, once both on one stream), x the
-    gradient products' families that fit."""
+    register cap too) or one kernel each (and the chunk logits by cuBLAS once), x the gradient products' families
+    that fit."""
     from flce.backends.cuda.plan import PAIR_REGISTERS_RANGE
 
     device, products = _device_and_products(shape)
@@ -60,9 +60,8 @@ def _distillation_candidates(shape: TuneShape, quick: bool) -> list[dict]:
     passes.append({"pair_passes": "separate"})
     forwards = [{"block_v": block_v, "num_warps": warps, **p} for block_v, warps in launches for p in passes]
     # The chunk logits from cuBLAS and a statistics pass, beside the heuristic's family (on Hopper the
-    # warp-specialised GEMM making the statistics in its epilogue), at the first launch with every row in flight;
-    # and both logits GEMMs on one stream there.
-    forwards += [{**forwards[0], "forward_logits": "cublas"}, {**forwards[0], "logits_streams": 1}]
+    # warp-specialised GEMM making the statistics in its epilogue), at the first launch with every row in flight.
+    forwards.append({**forwards[0], "forward_logits": "cublas"})
     if len(products) > 1:
         forwards = [dict(knobs, grad_gemm_kernel=name) for knobs in forwards for name in products]
     rows = chunk_candidates(shape.tokens, quick, smallest=256)
@@ -144,8 +143,7 @@ def _tuning_heuristic(shape: TuneShape) -> dict:
 
 def _distillation_heuristic(shape: TuneShape) -> dict:
     """The knobs the distillation kernel choice takes for a training call with nothing cached: the chunk, the row
-    kernels' launch, whether forward's passes are one kernel, the logits GEMMs' streams, and the gradient products'
-    family."""
+    kernels' launch, whether forward's passes are one kernel, and the gradient products' family."""
     from flce.autotune.lookup import TunedEntry
     from flce.backends.cuda.choice import choose_distillation
     from flce.backends.cuda.families.family import CHUNK_LOGITS, PRODUCTS
@@ -158,7 +156,6 @@ def _distillation_heuristic(shape: TuneShape) -> dict:
     block_v, num_warps = row_launch(shape.vocab, kernels.settings.launch)
     return {"tokens_per_chunk": record.plan.tokens_per_chunk, "block_v": block_v, "num_warps": num_warps,
             "pair_passes": "fused" if record.plan.fused_passes else "separate",
-            "logits_streams": 2 if record.plan.teacher_beside else 1,
             **({"forward_logits": "fused", "logits_kernel": kernels.family(CHUNK_LOGITS).name.removesuffix("_tma")}
                if record.plan.stats_in_gemm else {"forward_logits": "cublas"}),
             "grad_gemm_kernel": kernels.family(PRODUCTS).name}

@@ -4,7 +4,6 @@ protocol, and what forward leaves for backward."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -27,15 +26,11 @@ class DistillChunks:
     (:class:`FusedPairPasses`), for an unsharded call only: a shard's statistics need the others' first.
     ``stats_in_gemm``: each head's logits GEMM also makes its softmax's statistics in its epilogue
     (flce.engine.kernels.FusedStatsGemm's gemm_row_stats, once per head; semantics.per_head_unfit says which losses
-    allow it), so no pass over the logits is needed for them. ``teacher_beside``: the teacher's logits GEMM runs on a
-    second stream (the kernels' :class:`SecondStream`) that waits only for the previous chunk's passes to be done
-    with the teacher's buffer, so it runs beside that chunk's gradient products and the student's logits GEMM, on
-    the multiprocessors their last tiles leave idle."""
+    allow it), so no pass over the logits is needed for them."""
 
     tokens_per_chunk: int
     fused_passes: bool = False
     stats_in_gemm: bool = False
-    teacher_beside: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens_per_chunk < 1:
@@ -46,9 +41,6 @@ class DistillChunks:
         chunks = -(-n_rows // self.tokens_per_chunk) if n_rows else 0
         words = [f"token chunks: {chunks} of up to {self.tokens_per_chunk} rows, both heads' logits of a chunk in "
                  "two buffers; both softmaxes' statistics" + (" from the logits GEMMs" if self.stats_in_gemm else "")]
-        if self.teacher_beside:
-            words.append("the teacher's logits GEMM on a second stream, beside the previous chunk's gradient products "
-                         "and the student's logits GEMM")
         if self.fused_passes:
             words.append("forward's passes over a chunk's logits in one kernel")
         if in_forward:
@@ -175,29 +167,6 @@ class GradSweepExpectation(Protocol):
         """pair_grad_ for forward KL's student gradient alone (the whole vocabulary's normalisers in ``coeffs``),
         also returning each row's sum p (t - s) over these columns ([n] fp32): summed over the shards, the loss's
         E_p[t - s]."""
-
-
-class Beside(Protocol):
-    """One call's second stream of the device, ordered against the call's own stream only where told."""
-
-    def run(self) -> AbstractContextManager[None]:
-        """Kernels launched inside run on the second stream once the call's stream has reached the last
-        :meth:`free` (everything launched before, where none came since the last run)."""
-
-    def join(self, *tensors: torch.Tensor) -> None:
-        """The call's stream waits for the second stream's work; ``tensors``, made there, are in use on the call's
-        stream from here on."""
-
-    def free(self) -> None:
-        """Mark the call's stream here: what the second stream runs next may start once it gets here (the buffer
-        that work writes is read no more)."""
-
-
-class SecondStream(Protocol):
-    """A capability of a backend's kernels that a DistillChunks plan with ``teacher_beside`` asks for."""
-
-    def second_stream(self, device: torch.device) -> Beside:
-        """A second stream beside the current one of ``device``, for one call."""
 
 
 @dataclass(frozen=True)

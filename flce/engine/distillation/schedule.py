@@ -13,9 +13,7 @@ Forward, chunk by chunk:
 A plan with ``fused_passes`` (an unsharded call, kernels with FusedPairPasses) makes steps 2 and 3's passes
 one kernel, each row's sweeps back to back. A plan with ``stats_in_gemm`` takes step 2's first pass from the
 logits GEMMs' epilogues instead (each head's statistics as cross-entropy's; semantics.pair_stats_of_heads);
-forward KL's E_p[t - s] then comes from step 3's sweep (one kernel a pass: GradSweepExpectation). A plan with
-``teacher_beside`` runs each chunk's teacher GEMM on a second stream (SecondStream) that waits only until the chunk
-before is done reading the teacher's buffer: its passes (and, where the teacher takes a gradient, its products).
+forward KL's E_p[t - s] then comes from step 3's sweep (one kernel a pass: GradSweepExpectation).
 
 Four GEMMs per chunk in all: the teacher's logits, the student's, and the student's two gradient products.
 With reduction="none" each row's upstream gradient arrives in backward: forward keeps the rows' statistics
@@ -24,8 +22,7 @@ With reduction="none" each row's upstream gradient arrives in backward: forward 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -43,7 +40,7 @@ from flce.distillation.semantics import (
     with_mixture_sums,
 )
 from flce.engine.call import Grads
-from flce.engine.distillation.call import Beside, DistillCall, PairGradTargets
+from flce.engine.distillation.call import DistillCall, PairGradTargets
 from flce.engine.plans import chunk_bounds
 from flce.engine.rows import GradAccumulator, WorkBuffer, gemm_logits
 from flce.semantics import TokenCounts, statistics_dtype
@@ -89,43 +86,27 @@ def chunk_statistics(call: DistillCall, teacher_logits: torch.Tensor, student_lo
 
 
 class _PairLogits:
-    """The two chunk-sized buffers every chunk writes its logits into (rows.WorkBuffer says why one each);
-    ``beside``: the second stream a plan with teacher_beside runs the teacher's GEMM on."""
+    """The two chunk-sized buffers every chunk writes its logits into (rows.WorkBuffer says why one each)."""
 
-    def __init__(self, pair, rows: int, beside: Beside | None = None):
+    def __init__(self, pair, rows: int):
         vocab = pair.student_weight.shape[0]
-        self.pair, self.vocab, self.beside = pair, vocab, beside
+        self.pair, self.vocab = pair, vocab
         self.teacher = WorkBuffer(pair.teacher_hidden, rows, vocab, pair.teacher_weight.dtype)
         self.student = WorkBuffer(pair.student_hidden, rows, vocab, pair.student_weight.dtype)
 
     def of(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         p, n, v = self.pair, rows.stop - rows.start, self.vocab
-        with self._teacher_stream():
-            teacher = gemm_logits(p.teacher_hidden[rows], p.teacher_weight, p.teacher_bias, self.teacher.view(n, v))
+        teacher = gemm_logits(p.teacher_hidden[rows], p.teacher_weight, p.teacher_bias, self.teacher.view(n, v))
         student = gemm_logits(p.student_hidden[rows], p.student_weight, p.student_bias, self.student.view(n, v))
-        self._joined()
         return teacher, student
-
-    def teacher_read(self) -> None:
-        """The chunk's teacher buffer is read no more: the next chunk's teacher GEMM may start (on the second
-        stream, beside what this chunk still runs)."""
-        if self.beside is not None:
-            self.beside.free()
-
-    def _teacher_stream(self):
-        return self.beside.run() if self.beside is not None else nullcontext()
-
-    def _joined(self, *made_beside: torch.Tensor) -> None:
-        if self.beside is not None:
-            self.beside.join(*made_beside)
 
 
 class _PairLogitsWithStats(_PairLogits):
     """The same buffers, written by GEMMs whose epilogue also makes each head's softmax statistics (a plan with
     stats_in_gemm): the call's per-head options and, without targets, the one the GEMMs look for, made once."""
 
-    def __init__(self, call: DistillCall, pair, rows: int, beside: Beside | None = None):
-        super().__init__(pair, rows, beside)
+    def __init__(self, call: DistillCall, pair, rows: int):
+        super().__init__(pair, rows)
         self.call, self.head_cfg = call, head_config(call.cfg)
         # The GEMMs look for a target: without one, a column they never find (its target_z is not used).
         self.no_target = None if pair.target is not None else torch.full(
@@ -138,13 +119,10 @@ class _PairLogitsWithStats(_PairLogits):
         if target is None:
             target = self.no_target[:n]
         teacher, student = self.teacher.view(n, v), self.student.view(n, v)
-        with self._teacher_stream():
-            teacher_stats = call.kernels.gemm_row_stats(p.teacher_hidden[rows], p.teacher_weight, p.teacher_bias,
-                                                        target, self.head_cfg, call.vocab_offset, logits_out=teacher)
+        teacher_stats = call.kernels.gemm_row_stats(p.teacher_hidden[rows], p.teacher_weight, p.teacher_bias, target,
+                                                    self.head_cfg, call.vocab_offset, logits_out=teacher)
         student_stats = call.kernels.gemm_row_stats(p.student_hidden[rows], p.student_weight, p.student_bias, target,
                                                     self.head_cfg, call.vocab_offset, logits_out=student)
-        self._joined(*(value for field in fields(teacher_stats)
-                       if isinstance(value := getattr(teacher_stats, field.name), torch.Tensor)))
         return teacher, student, pair_stats_of_heads(teacher_stats, student_stats, call.cfg)
 
 
@@ -184,9 +162,8 @@ def forward(call: DistillCall, pair, grads_in_forward: PairGradTargets | None, k
     n_rows = pair.n_rows
     target = pair.target
     rows_per_chunk = min(call.plan.tokens_per_chunk, n_rows)
-    beside = _second_stream(call, pair)
-    logits = (_PairLogitsWithStats(call, pair, rows_per_chunk, beside) if call.plan.stats_in_gemm
-              else _PairLogits(pair, rows_per_chunk, beside))
+    logits = (_PairLogitsWithStats(call, pair, rows_per_chunk) if call.plan.stats_in_gemm
+              else _PairLogits(pair, rows_per_chunk))
     bounds = chunk_bounds(n_rows, call.plan.tokens_per_chunk)
     # The first chunk's logits GEMMs go first: the host's bookkeeping below (the token count, the row scales, the
     # accumulators; about half a millisecond of Python) is then launched while they run, not while the GPU waits.
@@ -221,13 +198,9 @@ def forward(call: DistillCall, pair, grads_in_forward: PairGradTargets | None, k
                 else:
                     student_grad, teacher_grad = kernels.pair_grad_(teacher_logits, student_logits, rows_target,
                                                                     cfg, call.vocab_offset, coeffs)
-        if not teacher:
-            logits.teacher_read()  # the next chunk's teacher GEMM may run beside this chunk's gradient products
         losses.append(row_losses(stats, None if valid is None else valid[rows], cfg))
         if acc is not None:
             acc.add(student_grad, teacher_grad, rows)
-            if teacher:
-                logits.teacher_read()  # the teacher's gradient, written over its logits, is in its products
         elif keep_stats:
             kept.append(stats.stacked())
         del teacher_logits, student_logits
@@ -249,26 +222,16 @@ def backward(call: DistillCall, pair, state: DistillState, wanted: PairGradTarge
     if n_rows:
         stats = PairStats.unstacked(state.stats, cfg)
         scale = row_scales(grad_loss, state.count, valid, n_rows, cfg)
-        logits = _PairLogits(pair, min(call.plan.tokens_per_chunk, n_rows), _second_stream(call, pair))
-        teacher = acc.teacher is not None
+        logits = _PairLogits(pair, min(call.plan.tokens_per_chunk, n_rows))
         for rows in chunk_bounds(n_rows, call.plan.tokens_per_chunk):
             teacher_logits, student_logits = logits.of(rows)
-            coeffs = pair_coefficients(stats.rows(rows), scale[rows], cfg, teacher=teacher)
+            coeffs = pair_coefficients(stats.rows(rows), scale[rows], cfg, teacher=acc.teacher is not None)
             student_grad, teacher_grad = kernels.pair_grad_(teacher_logits, student_logits,
                                                             None if target is None else target[rows], cfg,
                                                             call.vocab_offset, coeffs)
-            if not teacher:
-                logits.teacher_read()
             acc.add(student_grad, teacher_grad, rows)
-            if teacher:
-                logits.teacher_read()
             del teacher_logits, student_logits
     return acc.result()
-
-
-def _second_stream(call: DistillCall, pair) -> Beside | None:
-    """The teacher GEMMs' second stream where the plan runs them beside the rest (the kernels' SecondStream)."""
-    return call.kernels.second_stream(pair.student_hidden.device) if call.plan.teacher_beside else None
 
 
 def _joined(parts: list[torch.Tensor], n_rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -4,7 +4,7 @@ them): each step's functions, in the order flce.engine.distillation.schedule run
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from flce.distillation.semantics import needs_cross
 from flce.engine.choice import Step
@@ -50,16 +50,11 @@ def distillation_steps(desc: DistillDescription, plan: DistillChunks, names: Pai
         steps.append(Step("the targets, where given: the non-ignored count the mean divides by, and the range check",
                           (names.count_tokens,), "one kernel and a device-side assertion before the first GEMM"))
     if plan.stats_in_gemm:
-        logits_step = logits
+        steps.append(logits)
     else:
-        logits_step = Step(f"each of {chunks} chunks: teacher and student logits", (gemm,),
-                           f"two GEMMs into two buffers of {plan.tokens_per_chunk} rows x V"
-                           + (f" ({logits_reason})" if logits_reason else ""))
-    if plan.teacher_beside:
-        logits_step = replace(logits_step, reason=f"{logits_step.reason}; the teacher's on a second stream, waiting "
-                              "only for the chunk before to be done with its buffer (it runs beside that chunk's "
-                              "gradient products and the student's GEMM)")
-    steps.append(logits_step)
+        steps.append(Step(f"each of {chunks} chunks: teacher and student logits", (gemm,),
+                          f"two GEMMs into two buffers of {plan.tokens_per_chunk} rows x V"
+                          + (f" ({logits_reason})" if logits_reason else "")))
     first_pass = [] if plan.stats_in_gemm else ["both softmaxes' statistics"]
     # a KL divergence on the GEMMs' statistics (forward KL: semantics.per_head_unfit): E_p[t - s] from the gradient's
     # sweep, as the schedule takes it
