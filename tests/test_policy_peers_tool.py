@@ -59,7 +59,7 @@ def test_the_methods_compute_the_same_loss(tool, level: str) -> None:
 
 def test_every_ratio_is_to_its_own_rounds_floor(tool, monkeypatch: pytest.MonkeyPatch) -> None:
     floors = iter([10.0, 8.0, 9.0])
-    times = {"a": iter([12.0, 9.0, 9.9]), "b": iter([20.0, 17.0, 18.0])}
+    times = {"a": iter([12.0, 9.0, 9.9]), "b": iter([20.0, 17.0, 18.0])}  # per round, whatever the order
 
     def fake_measure(step, batch, setting):
         return {"ms": next(times[step(batch)]), "peak_mib": 3.0}
@@ -76,6 +76,9 @@ def test_every_ratio_is_to_its_own_rounds_floor(tool, monkeypatch: pytest.Monkey
     methods = {"a": lambda s, level: (lambda batch: "a"), "b": lambda s, level: (lambda batch: "b"),
                "liger": failing, "crash": lambda s, level: crashing_step}
     measured = tool.run_rounds(_setting(tool), methods, ("token",), rounds=3, device="cpu")
+    # every other round in the reverse order (a method's place in a round weighs alike on all)
+    forward = ["3-GEMM floor", "a", "b", "liger", "crash"]
+    assert [r["method"] for r in measured] == forward + forward[:1] + forward[:0:-1] + forward
     rows = {r["method"]: r for r in tool.summary(measured)}
     ratios_a = [12.0 / 10.0, 9.0 / 8.0, 9.9 / 9.0]
     assert rows["a"]["ratio"] == pytest.approx(statistics.median(ratios_a))
