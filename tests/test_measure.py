@@ -196,3 +196,9 @@ def test_host_sections_wrap_every_section_of_this_flce(monkeypatch) -> None:
     assert torch.allclose(scales.cross_entropy, torch.full((4,), 1 / 3))
     label = "flce.engine.objective.upstream_scales"
     assert counts[label] == 1 and totals[label] > 0
+
+
+def test_round_order_reverses_every_other_round() -> None:
+    """A method's place in a benchmark round weighs alike on every method over pairs of rounds."""
+    assert [measure.round_order("abc", r) for r in range(3)] == [list("abc"), list("cba"), list("abc")]
+    assert measure.round_order({"x": 1, "y": 2}.items(), 1) == [("y", 2), ("x", 1)]

@@ -47,7 +47,15 @@ import torch.nn.functional as F
 
 import flce
 from flce.autotune import override_params
-from flce.testing.measure import MiB, floor_gradient, median_ms, peak_mib_above, publish, shape_inputs
+from flce.testing.measure import (
+    MiB,
+    floor_gradient,
+    median_ms,
+    peak_mib_above,
+    publish,
+    round_order,
+    shape_inputs,
+)
 
 DEFAULT_SHAPES = ("8192x4096x4096x128256", "8192x4096x8192x128256")
 QUICK_SHAPES = ("2048x1024x2048x32000",)
@@ -197,15 +205,13 @@ def measure(method: Callable[[Inputs], torch.Tensor] | str, inputs: Inputs, benc
 def run_rounds(case: Case, methods: dict, rounds: int, device: str, bench: Callable) -> dict[str, list[dict]]:
     """``rounds`` rounds of the floor and then every method, in turn: per method, its rows (each with its round's
     floor), so that its ratios are to the floors of its own round (the clock drifts under the power cap). Every other
-    round runs the methods in the reverse order: on an H200 the same call measured up to 1.5% faster run last in a
-    round than run first, a drift that pairs of rounds cancel."""
+    round runs the methods in the reverse order (flce.testing.measure.round_order says why)."""
     measured: dict[str, list[dict]] = {FLOOR: [], **{name: [] for name in methods}}
     for number in range(rounds):
         inputs = make_inputs(case, device)
         floor_ms = bench(floor_call(inputs))
         measured[FLOOR].append({"ms": floor_ms, "peak_mib": 0.0, "floor_ms": floor_ms})
-        order = list(methods.items())
-        for name, method in order[::-1] if number % 2 else order:
+        for name, method in round_order(methods.items(), number):
             start = time.perf_counter()
             row = {**measure(method, inputs, bench), "floor_ms": floor_ms,
                    "wall_s": round(time.perf_counter() - start, 1)}

@@ -47,6 +47,7 @@ from flce.testing.measure import (
     parse_shape,
     peak_mib_above,
     publish,
+    round_order,
     shape_inputs,
 )
 
@@ -401,9 +402,7 @@ def measure_shape(case: Case, methods: dict, device: str, rounds_wanted: int) ->
     and every method; the summary rows and the GEMM table's lines."""
     # Each round measures the floors and then every method, so a method's ratios are to the floors of its
     # own round (the GPU's clock under the power cap drifts over a run) and the methods alternate with each
-    # other (compiling and tuning happen in round 1). Every other round runs them in the reverse order: on an
-    # H200 one call measured up to 1.5% faster run last in a round than first
-    # (docs/data/distillation/h200-2026-11-29-streams-abba-4b5c4c7.md), a drift that pairs of rounds cancel.
+    # other (compiling and tuning happen in round 1), every other round in the reverse order (round_order).
     rounds: dict[str, list[dict]] = {"3-GEMM floor": [], **{name: [] for name in methods}}
     times_per_round = []
     quack = quack_gemm()
@@ -419,8 +418,7 @@ def measure_shape(case: Case, methods: dict, device: str, rounds_wanted: int) ->
                                        "peak_mib": 0.0, "fwd_ms": floor1, "fwd_peak_mib": 0.0, **floors_now})
         gc.collect()
         torch.cuda.empty_cache()
-        order = list(methods.items())
-        for name, method in order[::-1] if number % 2 else order:
+        for name, method in round_order(methods.items(), number):
             start = time.perf_counter()
             row = measure(case, name, method, device)
             row["wall_s"] = round(time.perf_counter() - start, 1)  # compile and tuning included

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 import flce
-from flce.testing.measure import MiB, floor_gradient, floor_products, peak_mib_above, publish
+from flce.testing.measure import MiB, floor_gradient, floor_products, peak_mib_above, publish, round_order
 
 LEVELS = ("token", "sequence")
 
@@ -236,9 +236,9 @@ def floor_ms(batch: Batch, setting: Setting) -> float:
 
 def run_rounds(setting: Setting, methods: dict[str, Callable[[Setting, str], Step]], levels: tuple[str, ...],
                rounds: int, device: str = "cuda") -> list[dict]:
-    """Every round: the floor, then each (level, method), every other round in the reverse order (a call measures up
-    to 1.5% faster run last in a round than first: docs/data/distillation/h200-2026-11-29-streams-abba-4b5c4c7.md);
-    the per-round measurements, each with its round's floor (``floor_ms``) or its error."""
+    """Every round: the floor, then each (level, method), every other round in the reverse order
+    (flce.testing.measure.round_order says why); the per-round measurements, each with its round's floor
+    (``floor_ms``) or its error."""
     batch = make_batch(setting, device)
     steps: dict[tuple[str, str], Step | str] = {}
     for level in levels:
@@ -252,8 +252,7 @@ def run_rounds(setting: Setting, methods: dict[str, Callable[[Setting, str], Ste
         floor = floor_ms(batch, setting)
         measured.append({"round": round_index, "level": "-", "method": "3-GEMM floor", "ms": floor,
                          "floor_ms": floor, "peak_mib": 0.0})
-        order = list(steps.items())
-        for (level, name), step in order[::-1] if round_index % 2 else order:
+        for (level, name), step in round_order(steps.items(), round_index):
             row = {"round": round_index, "level": level, "method": name, "floor_ms": floor}
             start = time.perf_counter()
             if isinstance(step, str):
