@@ -12,7 +12,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -218,12 +218,13 @@ class InterleavedTimings(NamedTuple):
     cpu: dict[str, Timing]  # this process's CPU time (all threads) over the same calls
 
 
-def round_order(items: Sequence[T], round_index: int) -> list[T]:
+def round_order(items: Iterable[T], round_index: int) -> list[T]:
     """The methods of a benchmark round in the order they run: as given, every other round reversed. On an H200 one
     call measured up to 1.5% faster run last in a round than run first
     (docs/data/distillation/h200-2026-11-29-streams-abba-4b5c4c7.md): pairs of rounds weigh a method's place alike on
     every method."""
-    return list(items)[::-1] if round_index % 2 else list(items)
+    ordered = list(items)
+    return ordered[::-1] if round_index % 2 else ordered
 
 
 def interleaved_timings(calls: Mapping[str, Callable[[], object]], device: torch.device, *, rounds: int,

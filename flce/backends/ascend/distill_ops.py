@@ -140,7 +140,7 @@ def choose_distillation(device: DeviceDescription, desc: DistillDescription, ent
                       steps=distillation_steps(desc, plan, KERNEL_NAMES, launch),
                       kernel_package="flce.backends.ascend.distill_kernels",
                       n_rows=desc.n_rows, training=desc.request.training,
-                      in_forward=desc.request.training and desc.cfg.reduction != "none")
+                      in_forward=desc.grads_in_forward)
 
 
 def plan_distillation(pair: FlatPair, cfg: DistillationConfig, request: PlanRequest) -> DistillCall:

@@ -109,7 +109,7 @@ def choose_distillation(device: DeviceDescription, desc: DistillDescription, ent
                         steps=steps.of_distillation(device, desc, plan, kernels, call, pick.reason,
                                                     _head_call(desc, desc.student_hidden), logits.reason),
                         kernel_package="flce.backends.cuda", n_rows=desc.n_rows, training=desc.request.training,
-                        in_forward=desc.request.training and desc.cfg.reduction != "none")
+                        in_forward=desc.grads_in_forward)
     return record, kernels
 
 
@@ -128,8 +128,7 @@ def _distillation_logits(device: DeviceDescription, desc: DistillDescription, tu
     """Who writes both heads' chunk logits: the family cross-entropy's choice gives a chunk's logits (CHUNK_LOGITS,
     the cache's forward_logits / logits_kernel, else the heuristic) where the loss's statistics come from each
     head alone and both heads fit it, its epilogue making each head's statistics; else cuBLAS (no chain)."""
-    student_alone = desc.request.training and desc.cfg.reduction != "none" and not desc.cfg.teacher_grad
-    why = per_head_unfit(desc.cfg, student_alone)
+    why = per_head_unfit(desc.cfg, desc.grads_in_forward and not desc.cfg.teacher_grad)
     if why is not None:
         return RolePick((), f"cuBLAS and the pair kernels' statistics pass: {why}")
     return _teacher_fit(_pick(CHUNK_LOGITS, device, _head_call(desc, desc.student_hidden), tuned, settings, failed,

@@ -149,9 +149,8 @@ def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tar
     jsd = _jsd(cfg)
     write = scale is not None
     if known is not None:
-        why = per_head_unfit(cfg, write and not teacher)
-        if known.cross is not None or known.hard_max is not None:
-            why = "they hold a cross sum or the hard term's own softmax, which the kernel makes itself"
+        why = ("they hold a cross sum or the hard term's own softmax, which the kernel makes itself"
+               if known.cross is not None or known.hard_max is not None else per_head_unfit(cfg, write and not teacher))
         if why is not None:
             raise ValueError(f"pair_passes_: known statistics cannot serve this call: {why}")
     if known is not None and not (jsd or write):  # the GEMMs made all there is

@@ -121,7 +121,7 @@ def choose_distillation(device: DeviceDescription, desc: DistillDescription,
                       steps=distillation_steps(desc, plan, KERNEL_NAMES, lambda role: f"torch ops, {blocks}"),
                       kernel_package="flce.backends.reference.distillation",
                       n_rows=desc.n_rows, training=desc.request.training,
-                      in_forward=desc.request.training and desc.cfg.reduction != "none")
+                      in_forward=desc.grads_in_forward)
 
 
 def entry_for(device: DeviceDescription, desc: DistillDescription) -> TunedEntry:

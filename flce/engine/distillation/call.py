@@ -104,6 +104,11 @@ class DistillDescription:
                                   cfg=DistillationConfig(), request=PlanRequest(training=True))
 
     @property
+    def grads_in_forward(self) -> bool:
+        """Training with a scalar loss (reduction "mean" or "sum"): the gradients are formed in forward."""
+        return self.request.training and self.cfg.reduction != "none"
+
+    @property
     def key(self) -> tuple:
         """What a planner's answer depends on, hashable (planners memoise records by it)."""
         options = tuple(getattr(self.cfg, f.name) for f in fields(self.cfg))

@@ -37,7 +37,7 @@ def distillation_steps(desc: DistillDescription, plan: DistillChunks, names: Pai
     its logits from cuBLAS."""
     cfg = desc.cfg
     training = desc.request.training
-    in_forward = training and cfg.reduction != "none"
+    in_forward = desc.grads_in_forward
     teacher = training and cfg.teacher_grad
     chunks = -(-desc.n_rows // plan.tokens_per_chunk) if desc.n_rows else 0
     gemm = "torch.addmm" if (desc.student_bias or desc.teacher_bias) and names.logits_gemm == "torch.mm" \
