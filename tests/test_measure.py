@@ -111,8 +111,8 @@ def test_interleaved_timings_alternate_the_calls_round_by_round() -> None:
     result = measure.interleaved_timings({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, CPU,
                                          rounds=3, warmup_rounds=1,
                                          on_sample=lambda label, name, wall, cpu: seen.append((label, name)))
-    assert order == ["a", "b"] * 4
-    assert seen[:2] == [("warm-up", "a"), ("warm-up", "b")] and seen[-1] == ("run 3", "b")
+    assert order == ["a", "b", "b", "a"] * 2  # every other round reversed (round_order), warm-up included
+    assert seen[:2] == [("warm-up", "a"), ("warm-up", "b")] and seen[-1] == ("run 3", "a")
     assert set(result.wall) == set(result.cpu) == {"a", "b"}
     assert all(len(t.samples_ms) == 3 for t in (*result.wall.values(), *result.cpu.values()))
 

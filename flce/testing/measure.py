@@ -230,9 +230,10 @@ def round_order(items: Iterable[T], round_index: int) -> list[T]:
 def interleaved_timings(calls: Mapping[str, Callable[[], object]], device: torch.device, *, rounds: int,
                         warmup_rounds: int = 1,
                         on_sample: Callable[[str, str, float, float], None] | None = None) -> InterleavedTimings:
-    """Each call once per round, in turn, for ``warmup_rounds`` untimed rounds and ``rounds`` timed
-    ones: a change of machine load during the run hits every call alike, which back-to-back repeats
-    of one call after another's would not (what a CPU shared with other work needs). On a shared
+    """Each call once per round, in turn (every other round in the reverse order: round_order), for
+    ``warmup_rounds`` untimed rounds and ``rounds`` timed ones: a change of machine load during the run
+    hits every call alike, which back-to-back repeats of one call after another's would not (what a CPU
+    shared with other work needs), and so does a call's place in a round. On a shared
     machine CPU time moves less than wall time, since time spent descheduled is not counted.
     ``on_sample(round_label, name, wall_ms, cpu_ms)`` sees every call, warm-up included."""
     if rounds < 1:
@@ -241,7 +242,7 @@ def interleaved_timings(calls: Mapping[str, Callable[[], object]], device: torch
     wall: dict[str, list[float]] = {name: [] for name in calls}
     cpu: dict[str, list[float]] = {name: [] for name in calls}
     for round_index in range(warmup_rounds + rounds):
-        for name, fn in calls.items():
+        for name, fn in round_order(calls.items(), round_index):
             if module is not None:
                 module.synchronize()
             start, cpu_start = time.perf_counter(), time.process_time()
