@@ -110,6 +110,20 @@ def _single_rank_group(checker: Checker, rank: int, world_size: int) -> None:
             flce_loss(empty, process_group=groups[rank], backend="reference")
 
 
+def _batched_refused(checker: Checker, rank: int, world_size: int) -> None:
+    """Batched gradients of a sharded call are refused with a reason: its backward all-reduces grad_hidden in place,
+    and the collectives have no batching rule (the unsharded call's: test_distillation_autograd.py)."""
+    sizes = LAYOUTS["even"]
+    pair = make_pair(seed_of("batched gradients"), n=5, vocab=sum(sizes))
+    mine = _shard(pair, shard_rows(sizes, rank))
+    for reduction in ("mean", "none"):  # gradients in forward, deferred
+        with checker.case(f"batched gradients are refused ({reduction})"):
+            loss = flce_loss(mine, process_group=torch.distributed.group.WORLD, reduction=reduction,
+                             backend="reference")
+            with pytest.raises(RuntimeError, match="vocab-parallel call are not supported"):
+                torch.autograd.grad(loss, mine.student_hidden, torch.ones(2, *loss.shape), is_grads_batched=True)
+
+
 def _cuda_interpreted(checker: Checker, rank: int, world_size: int) -> None:
     """The CUDA backend's pair kernels (their vocab_offset, one kernel a pass) in the Triton interpreter."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "test setup: the ranks must start with TRITON_INTERPRET=1"
@@ -162,7 +176,8 @@ def _compiled(checker: Checker, rank: int, world_size: int) -> None:
         assert relative(mine.student_weight.grad, pair.student_weight.grad[shard_rows(sizes, rank)]) <= 1e-4
 
 
-SECTIONS = {"2": {"cases": _section, "compiled": _compiled, "single_rank_group": _single_rank_group},
+SECTIONS = {"2": {"cases": _section, "compiled": _compiled, "single_rank_group": _single_rank_group,
+                  "batched_refused": _batched_refused},
             "2-interpreted": {"cuda_interpreted": _cuda_interpreted}}
 
 

@@ -145,9 +145,9 @@ class _FirstOrderOnly(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad):
         raise RuntimeError(
-            "flce: the gradients of linear cross-entropy are first-order only: flce computes them with "
-            "its own kernels, which have no derivative themselves, so a double backward (differentiating "
-            "a gradient taken with create_graph=True) is not supported"
+            "flce: its gradients (linear cross-entropy's, the policy loss's, distillation's) are first-order only: "
+            "flce computes them with its own kernels, which have no derivative themselves, so a double backward "
+            "(differentiating a gradient taken with create_graph=True) is not supported"
         )
 
 

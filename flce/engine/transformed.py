@@ -46,7 +46,7 @@ def check_first_order(tensors: tuple[torch.Tensor | None, ...]) -> None:
     if len(levels) > 1:
         raise RuntimeError(
             f"flce: the inputs are tracked by {len(levels)} nested torch.func derivative transforms, but the "
-            "gradients of linear cross-entropy are first-order only (flce computes them with its own "
+            "gradients flce computes are first-order only (flce computes them with its own "
             "kernels, which have no derivative themselves): a second derivative (hessian, jacrev of "
             "jacrev, grad of grad) is not supported")
 

@@ -2,8 +2,10 @@
 
 Gradients computed in forward (reduction "mean" / "sum") are scaled by grad_output in backward, in place
 by the backend's ``scale_`` (which skips the pass where grad_output is exactly 1), or out of place where
-the backward retains the graph; reduction "none" runs the deferred backward. Second derivatives are
-refused, as cross-entropy's are (flce.engine.function.first_order_only).
+the backward retains the graph; reduction "none" runs the deferred backward. A batched or transformed backward
+(is_grads_batched, torch.func) takes flce.engine.distillation.transformed's out-of-place path. Second derivatives
+are refused, as cross-entropy's are (flce.engine.function.first_order_only, and
+flce.engine.transformed.check_first_order for nested torch.func transforms).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from torch import Tensor
 from flce.distillation.inputs import FlatPair
 from flce.engine.call import GradTargets
 from flce.engine.distillation import schedule
+from flce.engine.distillation import transformed as transformed_path
 from flce.engine.distillation.call import DistillCall, PairGradTargets
 from flce.engine.function import first_order_anchors, first_order_only, graph_retained
+from flce.engine.transformed import check_first_order, check_unsharded, is_transformed
 
 
 class _Handoff:
@@ -82,26 +86,33 @@ def _gradients(ctx, grad_loss: Tensor | None) -> tuple[Tensor | None, ...]:
     call, state = ctx.call, ctx.state
     if grad_loss is None:
         grad_loss = torch.zeros_like(state.loss)
+    transformed = is_transformed(grad_loss)
+    if transformed:
+        check_unsharded(call)
     if ctx.in_forward:
-        student, teacher = _scaled(call, state, grad_loss.reshape(()))
+        student, teacher = _scaled(call, state, grad_loss.reshape(()), transformed)
     else:
         pair = _pair(ctx.saved_tensors, call)
-        student, teacher = schedule.backward(call, pair, state, ctx.wanted, grad_loss)
+        deferred_backward = transformed_path.backward if transformed else schedule.backward
+        student, teacher = deferred_backward(call, pair, state, ctx.wanted, grad_loss)
     call.complete_grad_hidden_(student[0], teacher[0])
     return (*student, *teacher, None)
 
 
-def _scaled(call: DistillCall, state: schedule.DistillState, scale: Tensor):
-    """grad_output times the gradients forward computed: in place, or out of place (kept unscaled for the
-    next backward) where this backward retains the graph."""
+def _scaled(call: DistillCall, state: schedule.DistillState, scale: Tensor, transformed: bool):
+    """grad_output times the gradients forward computed: in place, or out of place where this backward retains
+    the graph (kept unscaled for the next backward) or is batched / transformed."""
     if state.grads is None:
         raise RuntimeError(
             "flce: trying to backward through this distillation loss a second time, after a backward that did "
             "not retain its graph: its gradients, computed in forward, were handed out then. Pass "
             "retain_graph=True to the earlier backward, or call the loss again.")
-    if graph_retained():
-        return tuple(tuple(None if g is None else (g.to(scale.dtype) * scale).to(g.dtype) for g in grads)
-                     for grads in state.grads)
+    retained = graph_retained()
+    if retained or transformed:
+        grads = transformed_path.scaled_grads(state.grads, scale)
+        if not retained:
+            state.grads = None
+        return grads
     grads, state.grads = state.grads, None
     return tuple(tuple(None if g is None else call.kernels.scale_(g, scale) for g in part) for part in grads)
 
@@ -130,6 +141,7 @@ def apply_eager(pair: FlatPair, call: DistillCall) -> Tensor:
         return shaped_loss(state.loss, call)
     handoff = _Handoff()
     differentiated = tensors[:3] + (tensors[3:6] if call.cfg.teacher_grad else (None, None, None))
+    check_first_order(differentiated)
     handoff.anchors = first_order_anchors(differentiated)
     # The teacher's tensors enter detached unless teacher_grad: autograd then gives them no gradient.
     if not call.cfg.teacher_grad:
