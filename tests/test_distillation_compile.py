@@ -118,6 +118,17 @@ def test_compiled_step_is_one_graph_and_matches_eager_and_oracle(form: str, case
             assert b.grad is None, f"{name}: a gradient in the compiled step only"
 
 
+def test_compiled_call_refuses_targets_outside_the_vocabulary(generator: torch.Generator) -> None:
+    """While torch.compile traces, the call cannot read the targets: its op checks them when it runs (CPU targets;
+    an accelerator's are asserted on the device), as an eager call checks them before compute."""
+    pair = make_pair(generator)
+    pair.target[2] = pair.student_weight.shape[0] + 3
+    torch._dynamo.reset()
+    compiled = torch.compile(_step("functional", STEP_OPTIONS["jsd-mean"]), backend="eager", fullgraph=True)
+    with pytest.raises(ValueError, match="outside \\[0, 40\\)"):
+        compiled(pair)
+
+
 def test_inductor_step_matches_eager(generator: torch.Generator) -> None:
     pair = make_pair(generator, bias=True)
     step = _step("functional", STEP_OPTIONS["jsd-mean"])

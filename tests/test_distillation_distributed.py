@@ -124,6 +124,89 @@ def _batched_refused(checker: Checker, rank: int, world_size: int) -> None:
                 torch.autograd.grad(loss, mine.student_hidden, torch.ones(2, *loss.shape), is_grads_batched=True)
 
 
+def _dtensor_heads(checker: Checker, rank: int, world_size: int) -> None:
+    """Weights as training frameworks hold them: both heads' weights and biases vocabulary-sharded DTensors (tensor
+    parallelism) or replicated ones, and FSDP2-sharded heads used outside their forward. The loss and the student's
+    gradients equal the float64 oracle's, each weight's gradient in the weight's own placements (FSDP2's: the mean
+    over the data-parallel ranks, as FSDP2 reduces it); the teacher takes none."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    options = {"loss": "jsd", "hard_label_weight": 0.3, "temperature": 1.3, "backend": "reference"}
+    for placement in (Shard(0), Replicate()):
+        with checker.case(f"both heads {placement}"):
+            pair = make_pair(seed_of(f"dtensor heads {placement}"), n=11, vocab=31, bias=True)  # alike on every rank
+
+            def as_dtensor(t: torch.Tensor, grad: bool, placement=placement) -> torch.nn.Parameter:
+                return torch.nn.Parameter(distribute_tensor(t.detach(), mesh, [placement]), requires_grad=grad)
+
+            weight, bias = as_dtensor(pair.student_weight, True), as_dtensor(pair.student_bias, True)
+            teacher_weight, teacher_bias = as_dtensor(pair.teacher_weight, False), as_dtensor(pair.teacher_bias, False)
+            hidden = pair.student_hidden.detach().clone().requires_grad_()
+            got = flce.linear_distillation_loss(hidden, weight, pair.teacher_hidden.detach(), teacher_weight,
+                                                pair.target, student_bias=bias, teacher_bias=teacher_bias, **options)
+            got.backward()
+            want = oracle(pair, **options)
+            want.backward()
+            assert relative(got, want) <= 1e-5, f"loss {got.item()} != {want.item()}"
+            assert relative(hidden.grad, pair.student_hidden.grad) <= 1e-4
+            for name, param, leaf in (("weight", weight, pair.student_weight), ("bias", bias, pair.student_bias)):
+                assert isinstance(param.grad, DTensor) and param.grad.placements == (placement,), f"{name}.grad"
+                assert relative(param.grad.full_tensor(), leaf.grad) <= 1e-4, name
+    with checker.case("FSDP2-sharded heads outside their forward"):
+        dp = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+        heads = make_pair(seed_of("fsdp2 heads"), n=1, vocab=21, bias=True)  # the heads, alike on every rank
+
+        def fsdp2_head(weight: torch.Tensor, bias: torch.Tensor) -> torch.nn.Linear:
+            module = torch.nn.Linear(weight.shape[1], weight.shape[0])
+            with torch.no_grad():
+                module.weight.copy_(weight)
+                module.bias.copy_(bias)
+            fully_shard(module, mesh=dp)
+            return module
+
+        student_head = fsdp2_head(heads.student_weight.detach(), heads.student_bias.detach())
+        teacher_head = fsdp2_head(heads.teacher_weight.detach(), heads.teacher_bias.detach())
+        assert isinstance(student_head.weight, DTensor), "test setup: the weight is not sharded"
+
+        def rank_case(r: int) -> Pair:  # each rank its own tokens
+            tokens = make_pair(seed_of(f"fsdp2 tokens {r}"), n=9, vocab=21)
+            return Pair(tokens.student_hidden.detach(), *(t.detach().clone().requires_grad_() for t in
+                                                          (heads.student_weight, heads.student_bias)),
+                        tokens.teacher_hidden.detach(), heads.teacher_weight.detach(), heads.teacher_bias.detach(),
+                        tokens.target)
+
+        mine = rank_case(rank)
+        got = flce.linear_distillation_loss(mine.student_hidden, student_head.weight, mine.teacher_hidden,
+                                            teacher_head.weight, mine.target, student_bias=student_head.bias,
+                                            teacher_bias=teacher_head.bias, **options)
+        got.backward()
+        cases = [rank_case(r) for r in range(world_size)]
+        for case in cases:
+            oracle(case, **options).backward()
+        assert relative(got, oracle(mine, **options)) <= 1e-5
+        for name in ("weight", "bias"):
+            param = getattr(student_head, name)
+            mean = sum(getattr(case, f"student_{name}").grad for case in cases) / world_size
+            assert isinstance(param.grad, DTensor) and param.grad.placements == (Shard(0),), f"{name}.grad"
+            assert relative(param.grad.full_tensor(), mean) <= 1e-4, name
+        assert teacher_head.weight.grad is None and teacher_head.bias.grad is None, "the teacher took a gradient"
+    pair = make_pair(seed_of("dtensor errors"), n=5, vocab=20)
+    sharded = distribute_tensor(pair.student_weight.detach(), mesh, [Shard(0)])
+    with checker.case("heads sharded differently are refused"):
+        with pytest.raises(ValueError, match="student_weight: ranks .* teacher_weight: not vocabulary-sharded"):
+            flce.linear_distillation_loss(pair.student_hidden, sharded, pair.teacher_hidden, pair.teacher_weight,
+                                          pair.target, backend="reference")
+    with checker.case("a DTensor head with process_group is refused, naming the head"):
+        with pytest.raises(ValueError, match="the teacher's head .*pass process_group=None"):
+            teacher = distribute_tensor(pair.teacher_weight.detach(), mesh, [Shard(0)])
+            flce.linear_distillation_loss(pair.student_hidden, pair.student_weight, pair.teacher_hidden, teacher,
+                                          pair.target, process_group=torch.distributed.group.WORLD,
+                                          backend="reference")
+
+
 def _cuda_interpreted(checker: Checker, rank: int, world_size: int) -> None:
     """The CUDA backend's pair kernels (their vocab_offset, one kernel a pass) in the Triton interpreter."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "test setup: the ranks must start with TRITON_INTERPRET=1"
@@ -174,10 +257,49 @@ def _compiled(checker: Checker, rank: int, world_size: int) -> None:
         assert relative(got, expected) <= 1e-5
         assert relative(mine.student_hidden.grad, pair.student_hidden.grad) <= 1e-4
         assert relative(mine.student_weight.grad, pair.student_weight.grad[shard_rows(sizes, rank)]) <= 1e-4
+    _compiled_dtensor_and_single_rank(checker, rank, world_size, options)
+
+
+def _compiled_dtensor_and_single_rank(checker: Checker, rank: int, world_size: int, options: dict) -> None:
+    """A compiled step whose heads are vocabulary-sharded DTensors, and one over a group of one rank (the unsharded
+    call, whose target check waits for the op to run): one graph each, the oracle's loss and gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    groups = [torch.distributed.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    pair = make_pair(seed_of("compiled dtensor"), n=11, vocab=31, bias=False)
+    for case, group in (("compiled DTensor heads", None), ("compiled single-rank group", groups[rank])):
+        with checker.case(case):
+            if group is None:
+                weight = torch.nn.Parameter(distribute_tensor(pair.student_weight.detach(), mesh, [Shard(0)]))
+                teacher_weight = distribute_tensor(pair.teacher_weight.detach(), mesh, [Shard(0)])
+            else:
+                weight = pair.student_weight.detach().clone().requires_grad_()
+                teacher_weight = pair.teacher_weight.detach()
+            hidden = pair.student_hidden.detach().clone().requires_grad_()
+
+            def step(xs, ws, xt, wt, target, group=group):
+                return flce.linear_distillation_loss(xs, ws, xt, wt, target, process_group=group, backend="reference",
+                                                     **options)
+
+            torch._dynamo.reset()
+            counter = torch._dynamo.testing.CompileCounter()
+            got = torch.compile(step, backend=counter, fullgraph=True)(hidden, weight, pair.teacher_hidden.detach(),
+                                                                       teacher_weight, pair.target)
+            got.backward()
+            want = oracle(pair, **options)
+            want.backward()
+            assert counter.frame_count == 1, f"{counter.frame_count} graphs"
+            assert relative(got, want) <= 1e-5
+            assert relative(hidden.grad, pair.student_hidden.grad) <= 1e-4
+            grad = weight.grad.full_tensor() if isinstance(weight.grad, DTensor) else weight.grad
+            assert relative(grad, pair.student_weight.grad) <= 1e-4
+            pair.student_hidden.grad = pair.student_weight.grad = None
 
 
 SECTIONS = {"2": {"cases": _section, "compiled": _compiled, "single_rank_group": _single_rank_group,
-                  "batched_refused": _batched_refused},
+                  "batched_refused": _batched_refused, "dtensor_heads": _dtensor_heads},
             "2-interpreted": {"cuda_interpreted": _cuda_interpreted}}
 
 

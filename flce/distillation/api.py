@@ -10,6 +10,7 @@ import torch
 
 from flce.distillation.config import DistillationConfig, config_from_keywords
 from flce.distillation.inputs import prepare_pair
+from flce.distributed.dtensor import localize_pair
 from flce.engine.distillation.run import run_distillation
 from flce.errors import InputError, InputTypeError
 from flce.registry import HardwareProbe, candidates_for, resolve_device
@@ -59,6 +60,10 @@ def _compute(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher
              teacher_bias: torch.Tensor | None, cfg: DistillationConfig, device_type: str, backend_name: str | None,
              probe: HardwareProbe | None) -> torch.Tensor:
     """One call, shared by the module and the functional form: every check before any kernel."""
+    # Weights as a parallelism framework holds them (DTensors: tensor parallelism, FSDP2) become plain tensors.
+    student, teacher, target, cfg = localize_pair((student_hidden, student_weight, student_bias),
+                                                  (teacher_hidden, teacher_weight, teacher_bias), target, cfg)
+    (student_hidden, student_weight, student_bias), (teacher_hidden, teacher_weight, teacher_bias) = student, teacher
     pair = prepare_pair(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
                         teacher_bias, cfg)
     weight = pair.student_weight

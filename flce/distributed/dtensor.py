@@ -73,6 +73,37 @@ def localize_inputs(hidden: Any, weight: Any, target: Any, bias: Any, cfg: LCECo
     return _tensor_parallel_call(hidden, weight, target, bias, cfg)
 
 
+def localize_pair(student: tuple[Any, Any, Any], teacher: tuple[Any, Any, Any], target: Any,
+                  cfg: Any) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any], Any, Any]:
+    """A distillation call's two heads, each (hidden, weight, bias), as plain tensors: :func:`localize_inputs` for
+    each head, the target with the student's. Vocabulary-sharded weights (tensor parallelism, alone or under
+    FSDP2) must be sharded alike, over the same ranks: the call's config then carries their group."""
+    hidden, weight, bias = student
+    hidden, weight, target, bias, student_cfg = _localized_head("student", hidden, weight, target, bias, cfg)
+    teacher_hidden, teacher_weight, teacher_bias = teacher
+    teacher_hidden, teacher_weight, _, teacher_bias, teacher_cfg = _localized_head(
+        "teacher", teacher_hidden, teacher_weight, None, teacher_bias, cfg)
+    groups = (student_cfg.process_group, teacher_cfg.process_group)
+    if groups[0] is not groups[1] and (None in groups or _ranks(groups[0]) != _ranks(groups[1])):
+        sharded = ", ".join(f"{head}: {'ranks ' + str(_ranks(g)) if g is not None else 'not vocabulary-sharded'}"
+                            for head, g in zip(("student_weight", "teacher_weight"), groups, strict=True))
+        raise InputError(f"the heads' weights are sharded differently ({sharded}); expected both heads' weights "
+                         "vocabulary-sharded alike over the same ranks (Shard(0) DTensors on one mesh), or neither")
+    return (hidden, weight, bias), (teacher_hidden, teacher_weight, teacher_bias), target, student_cfg
+
+
+def _localized_head(head: str, hidden: Any, weight: Any, target: Any, bias: Any, cfg: Any) -> CallInputs:
+    """localize_inputs for one head of a distillation call, its errors naming the head's arguments."""
+    try:
+        return localize_inputs(hidden, weight, target, bias, cfg)
+    except (InputError, InputTypeError) as exc:
+        raise type(exc)(f"the {head}'s head ({head}_hidden, {head}_weight, {head}_bias): {exc}") from None
+
+
+def _ranks(group: Any) -> list[int]:
+    return dist.get_process_group_ranks(group)
+
+
 # --------------------------------------------------------------------------- partitioned, not DTensors
 
 def check_not_partitioned(name: str, tensor: Any, expected_dim: int) -> None:

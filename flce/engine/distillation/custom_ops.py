@@ -24,6 +24,7 @@ from flce.engine.distillation import schedule
 from flce.engine.distillation.call import DistillCall, PairGradTargets
 from flce.engine.distillation.function import grads_in_forward, wanted_gradients
 from flce.engine.plans import PlanRequest
+from flce.inputs import _check_target_range
 from flce.registry.selection import backend_named
 from flce.semantics import statistics_dtype
 
@@ -78,6 +79,11 @@ def _distill_forward(student_hidden: Tensor, student_weight: Tensor, student_bia
                      teacher_hidden: Tensor, teacher_weight: Tensor, teacher_bias: Tensor | None,
                      target: Tensor | None, **kw: object) -> tuple[Tensor, ...]:
     pair = _flat((student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target))
+    if kw["group_name"] is None and target is not None:
+        # prepare_pair leaves this check to the op while torch.compile traces (it needs the values): CPU targets
+        # here, accelerator targets in the schedule's count of them; a vocab-parallel call checks against the
+        # global vocabulary instead.
+        _check_target_range(target, student_weight.shape[0], kw["ignore_index"], sharded=False)
     wanted = _wanted(kw, student_bias, teacher_bias)
     call = _call(pair, kw, wanted.any)
     in_forward = grads_in_forward(call, wanted)
