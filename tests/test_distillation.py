@@ -46,6 +46,14 @@ def test_jsd_betas(beta: float, generator: torch.Generator) -> None:
     assert_matches_oracle(pair, generator, loss="jsd", beta=beta, backend="reference")
 
 
+@pytest.mark.parametrize(("loss", "beta"), [("forward_kl", 0.0), ("reverse_kl", 1.0), ("forward_kl", 0.7)])
+def test_kl_divergences_take_a_beta_they_do_not_read(loss: str, beta: float, generator: torch.Generator) -> None:
+    """A trainer that names the KL divergences by beta (TRL's GKD: 0 forward, 1 reverse) can pass it along."""
+    pair = make_pair(generator)
+    got = flce_loss(pair, loss=loss, beta=beta, backend="reference")
+    torch.testing.assert_close(got, flce_loss(pair, loss=loss, backend="reference"), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_teacher_gradient_when_asked(loss: str, reduction: str, generator: torch.Generator) -> None:
@@ -166,6 +174,8 @@ def test_merge_across_vocabulary_tiles_equals_one_scan(generator: torch.Generato
     ({"loss": "kl"}, ValueError, "loss='kl': expected one of"),
     ({"beta": 0.0}, ValueError, r"beta=0.0: expected a value in the open interval \(0, 1\)"),
     ({"beta": 1.0}, ValueError, "beta=1.0"),
+    ({"loss": "forward_kl", "beta": 1.5}, ValueError,
+     r"beta=1.5: expected a value in \[0, 1\] \(loss='forward_kl' does not use it\)"),
     ({"temperature": 0.0}, ValueError, "temperature=0.0: expected a value > 0"),
     ({"temperature": -1.0}, ValueError, "temperature=-1.0"),
     ({"hard_label_weight": 1.5}, ValueError, r"hard_label_weight=1.5: expected a value in \[0, 1\]"),

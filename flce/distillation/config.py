@@ -37,6 +37,7 @@ class DistillationConfig:
     def __post_init__(self) -> None:
         for name, check in _CHECKS.items():
             check(getattr(self, name))
+        _check_beta(self.beta, self.loss)
         # Whole numbers are accepted for the real-valued options and stored as floats (the op schema's type).
         for name in ("beta", "temperature", "hard_label_weight"):
             object.__setattr__(self, name, float(getattr(self, name)))
@@ -69,11 +70,15 @@ def _check_loss(value: Any) -> None:
         raise InputError(f"loss={value!r}: expected one of {LOSSES}{hint}")
 
 
-def _check_beta(value: Any) -> None:
+def _check_beta(value: Any, loss: str) -> None:
+    """JSD's beta is in (0, 1). The KL divergences do not read it, but take any value in [0, 1]: a trainer that
+    names them by beta (TRL's GKD: 0 is KL(P || Q), 1 is KL(Q || P)) can pass its beta along."""
     check_finite_real("beta", value)
-    if not 0.0 < value < 1.0:
+    if loss == "jsd" and not 0.0 < value < 1.0:
         raise InputError(f"beta={value}: expected a value in the open interval (0, 1) (beta -> 0 and 1 are "
                          "the KL divergences: pass loss='forward_kl' or 'reverse_kl')")
+    if not 0.0 <= value <= 1.0:
+        raise InputError(f"beta={value}: expected a value in [0, 1] (loss={loss!r} does not use it)")
 
 
 def _check_temperature(value: Any) -> None:
@@ -91,7 +96,6 @@ def _check_hard_label_weight(value: Any) -> None:
 # The options cross-entropy has too are checked by its checks (flce.config), with its errors.
 _CHECKS = {
     "loss": _check_loss,
-    "beta": _check_beta,
     "temperature": _check_temperature,
     "hard_label_weight": _check_hard_label_weight,
     "ignore_index": lambda value: _check_int("ignore_index", value),
