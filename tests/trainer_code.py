@@ -7,7 +7,9 @@ tests (tests/test_policy_trainers.py).
   functions) is stubbed; every line of the functions the tests call is verl's.
 - TRL 1.16.0: ``GRPOTrainer._compute_loss`` taken out of ``trl/trainer/grpo_trainer.py`` by its source (the module
   imports pandas, accelerate, datasets) and run as a method of a stand-in trainer that has the attributes it
-  reads; its ``nanmin`` / ``nanmax`` come from ``trl/trainer/utils.py`` the same way.
+  reads; its ``nanmin`` / ``nanmax`` come from ``trl/trainer/utils.py`` the same way. ``GKDTrainer.compute_loss``
+  and ``generalized_jsd_loss`` from ``trl/experimental/gkd/gkd_trainer.py`` likewise, as a class of those two
+  methods (its ``empty_cache`` a no-op) for the distillation mixin's tests (tests/test_distillation_trainers.py).
 
 CI installs the packages without their dependencies (``pip install --no-deps verl==0.9.1 trl==1.16.0``);
 without them these tests skip.
@@ -123,16 +125,32 @@ def trl_compute_loss() -> tuple[Any, dict[str, Any]]:
     """(TRL's ``GRPOTrainer._compute_loss`` as a plain function, the namespace it runs in)."""
     root = _package_dir("trl") / "trainer"
     namespace: dict[str, Any] = {"torch": torch}
-    for file, names in (("utils.py", ("nanmin", "nanmax")), ("grpo_trainer.py", ("_compute_loss",))):
-        path = root / file
-        if not path.is_file():
-            pytest.skip(f"{path} is missing ({INSTALL_HINT})")
-        tree = ast.parse(path.read_text())
-        scopes = [tree, *(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GRPOTrainer")]
-        found = [n for scope in scopes for n in scope.body if isinstance(n, ast.FunctionDef) and n.name in names]
-        if len(found) != len(names):
-            pytest.skip(f"{path} lacks {names} (expected trl 1.16.0)")
-        for node in found:
-            node.decorator_list = []
-        exec(compile(ast.Module(body=found, type_ignores=[]), str(path), "exec"), namespace)
+    _exec_functions(root / "utils.py", None, ("nanmin", "nanmax"), namespace)
+    _exec_functions(root / "grpo_trainer.py", "GRPOTrainer", ("_compute_loss",), namespace)
     return namespace["_compute_loss"], namespace
+
+
+@cache
+def trl_gkd_trainer() -> type:
+    """A class of TRL's ``GKDTrainer.compute_loss`` and ``generalized_jsd_loss`` (a static method there too)."""
+    namespace: dict[str, Any] = {"torch": torch, "F": torch.nn.functional, "empty_cache": lambda: None}
+    path = _package_dir("trl") / "experimental" / "gkd" / "gkd_trainer.py"
+    _exec_functions(path, "GKDTrainer", ("compute_loss", "generalized_jsd_loss"), namespace)
+    return type("TrlGKDLoss", (), {"compute_loss": namespace["compute_loss"],
+                                   "generalized_jsd_loss": staticmethod(namespace["generalized_jsd_loss"])})
+
+
+def _exec_functions(path: Path, class_name: str | None, names: tuple[str, ...], namespace: dict[str, Any]) -> None:
+    """Run the definitions of ``names`` (module level, or in class ``class_name``) from ``path`` in ``namespace``,
+    their decorators dropped."""
+    if not path.is_file():
+        pytest.skip(f"{path} is missing ({INSTALL_HINT})")
+    tree = ast.parse(path.read_text())
+    scopes = [tree] if class_name is None else [n for n in tree.body if isinstance(n, ast.ClassDef)
+                                                 and n.name == class_name]
+    found = [n for scope in scopes for n in scope.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    if len(found) != len(names):
+        pytest.skip(f"{path} lacks {names} (expected trl 1.16.0)")
+    for node in found:
+        node.decorator_list = []
+    exec(compile(ast.Module(body=found, type_ignores=[]), str(path), "exec"), namespace)

@@ -31,6 +31,10 @@ cuBLAS and folds them into online-softmax statistics. :class:`ChunkedLogProbFunc
 - Targets: TRL passes only real token ids (the masked positions are dropped or clamped to 0);
   here ``-100`` gives log-prob 0, entropy 0, ``is_top1`` False and no gradient, any other target
   outside ``[0, V)`` raises ``ValueError``.
+
+Beside it, two trainers' losses in one flce call through a patched model (:func:`add_policy_head`):
+:class:`GRPOPolicyLossMixin` (GRPOTrainer's policy loss) and :class:`GKDDistillationLossMixin` (GKDTrainer's
+distillation loss).
 """
 
 from __future__ import annotations
@@ -256,6 +260,60 @@ class GRPOPolicyLossMixin:
             metrics["clip_ratio/high_max"].append(_nan_extreme(accelerator.gather(high), torch.max))
         elif self.loss_type == "cispo":
             metrics["cispo_clip_ratio"].append(global_mean(out.clip_ratio_high, by_sequence))
+
+
+class GKDDistillationLossMixin:
+    """TRL's ``GKDTrainer.compute_loss`` (``trl.experimental.gkd``) in one flce call, neither model's logits made:
+    mix in before GKDTrainer and patch both models first,
+
+        class Trainer(GKDDistillationLossMixin, GKDTrainer): ...
+        add_policy_head(student); add_policy_head(teacher)
+        trainer = Trainer(model=student, teacher_model=teacher, ...)
+
+    The same loss as TRL 1.16's: its generalized JSD at the trainer's ``beta`` (0: KL(P || Q), 1: KL(Q || P)) at
+    temperature 1, as its compute_loss passes it, over the positions whose shifted label is not -100, divided by
+    ``num_items_in_batch`` where the Trainer passes one (gradient accumulation), else by the positions counted.
+    The student's loss runs inside its forward (through DDP or FSDP as TRL's does); the teacher's head weight is
+    read from the unwrapped teacher (an FSDP2-sharded weight is gathered as docs/distributed.md says). A call that
+    asks for the model's outputs (``return_outputs=True``, evaluation) runs TRL's own compute_loss, and a model
+    with a logit softcap or scale raises ``ValueError``: flce's distillation applies neither."""
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict, return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None):
+        if return_outputs:
+            return super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        ids = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+        self.teacher_model.eval()
+        with torch.no_grad():
+            teacher_hidden = self.teacher_model(**ids, flce_policy=_unscaled_hidden)
+        teacher_head = self.accelerator.unwrap_model(self.teacher_model).get_output_embeddings()
+        beta = float(self.beta)
+        loss = {0.0: "forward_kl", 1.0: "reverse_kl"}.get(beta, "jsd")
+        reduction = "mean" if num_items_in_batch is None else "sum"
+
+        def head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scaling: dict) -> torch.Tensor:
+            _unscaled_hidden(hidden, weight, bias, scaling)
+            return flce.linear_distillation_loss(
+                hidden[:, :-1], weight, teacher_hidden[:, :-1].to(hidden.device), teacher_head.weight,
+                inputs["labels"][:, 1:], loss=loss, beta=beta, reduction=reduction, student_bias=bias,
+                teacher_bias=teacher_head.bias)
+
+        value = model(**ids, flce_policy=head)
+        if num_items_in_batch is None:
+            return value
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(value.device)
+        return value / num_items_in_batch
+
+
+def _unscaled_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     scaling: dict) -> torch.Tensor:
+    """add_policy_head's head for a distillation: the hidden states, for a model whose logits are the plain
+    ``hidden @ weight.T + bias`` (flce's distillation applies no softcap or logit scale)."""
+    if scaling["softcap"] is not None or scaling["logit_scale"] != 1.0:
+        raise ValueError(f"GKDDistillationLossMixin: the model's config sets a logit softcap or scale ({scaling}), "
+                         "which flce's distillation does not apply; train without the mixin (TRL's own loss)")
+    return hidden
 
 
 def _logit_options(temperature: float, softcap: float | None, logit_scale: float) -> dict[str, float | None]:
