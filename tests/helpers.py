@@ -411,3 +411,13 @@ def launched(step: Callable[[], None]) -> list[str]:
         step()
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def nested_second_derivatives(loss: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Callable]:
+    """Second derivatives of a scalar ``loss(h)`` by nested torch.func transforms, by name: what flce refuses with
+    its first-order message (nested transforms would see its gradients as constants and return zeros)."""
+    return {
+        "hessian": torch.func.hessian(loss),
+        "jacrev-of-jacrev": torch.func.jacrev(torch.func.jacrev(loss)),
+        "grad-of-grad": torch.func.grad(lambda h: torch.func.grad(loss)(h).square().sum()),
+    }

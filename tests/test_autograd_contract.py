@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import lm_head_inputs, make_inputs, random_class_weight, reference_loss
+from helpers import lm_head_inputs, make_inputs, nested_second_derivatives, random_class_weight, reference_loss
 
 import flce
 from flce.backends.reference.kernels import ReferenceKernels
@@ -280,11 +280,7 @@ def test_second_derivatives_by_nested_transforms_are_refused(nesting: str, gener
     def loss(h: torch.Tensor) -> torch.Tensor:
         return flce.linear_cross_entropy(h, weight, target)
 
-    nested = {
-        "hessian": torch.func.hessian(loss),
-        "jacrev-of-jacrev": torch.func.jacrev(torch.func.jacrev(loss)),
-        "grad-of-grad": torch.func.grad(lambda h: torch.func.grad(loss)(h).square().sum()),
-    }[nesting]
+    nested = nested_second_derivatives(loss)[nesting]
     with pytest.raises(RuntimeError, match="first-order only"):
         nested(hidden)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distillation_helpers import NAMES, Pair, flce_loss, make_pair, oracle
+from helpers import nested_second_derivatives
 
 from flce.autotune import override_params
 
@@ -98,11 +99,7 @@ def test_second_derivatives_by_nested_transforms_are_refused(nesting: str, reduc
         out = flce_loss(Pair(h, ws, None, xt, wt, None, y), reduction=reduction)
         return out.sum()
 
-    nested = {
-        "hessian": torch.func.hessian(loss),
-        "jacrev-of-jacrev": torch.func.jacrev(torch.func.jacrev(loss)),
-        "grad-of-grad": torch.func.grad(lambda h: torch.func.grad(loss)(h).square().sum()),
-    }[nesting]
+    nested = nested_second_derivatives(loss)[nesting]
     with pytest.raises(RuntimeError, match="first-order only"):
         nested(pair.student_hidden.detach())
 

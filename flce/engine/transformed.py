@@ -74,8 +74,7 @@ def backward(call: EngineCall, flat: FlatInputs, state: ForwardState, wanted: Gr
     assert state.stats is not None
     n_rows, vocab = target.shape[0], flat.weight.shape[0]
     step = call.plan.tokens_per_chunk if isinstance(call.plan, TokenChunks) else n_rows
-    grad_hidden_rows = []
-    grad_weight = grad_bias = None
+    sums = GradSums(flat.hidden, flat.weight, flat.bias, wanted)
     for start in range(0, n_rows, max(1, step)):
         rows = slice(start, min(start + max(1, step), n_rows))
         t = target[rows]
@@ -86,24 +85,42 @@ def backward(call: EngineCall, flat: FlatInputs, state: ForwardState, wanted: Gr
             None if grad_entropy is None else grad_entropy.reshape(-1)[rows])
         logits = chunk_logits(flat, rows, flat.hidden.new_empty(t.shape[0], vocab,
                                                                 dtype=logits_dtype(flat.weight.dtype, cfg)))
-        grad_math = grad_logits(logits, t, cfg, state.stats.lse[rows], coeffs)
-        grad = grad_math.to(flat.weight.dtype)  # the GEMM operands' dtype, as the kernels write it
-        if wanted.hidden:
-            grad_hidden_rows.append(grad @ flat.weight)
-        if wanted.weight:
-            part = grad.transpose(-1, -2) @ flat.hidden[rows]
-            grad_weight = part if grad_weight is None else grad_weight + part
-        if wanted.bias:
+        sums.add(grad_logits(logits, t, cfg, state.stats.lse[rows], coeffs), rows)
+    return sums.result()
+
+
+class GradSums:
+    """The gradients of one head (hidden, weight, bias) from its chunks' d loss / d u, out of place: the GEMMs
+    take d loss / d u in the weight's dtype, as the kernels write it; the bias sums the math-dtype values."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wanted: GradTargets):
+        self.hidden, self.weight, self.bias, self.wanted = hidden, weight, bias, wanted
+        self.hidden_rows: list[torch.Tensor] = []
+        self.grad_weight: torch.Tensor | None = None
+        self.grad_bias: torch.Tensor | None = None
+
+    def add(self, grad_math: torch.Tensor, rows: slice) -> None:
+        """A chunk's d loss / d u (in the math dtype) for the hidden rows ``rows``."""
+        grad = grad_math.to(self.weight.dtype)
+        if self.wanted.hidden:
+            self.hidden_rows.append(grad @ self.weight)
+        if self.wanted.weight:
+            part = grad.transpose(-1, -2) @ self.hidden[rows]
+            self.grad_weight = part if self.grad_weight is None else self.grad_weight + part
+        if self.wanted.bias:
             part = grad_math.sum(-2)
-            grad_bias = part if grad_bias is None else grad_bias + part
-    grad_hidden = None
-    if wanted.hidden:
-        grad_hidden = torch.cat(grad_hidden_rows, -2) if grad_hidden_rows else torch.zeros_like(flat.hidden)
-    if wanted.weight and grad_weight is None:
-        grad_weight = torch.zeros_like(flat.weight)
-    if wanted.bias:
-        grad_bias = torch.zeros_like(flat.bias) if grad_bias is None else grad_bias.to(flat.bias.dtype)
-    return grad_hidden, grad_weight, grad_bias
+            self.grad_bias = part if self.grad_bias is None else self.grad_bias + part
+
+    def result(self) -> Grads:
+        wanted = self.wanted
+        grad_hidden = grad_weight = grad_bias = None
+        if wanted.hidden:
+            grad_hidden = torch.cat(self.hidden_rows, -2) if self.hidden_rows else torch.zeros_like(self.hidden)
+        if wanted.weight:
+            grad_weight = torch.zeros_like(self.weight) if self.grad_weight is None else self.grad_weight
+        if wanted.bias:
+            grad_bias = torch.zeros_like(self.bias) if self.grad_bias is None else self.grad_bias.to(self.bias.dtype)
+        return grad_hidden, grad_weight, grad_bias
 
 
 def grad_logits(logits: torch.Tensor, target: torch.Tensor, cfg: LCEConfig, lse: torch.Tensor,

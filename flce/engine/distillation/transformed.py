@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from flce.distillation.semantics import PairStats, pair_coefficients, row_scales
 from flce.distillation.tiles import tile_gradients
-from flce.engine.call import Grads, GradTargets
+from flce.engine.call import Grads
 from flce.engine.distillation.call import DistillCall, PairGradTargets
 from flce.engine.plans import chunk_bounds
-from flce.engine.transformed import check_unsharded
+from flce.engine.transformed import GradSums, check_unsharded
 
 
 def scaled_grads(grads: tuple[Grads, Grads], scale: torch.Tensor) -> tuple[Grads, Grads]:
@@ -36,8 +36,8 @@ def backward(call: DistillCall, pair, state, wanted: PairGradTargets, grad_loss:
     cfg = call.cfg
     n_rows, target = pair.n_rows, pair.target
     teacher = wanted.teacher.any
-    student_sums = _HeadSums(pair.student_hidden, pair.student_weight, pair.student_bias, wanted.student)
-    teacher_sums = _HeadSums(pair.teacher_hidden, pair.teacher_weight, pair.teacher_bias, wanted.teacher)
+    student_sums = GradSums(pair.student_hidden, pair.student_weight, pair.student_bias, wanted.student)
+    teacher_sums = GradSums(pair.teacher_hidden, pair.teacher_weight, pair.teacher_bias, wanted.teacher)
     if n_rows:
         valid = None if target is None else target != cfg.ignore_index
         stats = PairStats.unstacked(state.stats, cfg)
@@ -56,35 +56,3 @@ def backward(call: DistillCall, pair, state, wanted: PairGradTargets, grad_loss:
             if teacher:
                 teacher_sums.add(teacher_grad, rows)
     return student_sums.result(), teacher_sums.result() if teacher else (None, None, None)
-
-
-class _HeadSums:
-    """One head's gradients from its chunks' d loss / d u: the GEMMs take it in the weight's dtype, as the
-    kernels write it over the logits; the bias sums the math-dtype values."""
-
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wanted: GradTargets):
-        self.hidden, self.weight, self.bias, self.wanted = hidden, weight, bias, wanted
-        self.hidden_rows: list[torch.Tensor] = []
-        self.grad_weight = self.grad_bias = None
-
-    def add(self, grad_math: torch.Tensor, rows: slice) -> None:
-        grad = grad_math.to(self.weight.dtype)
-        if self.wanted.hidden:
-            self.hidden_rows.append(grad @ self.weight)
-        if self.wanted.weight:
-            part = grad.transpose(-1, -2) @ self.hidden[rows]
-            self.grad_weight = part if self.grad_weight is None else self.grad_weight + part
-        if self.wanted.bias:
-            part = grad_math.sum(-2)
-            self.grad_bias = part if self.grad_bias is None else self.grad_bias + part
-
-    def result(self) -> Grads:
-        wanted = self.wanted
-        grad_hidden = grad_weight = grad_bias = None
-        if wanted.hidden:
-            grad_hidden = torch.cat(self.hidden_rows, -2) if self.hidden_rows else torch.zeros_like(self.hidden)
-        if wanted.weight:
-            grad_weight = torch.zeros_like(self.weight) if self.grad_weight is None else self.grad_weight
-        if wanted.bias:
-            grad_bias = torch.zeros_like(self.bias) if self.grad_bias is None else self.grad_bias.to(self.bias.dtype)
-        return grad_hidden, grad_weight, grad_bias
