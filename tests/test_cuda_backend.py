@@ -13,6 +13,7 @@ import torch
 from helpers import OPTION_CASES, assert_same_argmax, lm_head_inputs, materialise_options, reference_loss
 
 import flce
+import flce.testing.distillation
 
 pytest.importorskip("triton")
 
@@ -135,6 +136,40 @@ def test_gpu_low_precision_within_eager_error(vocab, dtype):
     torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-2, atol=2e-2)
     assert _rel(gx, rx) <= 1.5 * _rel(ex, rx) + 1e-6
     assert _rel(gw, rw) <= 1.5 * _rel(ew, rw) + 1e-6
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_expanded_hidden_rows(dtype):
+    """A hidden of one row expanded to many (stride 0, as a broadcast prefix makes it) counts as 16-byte aligned
+    (engine.choice.rows_aligned), so it reaches the TMA GEMMs: the loss and gradients still equal float64's, for
+    cross-entropy and for a distillation whose teacher's hidden is expanded too."""
+    n, h, v = 1024, 512, 32000
+    g = torch.Generator(device="cpu").manual_seed(int(torch.randint(0, 2**31, ())))
+    row = (torch.randn(1, h, generator=g)).to("cuda", dtype).requires_grad_()
+    w = (torch.randn(v, h, generator=g) * h**-0.5).to("cuda", dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g).to("cuda")
+    teacher_row = torch.randn(1, 2 * h, generator=g).to("cuda", dtype)
+    teacher_w = (torch.randn(v, 2 * h, generator=g) * (2 * h) ** -0.5).to("cuda", dtype)
+    hidden = row.expand(n, h)
+    assert hidden.stride(0) == 0
+    calls = {
+        "cross-entropy": (lambda x, w: flce.linear_cross_entropy(x, w, t),
+                          lambda x, w: torch.nn.functional.cross_entropy(x @ w.t(), t)),
+        "jsd": (lambda x, w: flce.linear_distillation_loss(x, w, teacher_row.expand(n, 2 * h), teacher_w, t),
+                lambda x, w: flce.testing.distillation.reference_distillation_loss(
+                    x, w, teacher_row.double().expand(n, 2 * h), teacher_w.double(), t)),
+    }
+    limit = 1e-4 if dtype == torch.float32 else 2e-2
+    for name, (call, oracle) in calls.items():
+        loss = call(hidden, w)
+        grads = torch.autograd.grad(loss, (row, w))
+        rd, wd = row.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        want = oracle(rd.expand(n, h), wd)
+        want_grads = torch.autograd.grad(want, (rd, wd))
+        assert _rel(loss, want.detach()) <= limit, name
+        for got_grad, want_grad in zip(grads, want_grads, strict=True):
+            assert _rel(got_grad, want_grad) <= limit, name
 
 
 @pytest.mark.cuda

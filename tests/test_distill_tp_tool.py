@@ -1,5 +1,6 @@
-"""tools/distributed/distill_tp.py on 2 gloo ranks of this CPU: its agreement checks pass, and both timings (each
-step alone from a barrier, calls back to back) come out per configuration with a ratio from their medians."""
+"""tools/distributed/distill_tp.py on 2 gloo ranks of this CPU: its agreement checks pass (DTensor heads among them),
+and both timings (each step alone from a barrier, calls back to back) come out per configuration with a ratio from
+their medians."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def test_distill_tp_gloo_run_reports_both_timings(tmp_path: Path) -> None:
     run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "distill_tp.json").read_text())
-    assert len(report["checks"]) == 8 and all(c["passed"] for c in report["checks"])
+    assert len(report["checks"]) == 14 and all(c["passed"] for c in report["checks"])
+    assert sum(c["loss"].endswith("DTensor heads") for c in report["checks"]) == 6
     assert all(c["worst over ranks"] <= c["limit"] for c in report["checks"])
     (timing,) = report["timings"]
     assert timing["shape"] == "192x32x48x1001"

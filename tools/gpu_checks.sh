@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call: install carried peer wheels, run the cuda-marked, compile and CUDA-graph tests in lanes side by
-# side, then (only when arguments are given) the peers benchmark with those arguments.
-#   bash tools/gpu_checks.sh                      the tests (about 6 minutes on one H200)
+# One device call: install carried peer wheels, run the tests a GPU runs (cuda-marked, and triton-marked: the Triton
+# kernels' tests, interpreted on a CPU, compiled here), the compile and CUDA-graph tests, in lanes side by side,
+# then (only when arguments are given) the peers benchmark with those arguments.
+#   bash tools/gpu_checks.sh                      the tests (about 6 minutes on one H200; lanes spread over GPUs)
 #   bash tools/gpu_checks.sh --quick              the tests, then tools/benchmarks/peers.py --quick
 # Results under $OUT when set. LANE_TIMEOUT (seconds, default 540) bounds each lane, so a slow lane still leaves
 # every lane's log.
@@ -30,20 +31,26 @@ declare -A LANE_FILES=(
   [generic-path]="tests/test_generic_path_gpu.py"
   [losses]="tests/test_distillation_gpu.py tests/test_distillation_compile.py tests/test_policy_loss.py tests/test_policy_explain.py tests/test_policy_compile.py tests/test_rl_objective.py tests/test_rl_options.py"
   [explain-forward]="tests/test_explain_gpu.py tests/test_cuda_fused_forward.py"
+  [distillation-cuda]="tests/test_distillation_cuda.py tests/test_distillation_autograd.py tests/test_distillation_trainers.py"
 )
 ALL_NAMED=" ${LANE_FILES[*]} "
+# On a host of several GPUs the lanes take them in turn (each lane sees one, as its device 0).
+GPUS=$(nvidia-smi -L | wc -l)
+LANE_INDEX=0
 run_lane() {  # name, pytest arguments...
   local name=$1
   shift
-  timeout "$LANE_TIMEOUT" python3 -m pytest -p no:cacheprovider -q -rfE "$@" > "$LANES/$name.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$((LANE_INDEX % GPUS)) timeout "$LANE_TIMEOUT" python3 -m pytest -p no:cacheprovider -q -rfE "$@" > "$LANES/$name.log" 2>&1
   echo "exit $?" >> "$LANES/$name.log"
 }
 for lane in "${!LANE_FILES[@]}"; do
   # shellcheck disable=SC2086
-  run_lane "$lane" ${LANE_FILES[$lane]} -m cuda &
+  run_lane "$lane" ${LANE_FILES[$lane]} -m "cuda or triton" &
+  LANE_INDEX=$((LANE_INDEX + 1))
 done
-# Every other cuda-marked test (a file added later and not yet in a lane), then the compile and graph tests.
-run_lane others tests -m cuda $(printf -- '--ignore=%s ' ${ALL_NAMED}) --ignore=tests/test_compile.py --ignore=tests/test_cuda_graphs.py &
+# Every other such test (a file added later and not yet in a lane), then the compile and graph tests.
+run_lane others tests -m "cuda or triton" $(printf -- '--ignore=%s ' ${ALL_NAMED}) --ignore=tests/test_compile.py --ignore=tests/test_cuda_graphs.py &
+LANE_INDEX=$((LANE_INDEX + 1))
 run_lane compile tests/test_compile.py tests/test_cuda_graphs.py &
 wait
 NAMES=("${!LANE_FILES[@]}" others compile)

@@ -7,7 +7,9 @@
 1. Agreement (small shapes, uneven shards, fp32 and bf16, every loss at temperature 0.9 and forward KL at 1, a
    hard-label term, the teacher's gradient asked once): on every rank the sharded loss, the student's grad_hidden
    and this rank's slice of grad_weight against the unsharded call on the same device, and (fp32) the loss against
-   the float64 oracle.
+   the float64 oracle. Then the same calls with both heads' weights as tensor-parallel frameworks hold them,
+   ``Shard(0)`` DTensors on a mesh of the two ranks (no ``process_group``: the mesh's group is taken): the loss,
+   grad_hidden and the whole grad_weight (a DTensor in the weight's placement, gathered) against the unsharded call.
 2. Time, per shape of ``--shapes`` (``TOKENSxSTUDENT_HxTEACHER_HxVOCAB``; default 8192 x 4096 x {4096, 8192}
    x 128256, bf16, JSD beta 0.5, the default memory budget): TP = 1 (each rank the whole call, side by side as
    data-parallel replicas run) and TP = 2 (both heads' vocabulary halved), forward + backward, after --warmup
@@ -131,15 +133,43 @@ def check_agreement(device: torch.device, backend: str | None) -> list[dict]:
                 oracle = reference_distillation_loss(data["xs"], data["ws"], data["xt"], data["wt"], data["target"],
                                                      **math)
                 errors["loss vs float64 oracle"] = relative(sharded, oracle)
-            limit = 1e-4 if dtype == torch.float32 else 2e-2
-            worst = max(errors.values())
-            worst_all = torch.tensor([worst], device=device)
-            dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)
-            results.append({"dtype": str(dtype).removeprefix("torch."), "loss": f"{loss}, T {case['temperature']}",
-                            "errors": errors,
-                            "worst over ranks": float(worst_all), "limit": limit,
-                            "passed": float(worst_all) <= limit})
+            results.append(_checked(f"{loss}, T {case['temperature']}", dtype, errors, device))
     return results
+
+
+def check_dtensor_heads(device: torch.device, backend: str | None) -> list[dict]:
+    """Section 1's DTensor calls: both heads' weights Shard(0) DTensors (torch's even split of the vocabulary)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for loss in ("forward_kl", "reverse_kl", "jsd"):
+            options = {"loss": loss, "hard_label_weight": 0.2, "temperature": 0.9, "backend": backend}
+            data = inputs(257, 64, 96, 3001, dtype, device, seed=12)
+            whole, full = call(data, None, None, options)
+            leaves = {k: v.detach().clone().requires_grad_() for k, v in data.items() if k != "target"}
+            weights = {k: torch.nn.Parameter(distribute_tensor(leaves[k].detach(), mesh, [Shard(0)]),
+                                             requires_grad=k == "ws") for k in ("ws", "wt")}
+            got = flce.linear_distillation_loss(leaves["xs"], weights["ws"], leaves["xt"].detach(), weights["wt"],
+                                                data["target"], **options)
+            got.backward()
+            grad_weight = weights["ws"].grad
+            placed = isinstance(grad_weight, DTensor) and grad_weight.placements == (Shard(0),)
+            errors = {"loss": relative(got.detach(), whole), "grad xs": relative(leaves["xs"].grad, full["xs"]),
+                      "grad ws": relative(grad_weight.full_tensor() if placed else None, full["ws"])}
+            results.append(_checked(f"{loss}, T 0.9, DTensor heads", dtype, errors, device))
+    return results
+
+
+def _checked(what: str, dtype: torch.dtype, errors: dict[str, float], device: torch.device) -> dict:
+    """One agreement check's record: its worst error over the ranks against the dtype's limit."""
+    limit = 1e-4 if dtype == torch.float32 else 2e-2
+    worst_all = torch.tensor([max(errors.values())], device=device)
+    dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)
+    return {"dtype": str(dtype).removeprefix("torch."), "loss": what, "errors": errors,
+            "worst over ranks": float(worst_all), "limit": limit, "passed": float(worst_all) <= limit}
 
 
 def aligned(device: torch.device) -> None:
@@ -253,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "dtype": args.dtype,
               "loss": args.loss, "rounds": args.rounds, "alone": args.alone, "calls": args.calls,
-              "warmup": args.warmup, "checks": [] if args.skip_checks else check_agreement(device, args.backend),
+              "warmup": args.warmup, "checks": [] if args.skip_checks else (check_agreement(device, args.backend)
+                                                     + check_dtensor_heads(device, args.backend)),
               "timings": [time_shape(shape, args, device) for shape in shapes]}
     failed = [c for c in report["checks"] if not c["passed"]]
     if dist.get_rank() == 0:
