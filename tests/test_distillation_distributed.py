@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from distillation_helpers import NAMES, Pair, flce_loss, gradients, make_pair, oracle, relative
+from helpers import skip_unless_interpreter_runs
 from test_distributed import Checker, assert_section, run_ranks, seed_of, shard_rows
 
 import flce
@@ -315,6 +316,7 @@ def test_two_ranks(section: str, reports: list[dict[str, dict]]) -> None:
 
 @pytest.mark.triton
 def test_two_ranks_cuda_kernels_interpreted(tmp_path: Path) -> None:
+    skip_unless_interpreter_runs()
     reports = run_ranks(2, tmp_path, sections_module=__name__, sections_key="2-interpreted",
                         fresh_env={"TRITON_INTERPRET": "1"})
     assert_section(reports, "cuda_interpreted")

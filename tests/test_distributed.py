@@ -40,6 +40,7 @@ from helpers import (
     random_upstream,
     reference_grads,
     relative_error,
+    skip_unless_interpreter_runs,
 )
 
 import flce
@@ -723,6 +724,7 @@ def test_vocab_parallel_groups_and_errors(reports: Callable[[int], list[dict[str
 @pytest.mark.distributed
 @pytest.mark.triton
 def test_vocab_parallel_cuda_kernels_interpreted(tmp_path: Path) -> None:
+    skip_unless_interpreter_runs()
     reports = run_ranks(2, tmp_path, sections_key="2-interpreted", fresh_env={"TRITON_INTERPRET": "1"})
     assert_section(reports, "cuda_kernels_interpreted")
 

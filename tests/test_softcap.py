@@ -35,10 +35,13 @@ def _eager(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, sof
 @pytest.mark.parametrize("softcap,logit_scale", CAPS)
 def test_large_softcaps_match_float64_as_eager_does(backend: str, softcap: float, logit_scale: float,
                                                     generator: torch.Generator) -> None:
-    hidden, weight, target, _ = make_inputs((24,), 32, 300, logit_scale=logit_scale, generator=generator)
+    # The CUDA backend's kernels take the GPU's tensors where there is one (compiled), else the CPU's (interpreted).
+    device = "cuda" if backend == "cuda" and torch.cuda.is_available() else "cpu"
+    hidden, weight, target, _ = make_inputs((24,), 32, 300, logit_scale=logit_scale, generator=generator,
+                                            device=device)
     x64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
     want = reference_loss(x64, w64, target, softcap=softcap, reduction="none").loss
-    upstream = torch.rand(want.shape, generator=generator, dtype=torch.float64) + 0.5
+    upstream = (torch.rand(want.shape, generator=generator, dtype=torch.float64) + 0.5).to(device)
     want_grads = torch.autograd.grad(want, (x64, w64), upstream)
     x32, w32 = (t.detach().requires_grad_() for t in (hidden, weight))
     eager = _eager(x32, w32, target, softcap)
