@@ -56,9 +56,10 @@ $(ASCEND_STAMP):
 demo: install
 	$(PYTHON) tools/demo.py
 
-# The RL trainers whose own log-prob functions tests/test_trainer_dropins.py checks flce's drop-ins
-# against: their code only (--no-deps: verl's dependencies pull ray, TRL's datasets and pandas).
-TRAINER_PACKAGES := verl==0.9.1 trl==1.16.0
+# The trainers and kernels whose own code flce's drop-ins are checked against (tests/test_trainer_dropins.py,
+# test_distillation_trainers.py, test_distillation_liger.py): their code only (--no-deps: verl's dependencies
+# pull ray, TRL's datasets and pandas; Liger's chunked losses need torch alone).
+TRAINER_PACKAGES := verl==0.9.1 trl==1.16.0 liger-kernel==0.8.5
 
 trainer-packages: install
 	$(PYTHON) -m pip install -q --no-deps $(TRAINER_PACKAGES)
