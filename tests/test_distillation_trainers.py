@@ -97,6 +97,25 @@ def test_gkd_mixin_refuses_a_logit_softcap(generator: torch.Generator) -> None:
         mixin_trainer.compute_loss(student, _inputs(generator))
 
 
+def test_a_copy_of_a_patched_model_runs_its_own_forward(generator: torch.Generator) -> None:
+    """copy.deepcopy of a model after add_policy_head (as a reference model is often made): the copy's forward,
+    with flce_policy and without, is the copy's, not that of the model it was copied from."""
+    import copy
+
+    model = _tiny_llama(generator, 16)
+    flce_trl.add_policy_head(model)
+    flce_trl.add_policy_head(model)  # twice: still the model's own forward underneath
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(2.0)
+        twin.model.norm.weight.mul_(3.0)
+    ids = _inputs(generator)["input_ids"]
+    logits, twin_logits = model(input_ids=ids).logits, twin(input_ids=ids).logits
+    torch.testing.assert_close(twin_logits, 6.0 * logits, **FP64)
+    hidden = twin(input_ids=ids, flce_policy=lambda hidden, weight, bias, scaling: hidden @ weight.T)
+    torch.testing.assert_close(hidden, twin_logits, **FP64)
+
+
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
 

@@ -132,6 +132,7 @@ _MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", 
                       "mm_token_type_ids", "image_position_ids", "spatial_shapes", "num_tiles", "num_images")
 # Logit scalings of some model families that TRL's fused head applies and flce's policy head does not (yet).
 _UNHANDLED_SCALINGS = ("output_multiplier", "lm_head_multiplier", "logits_scaling")
+_ORIGINAL_FORWARD = "_flce_policy_original_forward"
 
 
 def add_policy_head(model: torch.nn.Module) -> None:
@@ -140,7 +141,6 @@ def add_policy_head(model: torch.nn.Module) -> None:
     (``logit_options``: flce's temperature-free ``softcap`` and the model's ``logit_scale``); without
     ``flce_policy`` the forward is the original one. Called through the trainer's wrapped model (DDP, FSDP), the
     wrappers see an ordinary forward, as with TRL's own ``add_fused_lm_head``."""
-    original = model.forward
     text_config = model.config.get_text_config()
     unhandled = [name for name in _UNHANDLED_SCALINGS if getattr(text_config, name, None) is not None]
     if unhandled:
@@ -154,12 +154,15 @@ def add_policy_head(model: torch.nn.Module) -> None:
     @functools.wraps(type(model).forward)
     def forward(self: torch.nn.Module, *args: object, flce_policy: Callable | None = None, **kwargs: object):
         if flce_policy is None:
-            return original(*args, **kwargs)
+            return self.__dict__[_ORIGINAL_FORWARD](*args, **kwargs)
         kwargs["use_cache"] = False
         hidden = getattr(self, backbone_name)(*args, **kwargs).last_hidden_state
         head = self.get_output_embeddings()
         return flce_policy(hidden.to(head.weight.device), head.weight, head.bias, scaling)
 
+    # The forward it replaces is kept on the model, not in the closure: a copy of the model (copy.deepcopy, as a
+    # reference model is often made) then runs its own forward, not the one of the model it was copied from.
+    model.__dict__.setdefault(_ORIGINAL_FORWARD, model.forward)
     model.forward = types.MethodType(forward, model)
 
 
