@@ -113,3 +113,22 @@ def test_bf16_on_the_gpu_within_ligers_own_error(beta: float, generator: torch.G
     assert _relative(got_outs[0], want_outs[0]) <= 1.5 * _relative(liger_outs[0], want_outs[0]) + 1e-6
     for got, mine, want in zip(got_grads[:2], liger_grads[:2], want_grads[:2], strict=True):
         assert _relative(got, want) <= 1.5 * _relative(mine, want) + 1e-6
+
+
+@pytest.mark.parametrize("return_terms", [False, True], ids=["total", "terms"])
+def test_one_graph_under_torch_compile(return_terms: bool, generator: torch.Generator) -> None:
+    """As Liger's class is often compiled with the model: the drop-in is one graph, its numbers the eager ones."""
+    import torch._dynamo.testing
+
+    inputs = _inputs(generator, dtype=torch.float32)
+    module = LigerFusedLinearJSDLoss(weight_hard_loss=0.3, weight_soft_loss=0.6, beta=0.4,
+                                     return_soft_hard_loss=return_terms)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    got = _run(torch.compile(module, backend=counter, fullgraph=True), inputs)
+    assert counter.frame_count == 1
+    want = _run(module, inputs)
+    for g, w in zip(got[0], want[0], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
