@@ -76,9 +76,26 @@ def test_a_method_that_fails_is_a_row_saying_so(peers) -> None:
 def test_liger_is_listed_whether_it_loads_or_not(peers) -> None:
     methods = peers.all_methods()
     assert list(methods) == ["flce", "flce_512MiB", "flce_separate", "flce_cublas_logits", "flce_uncapped",
-                             "flce_2GiB", "liger_jsd", "torch_compile"]
+                             "flce_2GiB", "liger_jsd", "torch_compile", "flce_liger_dropin", "liger_defaults"]
     if importlib.util.find_spec("liger_kernel") is None:
         assert methods["liger_jsd"].startswith("fails: ModuleNotFoundError")
+        assert methods["liger_defaults"].startswith("fails: ModuleNotFoundError")
+    assert "liger_defaults" not in peers.all_methods("reverse_kl")
+
+
+def test_the_liger_dropin_at_ligers_defaults_is_ligers_loss(peers, generator: torch.Generator) -> None:
+    """The two methods that time Liger's class at its defaults compute the same loss: JSD plus the hard-label term,
+    each weighted 0.5 (the oracle's w = 0.5 hard, 0.5 soft)."""
+    pytest.importorskip("liger_kernel")
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = peers.make_inputs(peers.Case(64, 32, 48, 256, torch.float32), device)
+    expected = reference_distillation_loss(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
+                                           inputs.teacher_weight, inputs.target, loss="jsd", beta=0.5,
+                                           hard_label_weight=0.5)
+    for dropin in (True, False):
+        got = peers.liger_defaults_method(dropin)(inputs)
+        torch.testing.assert_close(got.double().cpu(), expected.cpu(), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("loss", ["jsd", "forward_kl", "reverse_kl"])

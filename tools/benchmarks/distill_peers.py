@@ -22,9 +22,12 @@ them (docs/distillation.md): ``flce_separate`` (one kernel a pass, pair_passes=s
 Liger-Kernel's ``LigerFusedLinearJSDLoss`` (weight_hard_loss=0, weight_soft_loss=1, beta 0.5; its chunked
 torch.compile loop, which computes the unweighted cross-entropy too), where liger-kernel imports (a row saying
 "fails: ..." otherwise); ``torch_compile``, torch.compile of the formula on materialised logits (the teacher's
-under no_grad). Inputs are flce.testing.measure's draw (logits of std 1, every 17th target ignored); the teacher
-takes no gradient. The loss: ``--loss`` jsd (beta 0.5, the default), forward_kl or reverse_kl, Liger's class with
-the beta that makes it that divergence (0: KL(P || Q), 1: KL(Q || P), as its distillation_loss_fn reads them).
+under no_grad); with ``--loss jsd``, ``liger_defaults``, Liger's class at its defaults (weight_hard_loss =
+weight_soft_loss = 0.5: JSD and the hard-label term), and ``flce_liger_dropin``, flce's drop-in of it
+(flce.integrations.liger) at the same. Inputs are flce.testing.measure's draw (logits of std 1, every 17th target
+ignored); the teacher takes no gradient. The loss: ``--loss`` jsd (beta 0.5, the default), forward_kl or reverse_kl,
+Liger's class with the beta that makes it that divergence (0: KL(P || Q), 1: KL(Q || P), as its distillation_loss_fn
+reads them).
 """
 
 from __future__ import annotations
@@ -151,6 +154,18 @@ def liger_method(loss: str = "jsd") -> Callable[[Inputs], torch.Tensor]:
                                  inputs.teacher_weight, inputs.target)
 
 
+def liger_defaults_method(dropin: bool) -> Callable[[Inputs], torch.Tensor]:
+    """Liger's class at its defaults (weight_hard_loss = weight_soft_loss = 0.5, beta 0.5: JSD and the hard-label
+    term), or flce's drop-in of it (flce.integrations.liger) at the same."""
+    if dropin:
+        from flce.integrations.liger import LigerFusedLinearJSDLoss
+    else:
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+    module = LigerFusedLinearJSDLoss()
+    return lambda inputs: module(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
+                                 inputs.teacher_weight, inputs.target)
+
+
 def all_methods(loss: str = "jsd") -> dict[str, Callable[[Inputs], torch.Tensor] | str]:
     """Every method by name, in the order they run; a method that cannot load here is its "fails: ..." cell."""
     methods: dict[str, Callable[[Inputs], torch.Tensor] | str] = {
@@ -164,6 +179,12 @@ def all_methods(loss: str = "jsd") -> dict[str, Callable[[Inputs], torch.Tensor]
     except Exception as exc:
         methods["liger_jsd"] = failure(exc)
     methods["torch_compile"] = torch_compile_method(loss)
+    if loss == "jsd":  # Liger's class as its users call it, and the drop-in that replaces it
+        methods["flce_liger_dropin"] = liger_defaults_method(dropin=True)
+        try:
+            methods["liger_defaults"] = liger_defaults_method(dropin=False)
+        except Exception as exc:
+            methods["liger_defaults"] = failure(exc)
     return methods
 
 
