@@ -2,7 +2,7 @@
 # One device call: install carried peer wheels, run the tests a GPU runs (cuda-marked, and triton-marked: the Triton
 # kernels' tests, interpreted on a CPU, compiled here), the compile and CUDA-graph tests, in lanes side by side,
 # then (only when arguments are given) the peers benchmark with those arguments.
-#   bash tools/gpu_checks.sh                      the tests (about 6 minutes on one H200; lanes spread over GPUs)
+#   bash tools/gpu_checks.sh                      the tests (about 5 minutes on two H200s, the lanes spread over them)
 #   bash tools/gpu_checks.sh --quick              the tests, then tools/benchmarks/peers.py --quick
 # Results under $OUT when set. LANE_TIMEOUT (seconds, default 540) bounds each lane, so a slow lane still leaves
 # every lane's log.

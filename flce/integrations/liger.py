@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import flce
+from flce.errors import InputError
 
 
 class LigerFusedLinearJSDLoss(torch.nn.Module):
@@ -45,7 +46,7 @@ class LigerFusedLinearJSDLoss(torch.nn.Module):
                 teacher_weight: torch.Tensor, true_labels: torch.Tensor, student_bias: torch.Tensor | None = None,
                 teacher_bias: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if teacher_weight.shape[0] != student_weight.shape[0]:
-            raise ValueError(f"LigerFusedLinearJSDLoss: the teacher's vocabulary ({teacher_weight.shape[0]}) differs "
+            raise InputError(f"LigerFusedLinearJSDLoss: the teacher's vocabulary ({teacher_weight.shape[0]}) differs "
                              f"from the student's ({student_weight.shape[0]}); flce does not pad the student's "
                              "logits with zeros as Liger does: pass heads of one vocabulary")
         hard, soft = self.weight_hard_loss, self.weight_soft_loss
