@@ -22,7 +22,8 @@ them (docs/distillation.md): ``flce_separate`` (one kernel a pass, pair_passes=s
 Liger-Kernel's ``LigerFusedLinearJSDLoss`` (weight_hard_loss=0, weight_soft_loss=1, beta 0.5; its chunked
 torch.compile loop, which computes the unweighted cross-entropy too), where liger-kernel imports (a row saying
 "fails: ..." otherwise); ``torch_compile``, torch.compile of the formula on materialised logits (the teacher's
-under no_grad); with ``--loss jsd``, ``liger_defaults``, Liger's class at its defaults (weight_hard_loss =
+under no_grad); ``trl_divergence``, TRL 1.16's own kernel (trl.kernels.chunked_divergence, its DistillationTrainer's),
+where trl imports; with ``--loss jsd``, ``liger_defaults``, Liger's class at its defaults (weight_hard_loss =
 weight_soft_loss = 0.5: JSD and the hard-label term), and ``flce_liger_dropin``, flce's drop-in of it
 (flce.integrations.liger) at the same. Inputs are flce.testing.measure's draw (logits of std 1, every 17th target
 ignored); the teacher takes no gradient. The loss: ``--loss`` jsd (beta 0.5, the default), forward_kl or reverse_kl,
@@ -33,8 +34,10 @@ reads them).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
+import importlib
 import importlib.metadata
 import json
 import math
@@ -42,6 +45,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -154,6 +158,33 @@ def liger_method(loss: str = "jsd") -> Callable[[Inputs], torch.Tensor]:
                                  inputs.teacher_weight, inputs.target)
 
 
+def trl_divergence_method(loss: str = "jsd") -> Callable[[Inputs], torch.Tensor]:
+    """TRL 1.16's own kernel, ``trl.kernels.chunked_divergence.ChunkedDivergenceFunction`` (what its
+    DistillationTrainer's ``_chunked_divergence_loss`` runs), at the beta that makes it the loss (its mixture is
+    (1 - beta) q + beta p, flce's), over the rows whose target counts (that function projects only those), their
+    mean. What the kernel imports from the rest of TRL is its ZeRO-3 gather, a no-op here (stubbed, as
+    tools/benchmarks/rl_trainers.py does), so TRL installs without its dependencies."""
+    utils = types.ModuleType("trl.trainer.utils")
+    utils.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+    saved = sys.modules.get("trl.trainer.utils")
+    sys.modules["trl.trainer.utils"] = utils  # for the import only: the kernel module binds the name then
+    try:
+        module = importlib.import_module("trl.kernels.chunked_divergence")
+    finally:
+        if saved is None:
+            del sys.modules["trl.trainer.utils"]
+        else:
+            sys.modules["trl.trainer.utils"] = saved
+
+    def call(inputs: Inputs) -> torch.Tensor:
+        valid = inputs.target != -100
+        divergence, _entropy = module.ChunkedDivergenceFunction.apply(
+            inputs.student_hidden[valid], inputs.student_weight, None, inputs.teacher_hidden[valid],
+            inputs.teacher_weight, None, LIGER_BETA[loss])
+        return divergence.sum() / valid.sum().clamp(min=1)
+    return call
+
+
 def liger_defaults_method(dropin: bool) -> Callable[[Inputs], torch.Tensor]:
     """Liger's class at its defaults (weight_hard_loss = weight_soft_loss = 0.5, beta 0.5: JSD and the hard-label
     term), or flce's drop-in of it (flce.integrations.liger) at the same."""
@@ -179,6 +210,10 @@ def all_methods(loss: str = "jsd") -> dict[str, Callable[[Inputs], torch.Tensor]
     except Exception as exc:
         methods["liger_jsd"] = failure(exc)
     methods["torch_compile"] = torch_compile_method(loss)
+    try:
+        methods["trl_divergence"] = trl_divergence_method(loss)
+    except Exception as exc:
+        methods["trl_divergence"] = failure(exc)
     if loss == "jsd":  # Liger's class as its users call it, and the drop-in that replaces it
         methods["flce_liger_dropin"] = liger_defaults_method(dropin=True)
         try:
