@@ -9,7 +9,8 @@ tests (tests/test_policy_trainers.py).
   imports pandas, accelerate, datasets) and run as a method of a stand-in trainer that has the attributes it
   reads; its ``nanmin`` / ``nanmax`` come from ``trl/trainer/utils.py`` the same way. ``GKDTrainer.compute_loss``
   and ``generalized_jsd_loss`` from ``trl/experimental/gkd/gkd_trainer.py`` likewise, as a class of those two
-  methods (its ``empty_cache`` a no-op) for the distillation mixin's tests (tests/test_distillation_trainers.py).
+  methods (its ``empty_cache`` a no-op) for the distillation mixin's tests (tests/test_distillation_trainers.py);
+  ``_chunked_divergence_loss`` from ``trl/trainer/distillation_trainer.py`` over TRL's own kernel module.
 
 CI installs the packages without their dependencies (``pip install --no-deps verl==0.9.1 trl==1.16.0``);
 without them these tests skip.
@@ -18,6 +19,8 @@ without them these tests skip.
 from __future__ import annotations
 
 import ast
+import contextlib
+import importlib
 import importlib.util
 import sys
 import types
@@ -138,6 +141,31 @@ def trl_gkd_trainer() -> type:
     _exec_functions(path, "GKDTrainer", ("compute_loss", "generalized_jsd_loss"), namespace)
     return type("TrlGKDLoss", (), {"compute_loss": namespace["compute_loss"],
                                    "generalized_jsd_loss": staticmethod(namespace["generalized_jsd_loss"])})
+
+
+@cache
+def trl_chunked_divergence_loss() -> Any:
+    """TRL's ``_chunked_divergence_loss`` (its DistillationTrainer's loss, trl/trainer/distillation_trainer.py) over
+    its own kernel (trl/kernels/chunked_divergence.py, imported with its one import from trl.trainer.utils, the
+    ZeRO-3 gather, a no-op stub while it loads)."""
+    _package_dir("trl")
+    utils = types.ModuleType("trl.trainer.utils")
+    utils.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+    saved = sys.modules.get("trl.trainer.utils")
+    sys.modules["trl.trainer.utils"] = utils
+    try:
+        kernel = importlib.import_module("trl.kernels.chunked_divergence")
+    finally:
+        if saved is None:
+            del sys.modules["trl.trainer.utils"]
+        else:
+            sys.modules["trl.trainer.utils"] = saved
+    importlib.import_module("torch.distributed.tensor")  # the function reads torch.distributed.tensor.DTensor
+    namespace: dict[str, Any] = {"torch": torch, "ChunkedDivergenceFunction": kernel.ChunkedDivergenceFunction,
+                                 "_use_triton": importlib.import_module("trl.kernels.chunked_logprob")._use_triton}
+    _exec_functions(_package_dir("trl") / "trainer" / "distillation_trainer.py", None,
+                    ("_chunked_divergence_loss",), namespace)
+    return namespace["_chunked_divergence_loss"]
 
 
 def _exec_functions(path: Path, class_name: str | None, names: tuple[str, ...], namespace: dict[str, Any]) -> None:

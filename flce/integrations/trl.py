@@ -34,7 +34,7 @@ cuBLAS and folds them into online-softmax statistics. :class:`ChunkedLogProbFunc
 
 Beside it, two trainers' losses in one flce call through a patched model (:func:`add_policy_head`):
 :class:`GRPOPolicyLossMixin` (GRPOTrainer's policy loss) and :class:`GKDDistillationLossMixin` (GKDTrainer's
-distillation loss).
+distillation loss); and :func:`chunked_divergence_loss`, the DistillationTrainer's loss function.
 """
 
 from __future__ import annotations
@@ -307,6 +307,61 @@ class GKDDistillationLossMixin:
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(value.device)
         return value / num_items_in_batch
+
+
+def chunked_divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_states: torch.Tensor,
+                            student_lm_head_weight: torch.Tensor, teacher_lm_head_weight: torch.Tensor,
+                            completion_mask: torch.Tensor, beta: float,
+                            num_items_in_batch: torch.Tensor | int | None = None,
+                            student_lm_head_bias: torch.Tensor | None = None,
+                            teacher_lm_head_bias: torch.Tensor | None = None, student_logit_scale: float = 1.0,
+                            teacher_logit_scale: float = 1.0, student_final_logit_softcapping: float | None = None,
+                            teacher_final_logit_softcapping: float | None = None,
+                            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL 1.16's ``DistillationTrainer`` loss (``trl.trainer.distillation_trainer._chunked_divergence_loss``, which
+    runs TRL's ``trl.kernels.chunked_divergence``) through flce, with its signature and returns:
+
+        import trl.trainer.distillation_trainer as distillation
+        distillation._chunked_divergence_loss = flce.integrations.trl.chunked_divergence_loss
+
+    The loss: the generalized JSD at ``beta`` (0 and 1: forward and reverse KL) of the student's and the teacher's
+    softmax at ``temperature`` over the positions where ``completion_mask`` is nonzero, summed and divided by
+    ``num_items_in_batch`` where given, else by those positions (at least 1); the teacher takes no gradient. Also,
+    as TRL's, the student's entropy at ``temperature`` summed over those positions (detached, a logged metric: one
+    more forward-only GEMM of the student's head, flce's cross-entropy with ``return_entropy``) and their count.
+    Weights in another dtype than their hidden states (an fp32 master copy) are cast to it, as TRL casts a gathered
+    one. A logit scale other than 1 or a final logit softcap (flce's distillation applies neither) raises
+    ``ValueError``: train such models with TRL's own."""
+    scalings = {"student_logit_scale": student_logit_scale, "teacher_logit_scale": teacher_logit_scale,
+                "student_final_logit_softcapping": student_final_logit_softcapping,
+                "teacher_final_logit_softcapping": teacher_final_logit_softcapping}
+    if student_logit_scale != 1.0 or teacher_logit_scale != 1.0 or any(
+            scalings[k] is not None for k in ("student_final_logit_softcapping", "teacher_final_logit_softcapping")):
+        raise ValueError(f"chunked_divergence_loss: {scalings}: flce's distillation applies no logit scale or softcap; "
+                         "train this model with TRL's own _chunked_divergence_loss")
+    valid = completion_mask.reshape(-1) != 0
+    count = valid.sum()
+    # Only the counted positions are projected, as TRL does on GPUs.
+    student = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[valid]
+    teacher = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid]
+    student_weight = student_lm_head_weight.to(student.dtype)
+    teacher_weight = teacher_lm_head_weight.to(teacher.dtype)
+    beta = float(beta)
+    divergence = {0.0: "forward_kl", 1.0: "reverse_kl"}.get(beta, "jsd")
+    total = flce.linear_distillation_loss(student, student_weight, teacher, teacher_weight, loss=divergence,
+                                          beta=beta, temperature=temperature, reduction="sum",
+                                          student_bias=student_lm_head_bias, teacher_bias=teacher_lm_head_bias)
+    with torch.no_grad():
+        any_target = torch.zeros(student.shape[0], dtype=torch.long, device=student.device)
+        entropy = flce.linear_cross_entropy(student, student_weight, any_target, student_lm_head_bias,
+                                            temperature=temperature, reduction="none", return_entropy=True).entropy
+    if num_items_in_batch is None:
+        loss = total / count.clamp(min=1)
+    else:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        loss = total / num_items_in_batch
+    return loss, entropy.sum(), count
 
 
 def _unscaled_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
