@@ -1,7 +1,8 @@
-"""The TRL drop-in of linear distillation (flce.integrations.trl.GKDDistillationLossMixin) against TRL 1.16.0's own
-``GKDTrainer.compute_loss`` and ``generalized_jsd_loss`` (tests/trainer_code.py loads them), on two tiny Llamas of
-different hidden sizes, float64 on the CPU: the loss and every student parameter's gradient, the teacher's
-untouched."""
+"""TRL's distillation trainers on flce (flce/integrations/trl_distillation.py) against TRL 1.16.0's own code
+(tests/trainer_code.py loads it): GKDDistillationLossMixin against ``GKDTrainer.compute_loss`` and
+``generalized_jsd_loss`` on two tiny Llamas of different hidden sizes, float64 on the CPU (the loss and every student
+parameter's gradient, the teacher's untouched) and bf16 on the GPU; chunked_divergence_loss against the
+DistillationTrainer's ``_chunked_divergence_loss`` over TRL's kernel, and against float64."""
 
 from __future__ import annotations
 
