@@ -79,9 +79,9 @@ def chunked_divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_
     ``num_items_in_batch`` where given, else by those positions (at least 1); the teacher takes no gradient. Also,
     as TRL's, the student's entropy at ``temperature`` summed over those positions (detached, a logged metric: one
     more forward-only GEMM of the student's head, flce's cross-entropy with ``return_entropy``) and their count.
-    Weights in another dtype than their hidden states (an fp32 master copy) are cast to it, as TRL casts a gathered
-    one. A logit scale other than 1 or a final logit softcap (flce's distillation applies neither) raises
-    ``ValueError``: train such models with TRL's own."""
+    Weights and biases in another dtype than their hidden states (an fp32 master copy) are cast to it, as TRL
+    casts a gathered one. A logit scale other than 1 or a final logit softcap (flce's distillation applies neither)
+    raises ``ValueError``: train such models with TRL's own."""
     scalings = {"student_logit_scale": student_logit_scale, "teacher_logit_scale": teacher_logit_scale,
                 "student_final_logit_softcapping": student_final_logit_softcapping,
                 "teacher_final_logit_softcapping": teacher_final_logit_softcapping}
@@ -96,14 +96,16 @@ def chunked_divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_
     teacher = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid]
     student_weight = student_lm_head_weight.to(student.dtype)
     teacher_weight = teacher_lm_head_weight.to(teacher.dtype)
+    student_bias = None if student_lm_head_bias is None else student_lm_head_bias.to(student.dtype)
+    teacher_bias = None if teacher_lm_head_bias is None else teacher_lm_head_bias.to(teacher.dtype)
     beta = float(beta)
     divergence = {0.0: "forward_kl", 1.0: "reverse_kl"}.get(beta, "jsd")
     total = flce.linear_distillation_loss(student, student_weight, teacher, teacher_weight, loss=divergence,
                                           beta=beta, temperature=temperature, reduction="sum",
-                                          student_bias=student_lm_head_bias, teacher_bias=teacher_lm_head_bias)
+                                          student_bias=student_bias, teacher_bias=teacher_bias)
     with torch.no_grad():
         any_target = torch.zeros(student.shape[0], dtype=torch.long, device=student.device)
-        entropy = flce.linear_cross_entropy(student, student_weight, any_target, student_lm_head_bias,
+        entropy = flce.linear_cross_entropy(student, student_weight, any_target, student_bias,
                                             temperature=temperature, reduction="none", return_entropy=True).entropy
     if num_items_in_batch is None:
         loss = total / count.clamp(min=1)
