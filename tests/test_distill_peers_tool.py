@@ -76,8 +76,8 @@ def test_a_method_that_fails_is_a_row_saying_so(peers) -> None:
 def test_liger_is_listed_whether_it_loads_or_not(peers) -> None:
     methods = peers.all_methods()
     assert list(methods) == ["flce", "flce_512MiB", "flce_separate", "flce_cublas_logits", "flce_uncapped",
-                             "flce_2GiB", "liger_jsd", "torch_compile", "trl_divergence", "flce_liger_dropin",
-                             "liger_defaults"]
+                             "flce_2GiB", "liger_jsd", "torch_compile", "trl_divergence", "flce_trl_dropin",
+                             "flce_liger_dropin", "liger_defaults"]
     if importlib.util.find_spec("liger_kernel") is None:
         assert methods["liger_jsd"].startswith("fails: ModuleNotFoundError")
         assert methods["liger_defaults"].startswith("fails: ModuleNotFoundError")
@@ -145,12 +145,13 @@ def test_arguments(peers) -> None:
 
 @pytest.mark.parametrize("loss", ["jsd", "forward_kl", "reverse_kl"])
 def test_trls_kernel_at_its_beta_is_each_divergence(peers, loss: str) -> None:
-    """TRL's DistillationTrainer kernel at LIGER_BETA's beta computes the loss the tool names (its torch path on the
-    CPU, its Triton kernels on the GPU), over the tokens whose target counts."""
+    """TRL's DistillationTrainer kernel at LIGER_BETA's beta, and flce's drop-in for that trainer's loss, compute the
+    loss the tool names (TRL's torch path on the CPU, its Triton kernels on the GPU), over the tokens whose target
+    counts."""
     pytest.importorskip("trl")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     inputs = peers.make_inputs(peers.Case(64, 32, 48, 256, torch.float32), device)
     expected = reference_distillation_loss(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
                                            inputs.teacher_weight, inputs.target, loss=loss, beta=peers.BETA)
-    got = peers.trl_divergence_method(loss)(inputs)
-    torch.testing.assert_close(got.double().cpu(), expected.cpu(), rtol=1e-4, atol=1e-6)
+    for method in (peers.trl_divergence_method(loss), peers.trl_dropin_method(loss)):
+        torch.testing.assert_close(method(inputs).double().cpu(), expected.cpu(), rtol=1e-4, atol=1e-6)

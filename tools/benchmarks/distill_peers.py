@@ -22,8 +22,9 @@ them (docs/distillation.md): ``flce_separate`` (one kernel a pass, pair_passes=s
 Liger-Kernel's ``LigerFusedLinearJSDLoss`` (weight_hard_loss=0, weight_soft_loss=1, beta 0.5; its chunked
 torch.compile loop, which computes the unweighted cross-entropy too), where liger-kernel imports (a row saying
 "fails: ..." otherwise); ``torch_compile``, torch.compile of the formula on materialised logits (the teacher's
-under no_grad); ``trl_divergence``, TRL 1.16's own kernel (trl.kernels.chunked_divergence, its DistillationTrainer's),
-where trl imports; with ``--loss jsd``, ``liger_defaults``, Liger's class at its defaults (weight_hard_loss =
+under no_grad); ``trl_divergence``, TRL 1.16's own kernel (trl.kernels.chunked_divergence, its
+DistillationTrainer's), where trl imports, and ``flce_trl_dropin``, flce's drop-in for that trainer's loss function
+(its entropy too); with ``--loss jsd``, ``liger_defaults``, Liger's class at its defaults (weight_hard_loss =
 weight_soft_loss = 0.5: JSD and the hard-label term), and ``flce_liger_dropin``, flce's drop-in of it
 (flce.integrations.liger) at the same. Inputs are flce.testing.measure's draw (logits of std 1, every 17th target
 ignored); the teacher takes no gradient. The loss: ``--loss`` jsd (beta 0.5, the default), forward_kl or reverse_kl,
@@ -185,6 +186,20 @@ def trl_divergence_method(loss: str = "jsd") -> Callable[[Inputs], torch.Tensor]
     return call
 
 
+def trl_dropin_method(loss: str = "jsd") -> Callable[[Inputs], torch.Tensor]:
+    """flce's drop-in for TRL's DistillationTrainer loss (flce.integrations.trl.chunked_divergence_loss) as that
+    trainer calls it: [1, N, H] hidden states, the counted rows as the completion mask, the student's entropy too."""
+    from flce.integrations.trl import chunked_divergence_loss
+
+    def call(inputs: Inputs) -> torch.Tensor:
+        mask = (inputs.target != -100).unsqueeze(0)
+        loss_value, _entropy, _count = chunked_divergence_loss(
+            inputs.student_hidden.unsqueeze(0), inputs.teacher_hidden.unsqueeze(0), inputs.student_weight,
+            inputs.teacher_weight, mask, LIGER_BETA[loss])
+        return loss_value
+    return call
+
+
 def liger_defaults_method(dropin: bool) -> Callable[[Inputs], torch.Tensor]:
     """Liger's class at its defaults (weight_hard_loss = weight_soft_loss = 0.5, beta 0.5: JSD and the hard-label
     term), or flce's drop-in of it (flce.integrations.liger) at the same."""
@@ -214,6 +229,7 @@ def all_methods(loss: str = "jsd") -> dict[str, Callable[[Inputs], torch.Tensor]
         methods["trl_divergence"] = trl_divergence_method(loss)
     except Exception as exc:
         methods["trl_divergence"] = failure(exc)
+    methods["flce_trl_dropin"] = trl_dropin_method(loss)
     if loss == "jsd":  # Liger's class as its users call it, and the drop-in that replaces it
         methods["flce_liger_dropin"] = liger_defaults_method(dropin=True)
         try:
