@@ -143,23 +143,31 @@ def trl_gkd_trainer() -> type:
                                    "generalized_jsd_loss": staticmethod(namespace["generalized_jsd_loss"])})
 
 
+def import_trl_kernel(name: str) -> types.ModuleType:
+    """A module of ``trl.kernels`` whose one import from the rest of TRL is ``trl.trainer.utils``'s ZeRO-3 gather
+    (that module imports pandas, accelerate, datasets): imported with a no-op stub of it in ``sys.modules``, which is
+    put back as it was afterwards (the kernel module binds the name at import). Raises ImportError without TRL; also
+    used by tools/benchmarks/distill_peers.py."""
+    utils = types.ModuleType("trl.trainer.utils")
+    utils.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+    saved = sys.modules.get("trl.trainer.utils")
+    sys.modules["trl.trainer.utils"] = utils
+    try:
+        return importlib.import_module(name)
+    finally:
+        if saved is None:
+            del sys.modules["trl.trainer.utils"]
+        else:
+            sys.modules["trl.trainer.utils"] = saved
+
+
 @cache
 def trl_chunked_divergence_loss() -> Any:
     """TRL's ``_chunked_divergence_loss`` (its DistillationTrainer's loss, trl/trainer/distillation_trainer.py) over
     its own kernel (trl/kernels/chunked_divergence.py, imported with its one import from trl.trainer.utils, the
     ZeRO-3 gather, a no-op stub while it loads)."""
     _package_dir("trl")
-    utils = types.ModuleType("trl.trainer.utils")
-    utils.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
-    saved = sys.modules.get("trl.trainer.utils")
-    sys.modules["trl.trainer.utils"] = utils
-    try:
-        kernel = importlib.import_module("trl.kernels.chunked_divergence")
-    finally:
-        if saved is None:
-            del sys.modules["trl.trainer.utils"]
-        else:
-            sys.modules["trl.trainer.utils"] = saved
+    kernel = import_trl_kernel("trl.kernels.chunked_divergence")
     importlib.import_module("torch.distributed.tensor")  # the function reads torch.distributed.tensor.DTensor
     namespace: dict[str, Any] = {"torch": torch, "ChunkedDivergenceFunction": kernel.ChunkedDivergenceFunction,
                                  "_use_triton": importlib.import_module("trl.kernels.chunked_logprob")._use_triton}

@@ -82,13 +82,12 @@ def chunked_divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_
     Weights and biases in another dtype than their hidden states (an fp32 master copy) are cast to it, as TRL
     casts a gathered one. A logit scale other than 1 or a final logit softcap (flce's distillation applies neither)
     raises ``ValueError``: train such models with TRL's own."""
-    scalings = {"student_logit_scale": student_logit_scale, "teacher_logit_scale": teacher_logit_scale,
-                "student_final_logit_softcapping": student_final_logit_softcapping,
-                "teacher_final_logit_softcapping": teacher_final_logit_softcapping}
-    if student_logit_scale != 1.0 or teacher_logit_scale != 1.0 or any(
-            scalings[k] is not None for k in ("student_final_logit_softcapping", "teacher_final_logit_softcapping")):
-        raise ValueError(f"chunked_divergence_loss: {scalings}: flce's distillation applies no logit scale or softcap; "
-                         "train this model with TRL's own _chunked_divergence_loss")
+    if (student_logit_scale != 1.0 or teacher_logit_scale != 1.0 or student_final_logit_softcapping is not None
+            or teacher_final_logit_softcapping is not None):
+        raise ValueError(
+            f"chunked_divergence_loss: logit scales {student_logit_scale} / {teacher_logit_scale}, softcaps "
+            f"{student_final_logit_softcapping} / {teacher_final_logit_softcapping} (student / teacher): flce's "
+            "distillation applies no logit scale or softcap; train this model with TRL's own _chunked_divergence_loss")
     valid = completion_mask.reshape(-1) != 0
     count = valid.sum()
     # Only the counted positions are projected, as TRL does on GPUs.

@@ -35,10 +35,8 @@ reads them).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
-import importlib
 import importlib.metadata
 import json
 import math
@@ -46,9 +44,9 @@ import os
 import statistics
 import sys
 import time
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -163,19 +161,14 @@ def trl_divergence_method(loss: str = "jsd") -> Callable[[Inputs], torch.Tensor]
     """TRL 1.16's own kernel, ``trl.kernels.chunked_divergence.ChunkedDivergenceFunction`` (what its
     DistillationTrainer's ``_chunked_divergence_loss`` runs), at the beta that makes it the loss (its mixture is
     (1 - beta) q + beta p, flce's), over the rows whose target counts (that function projects only those), their
-    mean. What the kernel imports from the rest of TRL is its ZeRO-3 gather, a no-op here (stubbed, as
-    tools/benchmarks/rl_trainers.py does), so TRL installs without its dependencies."""
-    utils = types.ModuleType("trl.trainer.utils")
-    utils.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
-    saved = sys.modules.get("trl.trainer.utils")
-    sys.modules["trl.trainer.utils"] = utils  # for the import only: the kernel module binds the name then
-    try:
-        module = importlib.import_module("trl.kernels.chunked_divergence")
-    finally:
-        if saved is None:
-            del sys.modules["trl.trainer.utils"]
-        else:
-            sys.modules["trl.trainer.utils"] = saved
+    mean. What the kernel imports from the rest of TRL is its ZeRO-3 gather, a no-op here (tests/trainer_code.py's
+    import_trl_kernel stubs it, as the tests load the kernel), so TRL installs without its dependencies."""
+    tests = str(Path(__file__).resolve().parents[2] / "tests")  # not a package: on the path
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from trainer_code import import_trl_kernel
+
+    module = import_trl_kernel("trl.kernels.chunked_divergence")
 
     def call(inputs: Inputs) -> torch.Tensor:
         valid = inputs.target != -100
