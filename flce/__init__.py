@@ -10,7 +10,7 @@ from flce.errors import InputError, InputTypeError
 from flce.explain import explain
 from flce.explain_distillation import explain_distillation
 from flce.module import LinearCrossEntropy, get_impl, linear_cross_entropy
-from flce.outputs import LCEOutput
+from flce.outputs import DistillationOutput, LCEOutput
 from flce.policy.api import LinearPolicyLoss, PolicyLossOutput, get_policy_impl, linear_policy_loss
 from flce.registry import Backend, available_backends, register_backend
 
@@ -20,6 +20,7 @@ __all__ = [
     "Backend",
     "InputError",
     "InputTypeError",
+    "DistillationOutput",
     "LCEOutput",
     "LinearCrossEntropy",
     "LinearPolicyLoss",

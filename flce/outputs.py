@@ -1,4 +1,4 @@
-"""The named tuple returned when any ``return_*`` option is set."""
+"""The named tuples returned when a ``return_*`` option is set: cross-entropy's and distillation's."""
 
 from __future__ import annotations
 
@@ -16,3 +16,12 @@ class LCEOutput(NamedTuple):
     entropy: torch.Tensor | None = None
     selected_logprobs: torch.Tensor | None = None
     logit_stats: torch.Tensor | None = None
+
+
+class DistillationOutput(NamedTuple):
+    """``flce.linear_distillation_loss(..., return_entropy=True)``: the loss, and each token's entropy of the
+    student's softmax at the call's temperature (fp32, the tokens' shape, 0 where the target is ignored, no
+    gradient)."""
+
+    loss: torch.Tensor
+    entropy: torch.Tensor

@@ -23,6 +23,7 @@ from test_distributed import Checker, assert_section, run_ranks, seed_of, shard_
 import flce
 from flce.autotune import override_params
 from flce.distributed import record_collectives
+from flce.testing.distillation import reference_student_entropy
 
 pytestmark = pytest.mark.distributed
 
@@ -35,6 +36,10 @@ CASES: dict[str, dict[str, Any]] = {
     "forward-kl-mean-hard-t1": {"loss": "forward_kl", "hard_label_weight": 0.25},
     "reverse-kl-mean-teacher-chunks": {"loss": "reverse_kl", "teacher_grad": True, "memory_budget": 700},
     "reverse-kl-no-target": {"loss": "reverse_kl", "reduction": "none", "target": False},
+    # the student's entropy: its sum merged across the shards in the statistics' one all-reduce
+    "jsd-entropy": {"loss": "jsd", "temperature": 0.8, "return_entropy": True},
+    "reverse-kl-entropy-none-chunks": {"loss": "reverse_kl", "reduction": "none", "return_entropy": True,
+                                       "memory_budget": 700},
 }
 
 
@@ -52,6 +57,7 @@ def _check_case(checker: Checker, name: str, layout: str, rank: int, group: Any,
     """``forward_exchanges``: the all-reduces of forward's statistics (default: one, and JSD's second pass)."""
     options = dict(CASES[name])
     with_target = options.pop("target", True)
+    with_entropy = options.pop("return_entropy", False)
     sizes = LAYOUTS[layout]
     gen = seed_of(f"{name}/{layout}")
     pair = make_pair(gen, n=11, vocab=sum(sizes), bias=True, target=with_target)
@@ -61,7 +67,14 @@ def _check_case(checker: Checker, name: str, layout: str, rank: int, group: Any,
         got = flce.linear_distillation_loss(
             mine.student_hidden, mine.student_weight, mine.teacher_hidden, mine.teacher_weight, mine.target,
             student_bias=mine.student_bias, teacher_bias=mine.teacher_bias, process_group=group, backend=backend,
-            **options)
+            return_entropy=with_entropy, **options)
+        if with_entropy:
+            got, entropy = got
+            want_entropy = reference_student_entropy(pair.student_hidden, pair.student_weight, pair.target,
+                                                     temperature=options.get("temperature", 1.0),
+                                                     student_bias=pair.student_bias)
+            error = relative(entropy, want_entropy)
+            assert error <= 1e-5, f"entropy: relative error {error:.2e}"
         expected = oracle(pair, **options)
         assert relative(got, expected) <= 1e-5, f"loss: relative error {relative(got, expected):.2e}"
         upstream = torch.rand(expected.shape, generator=gen, dtype=torch.float64) + 0.5
@@ -213,7 +226,7 @@ def _cuda_interpreted(checker: Checker, rank: int, world_size: int) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "test setup: the ranks must start with TRITON_INTERPRET=1"
     group = torch.distributed.group.WORLD
     for name, layout in (("jsd-hard-teacher-none", "uneven"), ("forward-kl-sum-hard", "even"),
-                         ("reverse-kl-mean-teacher-chunks", "uneven")):
+                         ("reverse-kl-mean-teacher-chunks", "uneven"), ("reverse-kl-entropy-none-chunks", "even")):
         _check_case(checker, name, layout, rank, group, backend="cuda")
     # Each shard's statistics from its logits GEMMs' epilogue (the Triton statistics GEMM), combined as the pair
     # kernel's are.
@@ -223,6 +236,7 @@ def _cuda_interpreted(checker: Checker, rank: int, world_size: int) -> None:
                                                sharded=True, loss="jsd")
             assert record.plan.stats_in_gemm and not record.plan.fused_passes
         _check_case(checker, "jsd-mean", "uneven", rank, group, backend="cuda")
+        _check_case(checker, "jsd-entropy", "uneven", rank, group, backend="cuda")
         # forward KL's E_p[t - s] from the gradient's sweep, each shard's part summed in a second all-reduce
         with checker.case("forward_kl: a shard's statistics from its logits GEMMs"):
             record = flce.explain_distillation("cpu", backend="cuda", shape=(11, 8, 12, 31), dtype="float32",

@@ -31,7 +31,7 @@ declare -A LANE_FILES=(
   [generic-path]="tests/test_generic_path_gpu.py"
   [losses]="tests/test_distillation_gpu.py tests/test_distillation_compile.py tests/test_policy_loss.py tests/test_policy_explain.py tests/test_policy_compile.py tests/test_rl_objective.py tests/test_rl_options.py"
   [explain-forward]="tests/test_explain_gpu.py tests/test_cuda_fused_forward.py"
-  [distillation-cuda]="tests/test_distillation_cuda.py tests/test_distillation_autograd.py tests/test_distillation_trainers.py tests/test_distillation_liger.py"
+  [distillation-cuda]="tests/test_distillation_cuda.py tests/test_distillation_autograd.py tests/test_distillation_trainers.py tests/test_distillation_liger.py tests/test_distillation_entropy.py"
 )
 ALL_NAMED=" ${LANE_FILES[*]} "
 # On a host of several GPUs the lanes take them in turn (each lane sees one, as its device 0).

@@ -13,6 +13,7 @@ from flce.distillation.inputs import prepare_pair
 from flce.distributed.dtensor import localize_pair
 from flce.engine.distillation.run import run_distillation
 from flce.errors import InputError, InputTypeError
+from flce.outputs import DistillationOutput
 from flce.registry import HardwareProbe, candidates_for, resolve_device
 from flce.registry.distillation import resolve_distillation
 from flce.registry.selection import backend_named
@@ -24,7 +25,8 @@ class LinearDistillation(torch.nn.Module):
     Constructor keywords are :class:`flce.distillation.config.DistillationConfig`'s options;
     ``forward(student_hidden, student_weight, teacher_hidden, teacher_weight, target=None, *,
     student_bias=None, teacher_bias=None)`` returns the loss (reduction "none": one per token, the student
-    hidden's leading shape). Subclasses made by :func:`get_distillation_impl` fix the device type and backend.
+    hidden's leading shape), or with ``return_entropy`` a :class:`flce.DistillationOutput`. Subclasses made by
+    :func:`get_distillation_impl` fix the device type and backend.
     """
 
     device_type: ClassVar[str] = "cpu"
@@ -37,7 +39,8 @@ class LinearDistillation(torch.nn.Module):
 
     def forward(self, student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
                 teacher_weight: torch.Tensor, target: torch.Tensor | None = None, *,
-                student_bias: torch.Tensor | None = None, teacher_bias: torch.Tensor | None = None) -> torch.Tensor:
+                student_bias: torch.Tensor | None = None,
+                teacher_bias: torch.Tensor | None = None) -> torch.Tensor | DistillationOutput:
         return _compute(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
                         teacher_bias, self.config, self.device_type, self.backend_name, self.probe)
 
@@ -58,7 +61,7 @@ class LinearDistillation(torch.nn.Module):
 def _compute(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
              teacher_weight: torch.Tensor, target: torch.Tensor | None, student_bias: torch.Tensor | None,
              teacher_bias: torch.Tensor | None, cfg: DistillationConfig, device_type: str, backend_name: str | None,
-             probe: HardwareProbe | None) -> torch.Tensor:
+             probe: HardwareProbe | None) -> torch.Tensor | DistillationOutput:
     """One call, shared by the module and the functional form: every check before any kernel."""
     # Weights as a parallelism framework holds them (DTensors: tensor parallelism, FSDP2) become plain tensors.
     student, teacher, target, cfg = localize_pair((student_hidden, student_weight, student_bias),
@@ -74,8 +77,10 @@ def _compute(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher
     if cfg.process_group is not None:
         from flce.distributed.distillation import vocab_parallel_distillation
 
-        return vocab_parallel_distillation(pair, cfg, backend)
-    return run_distillation(backend, pair, cfg)
+        result = vocab_parallel_distillation(pair, cfg, backend)
+    else:
+        result = run_distillation(backend, pair, cfg)
+    return DistillationOutput(*result) if cfg.return_entropy else result
 
 
 def get_distillation_impl(device: str | torch.device | torch.Tensor | None = None, *, backend: str | None = None,
@@ -119,17 +124,20 @@ def linear_distillation_loss(
     memory_budget: int | None = None,
     process_group: Any = None,
     teacher_grad: bool = False,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> torch.Tensor | DistillationOutput:
     """The distillation loss of ``student_hidden @ student_weight.T (+ student_bias)`` against
     ``teacher_hidden @ teacher_weight.T (+ teacher_bias)``, on the student hidden's device
     (docs/distillation.md): ``loss`` "forward_kl" KL(P||Q), "reverse_kl" KL(Q||P) or "jsd" (beta), P and Q the
     teacher's and the student's softmax at ``temperature``; plus ``hard_label_weight`` times the student's
     cross-entropy with ``target`` (whose ``ignore_index`` rows count nowhere). The teacher takes gradients
-    only with ``teacher_grad=True`` (and then those of its tensors that require grad)."""
+    only with ``teacher_grad=True`` (and then those of its tensors that require grad). ``return_entropy``: a
+    :class:`flce.DistillationOutput` (loss, each token's entropy of Q, no gradient), made in the statistics'
+    pass instead of another GEMM of the student's head."""
     if not isinstance(student_hidden, torch.Tensor):
         raise InputTypeError(f"student_hidden: expected a torch.Tensor, got {type(student_hidden).__name__}")
     cfg = DistillationConfig(loss=loss, beta=beta, temperature=temperature, hard_label_weight=hard_label_weight,
                              ignore_index=ignore_index, reduction=reduction, memory_budget=memory_budget,
-                             process_group=process_group, teacher_grad=teacher_grad)
+                             process_group=process_group, teacher_grad=teacher_grad, return_entropy=return_entropy)
     return _compute(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
                     teacher_bias, cfg, student_hidden.device.type, backend, None)

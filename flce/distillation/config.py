@@ -22,7 +22,8 @@ class DistillationConfig:
     Q = softmax(student / temperature); ``beta``: JSD's mixture weight of P, in (0, 1);
     ``hard_label_weight``: w in ``w * CE(student at temperature 1, target) + (1 - w) * divergence``;
     ``teacher_grad``: whether the teacher's tensors (those that require grad) get gradients (False: the
-    teacher is a constant, whatever its tensors' requires_grad says)."""
+    teacher is a constant, whatever its tensors' requires_grad says); ``return_entropy``: the call also returns
+    each token's entropy of Q (no gradient; a trainer's logged metric), made in the statistics' pass."""
 
     loss: str = "jsd"
     beta: float = 0.5
@@ -33,6 +34,7 @@ class DistillationConfig:
     memory_budget: int | None = None
     process_group: Any = None
     teacher_grad: bool = False
+    return_entropy: bool = False
 
     def __post_init__(self) -> None:
         for name, check in _CHECKS.items():
@@ -102,12 +104,14 @@ _CHECKS = {
     "reduction": _check_reduction,
     "memory_budget": _check_memory_budget,
     "teacher_grad": _check_bool("teacher_grad"),
+    "return_entropy": _check_bool("return_entropy"),
 }
 OPTION_NAMES = tuple(f.name for f in fields(DistillationConfig))
 
 # The options as primitives for the compile path's op schema (process_group travels by its name).
 PRIMITIVE_OPTION_TYPES = {"loss": "str", "beta": "float", "temperature": "float", "hard_label_weight": "float",
-                          "ignore_index": "int", "reduction": "str", "memory_budget": "int?", "teacher_grad": "bool"}
+                          "ignore_index": "int", "reduction": "str", "memory_budget": "int?", "teacher_grad": "bool",
+                          "return_entropy": "bool"}
 
 
 def config_from_keywords(caller: str, options: dict[str, Any]) -> DistillationConfig:

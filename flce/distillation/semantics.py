@@ -16,9 +16,10 @@ to it, rescaled when it grows: mergeable across tiles and across vocabulary shar
 both softmaxes' (max of the raw logits, sum exp((u - max) / T)); for the KL divergences the "cross" sum that
 makes their expectation in the same pass, sum exp((u_t - max u_t) / T) (t - s) for forward KL (its E_p[t - s])
 and sum exp((u_s - max u_s) / T) (s - t) for reverse KL; for the hard term the target's raw logit and, where
-T != 1, the raw student logits' own (max, sum exp). JSD needs log m = log(beta p + (1 - beta) q), known only once
-both lse are: a second pass over the tiles sums KL(P || M) and KL(Q || M), plain sums (additive across tiles
-and shards).
+T != 1, the raw student logits' own (max, sum exp); where the call returns the student's entropy, the sum
+exp(d) d, d = (u_s - max u_s) / T, which makes it as cross-entropy's: H(Q) = log sum exp(d) - E_q[d]. JSD
+needs log m = log(beta p + (1 - beta) q), known only once both lse are: a second pass over the tiles sums
+KL(P || M) and KL(Q || M), plain sums (additive across tiles and shards).
 
 **Gradients.** With r a row's upstream scale (0 on ignored rows), the gradient of the raw student
 logits is ``r w (softmax(u_s) - onehot(y)) + r (1 - w) / T f_s`` and, where the teacher takes one, of
@@ -71,6 +72,7 @@ class PartialPairStats:
     hard_max: torch.Tensor | None = None  # [n] max u_s: the hard term at a temperature != 1
     hard_sum: torch.Tensor | None = None  # [n] sum exp(u_s - hard_max)
     target_logit: torch.Tensor | None = None  # [n] u_s[target]: the hard term
+    student_dz_sum: torch.Tensor | None = None  # [n] sum exp(d) d, d = (u_s - student_max) / T: the entropy
 
     @staticmethod
     def allocate(n_rows: int, cfg: DistillationConfig, device: torch.device,
@@ -82,7 +84,8 @@ class PartialPairStats:
         own_lse = cfg.hard_needs_own_lse
         return PartialPairStats(row(), row(), row(), row(), cross=row() if needs_cross(cfg) else None,
                                 hard_max=row() if own_lse else None, hard_sum=row() if own_lse else None,
-                                target_logit=row() if cfg.hard else None)
+                                target_logit=row() if cfg.hard else None,
+                                student_dz_sum=row() if cfg.return_entropy else None)
 
     def present(self) -> list[torch.Tensor]:
         """The statistics this scan holds, in field order (what a vocab-parallel combine exchanges)."""
@@ -116,11 +119,13 @@ def per_head_unfit(cfg: DistillationConfig, cross_in_grad_sweep: bool) -> str | 
     return None
 
 
-def head_config(cfg: DistillationConfig) -> LCEConfig:
+def head_config(cfg: DistillationConfig, student: bool = False) -> LCEConfig:
     """The cross-entropy options under which one head's row statistics (flce.semantics.PartialRowStats) are this
     call's: its temperature and ignore_index; the student's target_z is then the hard term's target logit (the
-    hard term's temperature is 1 where per_head_unfit allows it)."""
-    return LCEConfig(ignore_index=cfg.ignore_index, temperature=cfg.temperature)
+    hard term's temperature is 1 where per_head_unfit allows it), and its sum_exp_dz the entropy's sum where the
+    call returns the entropy."""
+    return LCEConfig(ignore_index=cfg.ignore_index, temperature=cfg.temperature,
+                     return_entropy=student and cfg.return_entropy)
 
 
 def pair_stats_of_heads(teacher: PartialRowStats, student: PartialRowStats,
@@ -130,7 +135,8 @@ def pair_stats_of_heads(teacher: PartialRowStats, student: PartialRowStats,
     so the top column's u - max is not exactly 0; the GEMMs that make these take 16-bit inputs, whose logits'
     own rounding is far coarser)."""
     return PartialPairStats(teacher.row_max * cfg.temperature, teacher.sum_exp, student.row_max * cfg.temperature,
-                            student.sum_exp, target_logit=student.target_z if cfg.hard else None)
+                            student.sum_exp, target_logit=student.target_z if cfg.hard else None,
+                            student_dz_sum=student.sum_exp_dz if cfg.return_entropy else None)
 
 
 def merge_pair_stats(a: PartialPairStats, b: PartialPairStats, cfg: DistillationConfig) -> PartialPairStats:
@@ -151,6 +157,9 @@ def merge_pair_stats(a: PartialPairStats, b: PartialPairStats, cfg: Distillation
     teacher_max, teacher_sums = rescaled(a.teacher_max, b.teacher_max, *teacher_pairs)
     student_max, student_sums = rescaled(a.student_max, b.student_max, *student_pairs)
     merged = PartialPairStats(teacher_max, teacher_sums[0], student_max, student_sums[0])
+    if a.student_dz_sum is not None:
+        merged.student_dz_sum = (_moved_dz_sum(a, student_max, cfg.temperature)
+                                 + _moved_dz_sum(b, student_max, cfg.temperature))
     if a.cross is not None:
         merged.cross = (teacher_sums if cross_of_teacher else student_sums)[1]
     if a.hard_max is not None:
@@ -159,6 +168,14 @@ def merge_pair_stats(a: PartialPairStats, b: PartialPairStats, cfg: Distillation
     if a.target_logit is not None:
         merged.target_logit = a.target_logit + b.target_logit
     return merged
+
+
+def _moved_dz_sum(p: PartialPairStats, new_max: torch.Tensor, temperature: float) -> torch.Tensor:
+    """p's sum exp(d) d relative to ``new_max`` >= p.student_max: each d moves by (max - new_max) / T and each
+    exp(d) scales by exp of that (flce.semantics.shifted_sum_exp_dz, in the raw logits' units); 0 where p has no
+    columns (max -inf)."""
+    shift = torch.where(p.student_sum > 0, (p.student_max - new_max) / temperature, 0.0)
+    return (p.student_dz_sum + shift * p.student_sum) * torch.exp(shift)
 
 
 @dataclass
@@ -180,6 +197,7 @@ class PairStats:
     target_logit: torch.Tensor | None = None  # [n], u_s[target]
     teacher_mixture_kl: torch.Tensor | None = None  # [n], KL(P || M) (JSD's second pass)
     student_mixture_kl: torch.Tensor | None = None  # [n], KL(Q || M)
+    student_entropy: torch.Tensor | None = None  # [n], H(Q): an output only (no gradient reads it)
 
     @staticmethod
     def from_partial(p: PartialPairStats, cfg: DistillationConfig) -> PairStats:
@@ -193,7 +211,9 @@ class PairStats:
         return PairStats(teacher_max=p.teacher_max, teacher_log_sum=torch.log(p.teacher_sum),
                          student_max=p.student_max, student_log_sum=student_log_sum,
                          cross_mean=None if p.cross is None else p.cross / cross_sum, hard_lse=hard_lse,
-                         target_logit=p.target_logit)
+                         target_logit=p.target_logit,
+                         student_entropy=None if p.student_dz_sum is None
+                         else student_log_sum - p.student_dz_sum / p.student_sum)
 
     def teacher_lse(self, cfg: DistillationConfig) -> torch.Tensor:
         return self.teacher_max / cfg.temperature + self.teacher_log_sum
@@ -206,8 +226,9 @@ class PairStats:
                             for f in fields(self)})
 
     def stacked(self) -> torch.Tensor:
-        """The statistics present, as one [k, n] tensor (what a deferred backward keeps)."""
-        return torch.stack([getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None])
+        """The statistics a gradient reads, as one [k, n] tensor (what a deferred backward keeps)."""
+        return torch.stack([getattr(self, f.name) for f in fields(self)
+                            if getattr(self, f.name) is not None and f.name not in OUTPUT_ONLY])
 
     @staticmethod
     def unstacked(values: torch.Tensor, cfg: DistillationConfig) -> PairStats:
@@ -217,8 +238,13 @@ class PairStats:
         return PairStats(**{f.name: next(found) if f.name in present else None for f in fields(PairStats)})
 
 
+# PairStats fields the call returns and no gradient reads: a deferred backward does not keep them.
+OUTPUT_ONLY = ("student_entropy",)
+
+
 def stats_present(cfg: DistillationConfig) -> tuple[str, ...]:
-    """The PairStats fields a call of ``cfg`` fills, in field order."""
+    """The PairStats fields a deferred backward keeps for a call of ``cfg`` (OUTPUT_ONLY's aside), in field
+    order."""
     names = ["teacher_max", "teacher_log_sum", "student_max", "student_log_sum"]
     if needs_cross(cfg):
         names.append("cross_mean")

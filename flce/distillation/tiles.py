@@ -25,6 +25,8 @@ def tile_statistics(teacher_u: torch.Tensor, student_u: torch.Tensor, target_col
     teacher_exp = torch.exp((teacher_u - teacher_max.unsqueeze(1)) * inv_t)
     student_exp = torch.exp((student_u - student_max.unsqueeze(1)) * inv_t)
     stats = PartialPairStats(teacher_max, teacher_exp.sum(1), student_max, student_exp.sum(1))
+    if cfg.return_entropy:
+        stats.student_dz_sum = (student_exp * ((student_u - student_max.unsqueeze(1)) * inv_t)).sum(1)
     if needs_cross(cfg):
         t, s = teacher_u * inv_t, student_u * inv_t
         if cfg.loss == "forward_kl":

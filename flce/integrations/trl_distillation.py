@@ -77,8 +77,8 @@ def chunked_divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_
     The loss: the generalized JSD at ``beta`` (0 and 1: forward and reverse KL) of the student's and the teacher's
     softmax at ``temperature`` over the positions where ``completion_mask`` is nonzero, summed and divided by
     ``num_items_in_batch`` where given, else by those positions (at least 1); the teacher takes no gradient. Also,
-    as TRL's, the student's entropy at ``temperature`` summed over those positions (detached, a logged metric: one
-    more forward-only GEMM of the student's head, flce's cross-entropy with ``return_entropy``) and their count.
+    as TRL's, the student's entropy at ``temperature`` summed over those positions (detached, a logged metric, made
+    in the same call's statistics: ``return_entropy``) and their count.
     Weights and biases in another dtype than their hidden states (an fp32 master copy) are cast to it, as TRL
     casts a gathered one. A logit scale other than 1 or a final logit softcap (flce's distillation applies neither)
     raises ``ValueError``: train such models with TRL's own."""
@@ -99,13 +99,10 @@ def chunked_divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_
     teacher_bias = None if teacher_lm_head_bias is None else teacher_lm_head_bias.to(teacher.dtype)
     beta = float(beta)
     divergence = {0.0: "forward_kl", 1.0: "reverse_kl"}.get(beta, "jsd")
-    total = flce.linear_distillation_loss(student, student_weight, teacher, teacher_weight, loss=divergence,
-                                          beta=beta, temperature=temperature, reduction="sum",
-                                          student_bias=student_bias, teacher_bias=teacher_bias)
-    with torch.no_grad():
-        any_target = torch.zeros(student.shape[0], dtype=torch.long, device=student.device)
-        entropy = flce.linear_cross_entropy(student, student_weight, any_target, student_bias,
-                                            temperature=temperature, reduction="none", return_entropy=True).entropy
+    total, entropy = flce.linear_distillation_loss(student, student_weight, teacher, teacher_weight, loss=divergence,
+                                                   beta=beta, temperature=temperature, reduction="sum",
+                                                   student_bias=student_bias, teacher_bias=teacher_bias,
+                                                   return_entropy=True)
     if num_items_in_batch is None:
         loss = total / count.clamp(min=1)
     else:

@@ -9,7 +9,8 @@ log-softmax of each and sums the divergence's definition over the vocabulary; th
     torch.testing.assert_close(flce.linear_distillation_loss(xs, ws, xt, wt, target).double(), expected)
 
 Differentiable with respect to every input (float64 leaves give float64 gradients); slow, and
-2 x tokens x vocab x 8 bytes: meant for checks at test sizes.
+2 x tokens x vocab x 8 bytes: meant for checks at test sizes. :func:`reference_student_entropy` is
+``return_entropy``'s oracle, the definition -sum q log q on the same materialised logits.
 """
 
 from __future__ import annotations
@@ -72,3 +73,19 @@ def reference_distillation_loss(
     count = valid.sum()
     return rows.sum() / count if count > 0 else rows.sum() * 0.0
 
+
+
+def reference_student_entropy(student_hidden: torch.Tensor, student_weight: torch.Tensor,
+                              target: torch.Tensor | None = None, *, temperature: float = 1.0, ignore_index: int = -100,
+                              student_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's entropy of Q = softmax(student logits / temperature) in float64, -sum q log q, 0 where the
+    target is ``ignore_index``: ``flce.linear_distillation_loss(..., return_entropy=True).entropy``'s value, in the
+    student hidden's leading shape."""
+    u_s = student_hidden.double().reshape(-1, student_weight.shape[1]) @ student_weight.double().T
+    if student_bias is not None:
+        u_s = u_s + student_bias.double()
+    log_q = F.log_softmax(u_s / temperature, dim=-1)
+    entropy = -(log_q.exp() * log_q).sum(-1)
+    if target is not None:
+        entropy = torch.where(target.reshape(-1) != ignore_index, entropy, 0.0)
+    return entropy.reshape(student_hidden.shape[:-1])

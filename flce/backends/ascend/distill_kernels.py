@@ -26,8 +26,9 @@ def _pair_stats_kernel(
     cross_ptr,                        # [n_rows] fp32: the KL divergences' cross sum (CROSS != 0)
     hard_max_ptr, hard_sum_ptr,       # [n_rows] fp32: max u_s, sum exp(u_s - max) (HARD_OWN_LSE)
     target_logit_ptr,                 # [n_rows] fp32: u_s[target], 0 off this shard (HARD)
+    student_dz_ptr,                   # [n_rows] fp32: sum exp(d) d, d = (u_s - max u_s) / T (ENTROPY)
     n_rows, vocab, vocab_offset, ignore_index, inv_temperature,
-    CROSS: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr,
+    CROSS: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, ENTROPY: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Both softmaxes' partial statistics in one pass (flce.distillation.semantics.PartialPairStats),
@@ -54,6 +55,7 @@ def _pair_stats_kernel(
         s_max = float("-inf")
         s_sum = 0.0
         cross = 0.0
+        s_dz = 0.0
         h_max = float("-inf")
         h_sum = 0.0
         for start in range(0, vocab, BLOCK_V):
@@ -71,6 +73,11 @@ def _pair_stats_kernel(
             s_rescale = tl.exp((s_max - new_s_max) * inv_temperature)
             e_t = tl.where(mask, tl.exp((u_t - new_t_max) * inv_temperature), 0.0)
             e_s = tl.where(mask, tl.exp((u_s - new_s_max) * inv_temperature), 0.0)
+            if ENTROPY:
+                # Each earlier d moves by (max - new max) / T where the sum has columns (semantics' merge).
+                moved = tl.where(s_sum > 0.0, (s_max - new_s_max) * inv_temperature, 0.0)
+                block_dz = tl.sum(e_s * tl.where(mask, (u_s - new_s_max) * inv_temperature, 0.0), 0)
+                s_dz = (s_dz + moved * s_sum) * s_rescale + block_dz
             t_sum = t_sum * t_rescale + tl.sum(e_t, 0)
             s_sum = s_sum * s_rescale + tl.sum(e_s, 0)
             if CROSS == 1:
@@ -92,6 +99,8 @@ def _pair_stats_kernel(
         if HARD_OWN_LSE:
             tl.store(hard_max_ptr + row, h_max)
             tl.store(hard_sum_ptr + row, h_sum)
+        if ENTROPY:
+            tl.store(student_dz_ptr + row, s_dz)
 
 
 @triton.jit

@@ -73,10 +73,10 @@ class AscendPairKernels(AscendChunkKernels):
             teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
             target if cfg.hard else unused, stats.teacher_max, stats.teacher_sum, stats.student_max, stats.student_sum,
             *(unused if value is None else value for value in (stats.cross, stats.hard_max, stats.hard_sum,
-                                                               stats.target_logit)),
+                                                               stats.target_logit, stats.student_dz_sum)),
             n, vocab, vocab_offset, cfg.ignore_index, 1.0 / cfg.temperature,
             CROSS=_CROSS[cfg.loss] if stats.cross is not None else 0, HARD=cfg.hard,
-            HARD_OWN_LSE=cfg.hard_needs_own_lse, WIDE_OFFSETS=wide,
+            HARD_OWN_LSE=cfg.hard_needs_own_lse, ENTROPY=stats.student_dz_sum is not None, WIDE_OFFSETS=wide,
             BLOCK_V=self._pair_block("pair_stats", student_logits),
         )
         return stats

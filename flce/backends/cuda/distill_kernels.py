@@ -14,8 +14,9 @@ gradients are written over the logits they come from. Shared arguments:
 and constexpr flags: ``CROSS`` 1 forward KL's sum exp(t - max t) (t - s), 2 reverse KL's sum exp(s - max s)
 (s - t), 0 none; ``LOSS`` 0 forward KL, 1 reverse KL, 2 JSD; ``SOFT`` the divergence is part of the loss;
 ``HARD`` the hard-label cross-entropy is (its own max and sum of exp(u_s) where ``HARD_OWN_LSE``, T != 1);
-``TEACHER`` the teacher's logits take a gradient too; ``PTX`` the mixture's logarithm is one MUFU instruction
-(ptx_math: an NVIDIA GPU, not the interpreter).
+``TEACHER`` the teacher's logits take a gradient too; ``ENTROPY`` the statistics sweep also sums exp(d) d,
+d = (u_s - max u_s) / T (the student's entropy: semantics.PartialPairStats.student_dz_sum, at student_dz_ptr);
+``PTX`` the mixture's logarithm is one MUFU instruction (ptx_math: an NVIDIA GPU, not the interpreter).
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ FP32_SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)
 
 @triton.jit
 def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constexpr, HARD_OWN_LSE: tl.constexpr,
-                 BLOCK_V: tl.constexpr):
+                 ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
     """One row's partial statistics over columns [0, V) (semantics.PartialPairStats): (max u_t, sum exp((u_t -
     max u_t) / T), max u_s, sum exp((u_s - max u_s) / T), the CROSS sum relative to its own softmax's max, max u_s,
-    sum exp(u_s - max u_s)), every running sum moved to its running max as that grows. The maxima are the raw
+    sum exp(u_s - max u_s), with ENTROPY sum exp(d) d, d = (u_s - max u_s) / T), every running sum moved to its
+    running max as that grows. The maxima are the raw
     logits' (the later sweeps' u - max is then exactly 0 at the largest); the exponentials run in base 2
     ((u - max) T^-1 log2 e: exp2 without a multiply more; the sums are the same numbers)."""
     cols = tl.arange(0, BLOCK_V)
@@ -46,6 +48,7 @@ def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constex
     s_sum = tl.zeros((), tl.float32)
     h_sum = tl.zeros((), tl.float32)
     cross = tl.zeros((), tl.float32)
+    s_dz = tl.zeros((), tl.float32)
     for start in range(0, V, BLOCK_V):
         mask = start + cols < V
         # Masked lanes read -inf: out of every max, exp2 makes them 0 in every sum (the CROSS sum masks its
@@ -62,6 +65,11 @@ def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constex
             cross = cross * t_rescale + tl.sum(tl.where(mask, e_t * (u_t - u_s), 0.0), 0) * inv_temperature
         if CROSS == 2:
             cross = cross * s_rescale + tl.sum(tl.where(mask, e_s * (u_s - u_t), 0.0), 0) * inv_temperature
+        if ENTROPY:
+            # d moves by (max - new max) / T where the sum has columns (online_softmax._moved_to's algebra).
+            moved = tl.where(s_sum > 0.0, (s_max - new_s_max) * inv_temperature, 0.0)
+            block_dz = tl.sum(e_s * tl.where(mask, u_s - new_s_max, 0.0), 0) * inv_temperature
+            s_dz = (s_dz + moved * s_sum) * s_rescale + block_dz
         t_sum = t_sum * t_rescale + tl.sum(e_t, 0)
         s_sum = s_sum * s_rescale + tl.sum(e_s, 0)
         if HARD_OWN_LSE:
@@ -70,7 +78,7 @@ def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constex
             h_max = new_h_max
         t_max = new_t_max
         s_max = new_s_max
-    return t_max, t_sum, s_max, s_sum, cross, h_max, h_sum
+    return t_max, t_sum, s_max, s_sum, cross, h_max, h_sum, s_dz
 
 
 @triton.jit
@@ -185,13 +193,14 @@ def _target_column(target_ptr, row, V, vocab_offset, ignore_index):
 
 @triton.jit
 def _row_statistics(teacher_row, student_row, target_ptr, row, teacher_max_ptr, teacher_sum_ptr, student_max_ptr,
-                    student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, V, vocab_offset,
-                    ignore_index, inv_temperature, CROSS: tl.constexpr, HARD: tl.constexpr,
-                    HARD_OWN_LSE: tl.constexpr, BLOCK_V: tl.constexpr):
+                    student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, student_dz_ptr, V,
+                    vocab_offset, ignore_index, inv_temperature, CROSS: tl.constexpr, HARD: tl.constexpr,
+                    HARD_OWN_LSE: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
     """One row's statistics sweep with its outputs stored (_pair_stats_kernel's docstring); returns them and the
     row's target column (-1: none here) for a kernel that goes on with the row."""
-    t_max, t_sum, s_max, s_sum, cross, h_max, h_sum = _stats_sweep(teacher_row, student_row, V, inv_temperature,
-                                                                   CROSS, HARD_OWN_LSE, BLOCK_V)
+    t_max, t_sum, s_max, s_sum, cross, h_max, h_sum, s_dz = _stats_sweep(teacher_row, student_row, V,
+                                                                         inv_temperature, CROSS, HARD_OWN_LSE,
+                                                                         ENTROPY, BLOCK_V)
     tl.store(teacher_max_ptr + row, t_max)
     tl.store(teacher_sum_ptr + row, t_sum)
     tl.store(student_max_ptr + row, s_max)
@@ -201,6 +210,8 @@ def _row_statistics(teacher_row, student_row, target_ptr, row, teacher_max_ptr, 
     if HARD_OWN_LSE:
         tl.store(hard_max_ptr + row, h_max)
         tl.store(hard_sum_ptr + row, h_sum)
+    if ENTROPY:
+        tl.store(student_dz_ptr + row, s_dz)
     target_col = -1
     if HARD:
         target_col = _target_column(target_ptr, row, V, vocab_offset, ignore_index)
@@ -213,18 +224,19 @@ def _row_statistics(teacher_row, student_row, target_ptr, row, teacher_max_ptr, 
 def _pair_stats_kernel(
     teacher_ptr, stride_teacher, student_ptr, stride_student, target_ptr,
     teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr,
-    target_logit_ptr,
+    target_logit_ptr, student_dz_ptr,
     V, vocab_offset, ignore_index, inv_temperature,
-    CROSS: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, BLOCK_V: tl.constexpr,
+    CROSS: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr, ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """Both softmaxes' partial statistics of each row in one pass (semantics.PartialPairStats; [n] fp32 outputs,
     cross_ptr read where CROSS, hard_* where HARD_OWN_LSE, target_logit_ptr where HARD: u_s at the target, 0 off
-    this shard)."""
+    this shard; student_dz_ptr where ENTROPY)."""
     row = tl.program_id(0).to(tl.int64)
     _row_statistics(teacher_ptr + row * stride_teacher, student_ptr + row * stride_student, target_ptr, row,
                     teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr,
-                    hard_sum_ptr, target_logit_ptr, V, vocab_offset, ignore_index, inv_temperature, CROSS, HARD,
-                    HARD_OWN_LSE, BLOCK_V)
+                    hard_sum_ptr, target_logit_ptr, student_dz_ptr, V, vocab_offset, ignore_index, inv_temperature,
+                    CROSS, HARD, HARD_OWN_LSE, ENTROPY, BLOCK_V)
 
 
 @triton.jit
@@ -293,11 +305,11 @@ def _pair_grad_kernel(
 def _pair_passes_kernel(
     teacher_ptr, stride_teacher, student_ptr, stride_student, target_ptr, scale_ptr, stride_scale,
     teacher_max_ptr, teacher_sum_ptr, student_max_ptr, student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr,
-    target_logit_ptr, teacher_kl_ptr, student_kl_ptr,
+    target_logit_ptr, student_dz_ptr, teacher_kl_ptr, student_kl_ptr,
     n_rows, V, ignore_index, inv_temperature, soft_factor, hard_factor, beta,
     CROSS: tl.constexpr, LOSS: tl.constexpr, SOFT: tl.constexpr, HARD: tl.constexpr, HARD_OWN_LSE: tl.constexpr,
-    MIXTURE: tl.constexpr, WRITE_GRAD: tl.constexpr, TEACHER: tl.constexpr, GRAD_REVERSE: tl.constexpr,
-    KNOWN_STATS: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr,
+    ENTROPY: tl.constexpr, MIXTURE: tl.constexpr, WRITE_GRAD: tl.constexpr, TEACHER: tl.constexpr,
+    GRAD_REVERSE: tl.constexpr, KNOWN_STATS: tl.constexpr, PTX: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Every pass of an unsharded chunk in one kernel, a row's sweeps back to back: its statistics (outputs as
     _pair_stats_kernel's), with MIXTURE JSD's sums KL(P || M), KL(Q || M) (teacher_kl_ptr, student_kl_ptr), and
@@ -307,7 +319,8 @@ def _pair_passes_kernel(
     Each sweep walks the blocks in the direction opposite to the one before it (GRAD_REVERSE: the gradient's
     sweep follows the statistics' alone), so it starts on the blocks still in L2; program p takes rows p, p + P,
     ...: P, the rows in flight, bounds what L2 must hold. KNOWN_STATS: the statistics pointers hold the row's
-    statistics already (the logits GEMMs'; never with HARD_OWN_LSE), read instead of swept; with CROSS (forward KL
+    statistics already (the logits GEMMs', the entropy's sum among them with ENTROPY; never with HARD_OWN_LSE),
+    read instead of swept; with CROSS (forward KL
     only, WRITE_GRAD without TEACHER) the gradient's sweep makes the cross sum and stores it: one read a row."""
     pid = tl.program_id(0)
     for row_index in range(pid, n_rows, tl.num_programs(0)):
@@ -328,8 +341,8 @@ def _pair_passes_kernel(
         else:
             t_max, t_sum, s_max, s_sum, cross, h_max, h_sum, target_col = _row_statistics(
                 teacher_row, student_row, target_ptr, row, teacher_max_ptr, teacher_sum_ptr, student_max_ptr,
-                student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, V, 0, ignore_index,
-                inv_temperature, CROSS, HARD, HARD_OWN_LSE, BLOCK_V)
+                student_sum_ptr, cross_ptr, hard_max_ptr, hard_sum_ptr, target_logit_ptr, student_dz_ptr, V, 0,
+                ignore_index, inv_temperature, CROSS, HARD, HARD_OWN_LSE, ENTROPY, BLOCK_V)
         teacher_log_sum = tl.log(t_sum)
         student_log_sum = tl.log(s_sum)
         teacher_kl = 0.0

@@ -55,10 +55,11 @@ def pair_stats(teacher_logits: torch.Tensor, student_logits: torch.Tensor, targe
     k._pair_stats_kernel[(n,)](
         teacher_logits, teacher_logits.stride(0), student_logits, student_logits.stride(0),
         target if cfg.hard else unused, stats.teacher_max, stats.teacher_sum, stats.student_max, stats.student_sum,
-        *(unused if t is None else t for t in (stats.cross, stats.hard_max, stats.hard_sum, stats.target_logit)),
+        *(unused if t is None else t for t in (stats.cross, stats.hard_max, stats.hard_sum, stats.target_logit,
+                                               stats.student_dz_sum)),
         vocab, vocab_offset, cfg.ignore_index, 1.0 / cfg.temperature,
         CROSS=_CROSS[cfg.loss] if needs_cross(cfg) else 0, HARD=cfg.hard, HARD_OWN_LSE=cfg.hard_needs_own_lse,
-        BLOCK_V=block_v, num_warps=num_warps,
+        ENTROPY=cfg.return_entropy, BLOCK_V=block_v, num_warps=num_warps,
     )
     return stats
 
@@ -171,12 +172,13 @@ def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tar
             target if cfg.hard else unused, row_scale, row_scale.stride(0),
             partial.teacher_max, partial.teacher_sum, partial.student_max, partial.student_sum,
             *(unused if t is None else t for t in (partial.cross, partial.hard_max, partial.hard_sum,
-                                                   partial.target_logit)),
+                                                   partial.target_logit, partial.student_dz_sum)),
             teacher_kl, student_kl,
             n, vocab, cfg.ignore_index, 1.0 / cfg.temperature, (1.0 - cfg.hard_label_weight) / cfg.temperature,
             cfg.hard_label_weight, cfg.beta,
             CROSS=_CROSS[cfg.loss] if needs_cross(cfg) else 0, LOSS=_LOSS[cfg.loss], SOFT=cfg.soft, HARD=cfg.hard,
-            HARD_OWN_LSE=cfg.hard_needs_own_lse, MIXTURE=jsd, WRITE_GRAD=write, TEACHER=write and teacher,
+            HARD_OWN_LSE=cfg.hard_needs_own_lse, ENTROPY=cfg.return_entropy and known is None, MIXTURE=jsd,
+            WRITE_GRAD=write, TEACHER=write and teacher,
             GRAD_REVERSE=not jsd and known is None, KNOWN_STATS=known is not None,
             PTX=ptx, BLOCK_V=block_v, num_warps=num_warps, **cap,
         )

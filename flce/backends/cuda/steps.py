@@ -67,8 +67,9 @@ def of_distillation(device: DeviceDescription, desc: DistillDescription, plan: D
     if plan.stats_in_gemm:
         chunks = -(-desc.n_rows // plan.tokens_per_chunk) if desc.n_rows else 0
         first, after = kernels.family(role.CHUNK_LOGITS), kernels.fallbacks(role.CHUNK_LOGITS)
-        logits = Step(f"each of {chunks} chunks: teacher and student logits, each head's softmax statistics in its "
-                      "GEMM's epilogue", first.kernels(role.CHUNK_LOGITS, settings, logits_call), logits_reason,
+        entropy = " (the student's with its entropy sum)" if desc.cfg.return_entropy else ""
+        logits = Step(f"each of {chunks} chunks: teacher and student logits, each head's softmax statistics{entropy} "
+                      "in its GEMM's epilogue", first.kernels(role.CHUNK_LOGITS, settings, logits_call), logits_reason,
                       first.launch_text(role.CHUNK_LOGITS, settings),
                       after[0].kernels(role.CHUNK_LOGITS, settings, logits_call) if after else ())
     names = PairKernelNames(pair_stats=PAIR_STATS, mixture_sums=MIXTURE_SUMS, pair_grad=PAIR_GRAD, scale=SCALE,

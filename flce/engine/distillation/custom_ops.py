@@ -36,8 +36,9 @@ _KEYWORDS = ("str backend, str? group_name, " + ", ".join(f"bool {flag}" for fla
 _INPUTS = ("Tensor student_hidden, Tensor student_weight, Tensor? student_bias, Tensor teacher_hidden, "
            "Tensor teacher_weight, Tensor? teacher_bias, Tensor? target")
 # Outputs: the loss ([] or [N]), the counted rows (the mean's divisor), six in-forward gradients (empty where
-# not computed in forward), the rows' statistics [k, N] a deferred backward reads (empty otherwise).
-_FORWARD_SCHEMA = f"({_INPUTS}, *, {_KEYWORDS}) -> ({', '.join(['Tensor'] * 9)})"
+# not computed in forward), the rows' statistics [k, N] a deferred backward reads (empty otherwise), the student's
+# entropy [N] (return_entropy; empty otherwise).
+_FORWARD_SCHEMA = f"({_INPUTS}, *, {_KEYWORDS}) -> ({', '.join(['Tensor'] * 10)})"
 _BACKWARD_SCHEMA = f"({_INPUTS}, Tensor count, Tensor stats, Tensor grad_loss, *, {_KEYWORDS}) -> " \
                    f"({', '.join(['Tensor'] * 6)})"
 _GRADS = slice(2, 8)
@@ -93,8 +94,10 @@ def _distill_forward(student_hidden: Tensor, student_weight: Tensor, student_bia
     if stats is None:  # nothing kept: no deferred backward follows, or there are no rows
         rows = len(stats_present(call.cfg)) if wanted.any and not in_forward else 0
         stats = student_hidden.new_empty((rows, 0) if rows else (0,), dtype=statistics_dtype(student_hidden.dtype))
+    entropy = state.entropy if state.entropy is not None else student_hidden.new_empty(0)
     # A fresh empty tensor per absent output: op outputs may not alias one another.
-    return (state.loss, state.count, *(student_hidden.new_empty(0) if g is None else g for g in grads), stats)
+    return (state.loss, state.count, *(student_hidden.new_empty(0) if g is None else g for g in grads), stats,
+            entropy)
 
 def _distill_forward_fake(student_hidden: Tensor, student_weight: Tensor, student_bias: Tensor | None,
                           teacher_hidden: Tensor, teacher_weight: Tensor, teacher_bias: Tensor | None,
@@ -111,7 +114,8 @@ def _distill_forward_fake(student_hidden: Tensor, student_weight: Tensor, studen
     deferred = wanted.any and not in_forward
     stats = student_hidden.new_empty((len(stats_present(cfg)), n) if deferred else (0,), dtype=dtype)
     loss = student_hidden.new_empty((n,) if cfg.reduction == "none" else (), dtype=dtype)
-    return (loss, student_hidden.new_empty((), dtype=dtype), *grads, stats)
+    entropy = student_hidden.new_empty((n,) if cfg.return_entropy else (0,), dtype=dtype)
+    return (loss, student_hidden.new_empty((), dtype=dtype), *grads, stats, entropy)
 
 
 def _asked(targets: GradTargets) -> tuple[bool, bool, bool]:
@@ -190,8 +194,9 @@ def _backward(ctx, grad_loss, *_unused):
 distill_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def apply_op(backend: str, pair: FlatPair, cfg: DistillationConfig) -> Tensor:
-    """The call through the custom ops (what torch.compile sees); the loss in the call's token shape."""
+def apply_op(backend: str, pair: FlatPair, cfg: DistillationConfig) -> Tensor | tuple[Tensor, Tensor]:
+    """The call through the custom ops (what torch.compile sees): the loss (in the call's token shape where
+    reduction is "none"), and with return_entropy each token's entropy in that shape."""
     wanted = wanted_gradients(pair, cfg.teacher_grad)
     flags = (*_asked(wanted.student), *_asked(wanted.teacher))
     outputs = torch.ops.flce.distill_forward(
@@ -200,4 +205,5 @@ def apply_op(backend: str, pair: FlatPair, cfg: DistillationConfig) -> Tensor:
         group_name=None if cfg.process_group is None else cfg.process_group.group_name,
         **dict(zip(_GRAD_FLAGS, flags, strict=True)), **distillation_primitives(cfg))
     loss = outputs[0]
-    return loss.reshape(pair.token_shape) if cfg.reduction == "none" else loss
+    loss = loss.reshape(pair.token_shape) if cfg.reduction == "none" else loss
+    return (loss, outputs[9].reshape(pair.token_shape)) if cfg.return_entropy else loss

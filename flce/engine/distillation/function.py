@@ -47,6 +47,13 @@ def shaped_loss(loss: Tensor, call: DistillCall) -> Tensor:
     return loss.reshape(call.token_shape) if call.cfg.reduction == "none" else loss
 
 
+def call_outputs(loss: Tensor, entropy: Tensor | None, call: DistillCall) -> Tensor | tuple[Tensor, Tensor]:
+    """What a call returns: its loss, and with return_entropy each token's entropy in the tokens' shape."""
+    if not call.cfg.return_entropy:
+        return shaped_loss(loss, call)
+    return shaped_loss(loss, call), entropy.reshape(call.token_shape)
+
+
 class DistillFunction(torch.autograd.Function):
     """Forward runs the schedule; ``wanted`` says which inputs get gradients (decided before apply, from
     requires_grad and teacher_grad), ``handoff`` carries forward's state to setup_context."""
@@ -59,7 +66,7 @@ class DistillFunction(torch.autograd.Function):
         state = schedule.forward(call, _pair(tensors, call), wanted if in_forward else None,
                                  keep_stats=wanted.any and not in_forward)
         handoff.state, handoff.in_forward = state, in_forward
-        return shaped_loss(state.loss, call)
+        return call_outputs(state.loss, state.entropy, call)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -68,14 +75,16 @@ class DistillFunction(torch.autograd.Function):
         # The state without the returned loss itself: ctx -> state -> output -> ctx would be a reference cycle,
         # which keeps the graph (its saved gradients, the leaves' AccumulateGrad nodes on forward's stream) alive
         # until Python's collector runs; CUDA-graph capture fails on such a node from an earlier step.
-        ctx.in_forward, ctx.state = handoff.in_forward, dataclasses.replace(handoff.state,
+        ctx.in_forward, ctx.state = handoff.in_forward, dataclasses.replace(handoff.state, entropy=None,
                                                                             loss=handoff.state.loss.detach())
         if not ctx.in_forward and wanted.any:
             ctx.save_for_backward(*tensors)
+        if call.cfg.return_entropy:
+            ctx.mark_non_differentiable(output[1])  # a metric: no gradient
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, *_no_entropy_gradient):
         create_graph = torch.is_grad_enabled()
         with torch.no_grad():
             grads = _gradients(ctx, grad_loss)
@@ -131,14 +140,14 @@ def wanted_gradients(pair: FlatPair, teacher_grad: bool) -> PairGradTargets:
                             asks(pair.teacher_bias, True)))
 
 
-def apply_eager(pair: FlatPair, call: DistillCall) -> Tensor:
-    """Run the Function (or, where no gradient follows, the forward alone) and return the loss."""
+def apply_eager(pair: FlatPair, call: DistillCall) -> Tensor | tuple[Tensor, Tensor]:
+    """Run the Function (or, where no gradient follows, the forward alone) and return call_outputs'."""
     wanted = wanted_gradients(pair, call.cfg.teacher_grad)
     tensors = (pair.student_hidden, pair.student_weight, pair.student_bias, pair.teacher_hidden, pair.teacher_weight,
                pair.teacher_bias, pair.target)
     if not wanted.any:
         state = schedule.forward(call, pair, None, keep_stats=False)
-        return shaped_loss(state.loss, call)
+        return call_outputs(state.loss, state.entropy, call)
     handoff = _Handoff()
     differentiated = tensors[:3] + (tensors[3:6] if call.cfg.teacher_grad else (None, None, None))
     check_first_order(differentiated)

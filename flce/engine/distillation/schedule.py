@@ -57,6 +57,7 @@ class DistillState:
     count: torch.Tensor
     grads: PairGrads | None = None
     stats: torch.Tensor | None = None  # [k, N]: PairStats.stacked() of every row
+    entropy: torch.Tensor | None = None  # [N]: the student's entropy, 0 on ignored rows (cfg.return_entropy)
 
 
 def counted_rows(call: DistillCall, pair, dtype: torch.dtype) -> TokenCounts:
@@ -107,7 +108,7 @@ class _PairLogitsWithStats(_PairLogits):
 
     def __init__(self, call: DistillCall, pair, rows: int):
         super().__init__(pair, rows)
-        self.call, self.head_cfg = call, head_config(call.cfg)
+        self.call, self.head_cfg, self.student_cfg = call, head_config(call.cfg), head_config(call.cfg, student=True)
         # The GEMMs look for a target: without one, a column they never find (its target_z is not used).
         self.no_target = None if pair.target is not None else torch.full(
             (rows,), call.cfg.ignore_index, dtype=torch.long, device=pair.student_hidden.device)
@@ -122,7 +123,7 @@ class _PairLogitsWithStats(_PairLogits):
         teacher_stats = call.kernels.gemm_row_stats(p.teacher_hidden[rows], p.teacher_weight, p.teacher_bias, target,
                                                     self.head_cfg, call.vocab_offset, logits_out=teacher)
         student_stats = call.kernels.gemm_row_stats(p.student_hidden[rows], p.student_weight, p.student_bias, target,
-                                                    self.head_cfg, call.vocab_offset, logits_out=student)
+                                                    self.student_cfg, call.vocab_offset, logits_out=student)
         return teacher, student, pair_stats_of_heads(teacher_stats, student_stats, call.cfg)
 
 
@@ -176,7 +177,7 @@ def forward(call: DistillCall, pair, grads_in_forward: PairGradTargets | None, k
     if acc is not None:
         one = torch.ones((), dtype=dtype, device=pair.student_hidden.device)
         scale = row_scales(one, counts.count, valid, n_rows, cfg)
-    losses, kept = [], []
+    losses, kept, entropies = [], [], []
     fused = call.plan.fused_passes and call.sharding is None
     for rows in bounds:
         rows_target = None if target is None else target[rows]
@@ -199,15 +200,19 @@ def forward(call: DistillCall, pair, grads_in_forward: PairGradTargets | None, k
                     student_grad, teacher_grad = kernels.pair_grad_(teacher_logits, student_logits, rows_target,
                                                                     cfg, call.vocab_offset, coeffs)
         losses.append(row_losses(stats, None if valid is None else valid[rows], cfg))
+        if cfg.return_entropy:
+            entropies.append(stats.student_entropy if valid is None else torch.where(valid[rows],
+                                                                                     stats.student_entropy, 0.0))
         if acc is not None:
             acc.add(student_grad, teacher_grad, rows)
         elif keep_stats:
             kept.append(stats.stacked())
         del teacher_logits, student_logits
     row_loss = _joined(losses, n_rows, dtype, pair.student_hidden.device)
+    entropy = _joined(entropies, n_rows, dtype, pair.student_hidden.device) if cfg.return_entropy else None
     return DistillState(loss=reduced(row_loss, counts.count, cfg), count=counts.count,
                         grads=None if acc is None else acc.result(),
-                        stats=torch.cat(kept, dim=1) if keep_stats and kept else None)
+                        stats=torch.cat(kept, dim=1) if keep_stats and kept else None, entropy=entropy)
 
 
 def backward(call: DistillCall, pair, state: DistillState, wanted: PairGradTargets,

@@ -55,7 +55,8 @@ def distillation_steps(desc: DistillDescription, plan: DistillChunks, names: Pai
         steps.append(Step(f"each of {chunks} chunks: teacher and student logits", (gemm,),
                           f"two GEMMs into two buffers of {plan.tokens_per_chunk} rows x V"
                           + (f" ({logits_reason})" if logits_reason else "")))
-    first_pass = [] if plan.stats_in_gemm else ["both softmaxes' statistics"]
+    entropy = " and the student's entropy sum" if cfg.return_entropy else ""
+    first_pass = [] if plan.stats_in_gemm else [f"both softmaxes' statistics{entropy}"]
     # a KL divergence on the GEMMs' statistics (forward KL: semantics.per_head_unfit): E_p[t - s] from the gradient's
     # sweep, as the schedule takes it
     expectation = " and the loss's E_p[t - s]" if plan.stats_in_gemm and needs_cross(cfg) else ""
@@ -70,7 +71,7 @@ def distillation_steps(desc: DistillDescription, plan: DistillChunks, names: Pai
                               launch("pair_passes")))
     else:
         if first_pass:
-            steps.append(Step("each chunk: both softmaxes' statistics", (names.pair_stats,),
+            steps.append(Step(f"each chunk: {first_pass[0]}", (names.pair_stats,),
                               f"one pass over both logits ({what})", launch("pair_stats")))
         if jsd:
             steps.append(Step("each chunk: JSD's second pass (KL(P||M), KL(Q||M))", (names.mixture_sums,),
