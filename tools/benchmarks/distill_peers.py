@@ -18,7 +18,8 @@ forward's passes over a chunk's logits in one kernel, one program a row, at most
 them (docs/distillation.md): ``flce_separate`` (one kernel a pass, pair_passes=separate), ``flce_cublas_logits``
 (forward_logits=cublas: the logits from cuBLAS, their statistics from a first sweep of the pair kernel),
 ``flce_uncapped`` (pair_registers=255: the passes' kernel without the register cap) and ``flce_2GiB``
-(memory_budget=2 GiB: 2 chunks at 8192 tokens, fewer read-modify-writes of the weight gradient); ``liger_jsd``,
+(memory_budget=2 GiB: 2 chunks at 8192 tokens, fewer read-modify-writes of the weight gradient); ``flce_entropy``
+(the default call returning the student's entropy too, return_entropy); ``liger_jsd``,
 Liger-Kernel's ``LigerFusedLinearJSDLoss`` (weight_hard_loss=0, weight_soft_loss=1, beta 0.5; its chunked
 torch.compile loop, which computes the unweighted cross-entropy too), where liger-kernel imports (a row saying
 "fails: ..." otherwise); ``torch_compile``, torch.compile of the formula on materialised logits (the teacher's
@@ -137,14 +138,16 @@ def torch_compile_method(loss: str = "jsd") -> Callable[[Inputs], torch.Tensor]:
     return lambda inputs: compiled(inputs, loss)
 
 
-def flce_method(budget: int | None, knobs: Callable[[], dict] | None = None,
-                loss: str = "jsd") -> Callable[[Inputs], torch.Tensor]:
-    """flce's CUDA backend; ``knobs()``: autotune knobs the call plans with, as a cache entry would give them."""
+def flce_method(budget: int | None, knobs: Callable[[], dict] | None = None, loss: str = "jsd",
+                entropy: bool = False) -> Callable[[Inputs], torch.Tensor]:
+    """flce's CUDA backend; ``knobs()``: autotune knobs the call plans with, as a cache entry would give them;
+    ``entropy``: the call returns the student's entropy too (return_entropy)."""
     def call(inputs: Inputs) -> torch.Tensor:
         with override_params(knobs() if knobs else None, backend="cuda"):
-            return flce.linear_distillation_loss(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
-                                                 inputs.teacher_weight, inputs.target, loss=loss, beta=BETA,
-                                                 memory_budget=budget, backend="cuda")
+            out = flce.linear_distillation_loss(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
+                                                inputs.teacher_weight, inputs.target, loss=loss, beta=BETA,
+                                                memory_budget=budget, backend="cuda", return_entropy=entropy)
+        return out.loss if entropy else out
     return call
 
 
@@ -212,7 +215,8 @@ def all_methods(loss: str = "jsd") -> dict[str, Callable[[Inputs], torch.Tensor]
         "flce_separate": flce_method(None, lambda: {"pair_passes": "separate"}, loss),
         "flce_cublas_logits": flce_method(None, lambda: {"forward_logits": "cublas"}, loss),
         "flce_uncapped": flce_method(None, lambda: {"pair_registers": 255}, loss),
-        "flce_2GiB": flce_method(2048 * MiB, loss=loss)}
+        "flce_2GiB": flce_method(2048 * MiB, loss=loss),
+        "flce_entropy": flce_method(None, loss=loss, entropy=True)}
     try:
         methods["liger_jsd"] = liger_method(loss)
     except Exception as exc:
