@@ -5,11 +5,12 @@
         --rounds 1 --calls 2 --warmup 1                                            # gloo smoke run on a CPU
 
 1. Agreement (small shapes, uneven shards, fp32 and bf16, every loss at temperature 0.9 and forward KL at 1, a
-   hard-label term, the teacher's gradient asked once): on every rank the sharded loss, the student's grad_hidden
-   and this rank's slice of grad_weight against the unsharded call on the same device, and (fp32) the loss against
-   the float64 oracle. Then the same calls with both heads' weights as tensor-parallel frameworks hold them,
-   ``Shard(0)`` DTensors on a mesh of the two ranks (no ``process_group``: the mesh's group is taken): the loss,
-   grad_hidden and the whole grad_weight (a DTensor in the weight's placement, gathered) against the unsharded call.
+   hard-label term, the teacher's gradient asked once): on every rank the sharded loss, the student's grad_hidden,
+   this rank's slice of grad_weight and the student's entropy the call returns against the unsharded call on the
+   same device, and (fp32) the loss and the entropy against the float64 oracle. Then the same calls with both
+   heads' weights as tensor-parallel frameworks hold them, ``Shard(0)`` DTensors on a mesh of the two ranks (no
+   ``process_group``: the mesh's group is taken): the loss, grad_hidden and the whole grad_weight (a DTensor in the
+   weight's placement, gathered) against the unsharded call.
 2. Time, per shape of ``--shapes`` (``TOKENSxSTUDENT_HxTEACHER_HxVOCAB``; default 8192 x 4096 x {4096, 8192}
    x 128256, bf16, JSD beta 0.5, the default memory budget): TP = 1 (each rank the whole call, side by side as
    data-parallel replicas run) and TP = 2 (both heads' vocabulary halved), forward + backward, after --warmup
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import flce
-from flce.testing.distillation import reference_distillation_loss
+from flce.testing.distillation import reference_distillation_loss, reference_student_entropy
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 TARGET_RATIO = 0.53
@@ -90,14 +91,18 @@ def inputs(tokens: int, student: int, teacher: int, vocab: int, dtype: torch.dty
             "wt": draw(vocab, teacher, std=teacher**-0.5), "target": target.to(device)}
 
 
-def call(data: dict[str, torch.Tensor], rows: slice | None, group: object, options: dict) -> tuple:
-    """Loss and the gradients of (xs, ws[rows], xt, wt[rows]) of one call (the shard's weights with ``rows``)."""
+def call(data: dict[str, torch.Tensor], rows: slice | None, group: object, options: dict,
+         entropy: bool = False) -> tuple:
+    """Loss and the gradients of (xs, ws[rows], xt, wt[rows]) of one call (the shard's weights with ``rows``), and
+    with ``entropy`` the student's entropy the call returns (return_entropy)."""
     leaves = {k: (v if rows is None or not k.startswith("w") else v[rows]).detach().clone().requires_grad_()
               for k, v in data.items() if k != "target"}
-    loss = flce.linear_distillation_loss(leaves["xs"], leaves["ws"], leaves["xt"], leaves["wt"], data["target"],
-                                         process_group=group, **options)
+    out = flce.linear_distillation_loss(leaves["xs"], leaves["ws"], leaves["xt"], leaves["wt"], data["target"],
+                                        process_group=group, return_entropy=entropy, **options)
+    loss = out.loss if entropy else out
     loss.backward()
-    return loss.detach(), {k: v.grad for k, v in leaves.items()}
+    grads = {k: v.grad for k, v in leaves.items()}
+    return (loss.detach(), grads, out.entropy) if entropy else (loss.detach(), grads)
 
 
 def relative(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
@@ -122,10 +127,11 @@ def check_agreement(device: torch.device, backend: str | None) -> list[dict]:
             data = inputs(257, 64, 96, 3001, dtype, device, seed=11)
             sizes = halves(3001, uneven=True)
             rows = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
-            sharded, grads = call(data, rows, dist.group.WORLD, options)
-            whole, full = call(data, None, None, options)
+            sharded, grads, entropy = call(data, rows, dist.group.WORLD, options, entropy=True)
+            whole, full, whole_entropy = call(data, None, None, options, entropy=True)
             errors = {"loss": relative(sharded, whole), "grad xs": relative(grads["xs"], full["xs"]),
-                      "grad ws shard": relative(grads["ws"], full["ws"][rows])}
+                      "grad ws shard": relative(grads["ws"], full["ws"][rows]),
+                      "entropy": relative(entropy, whole_entropy)}
             if options["teacher_grad"]:
                 errors["grad wt shard"] = relative(grads["wt"], full["wt"][rows])
             if dtype == torch.float32:
@@ -133,6 +139,8 @@ def check_agreement(device: torch.device, backend: str | None) -> list[dict]:
                 oracle = reference_distillation_loss(data["xs"], data["ws"], data["xt"], data["wt"], data["target"],
                                                      **math)
                 errors["loss vs float64 oracle"] = relative(sharded, oracle)
+                errors["entropy vs float64 oracle"] = relative(entropy, reference_student_entropy(
+                    data["xs"], data["ws"], data["target"], temperature=case["temperature"]))
             results.append(_checked(f"{loss}, T {case['temperature']}", dtype, errors, device))
     return results
 
