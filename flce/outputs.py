@@ -20,8 +20,8 @@ class LCEOutput(NamedTuple):
 
 class DistillationOutput(NamedTuple):
     """``flce.linear_distillation_loss(..., return_entropy=True)``: the loss, and each token's entropy of the
-    student's softmax at the call's temperature (fp32, the tokens' shape, 0 where the target is ignored, no
-    gradient)."""
+    student's softmax at the call's temperature (fp32, fp64 for fp64 inputs; the tokens' shape, 0 where the target
+    is ignored, no gradient)."""
 
     loss: torch.Tensor
     entropy: torch.Tensor

@@ -36,9 +36,9 @@ def _stats_sweep(teacher_row, student_row, V, inv_temperature, CROSS: tl.constex
     """One row's partial statistics over columns [0, V) (semantics.PartialPairStats): (max u_t, sum exp((u_t -
     max u_t) / T), max u_s, sum exp((u_s - max u_s) / T), the CROSS sum relative to its own softmax's max, max u_s,
     sum exp(u_s - max u_s), with ENTROPY sum exp(d) d, d = (u_s - max u_s) / T), every running sum moved to its
-    running max as that grows. The maxima are the raw
-    logits' (the later sweeps' u - max is then exactly 0 at the largest); the exponentials run in base 2
-    ((u - max) T^-1 log2 e: exp2 without a multiply more; the sums are the same numbers)."""
+    running max as that grows. The maxima are the raw logits' (the later sweeps' u - max is then exactly 0 at the
+    largest); the exponentials run in base 2 ((u - max) T^-1 log2 e: exp2 without a multiply more; the sums are the
+    same numbers)."""
     cols = tl.arange(0, BLOCK_V)
     to_base2 = inv_temperature * LOG2E
     t_max = tl.full((), float("-inf"), tl.float32)
@@ -319,9 +319,9 @@ def _pair_passes_kernel(
     Each sweep walks the blocks in the direction opposite to the one before it (GRAD_REVERSE: the gradient's
     sweep follows the statistics' alone), so it starts on the blocks still in L2; program p takes rows p, p + P,
     ...: P, the rows in flight, bounds what L2 must hold. KNOWN_STATS: the statistics pointers hold the row's
-    statistics already (the logits GEMMs', the entropy's sum among them with ENTROPY; never with HARD_OWN_LSE),
-    read instead of swept; with CROSS (forward KL
-    only, WRITE_GRAD without TEACHER) the gradient's sweep makes the cross sum and stores it: one read a row."""
+    statistics already (the logits GEMMs', the entropy's sum among them where the call asks for it; never with
+    HARD_OWN_LSE), read instead of swept; with CROSS (forward KL only, WRITE_GRAD without TEACHER) the gradient's
+    sweep makes the cross sum and stores it: one read a row."""
     pid = tl.program_id(0)
     for row_index in range(pid, n_rows, tl.num_programs(0)):
         row = tl.cast(row_index, tl.int64)

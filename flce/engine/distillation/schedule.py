@@ -15,6 +15,9 @@ one kernel, each row's sweeps back to back. A plan with ``stats_in_gemm`` takes 
 logits GEMMs' epilogues instead (each head's statistics as cross-entropy's; semantics.pair_stats_of_heads);
 forward KL's E_p[t - s] then comes from step 3's sweep (one kernel a pass: GradSweepExpectation).
 
+With return_entropy the student's statistics (step 2's pass, or its GEMM's epilogue) also sum exp(d) d, which
+makes each row's entropy (flce.distillation.semantics): no pass or GEMM more.
+
 Four GEMMs per chunk in all: the teacher's logits, the student's, and the student's two gradient products.
 With reduction="none" each row's upstream gradient arrives in backward: forward keeps the rows' statistics
 ([k, N], no logits), and backward recomputes each chunk's two logits and forms its gradients (six GEMMs).
