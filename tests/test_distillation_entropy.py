@@ -151,17 +151,21 @@ def test_bf16_on_the_gpu_within_eager_error(loss: str, generator: torch.Generato
     assert relative(out.entropy, expected) <= 1.5 * relative(eager, expected)
 
 
-def test_one_graph_under_compile(generator: torch.Generator) -> None:
+@pytest.mark.parametrize("backend", ["reference", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_one_graph_under_compile(backend: str, generator: torch.Generator) -> None:
+    """The call as the custom op torch.compile sees, the CUDA backend's on a GPU."""
     import torch._dynamo.testing
 
-    pair = make_pair(generator)
+    if backend == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    pair = make_pair(generator).detached(DEVICE if backend == "cuda" else "cpu")
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
 
     @torch.compile(backend=counter, fullgraph=True)
     def step(xs, ws, xt, wt, target):
         out = flce.linear_distillation_loss(xs, ws, xt, wt, target, temperature=0.9, return_entropy=True,
-                                            backend="reference")
+                                            backend=backend)
         return out.loss, out.entropy.sum()
 
     loss, entropy_sum = step(pair.student_hidden, pair.student_weight, pair.teacher_hidden, pair.teacher_weight,
@@ -170,7 +174,7 @@ def test_one_graph_under_compile(generator: torch.Generator) -> None:
     assert counter.frame_count == 1
     assert relative(entropy_sum, _expected(pair, 0.9).sum()) <= 1e-5
     eager = pair.detached()
-    plain = flce_loss(eager, temperature=0.9, backend="reference")
+    plain = flce_loss(eager, temperature=0.9, backend=backend)
     plain.backward()
     torch.testing.assert_close(loss, plain)
     torch.testing.assert_close(pair.student_weight.grad, eager.student_weight.grad)
