@@ -51,12 +51,13 @@ def test_public_surface() -> None:
                                  # flce's input errors (docs/usage.md)
                                  "InputError", "InputTypeError",
                                  # linear distillation (docs/distillation.md)
-                                 "LinearDistillation", "explain_distillation", "get_distillation_impl",
-                                 "linear_distillation_loss",
+                                 "LinearDistillation", "DistillationOutput", "explain_distillation",
+                                 "get_distillation_impl", "linear_distillation_loss",
                                  # RL policy losses (docs/policy_loss.md)
                                  "LinearPolicyLoss", "PolicyLossOutput", "get_policy_impl", "linear_policy_loss"}
     assert LCEOutput._fields == ("loss", "z_loss", "token_accuracy", "predicted_tokens", "logprobs", "entropy",
                                  "selected_logprobs", "logit_stats")
+    assert flce.DistillationOutput._fields == ("loss", "entropy")
 
 
 @pytest.mark.parametrize("option", FULL_FEATURE_VALUES)
