@@ -83,6 +83,12 @@ def _check_beta(value: Any, loss: str) -> None:
         raise InputError(f"beta={value}: expected a value in [0, 1] (loss={loss!r} does not use it)")
 
 
+def loss_of_beta(beta: float) -> str:
+    """The loss a trainer that names the KL divergences by beta means (TRL's GKD and DistillationTrainer, Liger's
+    JSD: 0 is KL(P || Q), 1 is KL(Q || P), between them the generalized JSD)."""
+    return {0.0: "forward_kl", 1.0: "reverse_kl"}.get(float(beta), "jsd")
+
+
 def _check_temperature(value: Any) -> None:
     check_finite_real("temperature", value)
     if not value > 0.0:

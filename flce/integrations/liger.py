@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import flce
+from flce.distillation.config import loss_of_beta
 from flce.errors import InputError
 
 
@@ -67,11 +68,11 @@ class LigerFusedLinearJSDLoss(torch.nn.Module):
                       teacher_weight: torch.Tensor, true_labels: torch.Tensor, *, hard_label_weight: float,
                       student_bias: torch.Tensor | None, teacher_bias: torch.Tensor | None) -> torch.Tensor:
         beta = float(self.beta)
-        loss = {0.0: "forward_kl", 1.0: "reverse_kl"}.get(beta, "jsd")
         return flce.linear_distillation_loss(
-            student_input, student_weight, teacher_input, teacher_weight, true_labels, loss=loss, beta=beta,
-            temperature=self.temperature, hard_label_weight=hard_label_weight, ignore_index=self.ignore_index,
-            student_bias=student_bias, teacher_bias=teacher_bias, backend=self.backend, **self._budget())
+            student_input, student_weight, teacher_input, teacher_weight, true_labels, loss=loss_of_beta(beta),
+            beta=beta, temperature=self.temperature, hard_label_weight=hard_label_weight,
+            ignore_index=self.ignore_index, student_bias=student_bias, teacher_bias=teacher_bias, backend=self.backend,
+            **self._budget())
 
     def _budget(self) -> dict[str, Any]:
         return {} if self.memory_budget is None else {"memory_budget": self.memory_budget}

@@ -110,11 +110,15 @@ def causal_lm_loss(
         hidden_states, weight, shift_labels, bias, backend=backend, variant=variant,
         reduction=reduction, ignore_index=ignore_index, softcap=softcap, **options,
     )
-    if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
+    return loss if num_items_in_batch is None else per_item(loss, num_items_in_batch)
+
+
+def per_item(total: torch.Tensor, num_items_in_batch: torch.Tensor | int) -> torch.Tensor:
+    """A summed loss divided by the Trainer's ``num_items_in_batch`` (the tokens counted over the gradient
+    accumulation steps; a tensor moved to the loss's device), as transformers' loss functions divide."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
 
 
 class _Patch:

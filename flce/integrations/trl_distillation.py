@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 import flce
+from flce.distillation.config import loss_of_beta
+from flce.integrations.transformers import per_item
 
 
 class GKDDistillationLossMixin:
@@ -41,22 +43,17 @@ class GKDDistillationLossMixin:
             teacher_hidden = self.teacher_model(**ids, flce_policy=_unscaled_hidden)
         teacher_head = self.accelerator.unwrap_model(self.teacher_model).get_output_embeddings()
         beta = float(self.beta)
-        loss = {0.0: "forward_kl", 1.0: "reverse_kl"}.get(beta, "jsd")
         reduction = "mean" if num_items_in_batch is None else "sum"
 
         def head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scaling: dict) -> torch.Tensor:
             _unscaled_hidden(hidden, weight, bias, scaling)
             return flce.linear_distillation_loss(
                 hidden[:, :-1], weight, teacher_hidden[:, :-1].to(hidden.device), teacher_head.weight,
-                inputs["labels"][:, 1:], loss=loss, beta=beta, reduction=reduction, student_bias=bias,
+                inputs["labels"][:, 1:], loss=loss_of_beta(beta), beta=beta, reduction=reduction, student_bias=bias,
                 teacher_bias=teacher_head.bias)
 
         value = model(**ids, flce_policy=head)
-        if num_items_in_batch is None:
-            return value
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(value.device)
-        return value / num_items_in_batch
+        return value if num_items_in_batch is None else per_item(value, num_items_in_batch)
 
 
 def chunked_divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_states: torch.Tensor,
@@ -98,17 +95,12 @@ def chunked_divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_
     student_bias = None if student_lm_head_bias is None else student_lm_head_bias.to(student.dtype)
     teacher_bias = None if teacher_lm_head_bias is None else teacher_lm_head_bias.to(teacher.dtype)
     beta = float(beta)
-    divergence = {0.0: "forward_kl", 1.0: "reverse_kl"}.get(beta, "jsd")
-    total, entropy = flce.linear_distillation_loss(student, student_weight, teacher, teacher_weight, loss=divergence,
+    total, entropy = flce.linear_distillation_loss(student, student_weight, teacher, teacher_weight,
+                                                   loss=loss_of_beta(beta),
                                                    beta=beta, temperature=temperature, reduction="sum",
                                                    student_bias=student_bias, teacher_bias=teacher_bias,
                                                    return_entropy=True)
-    if num_items_in_batch is None:
-        loss = total / count.clamp(min=1)
-    else:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(total.device)
-        loss = total / num_items_in_batch
+    loss = total / count.clamp(min=1) if num_items_in_batch is None else per_item(total, num_items_in_batch)
     return loss, entropy.sum(), count
 
 

@@ -217,23 +217,23 @@ def all_methods(loss: str = "jsd") -> dict[str, Callable[[Inputs], torch.Tensor]
         "flce_uncapped": flce_method(None, lambda: {"pair_registers": 255}, loss),
         "flce_2GiB": flce_method(2048 * MiB, loss=loss),
         "flce_entropy": flce_method(None, loss=loss, entropy=True)}
-    try:
-        methods["liger_jsd"] = liger_method(loss)
-    except Exception as exc:
-        methods["liger_jsd"] = failure(exc)
+    methods["liger_jsd"] = loaded(liger_method, loss)
     methods["torch_compile"] = torch_compile_method(loss)
-    try:
-        methods["trl_divergence"] = trl_divergence_method(loss)
-    except Exception as exc:
-        methods["trl_divergence"] = failure(exc)
+    methods["trl_divergence"] = loaded(trl_divergence_method, loss)
     methods["flce_trl_dropin"] = trl_dropin_method(loss)
     if loss == "jsd":  # Liger's class as its users call it, and the drop-in that replaces it
         methods["flce_liger_dropin"] = liger_defaults_method(dropin=True)
-        try:
-            methods["liger_defaults"] = liger_defaults_method(dropin=False)
-        except Exception as exc:
-            methods["liger_defaults"] = failure(exc)
+        methods["liger_defaults"] = loaded(liger_defaults_method, False)
     return methods
+
+
+def loaded(make: Callable[..., Callable[[Inputs], torch.Tensor]],
+           *args: object) -> Callable[[Inputs], torch.Tensor] | str:
+    """``make(*args)``, a peer's method, or its "fails: ..." cell where the peer does not load here."""
+    try:
+        return make(*args)
+    except Exception as exc:
+        return failure(exc)
 
 
 def failure(exc: BaseException) -> str:

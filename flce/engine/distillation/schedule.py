@@ -204,15 +204,17 @@ def forward(call: DistillCall, pair, grads_in_forward: PairGradTargets | None, k
                                                                     cfg, call.vocab_offset, coeffs)
         losses.append(row_losses(stats, None if valid is None else valid[rows], cfg))
         if cfg.return_entropy:
-            entropies.append(stats.student_entropy if valid is None else torch.where(valid[rows],
-                                                                                     stats.student_entropy, 0.0))
+            entropies.append(stats.student_entropy)
         if acc is not None:
             acc.add(student_grad, teacher_grad, rows)
         elif keep_stats:
             kept.append(stats.stacked())
         del teacher_logits, student_logits
     row_loss = _joined(losses, n_rows, dtype, pair.student_hidden.device)
-    entropy = _joined(entropies, n_rows, dtype, pair.student_hidden.device) if cfg.return_entropy else None
+    entropy = None
+    if cfg.return_entropy:  # 0 where the target is ignored
+        entropy = _joined(entropies, n_rows, dtype, pair.student_hidden.device)
+        entropy = entropy if valid is None else torch.where(valid, entropy, 0.0)
     return DistillState(loss=reduced(row_loss, counts.count, cfg), count=counts.count,
                         grads=None if acc is None else acc.result(),
                         stats=torch.cat(kept, dim=1) if keep_stats and kept else None, entropy=entropy)
