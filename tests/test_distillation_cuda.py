@@ -86,12 +86,18 @@ STATS_IN_GEMM = {"forward_logits": "fused", "logits_kernel": "triton"}
     ({"loss": "forward_kl", "hard_label_weight": 0.4, "temperature": 1.0, "reduction": "sum"}, {"rows_in_flight": 3}),
     ({"loss": "forward_kl", "target": False, "temperature": 1.6}, {}),
     ({"loss": "forward_kl", "hard_label_weight": 0.4, "temperature": 1.0}, {"pair_passes": "separate"}),
+    ({"loss": "reverse_kl", "hard_label_weight": 0.0, "temperature": 0.7}, {}),
+    ({"loss": "reverse_kl", "hard_label_weight": 0.4, "temperature": 1.0, "reduction": "sum"}, {"rows_in_flight": 3}),
+    ({"loss": "reverse_kl", "hard_label_weight": 0.4, "reduction": "none", "teacher_grad": True}, {}),
+    ({"loss": "reverse_kl", "target": False, "temperature": 1.6, "teacher_grad": True}, {"pair_passes": "separate"}),
 ], ids=["soft-cold", "hard-sum", "hard-only-in-flight", "none-teacher", "separate", "no-target", "fkl-cold",
-        "fkl-hard-sum-in-flight", "fkl-no-target", "fkl-separate"])
+        "fkl-hard-sum-in-flight", "fkl-no-target", "fkl-separate", "rkl-cold", "rkl-hard-sum-in-flight",
+        "rkl-none-teacher", "rkl-no-target-teacher-separate"])
 def test_statistics_from_the_logits_gemms(options: dict, knobs: dict, generator: torch.Generator) -> None:
     """The plan takes both heads' statistics from the logits GEMMs (no pair statistics pass), and the loss and every
     gradient still match the float64 oracle: fused passes reading the known statistics (forward KL's cross sum
-    made in its gradient's sweep, in the fused kernel's or pair_grad's), one kernel a pass, a deferred backward."""
+    made in its gradient's sweep, in the fused kernel's or pair_grad's; reverse KL's in the student's GEMM, whose
+    epilogue reads the teacher's logits), one kernel a pass, a deferred backward."""
     options = {"loss": "jsd", **options}
     pair = make_pair(generator, n=17, bias=True, scale=2.0, target=options.pop("target", True))
     knobs = {**STATS_IN_GEMM, **knobs}
@@ -102,30 +108,43 @@ def test_statistics_from_the_logits_gemms(options: dict, knobs: dict, generator:
     assert "flce.backends.cuda.distill_kernels._pair_stats_kernel" not in record.kernel_names()
     if options["loss"] == "forward_kl":
         assert "E_p[t - s]" in str(record)
+    if options["loss"] == "reverse_kl":
+        assert "E_q[s - t], its epilogue reading the teacher's logits" in str(record) and "E_p" not in str(record)
     _check(pair, generator, knobs, memory_budget=MANY_CHUNKS, **options)
 
 
 @pytest.mark.parametrize(("options", "knobs"), [
-    ({"loss": "reverse_kl"}, {}),
+    ({"loss": "reverse_kl", "return_entropy": True}, {}),
     ({"loss": "forward_kl", "teacher_grad": True}, {}),
     ({"loss": "forward_kl", "reduction": "none"}, {}),
     ({"loss": "forward_kl", "training": False}, {}),
-    ({"loss": "reverse_kl", "sharded": True}, {}),
+    ({"loss": "reverse_kl", "sharded": True, "return_entropy": True}, {}),
     ({"hard_label_weight": 0.3, "temperature": 2.0}, {}),
-], ids=["reverse-kl", "fkl-teacher", "fkl-none", "fkl-no-grad", "rkl-shard", "hard-own-softmax"])
+], ids=["rkl-entropy", "fkl-teacher", "fkl-none", "fkl-no-grad", "rkl-entropy-shard", "hard-own-softmax"])
 def test_statistics_needing_both_heads_keep_their_pass(options: dict, knobs: dict) -> None:
-    """Reverse KL's centre, forward KL's cross sum where forward does not write the student's gradient alone (the
-    teacher's too, a deferred backward, no gradient), and the hard term's own softmax at a temperature need both
-    heads' logits at once: asked for the GEMMs' statistics, the plan keeps the pair statistics pass and says
-    why."""
+    """Forward KL's cross sum where forward does not write the student's gradient alone (the teacher's too, a
+    deferred backward, no gradient) and the hard term's own softmax at a temperature need both heads' logits at
+    once, and reverse KL's centre beside the entropy's sum two sums of the student's epilogue: asked for the GEMMs'
+    statistics, the plan keeps the pair statistics pass and says why."""
     with override_params({**STATS_IN_GEMM, **knobs}, backend="cuda"):
         record = flce.explain_distillation("cpu", backend="cuda", shape=(64, 8, 12, 40), dtype="float32", **options)
     assert not record.plan.stats_in_gemm
     fused = not knobs and not options.get("sharded")
     kernel = "_pair_passes_kernel" if fused else "_pair_stats_kernel"
     assert f"flce.backends.cuda.distill_kernels.{kernel}" in record.kernel_names()
-    why = "needs the student's softmax at temperature 1" if "temperature" in options else "needs both heads' logits"
+    why = ("needs the student's softmax at temperature 1" if "temperature" in options else
+           "makes one weighted sum" if options.get("return_entropy") else "needs both heads' logits")
     assert why in str(record)
+
+
+def test_reverse_kl_reads_the_teacher_only_where_a_family_can() -> None:
+    """Reverse KL's statistics come from the GEMMs only through families whose epilogue reads the teacher's logits:
+    on a GPU whose chunk logits go to cuBLAS (the heuristic off Hopper) the pair statistics pass stays, saying why."""
+    with override_params({"forward_logits": "cublas"}, backend="cuda"):
+        record = flce.explain_distillation("cpu", backend="cuda", shape=(64, 8, 12, 40), dtype="float32",
+                                           loss="reverse_kl")
+    assert not record.plan.stats_in_gemm
+    assert "flce.backends.cuda.distill_kernels._pair_passes_kernel" in record.kernel_names()
 
 
 def test_expectation_sweep_is_forward_kl_for_the_student_alone(generator: torch.Generator) -> None:

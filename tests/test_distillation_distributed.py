@@ -244,6 +244,14 @@ def _cuda_interpreted(checker: Checker, rank: int, world_size: int) -> None:
             assert record.plan.stats_in_gemm and not record.plan.fused_passes
             assert "E_p[t - s]" in str(record) and "_pair_stats_kernel" not in str(record)
         _check_case(checker, "forward-kl-mean-hard-t1", "uneven", rank, group, backend="cuda", forward_exchanges=2)
+        # reverse KL's E_q[s - t] from each shard's student GEMM, which reads that shard's teacher logits
+        with checker.case("reverse_kl: a shard's statistics from its logits GEMMs"):
+            record = flce.explain_distillation("cpu", backend="cuda", shape=(11, 8, 12, 31), dtype="float32",
+                                               sharded=True, **CASES["reverse-kl-mean-teacher-chunks"])
+            assert record.plan.stats_in_gemm and not record.plan.fused_passes
+            assert "E_q[s - t], its epilogue reading the teacher's logits" in str(record)
+            assert "_pair_stats_kernel" not in str(record)
+        _check_case(checker, "reverse-kl-mean-teacher-chunks", "uneven", rank, group, backend="cuda")
 
 
 def _compiled(checker: Checker, rank: int, world_size: int) -> None:

@@ -190,6 +190,22 @@ def test_ws_row_stats_logit_options_compile_for_hopper(option: str) -> None:
     assert count(TMA_STORE, ptx) > 0 and "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
 
 
+def test_ws_row_stats_against_another_head_compiles_for_hopper() -> None:
+    """Reverse KL's centre (the entropy's sum taken against the teacher's logits): each statistics chunk's [16, 64]
+    tile of the other head's logits comes from global memory, 16 bytes a thread (one vector load), loaded a chunk
+    ahead (chunk 0's as the tile before leaves its main loop), and the partials written are the entropy's."""
+    options = {"store_tile": True, "sum_exp_dz": True}
+    plain = _compile(False, True, row_stats=True, **options)["ptx"]
+    result = _compile(False, True, row_stats=True, **options, against=True)
+    ptx = result["ptx"]
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
+    # In each warpgroup's partition: 15 chunks load the next one's, in the interleaved and the last tile's copy of
+    # the epilogue, and the tile's epilogue loads chunk 0's.
+    assert ptx.count("ld.global.v4.b32") - plain.count("ld.global.v4.b32") == (15 * 2 + 1) * 2
+    assert ptx.count("st.global.b32") == plain.count("st.global.b32")
+    assert "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
+
+
 def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.double() @ b.double()
 
@@ -779,3 +795,37 @@ def test_training_at_extreme_logits_and_all_ignored_rows(hidden: int, vocab: int
         assert err <= max(1.5 * eager_err, floor), (name, err, eager_err)
     torch.testing.assert_close(none_loss.double(), none_ref, rtol=0, atol=0)
     assert not none_gx.any() and not none_gw.any()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens,hidden,vocab", [(1000, 200, 32008), (130, 4096, 520)])
+def test_ws_row_stats_against_another_head_matches_float64(tokens: int, hidden: int, vocab: int) -> None:
+    """Reverse KL's centre from the epilogue: E_q[z - u_a / T] = sum_exp_dz / sum_exp + row_max, the other head's
+    logits u_a read beside each tile, at temperature 0.7, with (K = 4096) and without (K = 200) the statistics
+    interleaved with the next tile's wgmma, against float64 and against the Triton statistics GEMM's."""
+    from flce.backends.cuda.configs import default_gemm_config
+    from flce.backends.cuda.gemm_ops import gemm_row_stats
+    from flce.backends.cuda.hardware import describe_device
+    from flce.backends.cuda.ws_gemm_ops import padded_empty, ws_partial_row_stats, ws_supported
+    from flce.config import LCEConfig
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device="cuda") * 3 / hidden ** 0.5).to(torch.bfloat16)
+    if not ws_supported(x, w.T):
+        pytest.skip(f"ws_row_stats needs an sm_90 GPU, found {torch.cuda.get_device_name()}")
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    other = padded_empty(tokens, vocab, torch.bfloat16, x.device)
+    other.copy_(torch.randn(tokens, vocab, device="cuda") * 2 + 1)
+    cfg = LCEConfig(temperature=0.7)
+    logits = padded_empty(tokens, vocab, torch.bfloat16, x.device)
+    stats = ws_partial_row_stats(x, w, target, 0, cfg, logits_out=logits, against=other)
+    z = (x.double() @ w.double().T).to(torch.bfloat16).double() / cfg.temperature
+    want = (torch.softmax(z, 1) * (z - other.double() / cfg.temperature)).sum(1)
+    got = stats.sum_exp_dz.double() / stats.sum_exp.double() + stats.row_max.double()
+    step = z.abs().amax(1) * 2.0 ** -7  # one bf16 step of the row's largest |z|
+    assert ((got - want).abs() <= step + 1e-5 * (want.abs() + z.abs().amax(1))).all()
+    assert float((want - z.max(1).values).abs().mean()) > 1.0  # not met by the row max alone
+    triton_stats = gemm_row_stats(x, w, None, target, cfg, 0, default_gemm_config(describe_device(x.device), x.dtype),
+                                  against=other)
+    again = triton_stats.sum_exp_dz.double() / triton_stats.sum_exp.double() + triton_stats.row_max.double()
+    torch.testing.assert_close(got, again, rtol=1e-5, atol=1e-4)

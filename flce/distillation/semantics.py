@@ -103,14 +103,26 @@ def needs_cross(cfg: DistillationConfig) -> bool:
     return cfg.soft and cfg.loss != "jsd"
 
 
-def per_head_unfit(cfg: DistillationConfig, cross_in_grad_sweep: bool) -> str | None:
-    """Why a call's statistics cannot come from each head's logits alone (a GEMM epilogue sees one head's tile at
-    a time), or None. Forward KL's cross sum is the loss's alone where the teacher takes no gradient (the student's,
-    q - p, needs only the normalisers): ``cross_in_grad_sweep``, a kernel that writes the student's gradient alone
-    makes it in that sweep, one read a row. Reverse KL's centre E_q[s - t], forward KL's without that sweep and the
-    hard term's own softmax at T != 1 need more."""
-    if cfg.soft and cfg.loss == "reverse_kl":
+def student_reads_teacher(cfg: DistillationConfig) -> bool:
+    """Whether the student's GEMM epilogue, to make this call's statistics, reads the teacher's logits tile beside
+    its own: reverse KL's centre E_q[s - t] is an online sum over the student's softmax of both heads' logits,
+    made there once the teacher's GEMM has written its chunk (pair_stats_of_heads)."""
+    return cfg.soft and cfg.loss == "reverse_kl"
+
+
+def per_head_unfit(cfg: DistillationConfig, cross_in_grad_sweep: bool, reads_teacher: bool = False) -> str | None:
+    """Why a call's statistics cannot come from the logits GEMMs' epilogues, or None. An epilogue sees one head's
+    tile at a time, and ``reads_teacher``, the student's one the teacher's logits tile too (its family reads a
+    second logits tensor: student_reads_teacher). Forward KL's cross sum is the loss's alone where the teacher
+    takes no gradient (the student's, q - p, needs only the normalisers): ``cross_in_grad_sweep``, a kernel that
+    writes the student's gradient alone makes it in that sweep, one read a row. Reverse KL's centre E_q[s - t]
+    without the teacher's tile (or beside the entropy's sum, which takes the same slot of the epilogue), forward
+    KL's without that sweep and the hard term's own softmax at T != 1 need more."""
+    if student_reads_teacher(cfg) and not reads_teacher:
         return "reverse_kl's gradient centre E_q[s - t] needs both heads' logits at once"
+    if student_reads_teacher(cfg) and cfg.return_entropy:
+        return ("reverse_kl with return_entropy: the student's GEMM epilogue makes one weighted sum, E_q[s - t]'s "
+                "or the entropy's")
     if cfg.soft and cfg.loss == "forward_kl" and not cross_in_grad_sweep:
         return ("forward_kl's cross sum needs both heads' logits at once (made in the gradient's sweep only where "
                 "forward writes the student's gradient alone)")
@@ -123,7 +135,7 @@ def head_config(cfg: DistillationConfig, student: bool = False) -> LCEConfig:
     """The cross-entropy options under which one head's row statistics (flce.semantics.PartialRowStats) are this
     call's: its temperature and ignore_index; the student's target_z is then the hard term's target logit (the
     hard term's temperature is 1 where per_head_unfit allows it), and its sum_exp_dz the entropy's sum where the
-    call returns the entropy."""
+    call returns the entropy (or, where the student's GEMM reads the teacher's logits, reverse KL's sum)."""
     return LCEConfig(ignore_index=cfg.ignore_index, temperature=cfg.temperature,
                      return_entropy=student and cfg.return_entropy)
 
@@ -131,11 +143,16 @@ def head_config(cfg: DistillationConfig, student: bool = False) -> LCEConfig:
 def pair_stats_of_heads(teacher: PartialRowStats, student: PartialRowStats,
                         cfg: DistillationConfig) -> PartialPairStats:
     """A call's partial statistics from each head's, computed under :func:`head_config` (where per_head_unfit is
-    None). A head's row_max is of u / T: times T it is the raw max the pair statistics keep (not bitwise a logit,
-    so the top column's u - max is not exactly 0; the GEMMs that make these take 16-bit inputs, whose logits'
-    own rounding is far coarser)."""
+    None; where student_reads_teacher, the student's sum_exp_dz is its GEMM's sum exp(s - max s) (s - max s - t),
+    which moves with the max as the entropy's sum does, so the column tiles and splits merge it unchanged). A
+    head's row_max is of u / T: times T it is the raw max the pair statistics keep (not bitwise a logit, so the top
+    column's u - max is not exactly 0; the GEMMs that make these take 16-bit inputs, whose logits' own rounding is
+    far coarser)."""
+    cross = None
+    if student_reads_teacher(cfg):  # sum exp(s - max s) (s - t), relative to the student's max as the pass's
+        cross = student.sum_exp_dz + student.row_max * student.sum_exp
     return PartialPairStats(teacher.row_max * cfg.temperature, teacher.sum_exp, student.row_max * cfg.temperature,
-                            student.sum_exp, target_logit=student.target_z if cfg.hard else None,
+                            student.sum_exp, cross=cross, target_logit=student.target_z if cfg.hard else None,
                             student_dz_sum=student.sum_exp_dz if cfg.return_entropy else None)
 
 

@@ -87,9 +87,13 @@ class FusedStatsGemm(Protocol):
     def gemm_row_stats(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
         cfg: LCEConfig, vocab_offset: int, logits_out: torch.Tensor | None = None,
+        against: torch.Tensor | None = None,
     ) -> PartialRowStats:
         """Partial row statistics of the logits hidden @ weight.T + bias from one fused GEMM, which
-        also writes the logits into ``logits_out`` when given and materialises nothing otherwise."""
+        also writes the logits into ``logits_out`` when given and materialises nothing otherwise.
+        ``against``: another head's [n, V] logits u_a (this shard's columns, unit column stride; a
+        distillation's teacher, flce.distillation.semantics.student_reads_teacher) read tile by tile
+        beside these, sum_exp_dz then being sum exp(z - max) (z - max - u_a / T) (no softcap)."""
 
 
 class FusedGradGemm(Protocol):

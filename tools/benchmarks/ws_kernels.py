@@ -33,7 +33,7 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
                        dtype: str = "bfloat16", row_stats: bool = False, store_tile: bool = False,
                        accumulate: bool = False, sum_exp_dz: bool = False, argmax: bool = False,
                        sum_z: bool = False, softcap: bool = False, class_weight: bool = False,
-                       bias: bool = False, store_exp: bool = False) -> object:
+                       bias: bool = False, store_exp: bool = False, against: bool = False) -> object:
     """Compile the kernel for sm_90a without a GPU (triton.compile on a Gluon source), for the CPU
     tests and the resource report; returns Triton's CompiledKernel (``.asm["ptx"]``, ``.metadata``)."""
     import inspect
@@ -57,18 +57,19 @@ def compile_for_hopper(a_mmajor: bool, b_kmajor: bool, config: WsGemmConfig | No
              "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_sum_dz_ptr": "*fp32",
              "part_argmax_ptr": "*i64", "part_sum_y_ptr": "*fp32", "target_ptr": "*i64",
              "target_z_ptr": "*fp32", "class_weight_ptr": "*fp32", "bias_ptr": f"*{short}",
-             "exp_offset_ptr": "*fp32", "y_scale": "fp32", "z_scale": "fp32", "softcap": "fp32"}
+             "exp_offset_ptr": "*fp32", "against_ptr": f"*{short}", "stride_against": "i32", "y_scale": "fp32",
+             "z_scale": "fp32", "softcap": "fp32"}
     constants = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "A_MMAJOR": a_mmajor, "B_KMAJOR": b_kmajor,
                  "GROUP_M": cfg.group_m, "NUM_STAGES": cfg.stages, "ROW_STATS": row_stats,
                  "INTERLEAVE": row_stats, "STORE_TILE": store_tile, "ACCUMULATE": accumulate,
                  "SUM_EXP_DZ": sum_exp_dz, "ARGMAX": argmax, "SUM_Z": sum_z, "SOFTCAP": softcap,
-                 "CLASS_WEIGHT": class_weight, "HAS_BIAS": bias, "STORE_EXP": store_exp,
+                 "CLASS_WEIGHT": class_weight, "HAS_BIAS": bias, "STORE_EXP": store_exp, "AGAINST": against,
                  "CONSUMER_REGS": cfg.consumer_regs, "LOAD_REGS": cfg.load_regs}
     names = list(inspect.signature(_ws_gemm_kernel.fn).parameters)
     signature = {name: "constexpr" if name in constants else types[name] for name in names}
     # What the JIT infers at a launch on 16-byte aligned tensors and a vocabulary that is a multiple of 16
-    # (N): divisible by 16, which lets masked loads along the columns be vectorised.
-    divisible = [name for name, kind in types.items() if kind.startswith("*")] + ["N"]
+    # (N, and the other head's row stride): divisible by 16, which lets masked loads along the columns be vectorised.
+    divisible = [name for name, kind in types.items() if kind.startswith("*")] + ["N", "stride_against"]
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     source = GluonASTSource(_ws_gemm_kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),

@@ -33,7 +33,7 @@ from flce.backends.cuda.families.family import (
     KernelFamily,
 )
 from flce.config import LCEConfig
-from flce.distillation.semantics import head_config, per_head_unfit
+from flce.distillation.semantics import head_config, per_head_unfit, student_reads_teacher
 from flce.engine.call import call_record
 from flce.engine.choice import CallChoice, CallDescription, DeviceDescription
 from flce.engine.distillation.call import DistillDescription
@@ -128,11 +128,19 @@ def _distillation_logits(device: DeviceDescription, desc: DistillDescription, tu
     """Who writes both heads' chunk logits: the family cross-entropy's choice gives a chunk's logits (CHUNK_LOGITS,
     the cache's forward_logits / logits_kernel, else the heuristic) where the loss's statistics come from each
     head alone and both heads fit it, its epilogue making each head's statistics; else cuBLAS (no chain)."""
-    why = per_head_unfit(desc.cfg, desc.grads_in_forward and not desc.cfg.teacher_grad)
+    why = per_head_unfit(desc.cfg, desc.grads_in_forward and not desc.cfg.teacher_grad, reads_teacher=True)
     if why is not None:
         return RolePick((), f"cuBLAS and the pair kernels' statistics pass: {why}")
-    return _teacher_fit(_pick(CHUNK_LOGITS, device, _head_call(desc, desc.student_hidden), tuned, settings, failed,
+    pick = _teacher_fit(_pick(CHUNK_LOGITS, device, _head_call(desc, desc.student_hidden), tuned, settings, failed,
                               {}), device, _head_call(desc, desc.teacher_hidden), CHUNK_LOGITS)
+    if not student_reads_teacher(desc.cfg):
+        return pick
+    # Its fallbacks too: a family that cannot read the teacher's tile cannot take the student's statistics.
+    readers = tuple(f for f in pick.chain if f.reads_other_logits)
+    if not readers or not readers[0].fused:
+        why = f"{pick.chain[0].name if pick.chain else 'no family'} reads no teacher's logits in its epilogue"
+        return RolePick((), f"cuBLAS and the pair kernels' statistics pass: {pick.reason}; {why}")
+    return RolePick(readers, pick.reason + "; the student's epilogue reads the teacher's logits for E_q[s - t]")
 
 
 def distillation_entry_for(device: DeviceDescription, desc: DistillDescription) -> TunedEntry:

@@ -319,9 +319,9 @@ def _pair_passes_kernel(
     Each sweep walks the blocks in the direction opposite to the one before it (GRAD_REVERSE: the gradient's
     sweep follows the statistics' alone), so it starts on the blocks still in L2; program p takes rows p, p + P,
     ...: P, the rows in flight, bounds what L2 must hold. KNOWN_STATS: the statistics pointers hold the row's
-    statistics already (the logits GEMMs', the entropy's sum among them where the call asks for it; never with
-    HARD_OWN_LSE), read instead of swept; with CROSS (forward KL only, WRITE_GRAD without TEACHER) the gradient's
-    sweep makes the cross sum and stores it: one read a row."""
+    statistics already (the logits GEMMs', the entropy's sum among them where the call asks for it, reverse KL's
+    cross sum with CROSS 2; never with HARD_OWN_LSE), read instead of swept; with CROSS 1 (forward KL, WRITE_GRAD
+    without TEACHER) the gradient's sweep makes the cross sum and stores it: one read a row."""
     pid = tl.program_id(0)
     for row_index in range(pid, n_rows, tl.num_programs(0)):
         row = tl.cast(row_index, tl.int64)
@@ -333,6 +333,8 @@ def _pair_passes_kernel(
             s_max = tl.load(student_max_ptr + row)
             s_sum = tl.load(student_sum_ptr + row)
             cross = 0.0
+            if CROSS == 2:  # reverse KL's, from the student's GEMM (its epilogue read the teacher's logits)
+                cross = tl.load(cross_ptr + row)
             h_max = 0.0
             h_sum = 1.0
             target_col = -1

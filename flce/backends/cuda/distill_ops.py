@@ -25,6 +25,7 @@ from flce.distillation.semantics import (
     PartialPairStats,
     needs_cross,
     per_head_unfit,
+    student_reads_teacher,
     with_mixture_sums,
 )
 
@@ -144,20 +145,23 @@ def pair_passes_(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tar
                  ) -> tuple[PairStats, torch.Tensor | None, torch.Tensor | None]:
     """FusedPairPasses.pair_passes_ (an unsharded chunk): ``rows_in_flight`` programs (None: one a row), at most
     ``registers`` a thread where the kernel compiles to PTX (None: the compiler's choice); with ``known`` statistics
-    the kernel reads them instead of its first sweep, forward KL's cross sum made in the gradient's sweep."""
+    the kernel reads them instead of its first sweep (reverse KL's cross sum among them, its student's GEMM's),
+    forward KL's cross sum made in the gradient's sweep."""
     n, vocab = student_logits.shape
     device = student_logits.device
     jsd = _jsd(cfg)
     write = scale is not None
+    reverse = student_reads_teacher(cfg)
     if known is not None:
-        why = ("they hold a cross sum or the hard term's own softmax, which the kernel makes itself"
-               if known.cross is not None or known.hard_max is not None else per_head_unfit(cfg, write and not teacher))
+        why = per_head_unfit(cfg, write and not teacher, reads_teacher=known.cross is not None)
+        if known.hard_max is not None or (known.cross is not None and not reverse):
+            why = "they hold a cross sum or the hard term's own softmax, which the kernel makes itself"
         if why is not None:
             raise ValueError(f"pair_passes_: known statistics cannot serve this call: {why}")
     if known is not None and not (jsd or write):  # the GEMMs made all there is
         return PairStats.from_partial(known, cfg), None, None
     partial = PartialPairStats.allocate(n, cfg, device) if known is None else known
-    if known is not None and needs_cross(cfg):  # forward KL: the gradient's sweep writes it
+    if known is not None and needs_cross(cfg) and not reverse:  # forward KL: the gradient's sweep writes it
         partial = dataclasses.replace(known, cross=torch.empty(n, dtype=torch.float32, device=device))
     teacher_kl, student_kl = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(2))
     if n:

@@ -96,11 +96,12 @@ def _logits_tile(x, w, off_m, off_n, M, V, K, stride_xm, stride_wv,
 
 @triton.jit
 def _gemm_row_stats_kernel(
-    x, w, bias_ptr, class_weight_ptr, logits_ptr, stride_lm, exp_offset_ptr,
+    x, w, bias_ptr, class_weight_ptr, logits_ptr, stride_lm, exp_offset_ptr, against_ptr, stride_am,
     part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_weighted_y_ptr, part_argmax_ptr,
     M, V, K, stride_xm, stride_wv, vocab_offset, softcap, inv_temperature, tiles_per_split,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     NEED_SUM_EXP_DZ: tl.constexpr, NEED_WEIGHTED_SUM_Z: tl.constexpr, NEED_ARGMAX: tl.constexpr,
+    AGAINST: tl.constexpr,
     STORE_LOGITS: tl.constexpr, STORE_EXP: tl.constexpr, LOGITS_DTYPE: tl.constexpr, USE_TMA: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -111,7 +112,9 @@ def _gemm_row_stats_kernel(
     STORE_EXP (a loss whose gradient is a row multiple of softmax - onehot, no bias or softcap: exp_grad_ops.py):
     write E = min(exp2(y - c), 2^CAP) there instead, c = exp_offset_ptr[row] (base 2), and take the statistics
     relative to c, as the warp-specialised GEMM's epilogue does (ws_stats_kernels._exp_chunk): each split's
-    partial max is c and its sum the sum of E, so no pass over the logits turns them into the gradient."""
+    partial max is c and its sum the sum of E, so no pass over the logits turns them into the gradient.
+    AGAINST (with NEED_SUM_EXP_DZ, no softcap): the entropy's sum taken against another head's logits u_a at
+    against_ptr [M, V] (row stride stride_am), sum exp2(y - max) * (z - max * ln 2 - u_a / T) (engine.kernels)."""
     pid_m, split = _program_tile(tl.program_id(0), M, BLOCK_M, GROUP_M, SPLITS)
     off_m = pid_m * BLOCK_M
     rows = off_m + tl.arange(0, BLOCK_M)
@@ -158,6 +161,10 @@ def _gemm_row_stats_kernel(
                                                     True)
             if NEED_SUM_EXP_DZ:
                 dz = tl.where(col_ok[None, :], capped * inv_temperature - (new_max * LN2)[:, None], 0.0)
+                if AGAINST:
+                    other = tl.load(against_ptr + rows.to(tl.int64)[:, None] * stride_am + cols[None, :],
+                                    mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                    dz -= other * inv_temperature
                 running_sum_dz += tl.sum(e * dz, 1)
             running_sum += tl.sum(e, 1)
             if NEED_WEIGHTED_SUM_Z:

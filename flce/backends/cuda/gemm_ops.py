@@ -17,7 +17,7 @@ from flce.backends.cuda.configs import GemmConfig
 from flce.backends.cuda.hardware import multiprocessors
 from flce.config import LCEConfig
 from flce.gradients import GradCoefficients
-from flce.semantics import PartialRowStats, needs_argmax, needs_sum_exp_dz, needs_weighted_sum_z
+from flce.semantics import PartialRowStats, needs_argmax, needs_weighted_sum_z
 
 # Programs per SM the split heuristic plans for: one [128, 128..256] tile program fills an SM's
 # registers, and several waves amortise the last, partly empty one.
@@ -51,12 +51,14 @@ def split_count(n_rows: int, vocab: int, config: GemmConfig, device: torch.devic
 def gemm_row_stats(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, cfg: LCEConfig,
     vocab_offset: int, config: GemmConfig, logits_out: torch.Tensor | None = None,
-    exp_offset: torch.Tensor | None = None,
+    exp_offset: torch.Tensor | None = None, against: torch.Tensor | None = None,
 ) -> PartialRowStats:
     """Row statistics of z = cap(x @ w.T + bias) / T (semantics.PartialRowStats), without logits,
     or also writing them into ``logits_out`` [n, V] (unit column stride) when given. With ``exp_offset`` ([n] fp32,
     base 2; a loss whose gradient is a row multiple of softmax - onehot, no bias or softcap: exp_grad_ops.py)
-    ``logits_out`` gets the kept exponentials instead and the statistics are taken relative to the offsets.
+    ``logits_out`` gets the kept exponentials instead and the statistics are taken relative to the offsets. With
+    ``against`` (another head's [n, V] logits, unit column stride; no softcap) sum_exp_dz is taken against them
+    (engine.kernels.FusedStatsGemm).
 
     x [n, H], w [V, H] (this shard; global class ids start at vocab_offset), target [n] int64."""
     if exp_offset is not None and (logits_out is None or bias is not None or cfg.softcap is not None
@@ -64,7 +66,8 @@ def gemm_row_stats(
         raise ValueError("gemm_row_stats: exp_offset needs logits_out, no bias or softcap and an [n] fp32 tensor")
     n, hidden = x.shape
     vocab = w.shape[0]
-    stats = PartialRowStats.allocate(n, cfg, x.device)
+    against_unfit(against, n, vocab, cfg, exp_offset, "gemm_row_stats")
+    stats = with_sum_against(PartialRowStats.allocate(n, cfg, x.device), against)
     if n == 0:
         return stats
     if x.stride(-1) != 1:
@@ -79,7 +82,7 @@ def gemm_row_stats(
         return torch.empty(splits, n, dtype=dtype, device=x.device)
 
     part_max, part_sum = partial(), partial()
-    part_sum_dz = partial() if needs_sum_exp_dz(cfg) else part_sum
+    part_sum_dz = partial() if stats.sum_exp_dz is not None else part_sum
     part_weighted = partial() if needs_weighted_sum_z(cfg) else part_sum
     part_argmax = partial(torch.int64) if needs_argmax(cfg) else part_sum
     class_weight = None
@@ -93,11 +96,13 @@ def gemm_row_stats(
         x_arg, w_arg, bias if bias is not None else part_max, class_weight if class_weight is not None else part_max,
         logits_out if logits_out is not None else x, logits_out.stride(0) if logits_out is not None else 0,
         exp_offset.contiguous() if exp_offset is not None else part_max,
+        against if against is not None else part_max, against.stride(0) if against is not None else 0,
         part_max, part_sum, part_sum_dz, part_weighted, part_argmax,
         n, vocab, hidden, x.stride(0), w.stride(0), vocab_offset, softcap, 1.0 / cfg.temperature, tiles_per_split,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=cfg.softcap is not None, HAS_CLASS_WEIGHT=class_weight is not None,
         NEED_SUM_EXP_DZ=stats.sum_exp_dz is not None, NEED_WEIGHTED_SUM_Z=stats.weighted_sum_z is not None,
-        NEED_ARGMAX=stats.argmax is not None, STORE_LOGITS=logits_out is not None, STORE_EXP=exp_offset is not None,
+        NEED_ARGMAX=stats.argmax is not None, AGAINST=against is not None, STORE_LOGITS=logits_out is not None,
+        STORE_EXP=exp_offset is not None,
         LOGITS_DTYPE=_TRITON_DTYPES[x.dtype], USE_TMA=use_tma,
         IEEE=x.dtype == torch.float32,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
@@ -110,6 +115,24 @@ def gemm_row_stats(
         BLOCK_K=min(1024, max(16, triton.next_power_of_2(hidden))), num_warps=4,
     )
     merge_splits(stats, part_max, part_sum, part_sum_dz, part_weighted, part_argmax)
+    return stats
+
+
+def against_unfit(against: torch.Tensor | None, n: int, vocab: int, cfg: LCEConfig, exp_offset: torch.Tensor | None,
+                  caller: str) -> None:
+    """Refuse an ``against`` the statistics epilogues cannot read: not [n, V] with unit column stride, or beside
+    a softcap (the other head's logits would need it too) or kept exponentials."""
+    if against is None:
+        return
+    if against.shape != (n, vocab) or against.stride(1) != 1 or cfg.softcap is not None or exp_offset is not None:
+        raise ValueError(f"{caller}: against {tuple(against.shape)} strides {against.stride()}: expected [{n}, "
+                         f"{vocab}] logits with unit column stride, no softcap and no kept exponentials")
+
+
+def with_sum_against(stats: PartialRowStats, against: torch.Tensor | None) -> PartialRowStats:
+    """``stats`` with room for the sum an ``against`` makes (sum_exp_dz's slot: FusedStatsGemm)."""
+    if against is not None and stats.sum_exp_dz is None:
+        stats.sum_exp_dz = torch.empty_like(stats.sum_exp)
     return stats
 
 

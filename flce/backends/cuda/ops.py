@@ -43,10 +43,10 @@ class TritonChunkKernels:
     # ------------------------------------------------------------------ the capabilities, by family
 
     def gemm_row_stats(self, hidden, weight, bias, target, cfg: LCEConfig, vocab_offset: int,
-                       logits_out=None) -> PartialRowStats:
+                       logits_out=None, against=None) -> PartialRowStats:
         settings = self.choice.settings
         return self._by_family(STATISTICS if logits_out is None else CHUNK_LOGITS, hidden, lambda family: (
-            family.statistics(settings, hidden, weight, bias, target, cfg, vocab_offset, logits_out)))
+            family.statistics(settings, hidden, weight, bias, target, cfg, vocab_offset, logits_out, against)))
 
     def gemm_exp_grad(self, hidden, weight, target, cfg: LCEConfig, grad_scale, exp_out):
         settings = self.choice.settings

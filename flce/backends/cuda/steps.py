@@ -15,6 +15,7 @@ from flce.backends.cuda.families import family as role
 from flce.backends.cuda.families.cublas import FULL_GRAD, ROW_STATS, cublas_logits_function
 from flce.backends.cuda.families.family import KernelFamily
 from flce.backends.cuda.row_ops import GRAD_BLOCKS_PER_PROGRAM, PLAIN_FORWARD, PLAIN_GRAD, SCALE
+from flce.distillation.semantics import student_reads_teacher
 from flce.engine.call import grads_in_forward_allowed, logits_kept_for_gradients
 from flce.engine.choice import CallDescription, DeviceDescription, Step
 from flce.engine.distillation.call import DistillChunks, DistillDescription
@@ -67,7 +68,9 @@ def of_distillation(device: DeviceDescription, desc: DistillDescription, plan: D
     if plan.stats_in_gemm:
         chunks = -(-desc.n_rows // plan.tokens_per_chunk) if desc.n_rows else 0
         first, after = kernels.family(role.CHUNK_LOGITS), kernels.fallbacks(role.CHUNK_LOGITS)
-        entropy = " (the student's with its entropy sum)" if desc.cfg.return_entropy else ""
+        entropy = (" (the student's with its entropy sum)" if desc.cfg.return_entropy else
+                   " (the student's with E_q[s - t], its epilogue reading the teacher's logits)"
+                   if student_reads_teacher(desc.cfg) else "")
         logits = Step(f"each of {chunks} chunks: teacher and student logits, each head's softmax statistics{entropy} "
                       "in its GEMM's epilogue", first.kernels(role.CHUNK_LOGITS, settings, logits_call), logits_reason,
                       first.launch_text(role.CHUNK_LOGITS, settings),

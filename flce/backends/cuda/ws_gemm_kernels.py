@@ -49,7 +49,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flce.backends.cuda.gluon_compat import cta_barrier, tma_load, tma_store, warp_specialize
-from flce.backends.cuda.ws_stats_kernels import STATS_CHUNKS, STATS_ROWS, _fold_chunk, _stats_layout
+from flce.backends.cuda.ws_stats_kernels import (
+    STATS_CHUNKS,
+    STATS_ROWS,
+    _against_chunk,
+    _fold_chunk,
+    _no_ahead,
+    _stats_layout,
+    _with_ahead,
+)
 
 
 @gluon.jit
@@ -144,7 +152,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                         ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr, STORE_TILE: gl.constexpr,
                         ACCUMULATE: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr,
                         SUM_Z: gl.constexpr, SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, STORE_EXP: gl.constexpr):
+                        HAS_BIAS: gl.constexpr, STORE_EXP: gl.constexpr, AGAINST: gl.constexpr):
     """Warpgroup WG (0 or 1): rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
 
     Each warpgroup is its own partition, so the barriers the compiler puts around the mbarrier
@@ -177,7 +185,8 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
     carry = (gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.float32, row_vector),
              gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.int64, row_vector),
              gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.int64, row_vector),
-             gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.float32, row_vector))
+             gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.float32, row_vector),
+             _no_ahead(stats_ptrs, AGAINST))
     step = 0  # K steps consumed so far over all of this program's tiles: the ring position
     prev_m = -1  # ROW_STATS: first row and column tile of the tile waiting in tile_smem (-1: none)
     prev_n = 0
@@ -198,7 +207,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
                 acc = _k_step(a_bufs, b_bufs, ready, empty, acc, step, c, WG, A_MMAJOR, B_KMAJOR, HALF_M)
                 carry = _fold_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
                                     z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                                    CLASS_WEIGHT, STORE_EXP)
+                                    CLASS_WEIGHT, STORE_EXP, AGAINST)
                 acc = _retire_step(empty, acc, step, c)
                 step += 1
             first = STATS_CHUNKS
@@ -233,11 +242,15 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             if INTERLEAVE:
                 prev_m = off_m
                 prev_n = pid_n
+                if AGAINST:  # the first chunk's u_a, on its way while the next tile's main loop starts
+                    carry = _with_ahead(carry, _against_chunk(stats_ptrs, 0, off_m, pid_n, True, M, N, BLOCK_N))
             else:
+                if AGAINST:
+                    carry = _with_ahead(carry, _against_chunk(stats_ptrs, 0, off_m, pid_n, True, M, N, BLOCK_N))
                 for c in gl.static_range(STATS_CHUNKS):
                     carry = _fold_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, stats_ptrs, y_scale,
                                         z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                                        CLASS_WEIGHT, STORE_EXP)
+                                        CLASS_WEIGHT, STORE_EXP, AGAINST)
                 if STORE_EXP:
                     _store_exp_tile(c_desc, tile_smem, off_m, pid_n, BLOCK_N)
         else:
@@ -256,7 +269,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             for c in gl.static_range(STATS_CHUNKS):
                 carry = _fold_chunk(tile_smem, c, carry, prev_m, prev_n, prev_m >= 0, M, N, stats_ptrs, y_scale,
                                     z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                                    CLASS_WEIGHT, STORE_EXP)
+                                    CLASS_WEIGHT, STORE_EXP, AGAINST)
             if STORE_EXP:
                 _store_exp_tile(c_desc, tile_smem, prev_m, prev_n, BLOCK_N)
     if STORE_TILE or STORE_EXP or not ROW_STATS:
@@ -265,15 +278,15 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
 
 @gluon.jit
 def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr,
-                    part_sum_y_ptr, target_ptr, target_z_ptr, class_weight_ptr, bias_ptr, exp_offset_ptr, y_scale,
-                    z_scale, softcap,
+                    part_sum_y_ptr, target_ptr, target_z_ptr, class_weight_ptr, bias_ptr, exp_offset_ptr,
+                    against_ptr, stride_against, y_scale, z_scale, softcap,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     A_MMAJOR: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_STAGES: gl.constexpr, ROW_STATS: gl.constexpr, INTERLEAVE: gl.constexpr,
                     STORE_TILE: gl.constexpr, ACCUMULATE: gl.constexpr, SUM_EXP_DZ: gl.constexpr,
                     ARGMAX: gl.constexpr, SUM_Z: gl.constexpr, SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, STORE_EXP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    LOAD_REGS: gl.constexpr):
+                    HAS_BIAS: gl.constexpr, STORE_EXP: gl.constexpr, AGAINST: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
     """C = A @ B, or with ROW_STATS C's row statistics (_stats_chunk, BLOCK_N a multiple of 64); grid = (persistent
     programs,), launched with num_warps=4 (the first consumer warpgroup; the second and the load
     warp are workers). a_desc block [BLOCK_M, BLOCK_K] (or [BLOCK_K, BLOCK_M] with A_MMAJOR);
@@ -292,6 +305,8 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
     exp_offset_ptr [M] fp32, read with STORE_EXP: C gets min(exp2(y - exp_offset[row]), ~2^64) instead of
     the logits (y the base-2 logit, as the statistics'), in the inputs' dtype, and the partials are relative
     to it (max = exp_offset[row], sum = the sum of C's values)
+    against_ptr [M, N] (row stride stride_against), read with AGAINST (and SUM_EXP_DZ, no SOFTCAP): another head's
+    logits u_a, the entropy's sum then taken against them, sum exp2(y - max) * (z - max * ln 2 - u_a * z_scale)
     y_scale = log2(e) / temperature, z_scale = 1 / temperature: the statistics of z = c / T for the
     logits u (rounded to the inputs' dtype) of a temperature T, c = u or with SOFTCAP the capped
     softcap * tanh(u / softcap); the plain loss passes T = 1."""
@@ -318,16 +333,16 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, part_max_ptr, part_sum_ptr,
         mbarrier.init(c_ready.index(i), count=1)
 
     stats_ptrs = (part_max_ptr, part_sum_ptr, part_sum_dz_ptr, part_argmax_ptr, part_sum_y_ptr, target_ptr,
-                  target_z_ptr, class_weight_ptr, bias_ptr, exp_offset_ptr)
+                  target_z_ptr, class_weight_ptr, bias_ptr, exp_offset_ptr, against_ptr, stride_against)
     warp_specialize([
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
                                z_scale, softcap, 0, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                ROW_STATS, INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                               CLASS_WEIGHT, HAS_BIAS, STORE_EXP)),
+                               CLASS_WEIGHT, HAS_BIAS, STORE_EXP, AGAINST)),
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M, N, K, stats_ptrs, y_scale,
                                z_scale, softcap, 1, A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                ROW_STATS, INTERLEAVE, STORE_TILE, ACCUMULATE, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,
-                               CLASS_WEIGHT, HAS_BIAS, STORE_EXP)),
+                               CLASS_WEIGHT, HAS_BIAS, STORE_EXP, AGAINST)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                            A_MMAJOR, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -100,8 +100,8 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> object:
 def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple, config: WsGemmConfig,
             row_stats: bool, store_tile: bool = False, accumulate: bool = False, inv_temperature: float = 1.0,
             sum_exp_dz: bool = False, argmax: bool = False, sum_z: bool = False, softcap: float | None = None,
-            class_weight: bool = False, bias: bool = False, store_exp: bool = False) -> None:
-    """One launch; stats_ptrs: the kernel's 10 pointer arguments from part_max_ptr to exp_offset_ptr."""
+            class_weight: bool = False, bias: bool = False, store_exp: bool = False, against: bool = False) -> None:
+    """One launch; stats_ptrs: the kernel's 12 arguments from part_max_ptr to stride_against."""
     from flce.backends.cuda.ws_gemm_kernels import _ws_gemm_kernel
 
     cfg = config
@@ -118,7 +118,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c_desc: object, stats_ptrs: tuple,
         NUM_STAGES=cfg.stages, ROW_STATS=row_stats,
         INTERLEAVE=row_stats and triton.cdiv(k, cfg.block_k) >= _STATS_CHUNKS,
         STORE_TILE=store_tile, ACCUMULATE=accumulate, SUM_EXP_DZ=sum_exp_dz, ARGMAX=argmax, SUM_Z=sum_z,
-        SOFTCAP=softcap is not None, CLASS_WEIGHT=class_weight, HAS_BIAS=bias, STORE_EXP=store_exp,
+        SOFTCAP=softcap is not None, CLASS_WEIGHT=class_weight, HAS_BIAS=bias, STORE_EXP=store_exp, AGAINST=against,
         CONSUMER_REGS=cfg.consumer_regs, LOAD_REGS=cfg.load_regs,
         num_warps=4, maxnreg=cfg.max_regs,
     )
@@ -150,24 +150,25 @@ def ws_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     if k == 0:
         return out if accumulate else out.zero_()
     c_desc = _descriptor(out, [config.block_m // 2, config.block_n])
-    _launch(a, b, c_desc, (out,) * 10, config, row_stats=False, accumulate=accumulate)
+    _launch(a, b, c_desc, (out,) * 11 + (0,), config, row_stats=False, accumulate=accumulate)
     return out
 
 
 def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, cfg: LCEConfig,
                config: WsGemmConfig, logits_out: torch.Tensor | None, class_weight: torch.Tensor | None = None,
-               exp_offset: torch.Tensor | None = None) -> PartialRowStats:
+               exp_offset: torch.Tensor | None = None, against: torch.Tensor | None = None) -> PartialRowStats:
     """PartialRowStats of z = cap(x @ w.T + bias) / cfg.temperature (cap: cfg.softcap's, where set): the plain
     statistics, sum_exp_dz where cfg asks for the entropy, the argmax (w's row index) where it asks for token accuracy
     or predicted tokens, the sum of z for label smoothing (weighted by ``class_weight`` [V], this shard's, where
     given). With ``exp_offset`` ([N] fp32, base 2; calls whose gradient_is_row_scaled_softmax only) ``logits_out``
     gets min(exp2(y - exp_offset), ~2^64) of the base-2 logits y instead of the logits, and the statistics are taken
     relative to exp_offset (ws_stats_kernels._exp_chunk: a row past the cap sums capped values; exp_grad_ops
-    recomputes it).
+    recomputes it). With ``against`` (another head's [N, V] logits) sum_exp_dz is taken against them
+    (engine.kernels.FusedStatsGemm).
 
     The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
     vocabulary order by gemm_ops.merge_splits."""
-    from flce.backends.cuda.gemm_ops import merge_splits
+    from flce.backends.cuda.gemm_ops import against_unfit, merge_splits, with_sum_against
 
     if not ws_supported(x, w.T) or x.shape[1] != w.shape[1] or target.shape != (x.shape[0],):
         raise ValueError(f"ws_partial_row_stats: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, target "
@@ -183,7 +184,8 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
                              f"{logits_out.stride()}: expected [{n}, {vocab}] row-major {x.dtype} with 16-byte "
                              "aligned rows")
         c_desc = _descriptor(logits_out, [config.block_m // 2, config.block_n])
-    stats = PartialRowStats.allocate(n, cfg, x.device)
+    against_unfit(against, n, vocab, cfg, exp_offset, "ws_partial_row_stats")
+    stats = with_sum_against(PartialRowStats.allocate(n, cfg, x.device), against)
     stats.target_z.zero_()  # the kernel writes the rows whose target it finds
     if n == 0:
         return stats
@@ -206,30 +208,32 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
     unused = part_sum
     _launch(x, w.T, c_desc, (part_max, part_sum, part_sum_dz, part_argmax, part_sum_y, target.long().contiguous(),
                              stats.target_z, weight if weight is not None else unused,
-                             bias if bias is not None else unused, exp_offset if exp_offset is not None else unused),
+                             bias if bias is not None else unused, exp_offset if exp_offset is not None else unused,
+                             against if against is not None else unused,
+                             against.stride(0) if against is not None else 0),
             config, row_stats=True, store_tile=c_desc is not None and exp_offset is None,
             store_exp=exp_offset is not None, inv_temperature=1.0 / cfg.temperature,
             sum_exp_dz=stats.sum_exp_dz is not None, argmax=stats.argmax is not None,
             sum_z=stats.weighted_sum_z is not None, softcap=cfg.softcap, class_weight=weight is not None,
-            bias=bias is not None)
+            bias=bias is not None, against=against is not None)
     merge_splits(stats, part_max, part_sum, part_sum_dz, part_sum_y, part_argmax)
     return stats
 
 
 def ws_partial_row_stats(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_offset: int,
                          cfg: LCEConfig, logits_out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                         config: WsGemmConfig = ROW_STATS_CONFIG, exp_offset: torch.Tensor | None = None
-                         ) -> PartialRowStats:
+                         config: WsGemmConfig = ROW_STATS_CONFIG, exp_offset: torch.Tensor | None = None,
+                         against: torch.Tensor | None = None) -> PartialRowStats:
     """gemm_row_stats's PartialRowStats (every statistic and option of it: bias, softcap, temperature, the
     entropy's sum, the argmax, label smoothing's sum with or without class weights) for 16-bit inputs with
     16-byte aligned rows on an sm_90 GPU (the kernel choice checks that before it asks): this shard's
     (vocab_offset..; ``bias`` and cfg's class weights sliced to it) statistics, target_z 0 where the
     target is in another shard or ignored; the logits written into ``logits_out`` when given (with
-    ``exp_offset``: exponentials instead, see _row_stats)."""
+    ``exp_offset``: exponentials instead, see _row_stats; ``against``: sum_exp_dz against another head's logits)."""
     local = target - vocab_offset if vocab_offset else target
     vocab = weight.shape[0]
     class_weight = None if cfg.class_weight is None else cfg.class_weight[vocab_offset:vocab_offset + vocab]
-    stats = _row_stats(hidden, weight, bias, local, cfg, config, logits_out, class_weight, exp_offset)
+    stats = _row_stats(hidden, weight, bias, local, cfg, config, logits_out, class_weight, exp_offset, against)
     if vocab_offset and stats.argmax is not None:
         stats.argmax += vocab_offset  # a global class id, as gemm_row_stats's
     return stats

@@ -63,6 +63,39 @@ def _chunk_view(tile_smem, chunk: gl.constexpr, off_m, pid_n, BLOCK_N: gl.conste
 
 
 @gluon.jit
+def _against_chunk(stats_ptrs, chunk: gl.constexpr, off_m, pid_n, valid, M, N, BLOCK_N: gl.constexpr):
+    """Chunk ``chunk``'s [16, 64] tile of the other head's logits (AGAINST: stats_ptrs[10], row stride
+    stats_ptrs[11]), in _stats_layout, 0 past M and N: one 16-byte load a thread."""
+    layout: gl.constexpr = _stats_layout()
+    QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
+    r: gl.constexpr = chunk // QUARTERS
+    q: gl.constexpr = chunk % QUARTERS
+    rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
+    against_ptr, stride_against = stats_ptrs[10:12]
+    offsets = gl.expand_dims(rows.to(gl.int64) * stride_against, 1) + gl.expand_dims(cols, 0)
+    mask = gl.expand_dims((rows < M) & valid, 1) & gl.expand_dims(cols < N, 0)
+    return gl.load(against_ptr + offsets, mask=mask, other=0.0)
+
+
+@gluon.jit
+def _no_ahead(stats_ptrs, AGAINST: gl.constexpr):
+    """The statistics carry's last entry before any chunk: with AGAINST an empty tile of the other head's logits
+    (ws_stats_kernels._stats_chunk's carry[8]), else a placeholder row vector."""
+    if AGAINST:
+        ahead = gl.zeros([STATS_ROWS, STATS_COLS], stats_ptrs[10].dtype.element_ty, _stats_layout())
+    else:
+        ahead = gl.zeros([STATS_ROWS], gl.float32, gl.SliceLayout(1, _stats_layout()))
+    return ahead
+
+
+@gluon.jit
+def _with_ahead(carry, ahead):
+    """``carry`` with ``ahead`` (the next chunk's tile of the other head's logits) as its last entry."""
+    return carry[0], carry[1], carry[2], carry[3], carry[4], carry[5], carry[6], carry[7], ahead
+
+
+@gluon.jit
 def _store_target_logit(target_z_ptr, rows, row_ok, target, target_u, z_scale, pid_n, N, BLOCK_N: gl.constexpr):
     """The row block's target logit z = target_u * z_scale, for the rows whose target is in column tile pid_n."""
     in_tile = row_ok & (target >= pid_n * BLOCK_N) & (target < (pid_n + 1) * BLOCK_N) & (target < N)
@@ -72,7 +105,7 @@ def _store_target_logit(target_z_ptr, rows, row_ok, target, target_u, z_scale, p
 @gluon.jit
 def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
                  softcap, BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr, SUM_Z: gl.constexpr,
-                 SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr):
+                 SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr, AGAINST: gl.constexpr):
     """Chunk ``chunk`` of a warpgroup's logits half tile u (in the inputs' dtype; first row off_m, column tile
     pid_n; ``valid`` False: nothing waits in tile_smem, write nothing) folded into the row block's running
     ``carry``: (max of y, sum of exp2(y - max), target's c, target, sum of exp2(y - max) * (z - r), first column
@@ -83,7 +116,10 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     row statistics (merged by its _merge_splits_kernel): max, sum, with SUM_EXP_DZ (the entropy's statistic) the sum
     times z - r, with ARGMAX (token accuracy, predicted tokens) the first column of the max, with SUM_Z (label
     smoothing) the sum of y, weighted by class_weight[column] with CLASS_WEIGHT; and, where the target is in this
-    tile, its logit z."""
+    tile, its logit z. AGAINST (with SUM_EXP_DZ, no SOFTCAP): that sum is taken against another head's logits u_a
+    (stats_ptrs[10], row stride stats_ptrs[11]), sum e * (z - r - u_a * z_scale): a distillation's reverse KL
+    centre, whose chunk of u_a comes from HBM (written by the other head's GEMM just before): carry[8] holds it,
+    loaded by the chunk before (chunk 0's by the caller: _against_chunk), and the chunk returns the next one's."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
     q: gl.constexpr = chunk % QUARTERS
@@ -93,6 +129,13 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     # The row block's per-row operands come from HBM once, at its first column quarter, and ride in the carry
     # to the other three: a global load in every chunk put its latency into each chunk's critical path.
     row_ok = (rows < M) & valid
+    ahead = carry[8]
+    if AGAINST:
+        # This chunk's u_a came in the carry, loaded a chunk earlier (the next one's is loaded now, a K step's
+        # wgmma ahead of its use): loaded here, its HBM latency held each chunk past its K step.
+        other = carry[8]
+        if chunk + 1 < STATS_CHUNKS:
+            ahead = _against_chunk(stats_ptrs, chunk + 1, off_m, pid_n, valid, M, N, BLOCK_N)
     target = carry[3]
     if q == 0:
         target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
@@ -130,6 +173,8 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
         # max u = r = 0 (shift): no inf - inf there.
         top_u = gl.where(top > float("-inf"), top, 0.0)
         du = gl.maximum(z - gl.expand_dims(top_u, 1), -3.0e38)
+        if AGAINST:  # u_a is 0 past N, where e is
+            du = du - other.to(gl.float32)
         part_sum_dz = gl.sum(e * du, axis=1) * z_scale + (top_u * z_scale - shift * LN2) * part_sum
     else:
         part_sum_dz = part_sum
@@ -170,7 +215,7 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
         if SUM_Z:
             gl.store(part_sum_y_ptr + part, running_sum_u * y_scale, mask=row_ok)
         _store_target_logit(target_z_ptr, rows, row_ok, target, target_u, z_scale, pid_n, N, BLOCK_N)
-    return running_max, running_sum, target_u, target, running_sum_dz, best, running_sum_u, carry[7]
+    return running_max, running_sum, target_u, target, running_sum_dz, best, running_sum_u, carry[7], ahead
 
 
 @gluon.jit
@@ -214,17 +259,17 @@ def _exp_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N,
         gl.store(part_max_ptr + part, offset, mask=row_ok)
         gl.store(part_sum_ptr + part, running_sum, mask=row_ok)
         _store_target_logit(target_z_ptr, rows, row_ok, target, target_u, z_scale, pid_n, N, BLOCK_N)
-    return carry[0], running_sum, target_u, target, carry[4], carry[5], carry[6], offset
+    return carry[0], running_sum, target_u, target, carry[4], carry[5], carry[6], offset, carry[8]
 
 
 @gluon.jit
 def _fold_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
                 softcap, BLOCK_N: gl.constexpr, SUM_EXP_DZ: gl.constexpr, ARGMAX: gl.constexpr, SUM_Z: gl.constexpr,
-                SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr, STORE_EXP: gl.constexpr):
+                SOFTCAP: gl.constexpr, CLASS_WEIGHT: gl.constexpr, STORE_EXP: gl.constexpr, AGAINST: gl.constexpr):
     """One statistics chunk: _exp_chunk with STORE_EXP (exp_grad_ops.py), else _stats_chunk."""
     if STORE_EXP:
         carry = _exp_chunk(tile_smem, chunk, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale, BLOCK_N)
     else:
         carry = _stats_chunk(tile_smem, chunk, carry, off_m, pid_n, valid, M, N, stats_ptrs, y_scale, z_scale,
-                             softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP, CLASS_WEIGHT)
+                             softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP, CLASS_WEIGHT, AGAINST)
     return carry

@@ -13,7 +13,8 @@ Forward, chunk by chunk:
 A plan with ``fused_passes`` (an unsharded call, kernels with FusedPairPasses) makes steps 2 and 3's passes
 one kernel, each row's sweeps back to back. A plan with ``stats_in_gemm`` takes step 2's first pass from the
 logits GEMMs' epilogues instead (each head's statistics as cross-entropy's; semantics.pair_stats_of_heads);
-forward KL's E_p[t - s] then comes from step 3's sweep (one kernel a pass: GradSweepExpectation).
+forward KL's E_p[t - s] then comes from step 3's sweep (one kernel a pass: GradSweepExpectation), reverse KL's
+E_q[s - t] from the student's GEMM, whose epilogue reads the teacher's logits the GEMM before wrote.
 
 With return_entropy the student's statistics (step 2's pass, or its GEMM's epilogue) also sum exp(d) d, which
 makes each row's entropy (flce.distillation.semantics): no pass or GEMM more.
@@ -40,6 +41,7 @@ from flce.distillation.semantics import (
     reduced,
     row_losses,
     row_scales,
+    student_reads_teacher,
     with_mixture_sums,
 )
 from flce.engine.call import Grads
@@ -112,6 +114,7 @@ class _PairLogitsWithStats(_PairLogits):
     def __init__(self, call: DistillCall, pair, rows: int):
         super().__init__(pair, rows)
         self.call, self.head_cfg, self.student_cfg = call, head_config(call.cfg), head_config(call.cfg, student=True)
+        self.reads_teacher = student_reads_teacher(call.cfg)  # reverse KL's E_q[s - t], the teacher's chunk written
         # The GEMMs look for a target: without one, a column they never find (its target_z is not used).
         self.no_target = None if pair.target is not None else torch.full(
             (rows,), call.cfg.ignore_index, dtype=torch.long, device=pair.student_hidden.device)
@@ -126,7 +129,8 @@ class _PairLogitsWithStats(_PairLogits):
         teacher_stats = call.kernels.gemm_row_stats(p.teacher_hidden[rows], p.teacher_weight, p.teacher_bias, target,
                                                     self.head_cfg, call.vocab_offset, logits_out=teacher)
         student_stats = call.kernels.gemm_row_stats(p.student_hidden[rows], p.student_weight, p.student_bias, target,
-                                                    self.student_cfg, call.vocab_offset, logits_out=student)
+                                                    self.student_cfg, call.vocab_offset, logits_out=student,
+                                                    against=teacher if self.reads_teacher else None)
         return teacher, student, pair_stats_of_heads(teacher_stats, student_stats, call.cfg)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from flce.distillation.semantics import needs_cross
+from flce.distillation.semantics import needs_cross, student_reads_teacher
 from flce.engine.choice import Step
 from flce.engine.distillation.call import DistillChunks, DistillDescription
 
@@ -57,9 +57,10 @@ def distillation_steps(desc: DistillDescription, plan: DistillChunks, names: Pai
                           + (f" ({logits_reason})" if logits_reason else "")))
     entropy = " and the student's entropy sum" if cfg.return_entropy else ""
     first_pass = [] if plan.stats_in_gemm else [f"both softmaxes' statistics{entropy}"]
-    # a KL divergence on the GEMMs' statistics (forward KL: semantics.per_head_unfit): E_p[t - s] from the gradient's
-    # sweep, as the schedule takes it
-    expectation = " and the loss's E_p[t - s]" if plan.stats_in_gemm and needs_cross(cfg) else ""
+    # forward KL on the GEMMs' statistics (semantics.per_head_unfit): E_p[t - s] from the gradient's sweep, as the
+    # schedule takes it (reverse KL's E_q[s - t] comes from the student's GEMM)
+    expectation = (" and the loss's E_p[t - s]" if plan.stats_in_gemm and needs_cross(cfg)
+                   and not student_reads_teacher(cfg) else "")
     if plan.fused_passes:
         passes = first_pass + (["JSD's second pass (KL(P||M), KL(Q||M))"] if jsd else [])
         passes += [f"{who} gradient over the logits{expectation}"] if in_forward else []

@@ -64,8 +64,11 @@ class CublasRows(KernelFamily):
         return (f"BLOCK_V up to {settings.launch.block_v}, {settings.launch.num_warps or '4 or 8'} warps "
                 f"({settings.launch_source})")
 
-    def statistics(self, settings, hidden, weight, bias, target, cfg, vocab_offset, logits_out):
+    def statistics(self, settings, hidden, weight, bias, target, cfg, vocab_offset, logits_out, against=None):
         from flce.backends.cuda.row_ops import cublas_row_stats
+
+        if against is not None:  # the choice gives a call that reads a second head only to reads_other_logits
+            raise ValueError("cuBLAS and the row kernel read one head's logits: no statistics against another's")
 
         return cublas_row_stats(hidden, weight, bias, target, cfg, vocab_offset, logits_out, settings.launch,
                                 settings.fallback_scan_block)

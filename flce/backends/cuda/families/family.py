@@ -124,6 +124,8 @@ class KernelFamily:
     uses_gemm_tiles: bool = False  # its launches read LaunchSettings.gemm (the autotune cache's gemm_* knobs)
     # The functions a product that adds into its output runs beside ``kernels(PRODUCTS)`` (none: the same kernel).
     accumulate_kernels: tuple[str, ...] = ()
+    # Its statistics epilogue reads a second head's logits tile beside its own (``statistics``' ``against``).
+    reads_other_logits: bool = False
 
     def unfit(self, device: DeviceDescription, call: CallDescription, role: str) -> str | None:
         """Why this family cannot take ``role`` in this call on this device, or None where it can."""
@@ -160,9 +162,10 @@ class KernelFamily:
 
     def statistics(self, settings: LaunchSettings, hidden: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None, target: torch.Tensor, cfg: LCEConfig, vocab_offset: int,
-                   logits_out: torch.Tensor | None) -> PartialRowStats:
+                   logits_out: torch.Tensor | None, against: torch.Tensor | None = None) -> PartialRowStats:
         """STATISTICS (logits_out None) and CHUNK_LOGITS: the partial row statistics of hidden @ weight.T + bias,
-        the logits written into ``logits_out`` where given (engine.kernels.FusedStatsGemm)."""
+        the logits written into ``logits_out`` where given, with ``against`` (families that ``reads_other_logits``)
+        its sum_exp_dz against those logits (engine.kernels.FusedStatsGemm)."""
         raise NotImplementedError(self.name)
 
     def exponentials(self, settings: LaunchSettings, hidden: torch.Tensor, weight: torch.Tensor,

@@ -33,6 +33,7 @@ class TritonGemm(KernelFamily):
     roles = frozenset({STATISTICS, CHUNK_LOGITS, EXPONENTIALS, GRADIENT})
     fused = True
     uses_gemm_tiles = True
+    reads_other_logits = True
 
     def __init__(self, tma: bool) -> None:
         self.tma = tma
@@ -86,10 +87,11 @@ class TritonGemm(KernelFamily):
     def compile_key(self, role, settings):
         return f"{self.kernels(role, settings, None)[0]} {self.config(settings).text()}"
 
-    def statistics(self, settings, hidden, weight, bias, target, cfg, vocab_offset, logits_out):
+    def statistics(self, settings, hidden, weight, bias, target, cfg, vocab_offset, logits_out, against=None):
         from flce.backends.cuda.gemm_ops import gemm_row_stats
 
-        return gemm_row_stats(hidden, weight, bias, target, cfg, vocab_offset, self.config(settings), logits_out)
+        return gemm_row_stats(hidden, weight, bias, target, cfg, vocab_offset, self.config(settings), logits_out,
+                              against=against)
 
     def exponentials(self, settings, hidden, weight, target, cfg, offsets, exp_out):
         from flce.backends.cuda.gemm_ops import gemm_row_stats

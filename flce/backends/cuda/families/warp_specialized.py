@@ -62,6 +62,7 @@ class WarpSpecializedGemm(KernelFamily):
     roles = frozenset({STATISTICS, CHUNK_LOGITS, EXPONENTIALS, PRODUCTS})
     fused = True
     fallback = "triton_tma"
+    reads_other_logits = True
 
     def unfit(self, device, call, role):
         if role not in self.roles:
@@ -108,12 +109,12 @@ class WarpSpecializedGemm(KernelFamily):
         # where the other does not.
         return "products" if role == PRODUCTS else "statistics"
 
-    def statistics(self, settings, hidden, weight, bias, target, cfg, vocab_offset, logits_out):
+    def statistics(self, settings, hidden, weight, bias, target, cfg, vocab_offset, logits_out, against=None):
         # Hopper: plain 0.94-1.02x one cuBLAS GEMM against 1.01-1.07x for the Triton GEMM, RL 0.99-1.04x against
         # 1.03-1.10x, softcap + bias 1.07x against 1.11-1.21x on the H100 (docs/design-notes.md).
         from flce.backends.cuda.ws_gemm_ops import ws_partial_row_stats
 
-        return ws_partial_row_stats(hidden, weight, target, vocab_offset, cfg, logits_out, bias)
+        return ws_partial_row_stats(hidden, weight, target, vocab_offset, cfg, logits_out, bias, against=against)
 
     def exponentials(self, settings, hidden, weight, target, cfg, offsets, exp_out):
         from flce.backends.cuda.ws_gemm_ops import ws_partial_row_stats
