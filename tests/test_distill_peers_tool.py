@@ -75,9 +75,9 @@ def test_a_method_that_fails_is_a_row_saying_so(peers) -> None:
 
 def test_liger_is_listed_whether_it_loads_or_not(peers) -> None:
     methods = peers.all_methods()
-    assert list(methods) == ["flce", "flce_512MiB", "flce_separate", "flce_cublas_logits", "flce_uncapped",
-                             "flce_2GiB", "flce_entropy", "liger_jsd", "torch_compile", "trl_divergence",
-                             "flce_trl_dropin", "flce_liger_dropin", "liger_defaults"]
+    assert list(methods) == ["flce", "flce_512MiB", "flce_separate", "flce_cublas_logits", "flce_gemm_statistics",
+                             "flce_uncapped", "flce_2GiB", "flce_entropy", "liger_jsd", "torch_compile",
+                             "trl_divergence", "flce_trl_dropin", "flce_liger_dropin", "liger_defaults"]
     if importlib.util.find_spec("liger_kernel") is None:
         assert methods["liger_jsd"].startswith("fails: ModuleNotFoundError")
         assert methods["liger_defaults"].startswith("fails: ModuleNotFoundError")

@@ -137,14 +137,18 @@ def test_statistics_needing_both_heads_keep_their_pass(options: dict, knobs: dic
     assert why in str(record)
 
 
-def test_reverse_kl_reads_the_teacher_only_where_a_family_can() -> None:
-    """Reverse KL's statistics come from the GEMMs only through families whose epilogue reads the teacher's logits:
-    on a GPU whose chunk logits go to cuBLAS (the heuristic off Hopper) the pair statistics pass stays, saying why."""
-    with override_params({"forward_logits": "cublas"}, backend="cuda"):
+@pytest.mark.parametrize("knobs", [{"forward_logits": "cublas"}, None])
+def test_reverse_kl_reads_the_teacher_only_where_asked(knobs: dict | None) -> None:
+    """Reverse KL's statistics come from the GEMMs only through families whose epilogue reads the teacher's logits,
+    and only where the cache asks for them (measured level with the pair statistics pass): asked for cuBLAS
+    logits, or with nothing cached, the pass stays, saying why."""
+    with override_params(knobs, backend="cuda"):
         record = flce.explain_distillation("cpu", backend="cuda", shape=(64, 8, 12, 40), dtype="float32",
                                            loss="reverse_kl")
     assert not record.plan.stats_in_gemm
     assert "flce.backends.cuda.distill_kernels._pair_passes_kernel" in record.kernel_names()
+    if knobs is None:
+        assert "forward_logits=fused" in str(record)
 
 
 def test_expectation_sweep_is_forward_kl_for_the_student_alone(generator: torch.Generator) -> None:

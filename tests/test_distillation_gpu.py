@@ -24,10 +24,13 @@ BACKENDS = [None, "reference"]
 
 def _variants() -> dict[str, dict | None]:
     """The pair kernels' launches: the heuristic, one kernel a pass, one and two rows in flight a multiprocessor,
-    the one kernel without its register cap."""
+    the one kernel without its register cap; the statistics from the warp-specialised logits GEMMs (reverse KL's
+    E_q[s - t] from the student's, reading the teacher's logits; for fp32, where that kernel does not fit, its
+    fallback, the Triton statistics GEMM)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return {"heuristic": None, "separate": {"pair_passes": "separate"}, "in-flight-1": {"rows_in_flight": sms},
-            "in-flight-2": {"rows_in_flight": 2 * sms}, "no-register-cap": {"pair_registers": 255}}
+            "in-flight-2": {"rows_in_flight": 2 * sms}, "no-register-cap": {"pair_registers": 255},
+            "gemm-statistics": {"forward_logits": "fused", "logits_kernel": "warp_specialized"}}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -192,16 +192,18 @@ def test_ws_row_stats_logit_options_compile_for_hopper(option: str) -> None:
 
 def test_ws_row_stats_against_another_head_compiles_for_hopper() -> None:
     """Reverse KL's centre (the entropy's sum taken against the teacher's logits): each statistics chunk's [16, 64]
-    tile of the other head's logits comes from global memory, 16 bytes a thread (one vector load), loaded a chunk
-    ahead (chunk 0's as the tile before leaves its main loop), and the partials written are the entropy's."""
+    tile of the other head's logits comes from global memory, 16 bytes a thread (one vector load), asked of L2
+    two chunks ahead (the first two's as the tile leaves its main loop), and the partials written are the
+    entropy's."""
     options = {"store_tile": True, "sum_exp_dz": True}
     plain = _compile(False, True, row_stats=True, **options)["ptx"]
     result = _compile(False, True, row_stats=True, **options, against=True)
     ptx = result["ptx"]
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * (16 + 1) * 4
-    # In each warpgroup's partition: 15 chunks load the next one's, in the interleaved and the last tile's copy of
-    # the epilogue, and the tile's epilogue loads chunk 0's.
-    assert ptx.count("ld.global.v4.b32") - plain.count("ld.global.v4.b32") == (15 * 2 + 1) * 2
+    # 16 chunks, in the interleaved and the last tile's copy of the epilogue, in each warpgroup's partition; the
+    # prefetches: 14 chunks' in each copy and the first two's as the tile leaves its main loop
+    assert ptx.count("ld.global.v4.b32") - plain.count("ld.global.v4.b32") == 16 * 2 * 2
+    assert ptx.count("prefetch.global.L2") == (14 * 2 + 2) * 2 and "prefetch.global.L2" not in plain
     assert ptx.count("st.global.b32") == plain.count("st.global.b32")
     assert "bar.sync \t0, 256" not in ptx and result["shared"] <= 227 * 1024
 

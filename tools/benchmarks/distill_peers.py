@@ -17,6 +17,8 @@ forward's passes over a chunk's logits in one kernel, one program a row, at most
 ``flce_512MiB`` (memory_budget=512 MiB, the default's bound named); the other paths, as flce-autotune would time
 them (docs/distillation.md): ``flce_separate`` (one kernel a pass, pair_passes=separate), ``flce_cublas_logits``
 (forward_logits=cublas: the logits from cuBLAS, their statistics from a first sweep of the pair kernel),
+``flce_gemm_statistics`` (forward_logits=fused: both softmaxes' statistics from the logits GEMMs, where the call
+has them only when asked: reverse KL's E_q[s - t] from the student's GEMM, reading the teacher's logits),
 ``flce_uncapped`` (pair_registers=255: the passes' kernel without the register cap) and ``flce_2GiB``
 (memory_budget=2 GiB: 2 chunks at 8192 tokens, fewer read-modify-writes of the weight gradient); ``flce_entropy``
 (the default call returning the student's entropy too, return_entropy); ``liger_jsd``,
@@ -214,6 +216,7 @@ def all_methods(loss: str = "jsd") -> dict[str, Callable[[Inputs], torch.Tensor]
         "flce": flce_method(None, loss=loss), "flce_512MiB": flce_method(512 * MiB, loss=loss),
         "flce_separate": flce_method(None, lambda: {"pair_passes": "separate"}, loss),
         "flce_cublas_logits": flce_method(None, lambda: {"forward_logits": "cublas"}, loss),
+        "flce_gemm_statistics": flce_method(None, lambda: {"forward_logits": "fused"}, loss),
         "flce_uncapped": flce_method(None, lambda: {"pair_registers": 255}, loss),
         "flce_2GiB": flce_method(2048 * MiB, loss=loss),
         "flce_entropy": flce_method(None, loss=loss, entropy=True)}

@@ -129,6 +129,11 @@ def _distillation_logits(device: DeviceDescription, desc: DistillDescription, tu
     the cache's forward_logits / logits_kernel, else the heuristic) where the loss's statistics come from each
     head alone and both heads fit it, its epilogue making each head's statistics; else cuBLAS (no chain)."""
     why = per_head_unfit(desc.cfg, desc.grads_in_forward and not desc.cfg.teacher_grad, reads_teacher=True)
+    if why is None and student_reads_teacher(desc.cfg) and _asked(CHUNK_LOGITS, tuned, settings) is None:
+        # H200, 8192 x 4096 x 4096/8192 x 128256 bf16: 1.113x / 1.090x the floor against 1.110x / 1.105x, the
+        # student's GEMM 1.89 ms against 1.68 with the entropy's sum (it spills; docs/distillation.md).
+        why = ("reverse_kl: the student's GEMM reading the teacher's logits measured level with this at teacher H "
+               "4096 (flce-autotune times it: forward_logits=fused)")
     if why is not None:
         return RolePick((), f"cuBLAS and the pair kernels' statistics pass: {why}")
     pick = _teacher_fit(_pick(CHUNK_LOGITS, device, _head_call(desc, desc.student_hidden), tuned, settings, failed,

@@ -52,11 +52,9 @@ from flce.backends.cuda.gluon_compat import cta_barrier, tma_load, tma_store, wa
 from flce.backends.cuda.ws_stats_kernels import (
     STATS_CHUNKS,
     STATS_ROWS,
-    _against_chunk,
     _fold_chunk,
-    _no_ahead,
     _stats_layout,
-    _with_ahead,
+    prefetch_first_against,
 )
 
 
@@ -185,8 +183,7 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
     carry = (gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.float32, row_vector),
              gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.int64, row_vector),
              gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.int64, row_vector),
-             gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.float32, row_vector),
-             _no_ahead(stats_ptrs, AGAINST))
+             gl.zeros([STATS_ROWS], gl.float32, row_vector), gl.zeros([STATS_ROWS], gl.float32, row_vector))
     step = 0  # K steps consumed so far over all of this program's tiles: the ring position
     prev_m = -1  # ROW_STATS: first row and column tile of the tile waiting in tile_smem (-1: none)
     prev_n = 0
@@ -242,11 +239,11 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             if INTERLEAVE:
                 prev_m = off_m
                 prev_n = pid_n
-                if AGAINST:  # the first chunk's u_a, on its way while the next tile's main loop starts
-                    carry = _with_ahead(carry, _against_chunk(stats_ptrs, 0, off_m, pid_n, True, M, N, BLOCK_N))
+                if AGAINST:  # the first chunks' u_a, on its way to L2 while the next tile's main loop starts
+                    prefetch_first_against(stats_ptrs, off_m, pid_n, M, BLOCK_N)
             else:
                 if AGAINST:
-                    carry = _with_ahead(carry, _against_chunk(stats_ptrs, 0, off_m, pid_n, True, M, N, BLOCK_N))
+                    prefetch_first_against(stats_ptrs, off_m, pid_n, M, BLOCK_N)
                 for c in gl.static_range(STATS_CHUNKS):
                     carry = _fold_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, stats_ptrs, y_scale,
                                         z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,

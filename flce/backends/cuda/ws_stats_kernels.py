@@ -62,10 +62,15 @@ def _chunk_view(tile_smem, chunk: gl.constexpr, off_m, pid_n, BLOCK_N: gl.conste
     return rows, cols, tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
 
 
+# AGAINST: the chunks whose tile of the other head's logits is asked of L2 ahead of its load (a K step's wgmma
+# apart: its HBM latency, loaded in its own chunk, held each chunk past its K step).
+AGAINST_AHEAD = gl.constexpr(2)
+
+
 @gluon.jit
-def _against_chunk(stats_ptrs, chunk: gl.constexpr, off_m, pid_n, valid, M, N, BLOCK_N: gl.constexpr):
-    """Chunk ``chunk``'s [16, 64] tile of the other head's logits (AGAINST: stats_ptrs[10], row stride
-    stats_ptrs[11]), in _stats_layout, 0 past M and N: one 16-byte load a thread."""
+def _against_rows(stats_ptrs, chunk: gl.constexpr, off_m, pid_n, M, BLOCK_N: gl.constexpr):
+    """(rows, columns, row start pointers) of chunk ``chunk``'s tile of the other head's logits (AGAINST:
+    stats_ptrs[10], row stride stats_ptrs[11]), in _stats_layout's slices."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
     r: gl.constexpr = chunk // QUARTERS
@@ -73,26 +78,34 @@ def _against_chunk(stats_ptrs, chunk: gl.constexpr, off_m, pid_n, valid, M, N, B
     rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
     cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
     against_ptr, stride_against = stats_ptrs[10:12]
-    offsets = gl.expand_dims(rows.to(gl.int64) * stride_against, 1) + gl.expand_dims(cols, 0)
+    starts = against_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_against + pid_n * BLOCK_N + q * STATS_COLS
+    return rows, cols, starts
+
+
+@gluon.jit
+def _prefetch_against(stats_ptrs, chunk: gl.constexpr, off_m, pid_n, M, BLOCK_N: gl.constexpr):
+    """Ask L2 for chunk ``chunk``'s tile of the other head's logits: its 16 rows' 128 bytes, one line each (a
+    row's 64 columns; past N the line holds the row's padding or the next row's start, read and never used)."""
+    rows, cols, starts = _against_rows(stats_ptrs, chunk, off_m, pid_n, M, BLOCK_N)
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [starts], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _against_chunk(stats_ptrs, chunk: gl.constexpr, off_m, pid_n, valid, M, N, BLOCK_N: gl.constexpr):
+    """Chunk ``chunk``'s [16, 64] tile of the other head's logits, 0 past M and N: one 16-byte load a thread."""
+    rows, cols, starts = _against_rows(stats_ptrs, chunk, off_m, pid_n, M, BLOCK_N)
+    offsets = gl.expand_dims(gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, _stats_layout())), 0)
     mask = gl.expand_dims((rows < M) & valid, 1) & gl.expand_dims(cols < N, 0)
-    return gl.load(against_ptr + offsets, mask=mask, other=0.0)
+    return gl.load(gl.expand_dims(starts, 1) + offsets, mask=mask, other=0.0)
 
 
 @gluon.jit
-def _no_ahead(stats_ptrs, AGAINST: gl.constexpr):
-    """The statistics carry's last entry before any chunk: with AGAINST an empty tile of the other head's logits
-    (ws_stats_kernels._stats_chunk's carry[8]), else a placeholder row vector."""
-    if AGAINST:
-        ahead = gl.zeros([STATS_ROWS, STATS_COLS], stats_ptrs[10].dtype.element_ty, _stats_layout())
-    else:
-        ahead = gl.zeros([STATS_ROWS], gl.float32, gl.SliceLayout(1, _stats_layout()))
-    return ahead
-
-
-@gluon.jit
-def _with_ahead(carry, ahead):
-    """``carry`` with ``ahead`` (the next chunk's tile of the other head's logits) as its last entry."""
-    return carry[0], carry[1], carry[2], carry[3], carry[4], carry[5], carry[6], carry[7], ahead
+def prefetch_first_against(stats_ptrs, off_m, pid_n, M, BLOCK_N: gl.constexpr):
+    """The first AGAINST_AHEAD chunks' prefetches, as a tile leaves its main loop (the later ones' come from the
+    chunks AGAINST_AHEAD before them)."""
+    for c in gl.static_range(AGAINST_AHEAD):
+        _prefetch_against(stats_ptrs, c, off_m, pid_n, M, BLOCK_N)
 
 
 @gluon.jit
@@ -118,8 +131,8 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     smoothing) the sum of y, weighted by class_weight[column] with CLASS_WEIGHT; and, where the target is in this
     tile, its logit z. AGAINST (with SUM_EXP_DZ, no SOFTCAP): that sum is taken against another head's logits u_a
     (stats_ptrs[10], row stride stats_ptrs[11]), sum e * (z - r - u_a * z_scale): a distillation's reverse KL
-    centre, whose chunk of u_a comes from HBM (written by the other head's GEMM just before): carry[8] holds it,
-    loaded by the chunk before (chunk 0's by the caller: _against_chunk), and the chunk returns the next one's."""
+    centre, whose chunk of u_a (written by the other head's GEMM just before) was asked of L2 AGAINST_AHEAD chunks
+    earlier (the first ones' by the caller: prefetch_first_against)."""
     layout: gl.constexpr = _stats_layout()
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
     q: gl.constexpr = chunk % QUARTERS
@@ -129,13 +142,10 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
     # The row block's per-row operands come from HBM once, at its first column quarter, and ride in the carry
     # to the other three: a global load in every chunk put its latency into each chunk's critical path.
     row_ok = (rows < M) & valid
-    ahead = carry[8]
-    if AGAINST:
-        # This chunk's u_a came in the carry, loaded a chunk earlier (the next one's is loaded now, a K step's
-        # wgmma ahead of its use): loaded here, its HBM latency held each chunk past its K step.
-        other = carry[8]
-        if chunk + 1 < STATS_CHUNKS:
-            ahead = _against_chunk(stats_ptrs, chunk + 1, off_m, pid_n, valid, M, N, BLOCK_N)
+    if AGAINST:  # asked of L2 AGAINST_AHEAD chunks before; the chunk as many after is asked for now
+        other = _against_chunk(stats_ptrs, chunk, off_m, pid_n, valid, M, N, BLOCK_N)
+        if chunk + AGAINST_AHEAD < STATS_CHUNKS:
+            _prefetch_against(stats_ptrs, chunk + AGAINST_AHEAD, off_m, pid_n, M, BLOCK_N)
     target = carry[3]
     if q == 0:
         target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
@@ -215,7 +225,7 @@ def _stats_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, 
         if SUM_Z:
             gl.store(part_sum_y_ptr + part, running_sum_u * y_scale, mask=row_ok)
         _store_target_logit(target_z_ptr, rows, row_ok, target, target_u, z_scale, pid_n, N, BLOCK_N)
-    return running_max, running_sum, target_u, target, running_sum_dz, best, running_sum_u, carry[7], ahead
+    return running_max, running_sum, target_u, target, running_sum_dz, best, running_sum_u, carry[7]
 
 
 @gluon.jit
@@ -259,7 +269,7 @@ def _exp_chunk(tile_smem, chunk: gl.constexpr, carry, off_m, pid_n, valid, M, N,
         gl.store(part_max_ptr + part, offset, mask=row_ok)
         gl.store(part_sum_ptr + part, running_sum, mask=row_ok)
         _store_target_logit(target_z_ptr, rows, row_ok, target, target_u, z_scale, pid_n, N, BLOCK_N)
-    return carry[0], running_sum, target_u, target, carry[4], carry[5], carry[6], offset, carry[8]
+    return carry[0], running_sum, target_u, target, carry[4], carry[5], carry[6], offset
 
 
 @gluon.jit
