@@ -36,8 +36,10 @@ def _student_grads(loss: torch.Tensor, pair: Pair) -> list[torch.Tensor]:
     return list(torch.autograd.grad(loss.sum(), leaves))
 
 
-def _check(pair: Pair, rtol: float = 1e-5, **options: object) -> None:
-    """The entropy equals the oracle's; the loss and the student's gradients are bitwise the plain call's."""
+def _check(pair: Pair, rtol: float = 1e-5, same_plan: bool = True, **options: object) -> None:
+    """The entropy equals the oracle's; the loss and the student's gradients are bitwise the plain call's (where
+    the entropy changes the plan, as reverse KL's from the GEMMs' statistics, whose student epilogue holds one
+    weighted sum, within fp32 rounding of it)."""
     out = flce_loss(pair, return_entropy=True, **options)
     assert isinstance(out, flce.DistillationOutput)
     expected = _expected(pair, options.get("temperature", 1.0), options.get("ignore_index", -100))
@@ -48,9 +50,10 @@ def _check(pair: Pair, rtol: float = 1e-5, **options: object) -> None:
     if pair.target is not None:  # ignored rows are exactly 0
         assert (out.entropy[pair.target.to(out.entropy.device) == options.get("ignore_index", -100)] == 0).all()
     plain = flce_loss(pair, **options)
-    assert torch.equal(out.loss, plain)
+    tolerance = {} if same_plan else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(out.loss, plain, **(tolerance or {"rtol": 0, "atol": 0}))
     for got, want in zip(_student_grads(out.loss, pair), _student_grads(plain, pair), strict=True):
-        assert torch.equal(got, want)
+        torch.testing.assert_close(got, want, **(tolerance or {"rtol": 0, "atol": 0}))
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -118,7 +121,8 @@ def test_cuda_kernels(loss: str, knobs: str, generator: torch.Generator) -> None
     # reduction "none" in forward only (no gradient): the GEMMs' statistics serve it without a pass
     for options in ({"temperature": 0.7}, {"reduction": "none", "hard_label_weight": 0.3}):
         with override_params(dict(SMALL_BLOCKS, **KNOBS[knobs]), backend="cuda"):
-            _check(pair, loss=loss, backend="cuda", memory_budget=1000, **options)
+            _check(pair, same_plan=not (knobs == "stats-in-gemm" and loss == "reverse_kl"), loss=loss,
+                   backend="cuda", memory_budget=1000, **options)
     with torch.no_grad(), override_params(dict(SMALL_BLOCKS, **KNOBS[knobs]), backend="cuda"):
         out = flce_loss(pair, loss=loss, backend="cuda", return_entropy=True, reduction="none")
     assert relative(out.entropy, _expected(pair)) <= 1e-5
