@@ -608,8 +608,8 @@ def test_statistics_and_chunk_logits_take_their_own_kernel(monkeypatch, stats_ke
     from flce.config import LCEConfig
 
     used = []
-    monkeypatch.setattr(ws_gemm_ops, "ws_partial_row_stats", lambda *args: used.append("warp_specialized"))
-    monkeypatch.setattr(gemm_ops, "gemm_row_stats", lambda *args: used.append("triton"))
+    monkeypatch.setattr(ws_gemm_ops, "ws_partial_row_stats", lambda *args, **kwargs: used.append("warp_specialized"))
+    monkeypatch.setattr(gemm_ops, "gemm_row_stats", lambda *args, **kwargs: used.append("triton"))
     kernels = interpreter_kernels(statistics=stats_kernel, chunk_logits=logits_kernel)
     x, w, _, t = lm_head_inputs(8, 16, 64, torch.bfloat16, "cpu", with_bias=False)
     cfg = LCEConfig()

@@ -40,7 +40,7 @@ class BlackwellStatistics(KernelFamily):
     def kernels(self, role, settings, call):
         return ("flce.backends.cuda.kernels._row_stats_kernel",)
 
-    def statistics(self, settings, hidden, weight, bias, target, cfg, vocab_offset, logits_out):
+    def statistics(self, settings, hidden, weight, bias, target, cfg, vocab_offset, logits_out, against=None):
         self.launched.append(STATISTICS if logits_out is None else CHUNK_LOGITS)
         return families.family_named("cublas").statistics(settings, hidden, weight, bias, target, cfg, vocab_offset,
                                                           logits_out)
