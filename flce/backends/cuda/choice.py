@@ -142,7 +142,7 @@ def _distillation_logits(device: DeviceDescription, desc: DistillDescription, tu
         return pick
     # Its fallbacks too: a family that cannot read the teacher's tile cannot take the student's statistics.
     readers = tuple(f for f in pick.chain if f.reads_other_logits)
-    if not readers or not readers[0].fused:
+    if not readers:  # (only fused families read a second head)
         why = f"{pick.chain[0].name if pick.chain else 'no family'} reads no teacher's logits in its epilogue"
         return RolePick((), f"cuBLAS and the pair kernels' statistics pass: {pick.reason}; {why}")
     return RolePick(readers, pick.reason + "; the student's epilogue reads the teacher's logits for E_q[s - t]")

@@ -66,7 +66,7 @@ def gemm_row_stats(
         raise ValueError("gemm_row_stats: exp_offset needs logits_out, no bias or softcap and an [n] fp32 tensor")
     n, hidden = x.shape
     vocab = w.shape[0]
-    against_unfit(against, n, vocab, cfg, exp_offset, "gemm_row_stats")
+    check_against(against, n, vocab, cfg, exp_offset, "gemm_row_stats")
     stats = with_sum_against(PartialRowStats.allocate(n, cfg, x.device), against)
     if n == 0:
         return stats
@@ -118,7 +118,7 @@ def gemm_row_stats(
     return stats
 
 
-def against_unfit(against: torch.Tensor | None, n: int, vocab: int, cfg: LCEConfig, exp_offset: torch.Tensor | None,
+def check_against(against: torch.Tensor | None, n: int, vocab: int, cfg: LCEConfig, exp_offset: torch.Tensor | None,
                   caller: str) -> None:
     """Refuse an ``against`` the statistics epilogues cannot read: not [n, V] with unit column stride, or beside
     a softcap (the other head's logits would need it too) or kept exponentials."""

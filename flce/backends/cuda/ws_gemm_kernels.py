@@ -236,14 +236,12 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ready, M
             cta_barrier()  # the whole half tile is stored before any warp reads a chunk
             if STORE_TILE:
                 tma_store(c_desc, [off_m, pid_n * BLOCK_N], tile_smem)
+            if AGAINST:  # the first chunks' u_a, on its way to L2 (with INTERLEAVE while the next tile's loop starts)
+                prefetch_first_against(stats_ptrs, off_m, pid_n, M, BLOCK_N)
             if INTERLEAVE:
                 prev_m = off_m
                 prev_n = pid_n
-                if AGAINST:  # the first chunks' u_a, on its way to L2 while the next tile's main loop starts
-                    prefetch_first_against(stats_ptrs, off_m, pid_n, M, BLOCK_N)
             else:
-                if AGAINST:
-                    prefetch_first_against(stats_ptrs, off_m, pid_n, M, BLOCK_N)
                 for c in gl.static_range(STATS_CHUNKS):
                     carry = _fold_chunk(tile_smem, c, carry, off_m, pid_n, True, M, N, stats_ptrs, y_scale,
                                         z_scale, softcap, BLOCK_N, SUM_EXP_DZ, ARGMAX, SUM_Z, SOFTCAP,

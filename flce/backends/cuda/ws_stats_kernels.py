@@ -50,15 +50,25 @@ def _softcapped(u, softcap):
 
 
 @gluon.jit
-def _chunk_view(tile_smem, chunk: gl.constexpr, off_m, pid_n, BLOCK_N: gl.constexpr):
-    """(rows, columns, shared-memory view) of chunk ``chunk`` of a half tile: row block chunk // 4, column
-    quarter chunk % 4 (for BLOCK_N = 256), in _stats_layout's slices."""
+def _chunk_rows_cols(chunk: gl.constexpr, off_m, pid_n, BLOCK_N: gl.constexpr):
+    """(rows, columns) of chunk ``chunk`` of a half tile: row block chunk // 4, column quarter chunk % 4 (for
+    BLOCK_N = 256), in _stats_layout's slices."""
     layout: gl.constexpr = _stats_layout()
+    QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
+    first_row = off_m + (chunk // QUARTERS) * STATS_ROWS
+    first_col = pid_n * BLOCK_N + (chunk % QUARTERS) * STATS_COLS
+    rows = first_row + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = first_col + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
+    return rows, cols
+
+
+@gluon.jit
+def _chunk_view(tile_smem, chunk: gl.constexpr, off_m, pid_n, BLOCK_N: gl.constexpr):
+    """(rows, columns, shared-memory view) of chunk ``chunk`` of a half tile (_chunk_rows_cols)."""
     QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
     r: gl.constexpr = chunk // QUARTERS
     q: gl.constexpr = chunk % QUARTERS
-    rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
-    cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
+    rows, cols = _chunk_rows_cols(chunk, off_m, pid_n, BLOCK_N)
     return rows, cols, tile_smem.slice(r * STATS_ROWS, STATS_ROWS, dim=0).slice(q * STATS_COLS, STATS_COLS, dim=1)
 
 
@@ -71,14 +81,10 @@ AGAINST_AHEAD = gl.constexpr(2)
 def _against_rows(stats_ptrs, chunk: gl.constexpr, off_m, pid_n, M, BLOCK_N: gl.constexpr):
     """(rows, columns, row start pointers) of chunk ``chunk``'s tile of the other head's logits (AGAINST:
     stats_ptrs[10], row stride stats_ptrs[11]), in _stats_layout's slices."""
-    layout: gl.constexpr = _stats_layout()
-    QUARTERS: gl.constexpr = BLOCK_N // STATS_COLS
-    r: gl.constexpr = chunk // QUARTERS
-    q: gl.constexpr = chunk % QUARTERS
-    rows = off_m + r * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=gl.SliceLayout(1, layout))
-    cols = pid_n * BLOCK_N + q * STATS_COLS + gl.arange(0, STATS_COLS, layout=gl.SliceLayout(0, layout))
+    rows, cols = _chunk_rows_cols(chunk, off_m, pid_n, BLOCK_N)
     against_ptr, stride_against = stats_ptrs[10:12]
-    starts = against_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_against + pid_n * BLOCK_N + q * STATS_COLS
+    first_col = pid_n * BLOCK_N + (chunk % (BLOCK_N // STATS_COLS)) * STATS_COLS
+    starts = against_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_against + first_col
     return rows, cols, starts
 
 
