@@ -10,7 +10,8 @@ tests (tests/test_policy_trainers.py).
   reads; its ``nanmin`` / ``nanmax`` come from ``trl/trainer/utils.py`` the same way. ``GKDTrainer.compute_loss``
   and ``generalized_jsd_loss`` from ``trl/experimental/gkd/gkd_trainer.py`` likewise, as a class of those two
   methods (its ``empty_cache`` a no-op) for the distillation mixin's tests (tests/test_distillation_trainers.py);
-  ``_chunked_divergence_loss`` from ``trl/trainer/distillation_trainer.py`` over TRL's own kernel module.
+  ``_chunked_divergence_loss`` from ``trl/trainer/distillation_trainer.py`` over TRL's own kernel module, and
+  that trainer's ``compute_loss`` with the two methods it runs (tools/benchmarks/distillation_step.py).
 
 CI installs the packages without their dependencies (``pip install --no-deps verl==0.9.1 trl==1.16.0``);
 without them these tests skip.
@@ -174,6 +175,21 @@ def trl_chunked_divergence_loss() -> Any:
     _exec_functions(_package_dir("trl") / "trainer" / "distillation_trainer.py", None,
                     ("_chunked_divergence_loss",), namespace)
     return namespace["_chunked_divergence_loss"]
+
+
+def trl_distillation_trainer(divergence_loss: Any) -> type:
+    """A class of TRL's ``DistillationTrainer.compute_loss``, ``_compute_loss`` and ``_get_last_hidden_state``
+    (trl/trainer/distillation_trainer.py) whose ``_chunked_divergence_loss`` is ``divergence_loss``, as the module
+    attribute a user replaces would be (TRL's own: :func:`trl_chunked_divergence_loss`). Run on a stand-in trainer
+    with the attributes they read (no PEFT model here: ``is_peft_model`` says no)."""
+    transformers = pytest.importorskip("transformers")
+    from packaging.version import Version  # a dependency of transformers
+    namespace: dict[str, Any] = {"torch": torch, "transformers": transformers, "Version": Version,
+                                 "is_peft_model": lambda model: False, "_chunked_divergence_loss": divergence_loss}
+    _exec_functions(_package_dir("trl") / "trainer" / "distillation_trainer.py", "DistillationTrainer",
+                    ("compute_loss", "_compute_loss", "_get_last_hidden_state"), namespace)
+    return type("TrlDistillationLoss", (), {name: namespace[name] for name in
+                                            ("compute_loss", "_compute_loss", "_get_last_hidden_state")})
 
 
 def _exec_functions(path: Path, class_name: str | None, names: tuple[str, ...], namespace: dict[str, Any]) -> None:
