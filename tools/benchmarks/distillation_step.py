@@ -33,12 +33,11 @@ from pathlib import Path
 import torch
 
 from flce.integrations import trl as flce_trl
-from flce.testing.measure import interleaved_timings, peak_mib_above
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a file or loaded by a test: gkd_step beside it
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # tests/ is not a package
 from gkd_step import _Accelerator as _Unwrapping
-from gkd_step import llama, parse_model
+from gkd_step import llama, measure_steps, parse_model
 from trainer_code import trl_chunked_divergence_loss, trl_distillation_trainer
 
 
@@ -114,19 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     inputs = batch(args, device)
     trainers = {"trl": trainer(trl_chunked_divergence_loss(), student, teacher, args),
                 "flce": trainer(flce_trl.chunked_divergence_loss, student, teacher, args)}
-    losses = {}
-
-    def step(name: str):
-        def run() -> None:
-            loss = trainers[name].compute_loss(student, inputs)
-            loss.backward()
-            losses[name] = float(loss.detach())
-        return run
-
-    for name in trainers:
-        step(name)()  # the gradients allocated before the memory is measured
-    memory = {} if device.type == "cpu" else {name: peak_mib_above(step(name), device) for name in trainers}
-    timings = interleaved_timings({name: step(name) for name in trainers}, device, rounds=args.rounds)
+    losses, memory, timings = measure_steps({name: t.compute_loss for name, t in trainers.items()}, student, inputs,
+                                            device, args.rounds)
     # Every step logged the entropy metric; the same batch each time, so the last one stands for all.
     entropies = {name: t._metrics["train"]["entropy"][-1] for name, t in trainers.items()}
     report = {

@@ -106,6 +106,26 @@ def trainers(teacher: torch.nn.Module, beta: float) -> tuple[object, object]:
     return (lambda model, inputs: base.compute_loss(trl, model, inputs)), mixin.compute_loss
 
 
+def measure_steps(methods: dict, student: torch.nn.Module, inputs: dict[str, torch.Tensor], device: torch.device,
+                  rounds: int) -> tuple[dict[str, float], dict[str, float], object]:
+    """Each method's step, ``method(student, inputs)`` then its loss's backward: (each one's last loss, its peak MiB
+    above what was allocated before it (not on a CPU), the interleaved timings of ``rounds`` rounds)."""
+    losses = {}
+
+    def step(name: str):
+        def run() -> None:
+            loss = methods[name](student, inputs)
+            loss.backward()
+            losses[name] = float(loss.detach())
+        return run
+
+    for name in methods:
+        step(name)()  # the gradients allocated before the memory is measured
+    memory = {} if device.type == "cpu" else {name: peak_mib_above(step(name), device) for name in methods}
+    timings = interleaved_timings({name: step(name) for name in methods}, device, rounds=rounds)
+    return losses, memory, timings
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -121,19 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     inputs = batch(args, device)
     trl_loss, flce_loss = trainers(teacher, args.beta)
     methods = {"trl": trl_loss, "flce": flce_loss}
-    losses = {}
-
-    def step(name: str):
-        def run() -> None:
-            loss = methods[name](student, inputs)
-            loss.backward()
-            losses[name] = float(loss.detach())
-        return run
-
-    for name in methods:
-        step(name)()  # the gradients allocated before the memory is measured
-    memory = {} if device.type == "cpu" else {name: peak_mib_above(step(name), device) for name in methods}
-    timings = interleaved_timings({name: step(name) for name in methods}, device, rounds=args.rounds)
+    losses, memory, timings = measure_steps(methods, student, inputs, device, args.rounds)
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "dtype": str(dtype),
         "student": "x".join(map(str, args.student)), "teacher": "x".join(map(str, args.teacher)),
