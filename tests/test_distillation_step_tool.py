@@ -4,13 +4,12 @@ and their losses and logged entropies agree."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from helpers import load_tool
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "benchmarks" / "distillation_step.py"
 SMALL = ["--device", "cpu", "--student", "32x1", "--teacher", "48x2", "--vocab", "300", "--batch", "2",
          "--prompt", "6", "--completion", "12"]
 
@@ -19,10 +18,7 @@ SMALL = ["--device", "cpu", "--student", "32x1", "--teacher", "48x2", "--vocab",
 def distillation_step():
     pytest.importorskip("transformers")
     pytest.importorskip("trl")
-    spec = importlib.util.spec_from_file_location("distillation_step", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("tools/benchmarks/distillation_step.py")
 
 
 @pytest.mark.parametrize("beta", [0.5, 1.0])

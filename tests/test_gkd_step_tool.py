@@ -4,22 +4,17 @@ copies of the models."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "benchmarks" / "gkd_step.py"
+from helpers import load_tool
 
 
 @pytest.fixture(scope="module")
 def gkd_step():
     pytest.importorskip("transformers")
-    spec = importlib.util.spec_from_file_location("gkd_step", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("tools/benchmarks/gkd_step.py")
 
 
 @pytest.mark.parametrize("beta", [0.5, 1.0])

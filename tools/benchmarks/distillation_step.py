@@ -37,16 +37,13 @@ from flce.integrations import trl as flce_trl
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a file or loaded by a test: gkd_step beside it
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # tests/ is not a package
 from gkd_step import _Accelerator as _Unwrapping
-from gkd_step import llama, measure_steps, parse_model
+from gkd_step import add_model_arguments, llama, measure_steps
 from trainer_code import trl_chunked_divergence_loss, trl_distillation_trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--student", type=parse_model, default=(2048, 16), help="HIDDENxLAYERS")
-    p.add_argument("--teacher", type=parse_model, default=(3072, 28), help="HIDDENxLAYERS")
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--batch", type=int, default=4)
+    add_model_arguments(p)
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens a sequence")
     p.add_argument("--completion", type=int, default=1536, help="completion tokens a sequence")
     p.add_argument("--beta", type=float, default=1.0, help="the trainer's beta (0: forward KL, 1: reverse KL)")

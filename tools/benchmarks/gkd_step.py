@@ -46,12 +46,17 @@ def parse_model(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The models and the batch's sequences (also tools/benchmarks/distillation_step.py's)."""
     p.add_argument("--student", type=parse_model, default=(2048, 16), help="HIDDENxLAYERS")
     p.add_argument("--teacher", type=parse_model, default=(3072, 28), help="HIDDENxLAYERS")
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--batch", type=int, default=4)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(p)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--beta", type=float, default=0.5, help="GKD's beta (0: forward KL, 1: reverse KL)")
     p.add_argument("--rounds", type=int, default=8)

@@ -66,8 +66,7 @@ def gemm_row_stats(
         raise ValueError("gemm_row_stats: exp_offset needs logits_out, no bias or softcap and an [n] fp32 tensor")
     n, hidden = x.shape
     vocab = w.shape[0]
-    check_against(against, n, vocab, cfg, exp_offset, "gemm_row_stats")
-    stats = with_sum_against(PartialRowStats.allocate(n, cfg, x.device), against)
+    stats = allocate_stats(n, vocab, cfg, x.device, against, exp_offset, "gemm_row_stats")
     if n == 0:
         return stats
     if x.stride(-1) != 1:
@@ -118,20 +117,18 @@ def gemm_row_stats(
     return stats
 
 
-def check_against(against: torch.Tensor | None, n: int, vocab: int, cfg: LCEConfig, exp_offset: torch.Tensor | None,
-                  caller: str) -> None:
-    """Refuse an ``against`` the statistics epilogues cannot read: not [n, V] with unit column stride, or beside
+def allocate_stats(n: int, vocab: int, cfg: LCEConfig, device: torch.device, against: torch.Tensor | None,
+                   exp_offset: torch.Tensor | None, caller: str) -> PartialRowStats:
+    """A statistics GEMM's PartialRowStats, with room for the sum an ``against`` makes (sum_exp_dz's slot:
+    FusedStatsGemm). Refuses an ``against`` the epilogues cannot read: not [n, V] with unit column stride, or beside
     a softcap (the other head's logits would need it too) or kept exponentials."""
+    stats = PartialRowStats.allocate(n, cfg, device)
     if against is None:
-        return
+        return stats
     if against.shape != (n, vocab) or against.stride(1) != 1 or cfg.softcap is not None or exp_offset is not None:
         raise ValueError(f"{caller}: against {tuple(against.shape)} strides {against.stride()}: expected [{n}, "
                          f"{vocab}] logits with unit column stride, no softcap and no kept exponentials")
-
-
-def with_sum_against(stats: PartialRowStats, against: torch.Tensor | None) -> PartialRowStats:
-    """``stats`` with room for the sum an ``against`` makes (sum_exp_dz's slot: FusedStatsGemm)."""
-    if against is not None and stats.sum_exp_dz is None:
+    if stats.sum_exp_dz is None:
         stats.sum_exp_dz = torch.empty_like(stats.sum_exp)
     return stats
 

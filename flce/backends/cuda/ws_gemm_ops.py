@@ -168,7 +168,7 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
 
     The GEMM's epilogue writes [cdiv(V, block_n), N] base-2 partials (a few MiB), folded in
     vocabulary order by gemm_ops.merge_splits."""
-    from flce.backends.cuda.gemm_ops import check_against, merge_splits, with_sum_against
+    from flce.backends.cuda.gemm_ops import allocate_stats, merge_splits
 
     if not ws_supported(x, w.T) or x.shape[1] != w.shape[1] or target.shape != (x.shape[0],):
         raise ValueError(f"ws_partial_row_stats: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, target "
@@ -184,8 +184,7 @@ def _row_stats(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, targ
                              f"{logits_out.stride()}: expected [{n}, {vocab}] row-major {x.dtype} with 16-byte "
                              "aligned rows")
         c_desc = _descriptor(logits_out, [config.block_m // 2, config.block_n])
-    check_against(against, n, vocab, cfg, exp_offset, "ws_partial_row_stats")
-    stats = with_sum_against(PartialRowStats.allocate(n, cfg, x.device), against)
+    stats = allocate_stats(n, vocab, cfg, x.device, against, exp_offset, "ws_partial_row_stats")
     stats.target_z.zero_()  # the kernel writes the rows whose target it finds
     if n == 0:
         return stats
